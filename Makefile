@@ -1,0 +1,37 @@
+# `make demo` and `make test` work on a fresh machine with only Python 3.11: they create .venv,
+# install bigbatch with pinned dev/CI versions (constraints.txt), then run.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PATHS := src tests examples benchmarks
+
+.PHONY: venv test lint typecheck unit demo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[train,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(PATHS)
+	$(BIN)/ruff format --check $(PATHS)
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck unit
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo_digits.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

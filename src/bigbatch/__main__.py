@@ -1,0 +1,5 @@
+import sys
+
+from bigbatch.cli.main import main
+
+sys.exit(main())

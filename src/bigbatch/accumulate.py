@@ -1,0 +1,530 @@
+"""Exact gradient accumulation for a plain PyTorch loop.
+
+Each micro-batch's mean loss is weighted by its count before ``backward``; the summed gradient
+is divided by the window's true total count once, at step time (over all ranks under DDP).
+The update then equals the big-batch update whatever the micro-batch sizes, token counts,
+partial last window or number of processes: the usual ``loss / N`` is right only when every
+micro-batch has the same count.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from bigbatch import distributed as bbdist
+from bigbatch.counts import MicroBatchCount, resolve_count
+from bigbatch.inexact import warn_inexact_layers
+
+__all__ = ["Accumulator", "EmptyWindowWarning", "StepResult", "scale_grads_"]
+
+LastWindow = Literal["renorm", "drop", "carry"]
+Reduction = Literal["mean", "sum"]
+_LAST_WINDOW_POLICIES = ("renorm", "drop", "carry")
+
+
+class EmptyWindowWarning(UserWarning):
+    """A window's total count was zero (e.g. only padding): its step was skipped."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did (returned by :meth:`Accumulator.step`)."""
+
+    optimizer_step: int  # the optimizer step counter after this step
+    micro_batches: int  # micro-batches in the window (on this rank)
+    count: float  # the window's total count: samples, tokens or weight, summed over ranks
+    loss: float  # the exact window mean loss (count-weighted), over ranks
+    grad_norm: float | None  # total gradient norm before clipping, when clipping is on
+    skipped: bool  # True when the step was skipped (fp16 inf/nan, or a zero-count window)
+
+
+def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every existing ``.grad`` by ``factor`` in place, grouped by device and dtype.
+
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.full((2,), 4.0)
+    >>> scale_grads_([p], 0.25); p.grad.tolist()
+    [1.0, 1.0]
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        torch._foreach_mul_(grads, factor)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class Accumulator:
+    """Accumulate micro-batches into windows and step once per window, exactly.
+
+    The loop stays yours: call :meth:`backward` for each micro-batch, :meth:`step` when
+    :attr:`window_full`, and :meth:`end_epoch` after each epoch (it settles the last, partial
+    window by ``last_window``: ``"renorm"`` steps on what it has, normalised by its real count;
+    ``"drop"`` discards it; ``"carry"`` continues it in the next epoch).
+
+    A window is ``micro_batches`` micro-batches (an int, or a schedule by epoch such as
+    ``{0: 8, 4: 2}``), or, with ``target_count``, however many micro-batches it takes to reach
+    that many samples/tokens. ``reduction`` says whether your loss is a mean (default) or a sum
+    over its count. ``scheduler`` is stepped once per optimizer step (never on a skipped fp16
+    step); ``scaler`` is a ``torch.amp.GradScaler`` for fp16; ``clip_grad_norm`` clips the
+    accumulated, unscaled, normalised gradient once per window.
+
+    >>> import torch, torch.nn.functional as F
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> acc = Accumulator(opt, micro_batches=2)
+    >>> for x, y in [(torch.randn(3, 4), torch.tensor([0, 1, 0])), (torch.randn(1, 4), torch.tensor([1]))]:
+    ...     acc.backward(F.cross_entropy(model(x), y), count=len(y))
+    ...     if acc.window_full:
+    ...         result = acc.step()
+    >>> acc.optimizer_step, acc.samples_seen
+    (1, 4)
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        micro_batches: int | Mapping[int, int] | None = None,
+        target_count: float | None = None,
+        reduction: Reduction = "mean",
+        last_window: LastWindow = "renorm",
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+        clip_grad_norm: float | None = None,
+        model: nn.Module | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                "pass the optimizer itself: Accumulator(optimizer, micro_batches=8)"
+            )
+        if (micro_batches is None) == (target_count is None):
+            raise ValueError(
+                "give exactly one window size: micro_batches=N (micro-batches per optimizer "
+                "step) or target_count=C (samples/tokens per optimizer step)"
+            )
+        self._schedule = _check_schedule(micro_batches) if micro_batches is not None else None
+        if target_count is not None and not (
+            isinstance(target_count, int | float)
+            and math.isfinite(target_count)
+            and target_count > 0
+        ):
+            raise ValueError(f"target_count must be a positive number, got {target_count!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if last_window not in _LAST_WINDOW_POLICIES:
+            raise ValueError(
+                f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {last_window!r}"
+            )
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau steps on a metric, not per optimizer step: do not pass it as "
+                "scheduler=; call scheduler.step(val_loss) yourself after each epoch"
+            )
+        self.optimizer = optimizer
+        self.target_count = float(target_count) if target_count is not None else None
+        self.reduction: Reduction = reduction
+        self.last_window: LastWindow = last_window
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.clip_grad_norm = clip_grad_norm
+        self.model = model
+        self.process_group = process_group
+
+        # Counters, named with their units.
+        self.micro_step = 0
+        self.optimizer_step = 0
+        self._samples_seen: float | torch.Tensor = 0
+        self._tokens_seen: float | torch.Tensor = 0
+        self.epoch = 0
+
+        self._checked_model = False
+        # Whether DDP will all-reduce the next backward (False inside no_sync()).
+        self._pending_sync = True
+        self._reset_window()
+
+    # ----------------------------------------------------------------- window state
+    def _reset_window(self) -> None:
+        self._micro_in_window = 0
+        self._window_count: float | torch.Tensor = 0.0
+        self._window_loss: torch.Tensor | None = None  # sum of count-weighted losses, detached
+        # Losses are weighted by count / ref so fp16 gradients keep the magnitude of a mean loss
+        # (weighting by raw token counts would overflow the scaled fp16 backward); ref is undone
+        # at step time. Under DDP ref must agree across ranks, so it stays 1 there.
+        self._ref: float | torch.Tensor | None = None
+        self._last_backward_synced = True
+
+    @property
+    def micro_batches_per_window(self) -> int | None:
+        """Micro-batches per window at the current epoch (None with ``target_count``)."""
+        if self._schedule is None:
+            return None
+        return _schedule_at(self._schedule, self.epoch)
+
+    @property
+    def micro_in_window(self) -> int:
+        """Micro-batches accumulated so far in the open window."""
+        return self._micro_in_window
+
+    @property
+    def window_full(self) -> bool:
+        """True when the open window has reached its size: time to call :meth:`step`."""
+        if self._micro_in_window == 0:
+            return False
+        if self.target_count is not None:
+            return float(self._window_count) >= self.target_count
+        n = self.micro_batches_per_window
+        return n is not None and self._micro_in_window >= n
+
+    def is_last_micro_batch(self, count: int | None = None) -> bool:
+        """Whether the next micro-batch completes the window (so gradients should sync).
+
+        With ``target_count`` windows, pass the next micro-batch's ``count``.
+        """
+        if self.target_count is not None:
+            if count is None:
+                raise ValueError(
+                    "with target_count windows, pass the next micro-batch's count: "
+                    "acc.no_sync(model, count=len(batch))"
+                )
+            return float(self._window_count) + count >= self.target_count
+        n = self.micro_batches_per_window
+        return n is not None and self._micro_in_window + 1 >= n
+
+    @contextmanager
+    def no_sync(
+        self, model: nn.Module | None = None, *, count: int | None = None
+    ) -> Iterator[None]:
+        """Run a micro-batch's forward and backward inside this context: under DDP, gradients
+        are synchronised only on the window's last micro-batch. A no-op on one process.
+
+        A window that ends early (the last partial window of an epoch) is still exact: step()
+        then all-reduces the unsynchronised gradients itself.
+        """
+        model = model if model is not None else self.model
+        skip = bbdist.is_ddp(model) and not self.is_last_micro_batch(count)
+        self._pending_sync = not skip
+        try:
+            with bbdist.maybe_no_sync(model, skip):
+                yield
+        finally:
+            self._pending_sync = True
+
+    # -------------------------------------------------------------------- backward
+    def backward(
+        self,
+        loss: torch.Tensor,
+        count: int | torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        weight: float | torch.Tensor | None = None,
+    ) -> None:
+        """Backpropagate one micro-batch's loss, weighted by its count.
+
+        ``loss`` is your usual scalar loss (a mean over the micro-batch unless ``reduction="sum"``).
+        Say what it averages over with exactly the count you have: ``count=len(batch)``
+        (samples), ``labels=labels`` (tokens: labels != ``ignore_index``) or ``weight=w.sum()``
+        (a weighted mean; combine with ``count=`` to keep ``samples_seen``).
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss must be a scalar tensor, got {shape}; reduce it first "
+                "(loss.mean() with reduction='mean', or loss.sum() with reduction='sum')"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss does not require grad: compute it from the model's output outside "
+                "torch.no_grad(), with the model's parameters requiring grad"
+            )
+        mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
+        # A low-precision loss is upcast so multiplying it by a count does not round it.
+        work = (
+            loss.reshape(())
+            if loss.dtype in (torch.float32, torch.float64)
+            else loss.reshape(()).float()
+        )
+        weight_now = self.record(mb, work.detach())
+        weighted = work * (
+            weight_now.to(work.dtype) if isinstance(weight_now, torch.Tensor) else weight_now
+        )
+        if self.scaler is not None:
+            self.scaler.scale(weighted).backward()
+        else:
+            weighted.backward()
+        self._last_backward_synced = self._pending_sync
+        self._pending_sync = True
+
+    def record(self, mb: MicroBatchCount, loss: torch.Tensor | None = None) -> float | torch.Tensor:
+        """Account for one micro-batch without running backward; return the factor its loss
+        must be multiplied by before backward. :meth:`backward` and the optimizer wrapper use it.
+        """
+        if not self._checked_model and self.model is not None:
+            warn_inexact_layers(self.model, stacklevel=4)
+            self._checked_model = True
+        c = _exact(mb.normaliser)
+        if self._ref is None:
+            if bbdist.is_distributed(self.process_group):
+                self._ref = 1.0
+            elif isinstance(c, torch.Tensor):
+                self._ref = torch.clamp(c, min=1.0)
+            else:
+                self._ref = c if c > 0 else 1.0
+        factor = _ratio(c if self.reduction == "mean" else 1.0, self._ref)
+        if loss is not None:
+            # The window loss is kept in float64 (where the device has it) for an exact mean.
+            contrib = cast(torch.Tensor, _exact(loss.detach().reshape(())))
+            if self.reduction == "mean":
+                contrib = contrib * c
+            self._window_loss = (
+                contrib if self._window_loss is None else self._window_loss + contrib
+            )
+        self._window_count = self._window_count + c
+        self._micro_in_window += 1
+        self.micro_step += 1
+        # Kept as tensors until read, so counting tokens never forces a device sync.
+        self._samples_seen = self._samples_seen + mb.samples
+        self._tokens_seen = self._tokens_seen + mb.tokens
+        return factor
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples backpropagated so far (over all windows, on this rank)."""
+        return _as_int(self._samples_seen)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens (labels != ignore_index) backpropagated so far, when counted from labels."""
+        return _as_int(self._tokens_seen)
+
+    # ------------------------------------------------------------------------ step
+    def step(self) -> StepResult:
+        """Normalise the window's gradient by its true count, unscale and clip it once, step the
+        optimizer (and scheduler), then zero the gradients and open a new window.
+        """
+        if self._micro_in_window == 0:
+            raise RuntimeError(
+                "step() was called with no backward() since the last step: call "
+                "acc.backward(loss, count=len(batch)) for each micro-batch, then acc.step() "
+                "when acc.window_full"
+            )
+        params = _params_of(self.optimizer)
+        if all(p.grad is None for p in params):
+            raise RuntimeError(
+                "the window's gradients were cleared before step(): do not call "
+                "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
+            )
+        device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+        loss_sum = (
+            self._window_loss
+            if self._window_loss is not None
+            else torch.zeros((), dtype=torch.float64)
+        )
+        totals = torch.stack(
+            [
+                torch.as_tensor(self._window_count, dtype=torch.float64).reshape(()).to(device),
+                loss_sum.to(device=device, dtype=torch.float64),
+            ]
+        )
+        distributed = bbdist.is_distributed(self.process_group)
+        if distributed:
+            bbdist.all_reduce_sum(totals, self.process_group)
+        count, loss_total = (float(v) for v in totals.tolist())
+        micro_batches = self._micro_in_window
+        if self._window_loss is None:  # the optimizer wrapper is not told the losses
+            loss_total = math.nan
+        ref = float(self._ref) if self._ref is not None else 1.0
+
+        if count <= 0 or not math.isfinite(count):
+            warnings.warn(
+                f"optimizer step {self.optimizer_step} skipped: the window's total count is "
+                f"{count:g} (every label was padding/ignore_index, or every weight was zero); "
+                "its gradient is discarded. Check the labels if this happens often.",
+                EmptyWindowWarning,
+                stacklevel=2,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_window()
+            return StepResult(self.optimizer_step, micro_batches, count, math.nan, None, True)
+
+        if distributed:
+            if self._last_backward_synced and bbdist.is_ddp(self.model):
+                # DDP averaged the per-rank sums over world size; undo that and divide by the count.
+                factor = bbdist.world_size(self.process_group) / count
+            else:
+                _all_reduce_grads(params, self.process_group)
+                factor = 1.0 / count
+        else:
+            factor = 1.0 / count
+        factor *= ref
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        scale_grads_(params, factor)
+
+        grad_norm = None
+        if self.clip_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm))
+
+        skipped = False
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # GradScaler lowers its scale exactly when it found inf/nan and skipped the step.
+            skipped = self.scaler.get_scale() < scale_before
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not skipped:
+            self.optimizer_step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self._reset_window()
+        return StepResult(
+            optimizer_step=self.optimizer_step,
+            micro_batches=micro_batches,
+            count=count,
+            loss=loss_total / count,
+            grad_norm=grad_norm,
+            skipped=skipped,
+        )
+
+    def end_epoch(self) -> StepResult | None:
+        """Settle the epoch's last, partial window by the ``last_window`` policy, then advance
+        the epoch (which the ``micro_batches`` schedule follows). Returns the step, if one ran.
+        """
+        result = None
+        if self._micro_in_window > 0:
+            if self.last_window == "renorm":
+                result = self.step()
+            elif self.last_window == "drop":
+                self.optimizer.zero_grad(set_to_none=True)
+                self._reset_window()
+        self.epoch += 1
+        return result
+
+    # -------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the open window, including its partial gradient, so a run resumed
+        mid-window ends bit-identical to an uninterrupted one. Save the model, optimizer,
+        scheduler and scaler beside it as usual. Safe for ``torch.load(weights_only=True)``.
+        """
+        params = _params_of(self.optimizer)
+        open_window = self._micro_in_window > 0
+        return {
+            "version": 1,
+            "micro_step": self.micro_step,
+            "optimizer_step": self.optimizer_step,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "epoch": self.epoch,
+            "micro_in_window": self._micro_in_window,
+            "window_count": torch.as_tensor(self._window_count, dtype=torch.float64).cpu(),
+            "window_loss": None if self._window_loss is None else self._window_loss.cpu(),
+            "ref": None
+            if self._ref is None
+            else torch.as_tensor(self._ref, dtype=torch.float64).cpu(),
+            "grads": [
+                None if (p.grad is None or not open_window) else p.grad.detach().cpu().clone()
+                for p in params
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after loading the model and optimizer)."""
+        if state.get("version") != 1:
+            raise ValueError(f"unknown bigbatch Accumulator state version {state.get('version')!r}")
+        params = _params_of(self.optimizer)
+        grads = state["grads"]
+        if len(grads) != len(params):
+            raise ValueError(
+                f"the saved window holds gradients for {len(grads)} parameters but the optimizer "
+                f"has {len(params)}: load the state into an Accumulator built on the same optimizer"
+            )
+        self.micro_step = int(state["micro_step"])
+        self.optimizer_step = int(state["optimizer_step"])
+        self._samples_seen = int(state["samples_seen"])
+        self._tokens_seen = int(state["tokens_seen"])
+        self.epoch = int(state["epoch"])
+        self._reset_window()
+        self._micro_in_window = int(state["micro_in_window"])
+        self._window_count = float(state["window_count"])
+        wl = state["window_loss"]
+        self._window_loss = None if wl is None else wl.clone()
+        self._ref = None if state["ref"] is None else float(state["ref"])
+        for p, g in zip(params, grads, strict=True):
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+
+
+def _check_schedule(micro_batches: int | Mapping[int, int]) -> dict[int, int]:
+    def check_n(n: object, where: str) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"micro_batches{where} must be an integer >= 1, got {n!r}")
+        return n
+
+    if isinstance(micro_batches, Mapping):
+        if not micro_batches:
+            raise ValueError("micro_batches schedule is empty; give at least {0: N}")
+        schedule = {}
+        for epoch, n in micro_batches.items():
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                raise ValueError(f"micro_batches schedule keys are epochs >= 0, got {epoch!r}")
+            schedule[epoch] = check_n(n, f"[{epoch}]")
+        if 0 not in schedule:
+            raise ValueError(
+                f"micro_batches schedule must say what to do from epoch 0, got keys "
+                f"{sorted(schedule)}; add 0: N"
+            )
+        return schedule
+    return {0: check_n(micro_batches, "")}
+
+
+def _schedule_at(schedule: Mapping[int, int], epoch: int) -> int:
+    return schedule[max(e for e in schedule if e <= epoch)]
+
+
+def _ratio(c: float | torch.Tensor, ref: float | torch.Tensor) -> float | torch.Tensor:
+    if isinstance(c, torch.Tensor) or isinstance(ref, torch.Tensor):
+        return torch.as_tensor(_exact(c)) / torch.as_tensor(_exact(ref))
+    return float(c) / float(ref)
+
+
+def _exact(x: float | torch.Tensor) -> float | torch.Tensor:
+    """A count in float64 (float32 on MPS, which has no float64), so sums of counts stay exact."""
+    if not isinstance(x, torch.Tensor):
+        return float(x)
+    return x.detach().to(torch.float32 if x.device.type == "mps" else torch.float64)
+
+
+def _as_int(x: int | float | torch.Tensor) -> int:
+    return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def _all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    bbdist.all_reduce_sum(flat, group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n

@@ -1,0 +1,43 @@
+"""Entry point: ``bigbatch <command> ...`` (also ``python -m bigbatch``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from bigbatch.cli import UserError
+
+# Subcommand -> module; each module has add_arguments(parser) and run(args) -> int.
+# Imported lazily so `bigbatch verify` does not pay for timm or matplotlib.
+COMMANDS = {
+    "verify": ("bigbatch.cli.verify", "prove accumulated training equals big-batch training"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bigbatch",
+        description="Train with the batch size you want on the memory you have.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args))
+    except UserError as exc:
+        print(f"bigbatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""How a micro-batch is counted: samples, tokens, or user weights.
+
+The count is the normaliser of the loss. A mean loss over ``c`` items contributes ``c * loss``
+to the window; the window is divided by the sum of the counts once, at step time. That is what
+makes accumulated gradients equal the big-batch gradient whatever the micro-batch sizes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MicroBatchCount", "count_tokens", "resolve_count"]
+
+Number = int | float | torch.Tensor
+
+
+def count_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Number of labels that take part in a token loss (those not equal to ``ignore_index``).
+
+    Returned as a 0-d tensor on the labels' device, so counting never forces a device sync.
+
+    >>> import torch
+    >>> int(count_tokens(torch.tensor([[1, 2, -100], [3, -100, -100]])))
+    3
+    """
+    return (labels != ignore_index).sum()
+
+
+@dataclass(frozen=True)
+class MicroBatchCount:
+    """The normaliser of one micro-batch and what it adds to the unit counters."""
+
+    normaliser: Number  # what the loss is weighted by: samples, tokens or weight
+    samples: Number  # added to ``samples_seen``
+    tokens: Number  # added to ``tokens_seen`` (0 unless counted from labels)
+
+
+def _check_integer_count(count: object) -> Number:
+    if isinstance(count, bool):
+        raise TypeError("count must be an integer number of samples, not a bool")
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(
+                f"count must be a single number, got a tensor of shape {tuple(count.shape)}; "
+                "pass count=len(batch) for samples or labels=... for tokens"
+            )
+        if count.is_floating_point() or count.is_complex():
+            raise TypeError(
+                f"count must be an integer (got a {count.dtype} tensor); "
+                "for fractional per-sample weights pass weight=... instead"
+            )
+        return count.detach().reshape(())
+    if isinstance(count, numbers.Integral):
+        if int(count) < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        return int(count)
+    if isinstance(count, numbers.Real) and float(count).is_integer():
+        if float(count) < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        return int(float(count))
+    raise TypeError(
+        f"count must be a non-negative integer, got {count!r}; "
+        "for fractional per-sample weights pass weight=... instead"
+    )
+
+
+def _check_weight(weight: object) -> Number:
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ValueError(
+                "weight must be the micro-batch's total weight (a single number), got a tensor "
+                f"of shape {tuple(weight.shape)}; pass weight=w.sum()"
+            )
+        return (
+            weight.detach()
+            .reshape(())
+            .to(torch.float64 if weight.device.type != "mps" else torch.float32)
+        )
+    if isinstance(weight, numbers.Real) and not isinstance(weight, bool):
+        if not float(weight) >= 0:  # also rejects nan
+            raise ValueError(f"weight must be >= 0, got {weight}")
+        return float(weight)
+    raise TypeError(f"weight must be a non-negative number, got {weight!r}")
+
+
+def resolve_count(
+    count: object = None,
+    *,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    weight: object = None,
+) -> MicroBatchCount:
+    """Turn the ways a user can describe a micro-batch into one :class:`MicroBatchCount`.
+
+    - ``count=len(batch)``: the loss is normalised per sample (the default meaning);
+    - ``labels=labels``: the loss is normalised per token, counting labels != ``ignore_index``;
+    - ``weight=w.sum()``: the loss is a weighted mean with these total weights.
+
+    >>> resolve_count(8).normaliser
+    8
+    """
+    if count is None and labels is None and weight is None:
+        raise ValueError(
+            "bigbatch needs to know how many items this micro-batch's loss averages over: "
+            "pass count=len(batch) (samples), labels=labels (tokens, ignoring ignore_index) "
+            "or weight=weights.sum() (weighted mean)"
+        )
+    samples: Number = 0
+    tokens: Number = 0
+    if count is not None:
+        samples = _check_integer_count(count)
+    if labels is not None:
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"labels must be a tensor, got {type(labels).__name__}")
+        tokens = count_tokens(labels, ignore_index)
+        if count is None:
+            samples = labels.shape[0] if labels.dim() > 0 else 1
+    normaliser: Number
+    if weight is not None:
+        normaliser = _check_weight(weight)
+    elif labels is not None:
+        normaliser = tokens
+    else:
+        normaliser = samples
+    return MicroBatchCount(normaliser=normaliser, samples=samples, tokens=tokens)

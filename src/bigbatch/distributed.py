@@ -1,0 +1,53 @@
+"""torch.distributed glue: global counts, gradient sync once per window, rank agreement.
+
+Nothing here starts a process group: bigbatch uses the one the user (or torchrun) set up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["all_reduce_sum", "any_rank", "is_ddp", "is_distributed", "world_size"]
+
+
+def is_distributed(group: Any = None) -> bool:
+    """True when a process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def is_ddp(model: nn.Module | None) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum ``tensor`` over ranks in place (a no-op on one process); returns it."""
+    if is_distributed(group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu", group: Any = None) -> bool:
+    """True on every rank when ``flag`` is true on at least one (used so ranks agree on OOM)."""
+    if not is_distributed(group):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
+@contextmanager
+def maybe_no_sync(model: nn.Module | None, skip_sync: bool) -> Iterator[None]:
+    """DDP's ``no_sync`` when ``skip_sync`` and the model is DDP; otherwise nothing."""
+    ctx = model.no_sync() if (skip_sync and is_ddp(model)) else nullcontext()  # type: ignore[operator, union-attr]
+    with ctx:
+        yield

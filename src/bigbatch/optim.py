@@ -1,0 +1,170 @@
+"""A drop-in optimizer wrapper for loops you cannot restructure.
+
+Your loop keeps ``loss.backward(); optimizer.step(); optimizer.zero_grad()``; only the step
+learns the micro-batch's count: ``optimizer.step(count=len(y))``. The real optimizer steps once
+per window, on the count-weighted mean gradient, exactly as a big batch would.
+
+The price of not touching ``backward``: each micro-batch's gradient is folded into one extra
+gradient-sized buffer (so 2x gradient memory while a window is open). The :class:`Accumulator`
+weights the loss before backward instead and needs no buffer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from bigbatch.accumulate import Accumulator, LastWindow, Reduction, StepResult
+from bigbatch.counts import resolve_count
+
+__all__ = ["AccumulatingOptimizer"]
+
+
+class AccumulatingOptimizer:
+    """Wrap ``optimizer`` so that it steps once every ``micro_batches`` calls to :meth:`step`,
+    on the exact big-batch gradient.
+
+    >>> import torch, torch.nn.functional as F
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=2)
+    >>> for n in (3, 1):
+    ...     x, y = torch.randn(n, 4), torch.zeros(n, dtype=torch.long)
+    ...     F.cross_entropy(model(x), y).backward()
+    ...     result = opt.step(count=n)   # the only change to the loop: say the count
+    ...     opt.zero_grad()
+    >>> opt.optimizer_step
+    1
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        micro_batches: int | Mapping[int, int],
+        *,
+        scheduler: Any = None,
+        clip_grad_norm: float | None = None,
+        reduction: Reduction = "mean",
+        last_window: LastWindow = "renorm",
+    ) -> None:
+        self.optimizer = optimizer
+        self.accumulator = Accumulator(
+            optimizer,
+            micro_batches=micro_batches,
+            reduction=reduction,
+            last_window=last_window,
+            scheduler=scheduler,
+            clip_grad_norm=clip_grad_norm,
+        )
+        self._stash: dict[torch.Tensor, torch.Tensor] = {}
+        self._warned_no_count = False
+
+    # The attributes a loop or an LR scheduler reads from an optimizer.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.accumulator.optimizer_step
+
+    @property
+    def micro_step(self) -> int:
+        return self.accumulator.micro_step
+
+    @property
+    def samples_seen(self) -> int:
+        return self.accumulator.samples_seen
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        count: int | torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        weight: float | torch.Tensor | None = None,
+        loss: torch.Tensor | None = None,
+    ) -> StepResult | None:
+        """Fold this micro-batch's gradient into the window; step the real optimizer when the
+        window is full. Returns the :class:`StepResult` when it stepped, else None.
+
+        Give the count as you would to :meth:`Accumulator.backward`; ``loss`` (optional) makes
+        the result carry the exact window mean loss.
+        """
+        if closure is not None:
+            raise TypeError(
+                "AccumulatingOptimizer does not take a closure (LBFGS-style optimizers re-evaluate "
+                "the loss, which accumulation cannot do); call step(count=...) after backward()"
+            )
+        if count is None and labels is None and weight is None:
+            if not self._warned_no_count:
+                warnings.warn(
+                    "AccumulatingOptimizer.step() without count= weights every micro-batch "
+                    "equally, which is exact only when they all have the same size; pass "
+                    "step(count=len(batch)) (or labels=/weight=)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self._warned_no_count = True
+            count = 1
+        mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
+        grads = [p for p in self._params() if p.grad is not None]
+        if not grads:
+            raise RuntimeError(
+                "step() found no gradients: call loss.backward() before optimizer.step(count=...)"
+            )
+        factor = self.accumulator.record(mb, loss)
+        for p in grads:
+            g = p.grad
+            assert g is not None  # filtered above
+            if p in self._stash:
+                self._stash[p].add_(g * factor)
+            else:
+                self._stash[p] = g.mul_(factor)  # reuse the first gradient as the buffer
+            p.grad = None
+        if self.accumulator.window_full:
+            return self._finish_window()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the micro-batch's gradients (the window's sum lives in the wrapper)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def end_epoch(self) -> StepResult | None:
+        """Settle the last partial window by ``last_window`` (see :class:`Accumulator`)."""
+        if self.accumulator.micro_in_window > 0 and self.accumulator.last_window == "renorm":
+            self._restore_stash()
+        elif self.accumulator.last_window == "drop":
+            self._stash.clear()
+        return self.accumulator.end_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state; save it at a window boundary."""
+        if self.accumulator.micro_in_window:
+            raise RuntimeError(
+                "save the optimizer at a window boundary (after a step), or use Accumulator, "
+                "whose state_dict() keeps a partial window"
+            )
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _restore_stash(self) -> None:
+        for p, g in self._stash.items():
+            p.grad = g
+        self._stash = {}
+
+    def _finish_window(self) -> StepResult:
+        self._restore_stash()
+        return self.accumulator.step()

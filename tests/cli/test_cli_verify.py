@@ -1,0 +1,119 @@
+"""`bigbatch verify` from the command line, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bigbatch.cli.main import main
+
+
+def test_builtin_cases_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--json", "--dtype", "float64"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["method"] for r in rows} == {"bigbatch", "naive"}
+    for r in rows:
+        assert {"case", "method", "dtype", "max_abs", "max_rel", "passed"} <= set(r)
+        assert r["passed"] == (r["method"] == "bigbatch" or r["case"] == "equal")
+
+
+def test_table_explains_the_naive_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out and "EXACT" in out and "loss / N" in out
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "mymodel.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def model():
+                torch.manual_seed(0)
+                return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+            def plain():
+                torch.manual_seed(0)
+                return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+            def data():
+                g = torch.Generator().manual_seed(0)
+                return torch.randn(20, 5, generator=g), torch.randint(0, 2, (20,), generator=g)
+
+            def broken():
+                raise RuntimeError("cannot build the model")
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_user_model_exact(user_module: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "verify",
+                "--model",
+                "mymodel:plain",
+                "--data",
+                "mymodel:data",
+                "--micro",
+                "8,8,4",
+                "--naive",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "EXACT" in out and "DIFFERS" in out  # bigbatch exact; the naive row differs
+
+
+def test_user_model_with_batchnorm_fails_and_explains(
+    user_module: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--model", "mymodel:model", "--data", "mymodel:data", "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert all(not r["passed"] and "BatchNorm" in r["explanation"] for r in rows)
+    # --eval turns BatchNorm statistics off: exact again.
+    assert main(["verify", "--model", "mymodel:model", "--data", "mymodel:data", "--eval"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--model", "mymodel:broken", "--data", "mymodel:data"],
+            "raised RuntimeError: cannot build",
+        ),
+        (["--model", "mymodel:nothere", "--data", "mymodel:data"], "has no 'nothere'"),
+        (["--model", "nomodule:model", "--data", "mymodel:data"], "importing 'nomodule' failed"),
+        (["--model", "mymodel:model"], "needs --data"),
+        (["--model", "mymodel:model", "--data", "mymodel:data", "--micro", "8,8"], "add up to 16"),
+        (["--dtype", "float8"], "unknown 'float8'"),
+    ],
+)
+def test_bad_input_is_one_clear_line(
+    user_module: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["verify", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "bigbatch", "verify", "--dtype", "float64", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert len(json.loads(out)) == 10
