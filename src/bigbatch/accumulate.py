@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, cast
 
 import torch
@@ -41,9 +42,18 @@ class StepResult:
     optimizer_step: int  # the optimizer step counter after this step
     micro_batches: int  # micro-batches in the window (on this rank)
     count: float  # the window's total count: samples, tokens or weight, summed over ranks
-    loss: float  # the exact window mean loss (count-weighted), over ranks
     grad_norm: float | None  # total gradient norm before clipping, when clipping is on
     skipped: bool  # True when the step was skipped (fp16 inf/nan, or a zero-count window)
+    # The loss is computed when first read, so a loop that does not log it never waits for
+    # the device; under DDP it is all-reduced with the count and stored as a float.
+    _loss: float | Callable[[], float] = field(default=math.nan, repr=False, compare=False)
+
+    @property
+    def loss(self) -> float:
+        """The exact window mean loss (count-weighted, over ranks): not a mean of means."""
+        if callable(self._loss):
+            object.__setattr__(self, "_loss", self._loss())
+        return cast(float, self._loss)
 
 
 def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
@@ -163,10 +173,14 @@ class Accumulator:
     def _reset_window(self) -> None:
         self._micro_in_window = 0
         self._window_count: float | torch.Tensor = 0.0
-        self._window_loss: torch.Tensor | None = None  # sum of count-weighted losses, detached
-        # Losses are weighted by count / ref so fp16 gradients keep the magnitude of a mean loss
-        # (weighting by raw token counts would overflow the scaled fp16 backward); ref is undone
-        # at step time. Under DDP ref must agree across ranks, so it stays 1 there.
+        # Detached losses and their counts; combined (in float64) only at step time, so a
+        # micro-batch costs no extra kernels.
+        self._losses: list[torch.Tensor] = []
+        self._counts: list[float | torch.Tensor] = []
+        # Losses are weighted by count / ref, with ref the window's expected count (first count x
+        # micro-batches per window): the weights are then ~1/N, as with loss / N, which keeps
+        # fp16 gradients in range, and a full window of equal micro-batches needs no rescaling
+        # pass at step time (ref / count == 1). Under DDP ref must agree across ranks: 1 there.
         self._ref: float | torch.Tensor | None = None
         self._last_backward_synced = True
 
@@ -255,12 +269,11 @@ class Accumulator:
                 "torch.no_grad(), with the model's parameters requiring grad"
             )
         mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
-        # A low-precision loss is upcast so multiplying it by a count does not round it.
-        work = (
-            loss.reshape(())
-            if loss.dtype in (torch.float32, torch.float64)
-            else loss.reshape(()).float()
-        )
+        work = loss if loss.dim() == 0 else loss.reshape(())
+        if work.dtype not in (torch.float32, torch.float64):
+            work = (
+                work.float()
+            )  # upcast, so multiplying a bf16/fp16 loss by a count does not round it
         weight_now = self.record(mb, work.detach())
         weighted = work * (
             weight_now.to(work.dtype) if isinstance(weight_now, torch.Tensor) else weight_now
@@ -281,21 +294,11 @@ class Accumulator:
             self._checked_model = True
         c = _exact(mb.normaliser)
         if self._ref is None:
-            if bbdist.is_distributed(self.process_group):
-                self._ref = 1.0
-            elif isinstance(c, torch.Tensor):
-                self._ref = torch.clamp(c, min=1.0)
-            else:
-                self._ref = c if c > 0 else 1.0
+            self._ref = self._expected_count(c)
         factor = _ratio(c if self.reduction == "mean" else 1.0, self._ref)
         if loss is not None:
-            # The window loss is kept in float64 (where the device has it) for an exact mean.
-            contrib = cast(torch.Tensor, _exact(loss.detach().reshape(())))
-            if self.reduction == "mean":
-                contrib = contrib * c
-            self._window_loss = (
-                contrib if self._window_loss is None else self._window_loss + contrib
-            )
+            self._losses.append(loss.detach())
+            self._counts.append(c)
         self._window_count = self._window_count + c
         self._micro_in_window += 1
         self.micro_step += 1
@@ -303,6 +306,16 @@ class Accumulator:
         self._samples_seen = self._samples_seen + mb.samples
         self._tokens_seen = self._tokens_seen + mb.tokens
         return factor
+
+    def _expected_count(self, first: float | torch.Tensor) -> float | torch.Tensor:
+        if bbdist.is_distributed(self.process_group):
+            return 1.0
+        if self.target_count is not None:
+            return self.target_count
+        n = self.micro_batches_per_window or 1
+        if isinstance(first, torch.Tensor):
+            return torch.clamp(first, min=1.0) * n
+        return (first if first > 0 else 1.0) * n
 
     @property
     def samples_seen(self) -> int:
@@ -326,31 +339,33 @@ class Accumulator:
                 "when acc.window_full"
             )
         params = _params_of(self.optimizer)
-        if all(p.grad is None for p in params):
+        if not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "the window's gradients were cleared before step(): do not call "
                 "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
             )
-        device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
-        loss_sum = (
-            self._window_loss
-            if self._window_loss is not None
-            else torch.zeros((), dtype=torch.float64)
-        )
-        totals = torch.stack(
-            [
-                torch.as_tensor(self._window_count, dtype=torch.float64).reshape(()).to(device),
-                loss_sum.to(device=device, dtype=torch.float64),
-            ]
-        )
-        distributed = bbdist.is_distributed(self.process_group)
-        if distributed:
-            bbdist.all_reduce_sum(totals, self.process_group)
-        count, loss_total = (float(v) for v in totals.tolist())
         micro_batches = self._micro_in_window
-        if self._window_loss is None:  # the optimizer wrapper is not told the losses
-            loss_total = math.nan
         ref = float(self._ref) if self._ref is not None else 1.0
+        distributed = bbdist.is_distributed(self.process_group)
+        loss: float | Callable[[], float]
+        if distributed:
+            # One all-reduce carries the count and the loss of every rank's window.
+            device = next(p.grad.device for p in params if p.grad is not None)
+            window_loss = _loss_sum(self._losses, self._counts, self.reduction)
+            zero = torch.zeros((), dtype=torch.float64)
+            totals = torch.stack(
+                [
+                    torch.as_tensor(self._window_count, dtype=torch.float64).reshape(()).to(device),
+                    (window_loss if window_loss is not None else zero).to(device, torch.float64),
+                ]
+            )
+            bbdist.all_reduce_sum(totals, self.process_group)
+            count, loss_total = (float(v) for v in totals.tolist())
+            loss = loss_total / count if window_loss is not None and count > 0 else math.nan
+        else:
+            count = float(self._window_count)
+            # The optimizer wrapper is not told the losses: nan then.
+            loss = partial(_mean_loss, self._losses, self._counts, self.reduction, count)
 
         if count <= 0 or not math.isfinite(count):
             warnings.warn(
@@ -362,21 +377,20 @@ class Accumulator:
             )
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_window()
-            return StepResult(self.optimizer_step, micro_batches, count, math.nan, None, True)
+            return StepResult(self.optimizer_step, micro_batches, count, None, True)
 
-        if distributed:
-            if self._last_backward_synced and bbdist.is_ddp(self.model):
-                # DDP averaged the per-rank sums over world size; undo that and divide by the count.
-                factor = bbdist.world_size(self.process_group) / count
-            else:
-                _all_reduce_grads(params, self.process_group)
-                factor = 1.0 / count
+        if not distributed:
+            factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
+        elif self._last_backward_synced and bbdist.is_ddp(self.model):
+            # DDP averaged the per-rank sums over world size; undo that and divide by the count.
+            factor = bbdist.world_size(self.process_group) * ref / count
         else:
-            factor = 1.0 / count
-        factor *= ref
+            _all_reduce_grads(params, self.process_group)
+            factor = ref / count
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        scale_grads_(params, factor)
+        if factor != 1.0:  # a full window of equal micro-batches is already normalised
+            scale_grads_(params, factor)
 
         grad_norm = None
         if self.clip_grad_norm is not None:
@@ -401,9 +415,9 @@ class Accumulator:
             optimizer_step=self.optimizer_step,
             micro_batches=micro_batches,
             count=count,
-            loss=loss_total / count,
             grad_norm=grad_norm,
             skipped=skipped,
+            _loss=loss,
         )
 
     def end_epoch(self) -> StepResult | None:
@@ -437,7 +451,10 @@ class Accumulator:
             "epoch": self.epoch,
             "micro_in_window": self._micro_in_window,
             "window_count": torch.as_tensor(self._window_count, dtype=torch.float64).cpu(),
-            "window_loss": None if self._window_loss is None else self._window_loss.cpu(),
+            "window_losses": [loss.cpu() for loss in self._losses],
+            "window_loss_counts": [
+                torch.as_tensor(c, dtype=torch.float64).cpu() for c in self._counts
+            ],
             "ref": None
             if self._ref is None
             else torch.as_tensor(self._ref, dtype=torch.float64).cpu(),
@@ -466,8 +483,8 @@ class Accumulator:
         self._reset_window()
         self._micro_in_window = int(state["micro_in_window"])
         self._window_count = float(state["window_count"])
-        wl = state["window_loss"]
-        self._window_loss = None if wl is None else wl.clone()
+        self._losses = [loss.clone() for loss in state["window_losses"]]
+        self._counts = [float(c) for c in state["window_loss_counts"]]
         self._ref = None if state["ref"] is None else float(state["ref"])
         for p, g in zip(params, grads, strict=True):
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
@@ -511,6 +528,32 @@ def _exact(x: float | torch.Tensor) -> float | torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return float(x)
     return x.detach().to(torch.float32 if x.device.type == "mps" else torch.float64)
+
+
+def _loss_sum(
+    losses: list[torch.Tensor], counts: list[float | torch.Tensor], reduction: Reduction
+) -> torch.Tensor | None:
+    """Sum of a window's count-weighted losses, in float64 where the device has it."""
+    if not losses:
+        return None
+    stacked = cast(torch.Tensor, _exact(torch.stack(losses)))
+    if reduction == "sum":
+        return stacked.sum()
+    if all(not isinstance(c, torch.Tensor) for c in counts):
+        weights = torch.tensor(counts, dtype=stacked.dtype, device=stacked.device)
+    else:
+        weights = torch.stack([torch.as_tensor(c).to(stacked) for c in counts])
+    return (stacked * weights).sum()
+
+
+def _mean_loss(
+    losses: list[torch.Tensor],
+    counts: list[float | torch.Tensor],
+    reduction: Reduction,
+    count: float,
+) -> float:
+    total = _loss_sum(losses, counts, reduction)
+    return math.nan if total is None else float(total) / count
 
 
 def _as_int(x: int | float | torch.Tensor) -> int:

@@ -1,0 +1,42 @@
+"""Every example and benchmark runs as a user would run it (small sizes where it has flags)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("0*.py"))
+
+
+def _run(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path: Path) -> None:
+    out = _run(str(path))
+    assert out.strip()
+    if path.name == "05_resume.py":
+        assert "bit-identical: True" in out
+
+
+def test_digits_demo_shows_equal_weights() -> None:
+    out = _run("examples/demo_digits.py")
+    assert "EQUAL (float64 round-off)" in out
+    assert "DIFFERENT" in out  # the naive run, side by side
+
+
+def test_overhead_benchmark_json() -> None:
+    result = json.loads(
+        _run("benchmarks/overhead.py", "--samples", "512", "--rounds", "1", "--json")
+    )
+    assert result["ratio_vs_hand"] > 0
