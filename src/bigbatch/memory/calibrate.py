@@ -1,0 +1,109 @@
+"""Per-op workspace calibration for CPU predictions.
+
+Fake tensors see every tensor an op returns, but not the scratch memory a CPU kernel allocates
+and frees inside itself (oneDNN convolution backward, im2col). Two small real steps (micro-batch
+2 and 4, a few seconds) run with every dispatched op wrapped in a profiler range; each op's
+workspace is the highest point its allocations reach above what it leaves behind. The fake run
+then adds op i's workspace, interpolated linearly in the micro-batch, at op i, as long as its op
+sequence matches the calibration's.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bigbatch.memory.predict import StepSpec, make_inputs, make_optimizer, run_training_step
+
+__all__ = ["Calibration", "calibrate"]
+
+_MARK = "bigbatch_op_"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Workspace bytes per dispatched op, measured at two micro-batch sizes."""
+
+    ops: tuple[str, ...]  # op names in dispatch order (two steps)
+    small: tuple[int, ...]  # workspace per op at batch_small
+    large: tuple[int, ...]  # workspace per op at batch_large
+    batch_small: int
+    batch_large: int
+
+    def workspace(self, index: int, batch_size: int) -> int:
+        a, b = self.small[index], self.large[index]
+        slope = (b - a) / (self.batch_large - self.batch_small)
+        return max(0, round(a + slope * (batch_size - self.batch_small)))
+
+
+class _OpMarker(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "prim":
+            return func(*args, **(kwargs or {}))
+        i = len(self.names)
+        self.names.append(str(func))
+        with torch.profiler.record_function(f"{_MARK}{i}"):
+            return func(*args, **(kwargs or {}))
+
+
+def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = spec.model().to(spec.device).train()
+    opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+    inputs = [make_inputs(spec, spec.device) for _ in range(steps)]
+    marker = _OpMarker()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, marker:
+        for x in inputs:
+            run_training_step(model, opt, x, spec.precision, torch.device(spec.device).type)
+    workspace = [0] * len(marker.names)
+
+    def allocations(node: Any) -> list[tuple[int, int]]:
+        out = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.typed[0] == _EventType.Allocation and n.typed[1].device.type == "cpu":
+                out.append((n.start_time_ns, n.typed[1].alloc_size))
+            stack.extend(n.children)
+        return out
+
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        name = node.name
+        if name.startswith(_MARK):
+            running = high = 0
+            for _, size in sorted(allocations(node)):
+                running += size
+                high = max(high, running)
+            # What the op leaves behind (its outputs) the fake run already counts.
+            workspace[int(name[len(_MARK) :])] = max(0, high - max(running, 0))
+            continue  # nested ops belong to this one
+        stack.extend(node.children)
+    return marker.names, workspace
+
+
+def calibrate(spec: StepSpec, *, batch_sizes: tuple[int, int] = (2, 4), steps: int = 2) -> Calibration:
+    """Measure per-op CPU workspaces at two small micro-batch sizes (real runs on the CPU)."""
+    if torch.device(spec.device).type != "cpu":
+        raise ValueError("workspace calibration runs real steps on the CPU; it is for device='cpu'")
+    small, large = batch_sizes
+    names_s, ws_s = _workspaces(spec.with_batch(small), steps)
+    names_l, ws_l = _workspaces(spec.with_batch(large), steps)
+    if names_s != names_l:
+        # The op sequence depends on the batch size (a kernel choice): keep the common prefix.
+        n = next((i for i, (a, b) in enumerate(zip(names_s, names_l, strict=False)) if a != b), 0)
+        names_s, ws_s, ws_l = names_s[:n], ws_s[:n], ws_l[:n]
+    return Calibration(tuple(names_s), tuple(ws_s), tuple(ws_l), small, large)

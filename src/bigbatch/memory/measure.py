@@ -1,0 +1,102 @@
+"""The real peak memory of training steps on the actual device.
+
+CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``). CPU: the profiler's
+allocation events (``profile_memory=True``), summed in order, plus what was alive at the start:
+deterministic to the byte, unlike peak RSS, which heap fragmentation inflates.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["measure_peak", "profiled_peak"]
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def profiled_peak(fn: Callable[[], Any], alive_at_start: int = 0) -> int:
+    """Peak CPU tensor memory while ``fn()`` runs: ``alive_at_start`` plus the largest running
+    sum of the allocations and frees the profiler records.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    events.sort()
+    live = peak = 0
+    for _, size in events:
+        live += size
+        peak = max(peak, live)
+    return alive_at_start + peak
+
+
+def measure_peak(
+    step: Callable[[], Any],
+    *,
+    device: torch.device | str = "cpu",
+    alive: Any = (),
+) -> int:
+    """Peak bytes of tensor memory on ``device`` while ``step()`` runs.
+
+    ``alive`` lists the tensors already allocated that count (the model's parameters, say):
+    on CPU they are added to what the profiler sees; on CUDA the allocator counts them itself.
+
+    >>> import torch
+    >>> m = torch.nn.Linear(256, 256)
+    >>> peak = measure_peak(lambda: m(torch.ones(64, 256)).sum().backward(), alive=m.parameters())
+    >>> peak > 2 * 256 * 256 * 4
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type != "cpu":
+        raise ValueError(f"measuring peak memory is supported on cpu and cuda, not {device.type}")
+    return profiled_peak(step, _tensor_bytes(alive))
+
+
+def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
+    """Really run ``steps`` training steps of a :class:`~bigbatch.memory.predict.StepSpec` on its
+    device and return the peak (the number :func:`predict_peak` predicts).
+    """
+    from bigbatch.memory.predict import make_inputs, make_optimizer, run_training_step
+
+    device = torch.device(spec.device)
+    torch.manual_seed(seed)
+    model = spec.model().to(device).train()
+    opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+    inputs = [make_inputs(spec, device) for _ in range(steps)]
+    alive = [*model.parameters(), *model.buffers(), *inputs]
+
+    def run() -> None:
+        for x in inputs:
+            run_training_step(model, opt, x, spec.precision, device.type)
+
+    return measure_peak(run, device=device, alive=alive)
