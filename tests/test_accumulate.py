@@ -428,12 +428,15 @@ def test_window_size_must_be_a_positive_integer(n: object) -> None:
         _acc(micro_batches=n)
 
 
-def test_window_needs_exactly_one_size() -> None:
+def test_window_takes_one_size_or_none() -> None:
     model = make_model()
-    with pytest.raises(ValueError, match="exactly one window size"):
-        Accumulator(sgd(model.parameters()))
-    with pytest.raises(ValueError, match="exactly one window size"):
+    with pytest.raises(ValueError, match="not both"):
         Accumulator(sgd(model.parameters()), micro_batches=2, target_count=10)
+    manual = Accumulator(sgd(model.parameters()))  # windows end when the caller steps
+    x, y = make_data(4)
+    manual.backward(F.cross_entropy(model(x), y), count=4)
+    assert not manual.window_full
+    assert manual.step().count == 4
 
 
 def test_schedule_must_start_at_epoch_zero() -> None:

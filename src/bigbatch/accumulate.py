@@ -86,7 +86,8 @@ class Accumulator:
 
     A window is ``micro_batches`` micro-batches (an int, or a schedule by epoch such as
     ``{0: 8, 4: 2}``), or, with ``target_count``, however many micro-batches it takes to reach
-    that many samples/tokens. ``reduction`` says whether your loss is a mean (default) or a sum
+    that many samples/tokens; with neither, :attr:`window_full` stays False and you call
+    :meth:`step` when your window ends (as :func:`bigbatch.memory.oom.run_window` does). ``reduction`` says whether your loss is a mean (default) or a sum
     over its count. ``scheduler`` is stepped once per optimizer step (never on a skipped fp16
     step); ``scaler`` is a ``torch.amp.GradScaler`` for fp16; ``clip_grad_norm`` clips the
     accumulated, unscaled, normalised gradient once per window.
@@ -122,10 +123,11 @@ class Accumulator:
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                 "pass the optimizer itself: Accumulator(optimizer, micro_batches=8)"
             )
-        if (micro_batches is None) == (target_count is None):
+        if micro_batches is not None and target_count is not None:
             raise ValueError(
-                "give exactly one window size: micro_batches=N (micro-batches per optimizer "
-                "step) or target_count=C (samples/tokens per optimizer step)"
+                "give one window size: micro_batches=N (micro-batches per optimizer step) or "
+                "target_count=C (samples/tokens per optimizer step), not both (or neither, and "
+                "call step() yourself when a window ends)"
             )
         self._schedule = _check_schedule(micro_batches) if micro_batches is not None else None
         if target_count is not None and not (
@@ -171,6 +173,8 @@ class Accumulator:
 
     # ----------------------------------------------------------------- window state
     def _reset_window(self) -> None:
+        # Counters at the window's start, for discard_window().
+        self._window_start = (self.micro_step, self._samples_seen, self._tokens_seen)
         self._micro_in_window = 0
         self._window_count: float | torch.Tensor = 0.0
         # Detached losses and their counts; combined (in float64) only at step time, so a
@@ -420,6 +424,13 @@ class Accumulator:
             _loss=loss,
         )
 
+    def discard_window(self) -> None:
+        """Throw the open window away: zero its gradients and roll the counters back to its
+        start (used to re-run the same samples after an out-of-memory error)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro_step, self._samples_seen, self._tokens_seen = self._window_start
+        self._reset_window()
+
     def end_epoch(self) -> StepResult | None:
         """Settle the epoch's last, partial window by the ``last_window`` policy, then advance
         the epoch (which the ``micro_batches`` schedule follows). Returns the step, if one ran.
@@ -450,6 +461,7 @@ class Accumulator:
             "tokens_seen": self.tokens_seen,
             "epoch": self.epoch,
             "micro_in_window": self._micro_in_window,
+            "window_start": [_as_int(v) for v in self._window_start],
             "window_count": torch.as_tensor(self._window_count, dtype=torch.float64).cpu(),
             "window_losses": [loss.cpu() for loss in self._losses],
             "window_loss_counts": [
@@ -481,6 +493,8 @@ class Accumulator:
         self._tokens_seen = int(state["tokens_seen"])
         self.epoch = int(state["epoch"])
         self._reset_window()
+        start = state["window_start"]
+        self._window_start = (int(start[0]), int(start[1]), int(start[2]))
         self._micro_in_window = int(state["micro_in_window"])
         self._window_count = float(state["window_count"])
         self._losses = [loss.clone() for loss in state["window_losses"]]

@@ -13,6 +13,10 @@ from bigbatch.cli import UserError
 # Imported lazily so `bigbatch verify` does not pay for timm or matplotlib.
 COMMANDS = {
     "verify": ("bigbatch.cli.verify", "prove accumulated training equals big-batch training"),
+    "plan": (
+        "bigbatch.cli.plan",
+        "choose micro-batch x accumulation for a memory budget; the table",
+    ),
 }
 
 

@@ -23,14 +23,14 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str | int | float) -> int:
+def parse_bytes(text: str | int | float, *, allow_zero: bool = False) -> int:
     """Parse a memory size: ``"8GB"`` (10^9), ``"8GiB"`` or ``"8G"`` (2^30), ``"512MiB"``, bytes.
 
     >>> parse_bytes("8GB"), parse_bytes("1.5GiB"), parse_bytes(1024)
     (8000000000, 1610612736, 1024)
     """
     if isinstance(text, int | float) and not isinstance(text, bool):
-        if text <= 0:
+        if text < 0 or (text == 0 and not allow_zero):
             raise ValueError(f"a memory size must be positive, got {text}")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
@@ -41,7 +41,7 @@ def parse_bytes(text: str | int | float) -> int:
             "512MiB (GB = 10^9 bytes, GiB = 2^30), or 'auto' for the device's free memory"
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"a memory size must be positive, got {text!r}")
     return int(value)
 

@@ -79,7 +79,7 @@ def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
             stack.extend(n.children)
         return out
 
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         name = node.name
@@ -95,7 +95,9 @@ def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
     return marker.names, workspace
 
 
-def calibrate(spec: StepSpec, *, batch_sizes: tuple[int, int] = (2, 4), steps: int = 2) -> Calibration:
+def calibrate(
+    spec: StepSpec, *, batch_sizes: tuple[int, int] = (2, 4), steps: int = 2
+) -> Calibration:
     """Measure per-op CPU workspaces at two small micro-batch sizes (real runs on the CPU)."""
     if torch.device(spec.device).type != "cpu":
         raise ValueError("workspace calibration runs real steps on the CPU; it is for device='cpu'")

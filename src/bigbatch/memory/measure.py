@@ -39,7 +39,7 @@ def profiled_peak(fn: Callable[[], Any], alive_at_start: int = 0) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":

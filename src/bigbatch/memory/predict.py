@@ -96,21 +96,23 @@ class MemoryPrediction:
         return ", ".join(f"{name} {format_bytes(b)}" for name, b in parts if b)
 
 
-def make_optimizer(name: str, params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: Any, lr: float = 1e-3, foreach: bool | None = None
+) -> torch.optim.Optimizer:
     """The optimizers the planner knows, by name (their state is what differs)."""
     name = name.lower()
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
     if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
     if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr)
+        return torch.optim.RMSprop(params, lr=lr, foreach=foreach)
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr)
+        return torch.optim.Adagrad(params, lr=lr, foreach=foreach)
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
@@ -137,7 +139,9 @@ def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContext
     """The autocast context of a precision: bf16/fp16 autocast, or nothing for fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(
+        device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16
+    )
 
 
 def run_training_step(
@@ -261,10 +265,14 @@ def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> 
     if spec.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
     t0 = time.perf_counter()
-    device = torch.device(spec.device)
+    target = torch.device(spec.device)
+    # The autograd engine wants a real CUDA context for CUDA tensors, even fake ones, so a CUDA
+    # step is traced on CPU-placed fake tensors with what differs on CUDA: 512-byte allocator
+    # blocks and the multi-tensor (foreach) optimizers CUDA defaults to.
+    device = torch.device("cpu") if target.type == "cuda" else target
     model = _build_on_meta(spec.model)
     tracker = _StorageTracker(
-        round_to=CUDA_BLOCK if device.type == "cuda" else 1,
+        round_to=CUDA_BLOCK if target.type == "cuda" else 1,
         calibration=calibration,
         batch_size=spec.batch_size,
     )
@@ -279,7 +287,11 @@ def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> 
             uid = tracker.uid_of(t)
             if uid is not None:
                 param_uids.add(uid)
-        opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+        opt = make_optimizer(
+            spec.optimizer,
+            [p for p in model.parameters() if p.requires_grad],
+            foreach=True if target.type == "cuda" else None,
+        )
         # Inputs exist before the step, as a DataLoader's batch would (and as measured).
         inputs = [make_inputs(spec, device) for _ in range(steps)]
         tracker.counting = True
@@ -303,7 +315,13 @@ def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> 
                     if isinstance(v, torch.Tensor) and (uid := tracker.uid_of(v)) is not None:
                         state_uids.add(uid)
             opt.zero_grad(set_to_none=True)
-    parts = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 0, "temporaries": 0}
+    parts = {
+        "parameters": 0,
+        "gradients": 0,
+        "optimizer_state": 0,
+        "activations": 0,
+        "temporaries": 0,
+    }
     for uid, (size, phase) in tracker.peak_snapshot.items():
         if uid in param_uids:
             parts["parameters"] += size
@@ -326,7 +344,7 @@ def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> 
         workspace_bytes=tracker.peak_workspace,
         notes=notes,
         batch_size=spec.batch_size,
-        device=device.type,
+        device=target.type,
         precision=spec.precision,
         optimizer=spec.optimizer,
         seconds=time.perf_counter() - t0,

@@ -1,0 +1,135 @@
+"""Predicted vs measured peak memory of a training step on CPU.
+
+For each model and micro-batch, bigbatch predicts the peak on fake tensors (with the per-op CPU
+workspace calibration from two real steps at micro-batch 2 and 4), then one real run is measured
+with the profiler's allocation events. Prints each error, the mean and worst |error|, and the
+time to predict (calibration included). Also shows the uncalibrated prediction beside it.
+
+    python benchmarks/memory_accuracy.py          # MLP, BN CNN, transformer, resnet18, convnext_atto
+    python benchmarks/memory_accuracy.py --json   # {"mean_abs_err_pct": ..., "worst_abs_err_pct": ..., ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from bigbatch.memory.calibrate import calibrate
+from bigbatch.memory.measure import measure_step_peak
+from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.models import timm_factory
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+
+
+def bn_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1, stride=2),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(64, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "mlp": (mlp, (512,)),
+    "bn_cnn": (bn_cnn, (3, 32, 32)),
+    "transformer": (Encoder, (32, 64)),
+    "resnet18": (timm_factory("resnet18", num_classes=10), (3, 64, 64)),
+    "convnext_atto": (timm_factory("convnext_atto", num_classes=10), (3, 64, 64)),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for name in args.models.split(","):
+        factory, shape = MODELS[name]
+        t0 = time.perf_counter()
+        cal = calibrate(StepSpec(factory, shape, 2))
+        calibration_s = time.perf_counter() - t0
+        for b in batches:
+            spec = StepSpec(factory, shape, b)
+            t0 = time.perf_counter()
+            pred = predict_peak(spec, calibration=cal)
+            predict_s = time.perf_counter() - t0
+            raw = predict_peak(spec)
+            real = measure_step_peak(spec)
+            rows.append(
+                {
+                    "model": name,
+                    "micro_batch": b,
+                    "predicted_bytes": pred.peak_bytes,
+                    "measured_bytes": real,
+                    "err_pct": 100 * (pred.peak_bytes - real) / real,
+                    "uncalibrated_err_pct": 100 * (raw.peak_bytes - real) / real,
+                    "predict_seconds": calibration_s + predict_s,
+                }
+            )
+    errs = [abs(r["err_pct"]) for r in rows]
+    raw_errs = [abs(r["uncalibrated_err_pct"]) for r in rows]
+    result = {
+        "mean_abs_err_pct": statistics.mean(errs),
+        "worst_abs_err_pct": max(errs),
+        "uncalibrated_mean_abs_err_pct": statistics.mean(raw_errs),
+        "uncalibrated_worst_abs_err_pct": max(raw_errs),
+        "max_predict_seconds": max(r["predict_seconds"] for r in rows),
+        "rows": rows,
+        "torch": torch.__version__,
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(
+        f"{'model':<14} {'mb':>4} {'predicted':>12} {'measured':>12} {'error':>8} {'uncalibrated':>13} {'seconds':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<14} {r['micro_batch']:>4} {r['predicted_bytes'] / 2**20:>9.2f} MiB "
+            f"{r['measured_bytes'] / 2**20:>9.2f} MiB {r['err_pct']:>+7.1f}% {r['uncalibrated_err_pct']:>+12.1f}% "
+            f"{r['predict_seconds']:>8.2f}"
+        )
+    print(
+        f"\nmean |error| {result['mean_abs_err_pct']:.1f}%, worst {result['worst_abs_err_pct']:.1f}% "
+        f"(uncalibrated: mean {result['uncalibrated_mean_abs_err_pct']:.1f}%, worst "
+        f"{result['uncalibrated_worst_abs_err_pct']:.1f}%); slowest prediction incl. calibration "
+        f"{result['max_predict_seconds']:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Choose micro-batch x accumulation for a target batch under a memory budget, by prediction.
+
+The largest micro-batch whose predicted peak stays under the usable budget (the budget less a
+safety margin and the process/device overhead) is found with a few predictions, no OOM. The
+target need not divide evenly: exact normalisation makes an uneven last micro-batch harmless, so
+the plan balances the micro-batches (256 with at most 100 fitting -> 3 x 86, not 100+100+56).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.predict import MemoryPrediction, StepSpec, predict_peak
+
+__all__ = [
+    "DoesNotFitError",
+    "Plan",
+    "device_free_bytes",
+    "overhead_bytes",
+    "plan_micro_batch",
+    "resolve_budget",
+]
+
+# Not tensor memory, but it counts against a GPU's capacity: the CUDA context and kernels
+# (typically 300-600 MiB; varies with the driver, not measured here: no GPU).
+CUDA_CONTEXT_BYTES = 500 * 2**20
+DEFAULT_MARGIN = 0.10
+
+
+class DoesNotFitError(ValueError):
+    """Even micro-batch 1 does not fit the budget; the message has the floor's breakdown."""
+
+    def __init__(self, message: str, floor: MemoryPrediction) -> None:
+        super().__init__(message)
+        self.floor = floor
+
+
+@dataclass
+class Plan:
+    """The chosen micro-batch and accumulation, with the prediction behind them."""
+
+    micro_batch: int
+    accum_steps: int
+    target_batch: int
+    predicted_peak_bytes: int
+    budget_bytes: int
+    usable_bytes: int  # budget less margin and overhead: what the step's tensors may use
+    overhead_bytes: int
+    floor_bytes: int  # predicted peak at micro-batch 1
+    max_micro_batch: int  # the largest micro-batch that fits (before balancing)
+    prediction: MemoryPrediction
+    arch: str = ""
+    size: int | None = None
+    confirmed_peak_bytes: int | None = None
+    curve: list[tuple[int, int]] = field(default_factory=list)  # (micro-batch, predicted peak)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "size": self.size,
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
+            "target_batch": self.target_batch,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "floor_bytes": self.floor_bytes,
+            "max_micro_batch": self.max_micro_batch,
+            "confirmed_peak_bytes": self.confirmed_peak_bytes,
+            "breakdown": {
+                "parameters": self.prediction.parameters,
+                "gradients": self.prediction.gradients,
+                "optimizer_state": self.prediction.optimizer_state,
+                "activations": self.prediction.activations,
+                "temporaries": self.prediction.temporaries + self.prediction.workspace_bytes,
+            },
+            "curve": self.curve,
+        }
+
+    def summary(self) -> str:
+        last = self.target_batch - self.micro_batch * (self.accum_steps - 1)
+        split = f"{self.accum_steps} x {self.micro_batch}" + (
+            f" (last {last})" if last != self.micro_batch else ""
+        )
+        return (
+            f"target batch {self.target_batch} = {split}; predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
+            f"(budget {format_bytes(self.budget_bytes)}); {self.prediction.breakdown()}"
+        )
+
+
+def device_free_bytes(device: str | torch.device) -> int:
+    """Free memory on ``device`` now: CUDA's ``mem_get_info``, or the system's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("budget 'auto' needs a CUDA device; give a size such as 16GB instead")
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise ValueError("cannot read the free memory here; give a size such as 8GB instead of 'auto'")
+
+
+def _process_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 300 * 2**20  # torch's CPU baseline, measured on Linux
+
+
+def overhead_bytes(device: str | torch.device) -> int:
+    """Memory a training process needs besides the step's tensors: the CUDA context on a GPU;
+    on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB)."""
+    return CUDA_CONTEXT_BYTES if torch.device(device).type == "cuda" else _process_rss()
+
+
+def resolve_budget(budget: str | int, device: str | torch.device) -> int:
+    """``"8GB"``, ``"16GiB"``, bytes, or ``"auto"`` (the device's free memory now)."""
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        # The free memory already excludes what this process holds.
+        return device_free_bytes(device) + (
+            0 if torch.device(device).type == "cuda" else _process_rss()
+        )
+    return parse_bytes(budget)
+
+
+def _suggestions(spec: StepSpec) -> str:
+    tips = []
+    if spec.precision == "fp32":
+        tips.append("precision bf16 (halves activations)")
+    if spec.optimizer.lower() in ("adamw", "adam"):
+        tips.append("optimizer sgd (no Adam state: 2 copies of the weights fewer)")
+    tips.append("activation checkpointing, or a smaller input size")
+    return "try " + ", ".join(tips)
+
+
+def plan_micro_batch(
+    spec_at: Callable[[int], StepSpec],
+    target_batch: int,
+    budget: str | int,
+    *,
+    device: str = "cpu",
+    margin: float = DEFAULT_MARGIN,
+    overhead: int | None = None,
+    calibration: Any = None,
+    max_micro_batch: int | None = None,
+) -> Plan:
+    """Choose the largest micro-batch that fits ``budget`` and the accumulation for ``target_batch``.
+
+    ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``. Raises
+    :class:`DoesNotFitError` (with the floor's breakdown and what to try) when even micro-batch 1
+    does not fit.
+
+    >>> import torch
+    >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
+    >>> p = plan_micro_batch(spec, 64, "1GB", overhead=0)
+    >>> (p.micro_batch, p.accum_steps)
+    (64, 1)
+    """
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
+        raise ValueError(
+            f"the target batch must be a positive number of samples, got {target_batch!r}"
+        )
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    budget_bytes = resolve_budget(budget, device)
+    overhead = overhead_bytes(device) if overhead is None else overhead
+    usable = int(budget_bytes * (1 - margin)) - overhead
+    if usable <= 0:
+        raise ValueError(
+            f"the budget {format_bytes(budget_bytes)} leaves nothing for training after the "
+            f"{margin:.0%} margin and {format_bytes(overhead)} of overhead "
+            f"({'CUDA context' if torch.device(device).type == 'cuda' else 'this process: Python, torch, libraries'}); "
+            "raise the budget, or set the overhead you expect (--overhead / overhead=)"
+        )
+    cache: dict[int, MemoryPrediction] = {}
+
+    def peak(b: int) -> int:
+        if b not in cache:
+            cache[b] = predict_peak(spec_at(b), calibration=calibration)
+        return cache[b].peak_bytes
+
+    smallest = 1
+    try:
+        floor = peak(1)
+    except ValueError as exc:
+        # BatchNorm cannot train on one sample when it normalises a 1x1 feature map.
+        if "more than 1 value per channel" not in str(exc):
+            raise
+        smallest = 2
+        floor = peak(2)
+    if floor > usable:
+        f = cache[smallest]
+        raise DoesNotFitError(
+            f"even micro-batch {smallest} does not fit: it needs {format_bytes(floor)} "
+            f"({f.breakdown()}) but {format_bytes(usable)} is usable "
+            f"(budget {format_bytes(budget_bytes)} less {margin:.0%} margin and "
+            f"{format_bytes(overhead)} overhead); {_suggestions(spec_at(1))}",
+            f,
+        )
+    # Peak grows about linearly in the micro-batch: guess by interpolation, and bisect whenever
+    # a guess fails to halve the interval (so a few predictions suffice, and it always ends).
+    cap = min(target_batch, max_micro_batch or target_batch)
+    lo, hi = smallest, cap + 1  # lo fits; hi does not (or is past the cap)
+    if cap < smallest:
+        raise ValueError(
+            f"the target batch {target_batch} is below the smallest micro-batch {smallest}"
+        )
+    bisect = False
+    while hi - lo > 1:
+        if bisect:
+            guess = (lo + hi) // 2
+        elif hi <= cap:
+            guess = _interpolate(lo, peak(lo), hi, peak(hi), usable)
+        else:
+            guess = cap  # the whole target batch at once, if it fits
+        guess = min(max(guess, lo + 1), hi - 1)
+        width = hi - lo
+        if peak(guess) <= usable:
+            lo = guess
+        else:
+            hi = guess
+        bisect = (hi - lo) * 2 > width
+    accum = math.ceil(target_batch / lo)
+    micro = math.ceil(target_batch / accum)  # balanced: the same number of steps, smaller peak
+    chosen = peak(micro)
+    return Plan(
+        micro_batch=micro,
+        accum_steps=accum,
+        target_batch=target_batch,
+        predicted_peak_bytes=chosen,
+        budget_bytes=budget_bytes,
+        usable_bytes=usable,
+        overhead_bytes=overhead,
+        floor_bytes=floor,
+        max_micro_batch=lo,
+        prediction=cache[micro],
+        curve=sorted((b, p.peak_bytes) for b, p in cache.items()),
+    )
+
+
+def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
+    """Where the line through (a, peak_a) and (b, peak_b) reaches ``usable``."""
+    if peak_b <= peak_a:
+        return b
+    return int(a + (usable - peak_a) * (b - a) / (peak_b - peak_a))

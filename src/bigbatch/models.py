@@ -1,0 +1,106 @@
+"""Models by name: any timm architecture (never downloaded), or the user's own factory."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["UnknownArchitectureError", "load_weights", "resolve_arch", "timm_factory"]
+
+
+class UnknownArchitectureError(ValueError):
+    """An architecture name timm does not know; the message lists close names."""
+
+
+@functools.cache
+def _timm_names() -> tuple[str, ...]:
+    import timm
+
+    return tuple(timm.list_models())
+
+
+def resolve_arch(name: str) -> str:
+    """Check ``name`` is a timm architecture; otherwise raise with the closest names.
+
+    >>> resolve_arch("resnet18")
+    'resnet18'
+    """
+    names = _timm_names()
+    if name in names:
+        return name
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
+    raise UnknownArchitectureError(f"unknown architecture {name!r}: {hint}")
+
+
+def _create(arch: str, num_classes: int, img_size: int | None, in_chans: int) -> nn.Module:
+    import timm
+
+    kwargs: dict[str, Any] = {"pretrained": False, "num_classes": num_classes, "in_chans": in_chans}
+    if img_size is not None:
+        try:
+            # Vision transformers fix their input size at build time; convnets take any.
+            return timm.create_model(arch, img_size=img_size, **kwargs)
+        except TypeError:
+            pass
+    return timm.create_model(arch, **kwargs)
+
+
+def timm_factory(
+    arch: str,
+    *,
+    num_classes: int = 1000,
+    img_size: int | None = None,
+    in_chans: int = 3,
+    weights: str | Path | None = None,
+) -> Callable[[], nn.Module]:
+    """A zero-argument factory building ``arch`` with random weights (``pretrained=False``: no
+    download), or with a local ``weights`` file (safetensors, or a torch state dict read with
+    ``weights_only=True``).
+
+    >>> model = timm_factory("resnet18", num_classes=10)()
+    >>> model.fc.out_features
+    10
+    """
+    arch = resolve_arch(arch)
+
+    def build() -> nn.Module:
+        model = _create(arch, num_classes, img_size, in_chans)
+        if weights is not None:
+            load_weights(model, weights)
+        return model
+
+    build.__name__ = f"timm:{arch}"
+    return build
+
+
+def load_weights(model: nn.Module, path: str | Path, *, strict: bool = False) -> list[str]:
+    """Load a local weights file into ``model`` without unpickling anything.
+
+    A classifier head whose shape differs (another number of classes) is skipped; returns the
+    names of the tensors that were not loaded.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist (no download is attempted)")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+            state = state["model"]
+    own = model.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(set(state) - set(usable))
+    model.load_state_dict(usable, strict=False)
+    if strict and (skipped or set(own) - set(usable)):
+        raise ValueError(f"weights in {path} do not match the model: {skipped[:5]}")
+    return skipped

@@ -1,0 +1,155 @@
+"""`bigbatch plan` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bigbatch.cli.main import main
+
+
+def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "plan",
+        "--arch",
+        "resnet10t",
+        "--size",
+        "32",
+        "--batch",
+        "64",
+        "--budget",
+        "4GiB",
+        "--json",
+        "--no-calibrate",
+    ]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in (
+        "micro_batch",
+        "accum_steps",
+        "predicted_peak_bytes",
+        "budget_bytes",
+        "arch",
+        "size",
+    ):
+        assert key in plan
+    assert plan["micro_batch"] * plan["accum_steps"] >= 64
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+
+
+def test_table_csv_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv_path, png = tmp_path / "table.csv", tmp_path / "peaks.png"
+    args = [
+        "plan",
+        "--arch",
+        "resnet10t,mobilenetv3_small_050",
+        "--size",
+        "32,64",
+        "--batch",
+        "128",
+    ]
+    args += [
+        "--budget",
+        "3GiB",
+        "--overhead",
+        "0",
+        "--csv",
+        str(csv_path),
+        "--plot",
+        str(png),
+        "--no-calibrate",
+    ]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["arch"], r["size"]) for r in rows] == [
+        ("resnet10t", 32),
+        ("resnet10t", 64),
+        ("mobilenetv3_small_050", 32),
+        ("mobilenetv3_small_050", 64),
+    ]
+    assert csv_path.read_text().splitlines()[0].startswith("arch,size,fits,floor_bytes")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "resnet10t" in table and "predicted peak" in table
+
+
+def test_user_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "net.py").write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+            def build():
+                return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+            def broken():
+                raise ValueError("no such checkpoint")
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "net:build",
+                "--input-shape",
+                "64",
+                "--batch",
+                "32",
+                "--budget",
+                "64MiB",
+                "--overhead",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["micro_batch"] == 32
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "net:broken",
+                "--input-shape",
+                "64",
+                "--batch",
+                "32",
+                "--budget",
+                "64MiB",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "no such checkpoint" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--arch", "resnet19"], "did you mean resnet18"),
+        (["--arch", "resnet10t", "--budget", "eight gigs"], "cannot read the memory size"),
+        (
+            ["--arch", "resnet10t", "--budget", "1MiB", "--overhead", "0"],
+            "does not fit: it needs",
+        ),
+        (["--model", "net:build"], "needs --input-shape"),
+    ],
+)
+def test_bad_input_is_one_clear_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["plan", "--size", "32", "--batch", "16", "--no-calibrate"]
+    if "--budget" not in args:
+        base += ["--budget", "4GiB"]
+    assert main([*base, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,167 @@
+"""OOM recovery: the back-off re-runs the same samples, so the weights equal a run without OOM."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigbatch import Accumulator
+from bigbatch.memory.oom import OOMBackoff, OutOfMemoryAtMinimumError, is_oom, run_window
+
+TOL64 = 1e-12
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    ).double()
+
+
+def _windows(n: int = 3, size: int = 40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(size, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (size,), generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+def _train(start: torch.nn.Module, backoff: OOMBackoff, fault: object = None) -> torch.nn.Module:
+    """Train on the windows; ``fault(micro_batch_size)`` may raise an injected OOM."""
+    model = copy.deepcopy(start)
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        if fault is not None:
+            fault(len(y))  # type: ignore[operator]
+        return F.cross_entropy(model(x), y)
+
+    for window in _windows():
+        run_window(acc, window, loss_fn, backoff)
+    return model
+
+
+def _max_rel(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(
+        float(((p - q).abs().max() / q.abs().max()).detach())
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def test_injected_oom_backs_off_without_changing_the_weights() -> None:
+    start = _model()
+    reference = _train(start, OOMBackoff(micro_batch=40))  # no OOM: one micro-batch per window
+
+    def fault(size: int) -> None:
+        if size > 8:  # like a GPU where only 8 samples fit
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    backoff = OOMBackoff(micro_batch=32, grow_after=0)
+    recovered = _train(start, backoff, fault)
+    assert [(e.old, e.new, e.reason) for e in backoff.events] == [(32, 16, "oom"), (16, 8, "oom")]
+    assert backoff.micro_batch == 8
+    assert _max_rel(recovered, reference) <= TOL64
+
+
+def test_naive_resume_after_oom_would_change_the_weights() -> None:
+    # Negative control: re-running a window after OOM but keeping the failed part's gradient
+    # (no discard) double-counts samples, which the equality check above would catch.
+    start = _model()
+    reference = _train(start, OOMBackoff(micro_batch=40))
+    model = copy.deepcopy(start)
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    for x, y in _windows():
+        acc.backward(F.cross_entropy(model(x[:16]), y[:16]), count=16)  # then "OOM" at the next
+        for xb, yb in zip(x.split(8), y.split(8), strict=True):
+            acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))
+        acc.step()
+    assert _max_rel(model, reference) > 1e-3
+
+
+def test_grows_back_after_clean_windows_and_waits_longer_after_a_failed_grow() -> None:
+    attempts = {"n": 0}
+
+    def fault(size: int) -> None:
+        attempts["n"] += 1
+        if size > 16:
+            raise RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"
+            )
+
+    backoff = OOMBackoff(micro_batch=32, grow_after=1)
+    _train(_model(), backoff, fault)
+    reasons = [(e.old, e.new, e.reason) for e in backoff.events]
+    assert reasons[:3] == [(32, 16, "oom"), (16, 32, "grow"), (32, 16, "oom")]
+    assert backoff.grow_after == 2
+
+
+def test_clear_error_at_micro_batch_one() -> None:
+    def always(size: int) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    backoff = OOMBackoff(micro_batch=4)
+    with pytest.raises(OutOfMemoryAtMinimumError, match=r"even at micro-batch 1.*bigbatch plan"):
+        _train(_model(), backoff, always)
+    assert [e.new for e in backoff.events] == [2, 1]
+
+
+def test_other_errors_are_not_swallowed() -> None:
+    def bug(size: int) -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        _train(_model(), OOMBackoff(micro_batch=8), bug)
+
+
+def test_is_oom_by_type_then_message() -> None:
+    assert is_oom(torch.cuda.OutOfMemoryError("x"))
+    assert is_oom(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes")
+    )
+    assert is_oom(RuntimeError("could not create a primitive"))
+    assert not is_oom(RuntimeError("Expected all tensors to be on the same device"))
+    assert not is_oom(ValueError("out of memory"))  # only RuntimeErrors are read by message
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc are Linux's")
+def test_real_cpu_oom_in_a_subprocess(tmp_path: Path) -> None:
+    script = Path(__file__).with_name("real_oom_script.py")
+    out = tmp_path / "weights.pt"
+    # A fixed mmap threshold keeps glibc from segfaulting when an allocation fails mid-kernel.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    done = subprocess.run(
+        [sys.executable, str(script), "200", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(512, 256)" in done.stdout  # it really ran out of memory and backed off
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 32768), torch.nn.ReLU(), torch.nn.Linear(32768, 10)
+    ).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 256, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (512,), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    got = torch.load(out, weights_only=True)
+    for name, p in model.state_dict().items():
+        assert float((got[name] - p).abs().max() / p.abs().max()) <= TOL64, name

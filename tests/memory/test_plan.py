@@ -1,0 +1,83 @@
+"""The planner's choice fits: one real step at the chosen micro-batch stays under the budget."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.calibrate import calibrate
+from bigbatch.memory.measure import measure_step_peak
+from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
+from bigbatch.memory.predict import StepSpec
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def spec_at(b: int) -> StepSpec:
+    return StepSpec(cnn, (3, 32, 32), b)
+
+
+def test_chosen_micro_batch_fits_when_really_run() -> None:
+    budget = 40 * 2**20
+    plan = plan_micro_batch(spec_at, 256, budget, overhead=0, calibration=calibrate(spec_at(2)))
+    assert 1 <= plan.micro_batch < 256
+    assert plan.accum_steps * plan.micro_batch >= 256 > (plan.accum_steps - 1) * plan.micro_batch
+    assert plan.predicted_peak_bytes <= plan.usable_bytes
+    measured = measure_step_peak(spec_at(plan.micro_batch))
+    assert measured <= budget, f"measured {format_bytes(measured)} over the budget"
+    # The largest micro-batch that fits is really the largest: one more is predicted over.
+    assert plan_micro_batch(spec_at, plan.max_micro_batch + 1, budget, overhead=0).accum_steps == 2
+
+
+def test_whole_target_when_it_fits() -> None:
+    plan = plan_micro_batch(spec_at, 8, "1GiB", overhead=0)
+    assert (plan.micro_batch, plan.accum_steps) == (8, 1)
+
+
+def test_micro_batches_are_balanced() -> None:
+    plan = plan_micro_batch(spec_at, 100, "1GiB", overhead=0, max_micro_batch=40)
+    assert (plan.accum_steps, plan.micro_batch) == (3, 34)  # not 40 + 40 + 20
+
+
+def test_budget_below_the_floor_explains_the_floor() -> None:
+    with pytest.raises(
+        DoesNotFitError, match=r"even micro-batch 1 does not fit.*weights.*adamw state.*try"
+    ):
+        plan_micro_batch(spec_at, 64, 200_000, overhead=0)
+
+
+def test_overhead_larger_than_the_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match="leaves nothing"):
+        plan_micro_batch(spec_at, 64, "100MiB", overhead=200 * 2**20)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("8GB", 8 * 10**9),
+        ("16GiB", 16 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5G", int(1.5 * 2**30)),
+        (" 10 mb ", 10**7),
+    ],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["eight gigs", "8XB", "-1GB", "0", ""])
+def test_parse_bytes_rejects_with_the_fix(text: str) -> None:
+    with pytest.raises(ValueError, match=r"GB|positive"):
+        parse_bytes(text)

@@ -1,0 +1,99 @@
+"""Predicted peak vs the profiler's measured peak on CPU, for small models (kept fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from bigbatch.memory.calibrate import calibrate
+from bigbatch.memory.measure import measure_step_peak
+from bigbatch.memory.predict import StepSpec, predict_peak
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def bn_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1, stride=2),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+def _err(pred: int, real: int) -> float:
+    return abs(pred - real) / real
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_mlp_prediction_matches_measurement(optimizer: str) -> None:
+    spec = StepSpec(mlp, (128,), 32, optimizer=optimizer)
+    assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.01
+
+
+def test_transformer_encoder_built_on_meta_is_predicted() -> None:
+    spec = StepSpec(Encoder, (16, 32), 16)
+    assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.03
+
+
+def test_calibration_adds_the_cpu_convolution_workspaces() -> None:
+    spec = StepSpec(bn_cnn, (3, 32, 32), 16)
+    real = measure_step_peak(spec)
+    raw = predict_peak(spec)
+    calibrated = predict_peak(spec, calibration=calibrate(spec))
+    assert _err(raw.peak_bytes, real) > 0.10  # fake tensors alone miss oneDNN's workspaces
+    assert _err(calibrated.peak_bytes, real) <= 0.05
+    assert calibrated.workspace_bytes > 0 and not calibrated.notes
+
+
+def test_breakdown_adds_up_and_names_the_optimizer_state() -> None:
+    p = predict_peak(StepSpec(lambda: nn.Linear(1000, 1000), (1000,), 8, optimizer="adamw"))
+    params = 1000 * 1000 * 4 + 1000 * 4
+    assert p.parameters == params
+    assert p.optimizer_state >= 2 * params  # exp_avg and exp_avg_sq
+    parts = p.parameters + p.gradients + p.optimizer_state + p.activations + p.temporaries
+    assert parts + p.workspace_bytes == p.peak_bytes
+    assert "adamw state" in p.breakdown()
+
+
+def test_cuda_target_is_predicted_without_a_gpu() -> None:
+    cpu = predict_peak(StepSpec(mlp, (128,), 8, device="cpu"))
+    cuda = predict_peak(StepSpec(mlp, (128,), 8, device="cuda"))
+    assert cuda.device == "cuda"
+    assert cuda.parameters > cpu.parameters  # 512-byte blocks round each bias up
+    assert cuda.peak_bytes % 512 == 0
+
+
+def test_bf16_predicts_less_activation_memory() -> None:
+    fp32 = predict_peak(StepSpec(bn_cnn, (3, 64, 64), 32, precision="fp32"))
+    bf16 = predict_peak(StepSpec(bn_cnn, (3, 64, 64), 32, precision="bf16"))
+    assert bf16.activations < fp32.activations
+
+
+def test_prediction_allocates_nothing() -> None:
+    # 4 GB of weights would not fit this test's budget if they were real.
+    big = StepSpec(lambda: nn.Linear(32768, 32768), (32768,), 4, optimizer="sgd")
+    p = predict_peak(big)
+    assert p.parameters > 4 * 2**30
