@@ -182,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
             plan.confirmed_peak_bytes = _confirm(plan, spec_at(plan.micro_batch))
         if args.plot:  # a smooth curve: the powers of two the search did not visit
             seen = {b for b, _ in plan.curve}
-            extra = [2**k for k in range(args.batch.bit_length()) if 2**k not in seen]
+            smallest = min(seen)  # 2 where BatchNorm cannot train on one sample
+            extra = [
+                2**k for k in range(args.batch.bit_length()) if 2**k not in seen and 2**k > smallest
+            ]
             plan.curve = sorted(
                 plan.curve
                 + [(b, predict_peak(spec_at(b), calibration=calibration).peak_bytes) for b in extra]
