@@ -29,6 +29,7 @@ test: lint typecheck unit
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo_digits.py
+	$(BIN)/bigbatch demo --out demo_output
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -1,0 +1,40 @@
+"""``bigbatch predict RUN_DIR IMAGES --tta N``: class probabilities (.npz) and labels (.csv)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigbatch.cli import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", type=Path, help="a run folder written by bigbatch train")
+    p.add_argument("images", type=Path, help="a folder of images (searched recursively)")
+    p.add_argument(
+        "--tta",
+        type=int,
+        default=2,
+        help="passes: 1 plain, 2 adds the flip, more add augmented crops",
+    )
+    p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument("--out", type=Path, help="output path without suffix (default: RUN/predictions)")
+    p.add_argument("--device", default="cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.train.config import ConfigError
+    from bigbatch.train.data import DataError
+    from bigbatch.train.predict import predict_folder, save_predictions
+
+    try:
+        pred = predict_folder(
+            args.run, args.images, tta=args.tta, checkpoint=args.checkpoint, device=args.device
+        )
+    except (ConfigError, DataError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    npz, csv_path = save_predictions(pred, args.out or args.run / "predictions")
+    print(
+        f"{len(pred.files)} images, {args.tta} TTA pass(es): probabilities in {npz}, labels in {csv_path}"
+    )
+    return 0

@@ -1,0 +1,58 @@
+"""``bigbatch train CONFIG.toml key=value ...``: train one model into a run folder."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigbatch.cli import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="a TOML file of training keys (optional)")
+    p.add_argument(
+        "overrides", nargs="*", help="key=value pairs that override the file, e.g. epochs=3"
+    )
+    p.add_argument("--out", type=Path, help="the run folder (default: runs/<arch>-<size>)")
+    p.add_argument(
+        "--resume", type=Path, metavar="RUN_DIR", help="continue this run after a crash or kill"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.train.config import ConfigError, config_from_json, load_config
+    from bigbatch.train.data import DataError
+    from bigbatch.train.loop import train
+
+    overrides = list(args.overrides)
+    config = args.config
+    if config and "=" in config and not config.endswith(".toml"):
+        overrides.insert(0, config)  # only overrides were given
+        config = None
+    try:
+        if args.resume and not config and not overrides:
+            saved = args.resume / "config.json"
+            if not saved.is_file():
+                raise ConfigError(f"--resume {args.resume}: no run there (config.json is missing)")
+            cfg = config_from_json(saved.read_text())
+        else:
+            cfg = load_config(config, overrides)
+        run_dir = (
+            args.resume
+            or args.out
+            or Path("runs") / f"{Path(cfg.model).name or cfg.arch}-{cfg.size}"
+        )
+        result = train(
+            cfg,
+            run_dir,
+            resume=args.resume is not None,
+            progress=False if args.no_progress else None,
+        )
+    except (ConfigError, DataError) as exc:
+        raise UserError(str(exc)) from exc
+    print(f"\nrun folder: {result.run_dir}  (best {cfg.monitor} {result.best_metric:.4f})")
+    print(
+        "  best.safetensors, last.safetensors, last.pt (resume), history.csv, history.png, plan.json, config.json"
+    )
+    return 0

@@ -1,0 +1,42 @@
+"""Checkpoints: model weights as safetensors, training state loadable with ``weights_only=True``.
+
+Both are written atomically (temporary file, fsync, rename): a crash or a full disk while
+saving leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.io import atomic_path, atomic_write_bytes
+
+__all__ = ["load_state", "load_weights_file", "save_state", "save_weights"]
+
+
+def save_weights(model: nn.Module, path: str | Path) -> None:
+    from safetensors.torch import save_model
+
+    with atomic_path(path) as tmp:
+        save_model(model, str(tmp))
+
+
+def load_weights_file(model: nn.Module, path: str | Path) -> None:
+    from safetensors.torch import load_model
+
+    load_model(model, str(path))
+
+
+def save_state(state: dict[str, Any], path: str | Path) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_state(path: str | Path) -> dict[str, Any]:
+    # weights_only: never unpickle arbitrary objects from a file on disk.
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,253 @@
+"""Image data: a folder of class sub-folders or a CSV of ``file,label``; checked before training.
+
+Every file is opened once up front (a few ms each): unreadable images are skipped and counted
+(or stop the run, with ``bad_images="error"``), and empty classes, missing files and labels the
+training set never saw are errors that name the file, before any long work starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = [
+    "DataError",
+    "ImageDataset",
+    "ImageItems",
+    "build_transforms",
+    "list_images",
+    "scan_csv",
+    "scan_folder",
+]
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class DataError(ValueError):
+    """A problem with the data, naming the file or folder and the fix."""
+
+
+@dataclass
+class ImageItems:
+    """A list of image files with class indices, and what was skipped on the way."""
+
+    files: list[Path]
+    labels: list[int]
+    classes: list[str]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def subset(self, index: Sequence[int]) -> ImageItems:
+        return ImageItems(
+            [self.files[i] for i in index], [self.labels[i] for i in index], self.classes
+        )
+
+
+def _readable(path: Path) -> str:
+    """'' when PIL can decode the image, else the reason."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+        return ""
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _check_images(
+    files: list[Path], labels: list[int], bad_images: str
+) -> tuple[list[Path], list[int], list[tuple[Path, str]]]:
+    keep_f, keep_l, skipped = [], [], []
+    for f, label in zip(files, labels, strict=True):
+        problem = _readable(f)
+        if problem:
+            if bad_images == "error":
+                raise DataError(
+                    f"cannot read image {f}: {problem}; remove it, or set bad_images=skip"
+                )
+            skipped.append((f, problem))
+            continue
+        keep_f.append(f)
+        keep_l.append(label)
+    return keep_f, keep_l, skipped
+
+
+def list_images(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+
+
+def scan_folder(
+    root: str | Path, *, classes: Sequence[str] | None = None, bad_images: str = "skip"
+) -> ImageItems:
+    """One sub-folder per class. ``classes`` (from training) fixes the order and rejects new ones."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data folder {root} does not exist")
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
+        raise DataError(
+            f"{root} has no class sub-folders; put each class's images in {root}/<class>/"
+        )
+    names = [p.name for p in folders]
+    if classes is not None:
+        unseen = sorted(set(names) - set(classes))
+        if unseen:
+            raise DataError(f"{root} has classes the training data does not: {', '.join(unseen)}")
+    order = list(classes) if classes is not None else names
+    files: list[Path] = []
+    labels: list[int] = []
+    for folder in folders:
+        images = list_images(folder)
+        if not images:
+            raise DataError(
+                f"class folder {folder} has no images ({', '.join(sorted(IMAGE_SUFFIXES))}); add some or remove it"
+            )
+        files += images
+        labels += [order.index(folder.name)] * len(images)
+    files, labels, skipped = _check_images(files, labels, bad_images)
+    return ImageItems(files, labels, order, skipped)
+
+
+def scan_csv(
+    path: str | Path,
+    *,
+    image_root: str | Path | None = None,
+    classes: Sequence[str] | None = None,
+    bad_images: str = "skip",
+) -> ImageItems:
+    """A CSV with a header; the first column is the file (relative to ``image_root``), the second
+    the label."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"CSV {path} does not exist")
+    root = Path(image_root) if image_root else path.parent
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 2 or len(rows[0]) < 2:
+        raise DataError(f"{path} needs a header and rows of file,label")
+    body = [r for r in rows[1:] if r]
+    missing = [r[0] for r in body if not (root / r[0]).is_file()]
+    if missing:
+        raise DataError(
+            f"{len(missing)} file(s) named in {path} do not exist under {root}, e.g. {missing[0]!r}; "
+            "fix the CSV or set image_root"
+        )
+    labels_text = [r[1] for r in body]
+    if classes is None:
+        order = sorted(set(labels_text))
+    else:
+        unseen = sorted(set(labels_text) - set(classes))
+        if unseen:
+            raise DataError(
+                f"{path} has labels the training data does not: {', '.join(unseen[:10])}"
+            )
+        order = list(classes)
+    files = [root / r[0] for r in body]
+    files, labels, skipped = _check_images(files, [order.index(t) for t in labels_text], bad_images)
+    return ImageItems(files, labels, order, skipped)
+
+
+def load_items(
+    source: str,
+    image_root: str = "",
+    *,
+    classes: Sequence[str] | None = None,
+    bad_images: str = "skip",
+) -> ImageItems:
+    if source.lower().endswith(".csv"):
+        return scan_csv(
+            source, image_root=image_root or None, classes=classes, bad_images=bad_images
+        )
+    return scan_folder(source, classes=classes, bad_images=bad_images)
+
+
+def split_items(items: ImageItems, valid_pct: float, seed: int) -> tuple[ImageItems, ImageItems]:
+    """A seeded random split (the same seed always gives the same validation set)."""
+    index = list(range(len(items)))
+    random.Random(seed).shuffle(index)
+    n_valid = round(len(items) * valid_pct)
+    if valid_pct > 0 and n_valid == 0:
+        n_valid = 1
+    train = items.subset(sorted(index[n_valid:]))
+    valid = items.subset(sorted(index[:n_valid]))
+    if len(train) == 0:
+        raise DataError(f"no training images left after holding out valid_pct={valid_pct}")
+    return train, valid
+
+
+def build_transforms(
+    size: int, item_transform: str, *, train: bool, augment: bool, flip: bool = False
+) -> Callable[[Any], torch.Tensor]:
+    """Item resize (squish or crop), light augmentation when training, tensor + normalise."""
+    from torchvision.transforms import v2 as T
+
+    if item_transform == "squish":
+        resize: list[Any] = [T.Resize((size, size), antialias=True)]
+    else:
+        resize = [T.Resize(size, antialias=True), T.CenterCrop(size)]
+    steps: list[Any] = [T.ToImage(), *resize]
+    if train and augment:
+        steps += [
+            T.RandomHorizontalFlip(),
+            T.RandomResizedCrop(size, scale=(0.75, 1.0), antialias=True),
+        ]
+    if flip:
+        steps.append(T.RandomHorizontalFlip(p=1.0))
+    steps += [T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
+    return T.Compose(steps)
+
+
+class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(
+        self,
+        files: Sequence[Path],
+        labels: Sequence[int] | None,
+        transform: Callable[[Any], torch.Tensor],
+    ) -> None:
+        self.files = list(files)
+        self.labels = list(labels) if labels is not None else [-1] * len(self.files)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as im:
+            image = im.convert("RGB")
+        return self.transform(image), self.labels[i]
+
+
+def make_loader(
+    dataset: Dataset[Any], batch_size: int, *, shuffle: bool, seed: int, num_workers: int
+) -> DataLoader[Any]:
+    """A DataLoader whose order (and augmentation, through worker seeds) depends only on ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=g,
+        num_workers=num_workers,
+        persistent_workers=False,
+    )
+
+
+def class_counts(items: ImageItems) -> dict[str, int]:
+    counts = Counter(items.labels)
+    return {name: counts.get(i, 0) for i, name in enumerate(items.classes)}

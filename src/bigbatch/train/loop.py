@@ -1,0 +1,452 @@
+"""``bigbatch train``: data -> model -> plan -> exact accumulation with OOM back-off -> checkpoints.
+
+A thin composition of the library: the planner picks micro-batch x accumulation for the target
+batch, each window (one target batch) goes through :func:`~bigbatch.memory.oom.run_window`, and
+every epoch ends with validation, atomic checkpoints, ``history.csv`` and a plot. A run folder
+is resumable: finished epochs are never redone, and the resumed run ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigbatch.accumulate import Accumulator
+from bigbatch.inexact import find_inexact_layers
+from bigbatch.io import atomic_write_text
+from bigbatch.memory.oom import OOMBackoff, run_window
+from bigbatch.memory.predict import StepSpec
+from bigbatch.train.checkpoint import load_state, save_state, save_weights
+from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+from bigbatch.train.data import (
+    ImageDataset,
+    ImageItems,
+    build_transforms,
+    class_counts,
+    load_items,
+    make_loader,
+    split_items,
+)
+from bigbatch.train.metrics import ClassificationMetrics
+from bigbatch.train.report import plot_history, write_history
+
+__all__ = ["TrainResult", "build_model", "prepare_data", "resolve_device", "train"]
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    best_metric: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name != "auto":
+        device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={name} but no CUDA device is available; use device=cpu or auto"
+            )
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision != "auto":
+        if precision == "fp16" and device.type == "cpu":
+            raise ConfigError("precision=fp16 needs a GPU; on CPU use fp32 or bf16")
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"  # CPU bf16 is slow on most CPUs; MPS autocast is young
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
+    """A zero-argument factory for the configured model (timm by name, or module:factory)."""
+    if cfg.model:
+        from bigbatch.cli._load import load_object
+
+        user = load_object(cfg.model, "model")
+
+        def build_user() -> nn.Module:
+            return user(num_classes)
+
+        return build_user
+    from bigbatch.models import UnknownArchitectureError, timm_factory
+
+    try:
+        return timm_factory(
+            cfg.arch, num_classes=num_classes, img_size=cfg.size, weights=cfg.weights or None
+        )
+    except UnknownArchitectureError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageItems]:
+    items = load_items(cfg.data, cfg.image_root, bad_images=cfg.bad_images)
+    if cfg.valid:
+        valid = load_items(
+            cfg.valid, cfg.image_root, classes=items.classes, bad_images=cfg.bad_images
+        )
+        train_items = items
+    else:
+        train_items, valid = split_items(items, cfg.valid_pct, cfg.seed)
+        valid.skipped = []
+    skipped = items.skipped + (valid.skipped if cfg.valid else [])
+    if skipped:
+        log(
+            f"skipped {len(skipped)} unreadable image(s), e.g. {skipped[0][0]} ({skipped[0][1][:80]})"
+        )
+    counts = class_counts(train_items)
+    log(
+        f"data: {len(train_items)} training and {len(valid)} validation images, "
+        f"{len(items.classes)} classes ({', '.join(f'{k}: {v}' for k, v in list(counts.items())[:6])}"
+        f"{', ...' if len(counts) > 6 else ''})"
+    )
+    return train_items, valid
+
+
+def _check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
+    """The saved state to resume from, or None for a fresh run; refuses to mix two configs."""
+    saved_cfg = run_dir / "config.json"
+    state_path = run_dir / "last.pt"
+    if saved_cfg.exists():
+        old = config_from_json(saved_cfg.read_text())
+        diff = sorted(k for k, v in cfg.training_keys().items() if old.training_keys().get(k) != v)
+        if diff:
+            raise ConfigError(
+                f"run folder {run_dir} already holds a run with a different config "
+                f"({', '.join(f'{k}: {old.to_dict()[k]!r} -> {cfg.to_dict()[k]!r}' for k in diff[:5])}); "
+                "choose another --out folder, or pass the same config to resume"
+            )
+        if not resume and state_path.exists():
+            raise ConfigError(
+                f"run folder {run_dir} already holds this run; pass --resume {run_dir} to continue it "
+                "(finished epochs are kept), or choose another --out folder"
+            )
+    elif resume:
+        raise ConfigError(f"--resume {run_dir}: no run there (config.json is missing)")
+    return load_state(state_path) if resume and state_path.exists() else None
+
+
+def _head_parameters(model: nn.Module) -> set[int]:
+    getter = getattr(model, "get_classifier", None)
+    head = getter() if callable(getter) else None
+    if not isinstance(head, nn.Module) or not list(head.parameters()):
+        # Not a timm model: the last module with parameters is the head.
+        head = [m for m in model.modules() if list(m.parameters(recurse=False))][-1]
+    return {id(p) for p in head.parameters()}
+
+
+def _phases(cfg: TrainConfig) -> list[tuple[str, int]]:
+    if cfg.mode == "fine_tune" and cfg.freeze_epochs > 0:
+        return [("frozen", cfg.freeze_epochs), ("unfrozen", cfg.epochs)]
+    return [("all", cfg.epochs)]
+
+
+def _make_optimizer(
+    cfg: TrainConfig, model: nn.Module, phase: str, steps: int
+) -> tuple[torch.optim.Optimizer, Any]:
+    head = _head_parameters(model)
+    for p in model.parameters():
+        p.requires_grad_(phase != "frozen" or id(p) in head)
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = cfg.lr * (2.0 if phase == "frozen" else 1.0)  # the head alone takes a larger rate
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    sched: Any
+    if cfg.schedule == "one_cycle":
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, steps))
+    elif cfg.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps))
+    else:
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
+    return opt, sched
+
+
+def plan_for(
+    cfg: TrainConfig,
+    factory: Callable[[], nn.Module],
+    device: torch.device,
+    precision: str,
+    log: Log,
+) -> tuple[int, int]:
+    """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget."""
+    if cfg.micro_batch:
+        return cfg.micro_batch, cfg.micro_batch
+    from bigbatch.memory.budget import parse_bytes
+    from bigbatch.memory.calibrate import calibrate
+    from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
+
+    def spec_at(b: int) -> StepSpec:
+        return StepSpec(factory, (3, cfg.size, cfg.size), b, "adamw", precision, device.type)  # type: ignore[arg-type]
+
+    try:
+        calibration = calibrate(spec_at(2)) if device.type == "cpu" else None
+        overhead = None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True)
+        plan = plan_micro_batch(
+            spec_at,
+            cfg.batch,
+            cfg.budget,
+            device=device.type,
+            calibration=calibration,
+            overhead=overhead,
+        )
+    except (DoesNotFitError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"{cfg.model or cfg.arch} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
+    log(f"plan: {plan.summary()}")
+    return plan.micro_batch, plan.max_micro_batch
+
+
+def evaluate(
+    model: nn.Module, loader: Any, device: torch.device, precision: str
+) -> ClassificationMetrics:
+    from bigbatch.memory.predict import autocast_for
+
+    metrics = ClassificationMetrics()
+    model.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            with autocast_for(precision, device.type):
+                logits = model(x.to(device))
+            metrics.update(logits, y.to(device))
+    model.train()
+    return metrics
+
+
+def train(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    log: Log = print,
+    progress: bool | None = None,
+) -> TrainResult:
+    """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring."""
+    from bigbatch.memory.predict import autocast_for
+
+    cfg.validate()
+    run_dir = Path(run_dir)
+    state = _check_run_dir(run_dir, cfg, resume)
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    train_items, valid_items = prepare_data(cfg, log)
+    classes = train_items.classes
+    factory = build_model(cfg, len(classes))
+    micro, max_micro = plan_for(cfg, factory, device, precision, log)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(run_dir / "classes.json", json.dumps(classes))
+    plan_info = {
+        "micro_batch": micro,
+        "max_micro_batch": max_micro,
+        "target_batch": cfg.batch,
+        "precision": precision,
+        "device": str(device),
+        "seed": cfg.seed,
+    }
+    atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
+
+    torch.manual_seed(cfg.seed)
+    model = factory().to(device).train()
+    inexact = find_inexact_layers(model)
+    if inexact:
+        bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
+        log(
+            f"note: {bn} BatchNorm layer(s): each micro-batch is normalised with its own statistics, "
+            "so accumulation is exact for the loss but not for BatchNorm (the update equals the "
+            "big batch's only when the whole window fits one micro-batch)"
+            if bn
+            else "note: dropout draws different masks per micro-batch (exact in distribution)"
+        )
+    train_ds = ImageDataset(
+        train_items.files,
+        train_items.labels,
+        build_transforms(cfg.size, cfg.item_transform, train=True, augment=cfg.augment),
+    )
+    valid_ds = ImageDataset(
+        valid_items.files,
+        valid_items.labels,
+        build_transforms(cfg.size, cfg.item_transform, train=False, augment=False),
+    )
+    valid_loader = make_loader(
+        valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed, num_workers=cfg.num_workers
+    )
+    windows_per_epoch = math.ceil(len(train_ds) / cfg.batch)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    backoff = OOMBackoff(micro_batch=micro, max_micro_batch=max_micro, grow_after=cfg.grow_after)
+
+    history: list[dict[str, Any]] = []
+    best = math.inf
+    start_epoch = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        history = json.loads(state["history"])
+        best = float(state["best"])
+        start_epoch = int(state["epoch"]) + 1
+        backoff.micro_batch = int(state["micro_batch"])
+        log(f"resuming {run_dir} after epoch {start_epoch} of {sum(n for _, n in _phases(cfg))}")
+
+    sign = 1.0 if cfg.monitor in ("valid_loss", "error_rate") else -1.0
+    epoch = 0
+    for phase, n_epochs in _phases(cfg):
+        phase_start = epoch
+        epoch += n_epochs
+        if start_epoch >= epoch:
+            continue  # a finished phase
+        opt, sched = _make_optimizer(cfg, model, phase, n_epochs * windows_per_epoch)
+        plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        # model= is not passed: the BatchNorm note above replaces the library's warning.
+        acc = Accumulator(opt, scheduler=None if plateau else sched, scaler=scaler)
+        if state is not None and state["phase"] == phase and start_epoch > phase_start:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            acc.load_state_dict(state["accumulator"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+        for e in range(max(phase_start, start_epoch), epoch):
+            # Order, augmentation and dropout depend only on (seed, epoch): a resumed run
+            # replays exactly what the uninterrupted run would have done.
+            torch.manual_seed(cfg.seed + e)
+            loader = make_loader(
+                train_ds,
+                cfg.batch,
+                shuffle=True,
+                seed=cfg.seed * 1000 + e,
+                num_workers=cfg.num_workers,
+            )
+            t0 = time.perf_counter()
+            loss_sum = count = 0.0
+            show = _progress(progress, windows_per_epoch, f"epoch {e + 1}/{epoch} ({phase})")
+            for x, y in loader:
+
+                def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                    with autocast_for(precision, device.type):
+                        logits = model(batch[0].to(device, non_blocking=True))
+                    return F.cross_entropy(logits.float(), batch[1].to(device, non_blocking=True))
+
+                result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+                loss_sum += result.loss * result.count
+                count += result.count
+                show.advance(
+                    len(y),
+                    backoff.micro_batch,
+                    acc_steps=math.ceil(len(y) / backoff.micro_batch),
+                    device=device,
+                )
+            show.close()
+            metrics = evaluate(model, valid_loader, device, precision)
+            if plateau:
+                sched.step(metrics.loss)
+            row = {
+                "epoch": e + 1,
+                "phase": phase,
+                "train_loss": loss_sum / max(count, 1),
+                "valid_loss": metrics.loss,
+                "accuracy": metrics.accuracy,
+                "error_rate": metrics.error_rate,
+                "lr": opt.param_groups[0]["lr"],
+                "micro_batch": backoff.micro_batch,
+                "optimizer_steps": acc.optimizer_step,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+            history.append(row)
+            value = metrics.as_dict()[cfg.monitor] if cfg.monitor != "valid_loss" else metrics.loss
+            improved = sign * value < sign * best if math.isfinite(best) else True
+            if improved:
+                best = value
+                save_weights(model, run_dir / "best.safetensors")
+                atomic_write_text(
+                    run_dir / "best.json", json.dumps({"epoch": e + 1, cfg.monitor: value})
+                )
+            save_weights(model, run_dir / "last.safetensors")
+            save_state(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "accumulator": acc.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else {},
+                    "epoch": e,
+                    "phase": phase,
+                    "best": best,
+                    "micro_batch": backoff.micro_batch,
+                    "history": json.dumps(history),
+                },
+                run_dir / "last.pt",
+            )
+            write_history(history, run_dir / "history.csv")
+            plot_history(
+                history, run_dir / "history.png", title=f"{cfg.model or cfg.arch} @ {cfg.size}"
+            )
+            log(
+                f"epoch {e + 1}: train loss {row['train_loss']:.4f}  valid loss {metrics.loss:.4f}  "
+                f"accuracy {metrics.accuracy:.4f}  ({row['seconds']} s, micro-batch {backoff.micro_batch})"
+                + ("  * best" if improved else "")
+            )
+    sign_best = {"monitor": cfg.monitor, "best": best, "epochs": len(history)}
+    atomic_write_text(run_dir / "done.json", json.dumps(sign_best))
+    return TrainResult(run_dir, best, history, classes)
+
+
+class _Progress:
+    """A rich progress bar with samples/s, peak memory and micro-batch x accumulation; silent
+    when the output is not a terminal."""
+
+    def __init__(self, enabled: bool, total: int, title: str) -> None:
+        self.bar: Any = None
+        self.samples = 0
+        self.t0 = time.perf_counter()
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=True,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(title, total=total, info="")
+
+    def advance(self, samples: int, micro: int, *, acc_steps: int, device: torch.device) -> None:
+        self.samples += samples
+        if self.bar is None:
+            return
+        rate = self.samples / max(time.perf_counter() - self.t0, 1e-9)
+        peak = ""
+        if device.type == "cuda":
+            peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+        self.bar.update(
+            self.task, advance=1, info=f"{rate:.0f} samples/s, {acc_steps} x {micro}{peak}"
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _progress(enabled: bool | None, total: int, title: str) -> _Progress:
+    return _Progress(sys.stderr.isatty() if enabled is None else enabled, total, title)

@@ -1,0 +1,55 @@
+"""history.csv and the training-curves plot, rewritten atomically after every epoch."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from bigbatch.io import atomic_write_bytes, atomic_write_text
+
+__all__ = ["plot_history", "write_history"]
+
+
+def write_history(rows: list[dict[str, Any]], path: str | Path) -> None:
+    if not rows:
+        return
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train loss")
+    ax_loss.plot(epochs, [r["valid_loss"] for r in rows], marker="o", label="valid loss")
+    ax_loss.set_xlabel("epoch")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    ax_loss.grid(True, alpha=0.3)
+    ax_metric.plot(
+        epochs, [r["accuracy"] for r in rows], marker="o", color="green", label="accuracy"
+    )
+    ax_metric.plot(
+        epochs, [r["error_rate"] for r in rows], marker="o", color="red", label="error rate"
+    )
+    ax_metric.set_xlabel("epoch")
+    ax_metric.set_ylim(0, 1)
+    ax_metric.legend()
+    ax_metric.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
