@@ -187,17 +187,21 @@ def plan_for(
     precision: str,
     log: Log,
 ) -> tuple[int, int]:
-    """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget."""
-    if cfg.micro_batch:
-        return cfg.micro_batch, cfg.micro_batch
+    """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
+    Either way the model runs once on fake tensors first, so a model that cannot take the input
+    size fails here, in a second, not after the data is loaded and an epoch is half done."""
     from bigbatch.memory.budget import parse_bytes
     from bigbatch.memory.calibrate import calibrate
     from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
+    from bigbatch.memory.predict import predict_peak
 
     def spec_at(b: int) -> StepSpec:
         return StepSpec(factory, (3, cfg.size, cfg.size), b, "adamw", precision, device.type)  # type: ignore[arg-type]
 
     try:
+        if cfg.micro_batch:
+            predict_peak(spec_at(2))
+            return cfg.micro_batch, cfg.micro_batch
         calibration = calibrate(spec_at(2)) if device.type == "cpu" else None
         overhead = None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True)
         plan = plan_micro_batch(
@@ -208,9 +212,9 @@ def plan_for(
             calibration=calibration,
             overhead=overhead,
         )
-    except (DoesNotFitError, ValueError) as exc:
+    except DoesNotFitError as exc:
         raise ConfigError(str(exc)) from exc
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:
         raise ConfigError(
             f"{cfg.model or cfg.arch} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc

@@ -1,0 +1,18 @@
+"""`bigbatch demo`: the whole job on the bundled digits (one epoch here, to stay fast)."""
+
+from pathlib import Path
+
+import pytest
+
+from bigbatch.cli.main import main
+
+
+def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--out", str(tmp_path), "--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: target batch 128" in out and "ensemble" in out
+    submission = (tmp_path / "runs" / "submission.csv").read_text().splitlines()
+    assert submission[0] == "image_id,label" and len(submission) == 1 + 197
+    assert all(row.split(",")[1] in {str(d) for d in range(10)} for row in submission[1:])
+    for member in ("resnet10t", "convnext"):
+        assert (tmp_path / "runs" / member / "history.png").is_file()

@@ -1,0 +1,66 @@
+"""Tiny generated image folders and a tiny model, so end-to-end runs take seconds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+CLASSES = ("red", "green", "blue")
+
+TINY_MODEL = """
+import torch
+from torch import nn
+
+def tiny(num_classes):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes),
+    )
+
+def fixed_size(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
+"""
+
+
+def write_images(folder: Path, n_per_class: int = 10, seed: int = 0, size: int = 16) -> None:
+    rng = np.random.default_rng(seed)
+    for c, name in enumerate(CLASSES):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(n_per_class):
+            pixels = rng.integers(0, 80, (size, size, 3))
+            pixels[..., c] += 150
+            Image.fromarray(pixels.astype(np.uint8)).save(folder / name / f"{name}_{i}.png")
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    write_images(tmp_path / "train")
+    return tmp_path / "train"
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "tinymodel.py").write_text(TINY_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tinymodel", None)
+    return "tinymodel:tiny"
+
+
+def base_overrides(data: Path, model: str) -> list[str]:
+    return [
+        f"data={data}",
+        f"model={model}",
+        "size=16",
+        "batch=12",
+        "micro_batch=4",
+        "epochs=2",
+        "mode=fit",
+        "device=cpu",
+        "num_workers=0",
+        "lr=0.01",
+    ]

@@ -1,0 +1,200 @@
+"""train -> predict with TTA -> ensemble -> submission, on tiny generated folders; resume; bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import base_overrides, write_images
+from safetensors.torch import load_file
+
+import bigbatch.train.loop as loop
+from bigbatch.cli.main import main
+from bigbatch.ensemble import run_ensemble
+from bigbatch.train.config import ConfigError, load_config
+from bigbatch.train.loop import train
+from bigbatch.train.predict import load_predictions, predict_folder, save_predictions
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_train_writes_the_run_folder(image_folder: Path, tiny_model: str, tmp_path: Path) -> None:
+    cfg = load_config(overrides=base_overrides(image_folder, tiny_model))
+    result = train(cfg, tmp_path / "run", log=quiet)
+    run = tmp_path / "run"
+    for name in (
+        "best.safetensors",
+        "last.safetensors",
+        "last.pt",
+        "history.csv",
+        "history.png",
+        "plan.json",
+        "config.json",
+        "done.json",
+    ):
+        assert (run / name).is_file(), name
+    assert len(result.history) == 2
+    assert result.history[-1]["optimizer_steps"] == 2 * 2  # 24 training images / batch 12
+    assert (run / "history.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((run / "plan.json").read_text())["micro_batch"] == 4
+
+
+def test_timm_model_and_planner(image_folder: Path, tmp_path: Path) -> None:
+    cfg = load_config(
+        overrides=[
+            f"data={image_folder}",
+            "arch=resnet10t",
+            "size=32",
+            "batch=12",
+            "epochs=1",
+            "mode=fine_tune",
+            "freeze_epochs=1",
+            "budget=4GiB",
+            "device=cpu",
+            "num_workers=0",
+        ]
+    )
+    lines: list[str] = []
+    result = train(cfg, tmp_path / "run", log=lines.append)
+    assert any(line.startswith("plan: target batch 12") for line in lines)
+    assert [r["phase"] for r in result.history] == ["frozen", "unfrozen"]
+
+
+def test_predict_with_tta_and_files(image_folder: Path, tiny_model: str, tmp_path: Path) -> None:
+    train(
+        load_config(overrides=base_overrides(image_folder, tiny_model)), tmp_path / "run", log=quiet
+    )
+    write_images(tmp_path / "test", n_per_class=2, seed=5)
+    pred = predict_folder(tmp_path / "run", tmp_path / "test", tta=3)
+    assert pred.probs.shape == (6, 3)
+    np.testing.assert_allclose(pred.probs.sum(axis=1), 1.0, rtol=1e-6)
+    npz, csv_path = save_predictions(pred, tmp_path / "out" / "preds")
+    again = load_predictions(npz)  # allow_pickle=False
+    np.testing.assert_array_equal(again.probs, pred.probs)
+    assert csv_path.read_text().splitlines()[0] == "file,label,confidence"
+    one = predict_folder(tmp_path / "run", tmp_path / "test", tta=1)
+    assert not np.allclose(one.probs, pred.probs)  # the flip and crops changed the average
+
+
+def test_resume_after_a_kill_gives_the_same_weights(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = [*base_overrides(image_folder, tiny_model), "epochs=3"]
+    train(load_config(overrides=overrides), tmp_path / "full", log=quiet)
+
+    calls = {"n": 0}
+    real_run_window = loop.run_window
+
+    def killed(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 4:  # the second window of epoch 2
+            raise KeyboardInterrupt
+        return real_run_window(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "run_window", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(overrides=overrides), tmp_path / "killed", log=quiet)
+    monkeypatch.setattr(loop, "run_window", real_run_window)
+    assert not (tmp_path / "killed" / "done.json").exists()
+    lines: list[str] = []
+    result = train(
+        load_config(overrides=overrides), tmp_path / "killed", resume=True, log=lines.append
+    )
+    assert any("resuming" in line and "after epoch 1" in line for line in lines)
+    assert [r["epoch"] for r in result.history] == [1, 2, 3]  # epoch 1 not redone
+    full = load_file(tmp_path / "full" / "last.safetensors")
+    resumed = load_file(tmp_path / "killed" / "last.safetensors")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_run_folder_with_another_config_is_refused(
+    image_folder: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    train(
+        load_config(overrides=base_overrides(image_folder, tiny_model)), tmp_path / "run", log=quiet
+    )
+    with pytest.raises(ConfigError, match=r"different config \(lr: 0.01 -> 0.5\)"):
+        train(
+            load_config(overrides=[*base_overrides(image_folder, tiny_model), "lr=0.5"]),
+            tmp_path / "run",
+            log=quiet,
+        )
+    with pytest.raises(ConfigError, match="--resume"):
+        train(
+            load_config(overrides=base_overrides(image_folder, tiny_model)),
+            tmp_path / "run",
+            log=quiet,
+        )
+
+
+def test_model_that_cannot_take_the_size_fails_before_training(
+    image_folder: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    overrides = [*base_overrides(image_folder, "tinymodel:fixed_size"), "size=32"]
+    with pytest.raises(ConfigError, match="cannot train at size 32"):
+        train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_unknown_arch_suggests_names(image_folder: Path, tmp_path: Path) -> None:
+    cfg = load_config(overrides=[f"data={image_folder}", "arch=resnet19", "num_workers=0"])
+    with pytest.raises(ConfigError, match="did you mean resnet18"):
+        train(cfg, tmp_path / "run", log=quiet)
+
+
+def test_ensemble_submission_and_skip_on_rerun(
+    image_folder: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    write_images(tmp_path / "test", n_per_class=2, seed=7)
+    names = sorted(p.name for p in (tmp_path / "test").rglob("*.png"))
+    (tmp_path / "sample_submission.csv").write_text(
+        "image_id,label\n" + "\n".join(f"{n},x" for n in names) + "\n"
+    )
+    common = "\n".join(
+        f"{key} = {value if value.replace('.', '').isdigit() else repr(value)}"
+        for key, value in (o.split("=", 1) for o in base_overrides(image_folder, tiny_model))
+    )
+    (tmp_path / "exp.toml").write_text(
+        f"[common]\n{common}\n\n"
+        '[ensemble]\ntest = "test"\nsample_submission = "sample_submission.csv"\ntta = 2\n\n'
+        '[[member]]\nname = "a"\nweight = 1.0\n\n'
+        '[[member]]\nname = "b"\nlr = 0.02\nweight = 0.5\n'
+    )
+    lines: list[str] = []
+    result = run_ensemble(tmp_path / "exp.toml", tmp_path / "out", log=lines.append)
+    assert [s["member"] for s in result.scores] == ["a", "b", "ensemble"]
+    assert result.submission is not None
+    rows = result.submission.read_text().splitlines()
+    assert rows[0] == "image_id,label" and len(rows) == 7
+    assert {r.split(",")[1] for r in rows[1:]} <= {"red", "green", "blue"}
+    assert (tmp_path / "out" / "scores.csv").is_file()
+    lines.clear()
+    run_ensemble(tmp_path / "exp.toml", tmp_path / "out", log=lines.append)
+    assert sum("skipped" in line for line in lines) == 2
+
+
+def test_cli_train_and_predict(
+    image_folder: Path, tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert (
+        main(
+            ["train", *base_overrides(image_folder, tiny_model), "--out", str(out), "--no-progress"]
+        )
+        == 0
+    )
+    assert "run folder" in capsys.readouterr().out
+    assert main(["predict", str(out), str(image_folder), "--tta", "2"]) == 0
+    assert (out / "predictions.npz").is_file()
+    assert (
+        main(["train", *base_overrides(image_folder, tiny_model), "epochs=0", "--out", str(out)])
+        == 2
+    )
+    assert "epochs must be >= 1" in capsys.readouterr().err
+    assert main(["predict", str(tmp_path / "nothing"), str(image_folder)]) == 2
+    assert "not a bigbatch run folder" in capsys.readouterr().err
