@@ -42,37 +42,27 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_table_csv_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path, png = tmp_path / "table.csv", tmp_path / "peaks.png"
-    args = [
+    common = [
         "plan",
         "--arch",
         "resnet10t,mobilenetv3_small_050",
         "--size",
-        "32,64",
+        "32,48",
         "--batch",
-        "128",
+        "16",
     ]
-    args += [
-        "--budget",
-        "3GiB",
-        "--overhead",
-        "0",
-        "--csv",
-        str(csv_path),
-        "--plot",
-        str(png),
-        "--no-calibrate",
-    ]
-    assert main([*args, "--json"]) == 0
+    common += ["--budget", "3GiB", "--overhead", "0", "--no-calibrate"]
+    assert main([*common, "--csv", str(csv_path), "--plot", str(png), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["arch"], r["size"]) for r in rows] == [
         ("resnet10t", 32),
-        ("resnet10t", 64),
+        ("resnet10t", 48),
         ("mobilenetv3_small_050", 32),
-        ("mobilenetv3_small_050", 64),
+        ("mobilenetv3_small_050", 48),
     ]
     assert csv_path.read_text().splitlines()[0].startswith("arch,size,fits,floor_bytes")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert main(args) == 0
+    assert main(common) == 0
     table = capsys.readouterr().out
     assert "resnet10t" in table and "predicted peak" in table
 
