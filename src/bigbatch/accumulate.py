@@ -92,6 +92,13 @@ class Accumulator:
     step); ``scaler`` is a ``torch.amp.GradScaler`` for fp16; ``clip_grad_norm`` clips the
     accumulated, unscaled, normalised gradient once per window.
 
+    Under DDP (``model=`` the DDP module, micro-batches run inside :meth:`no_sync`) the window's
+    count is summed over ranks and the gradients are synchronised once per window: with
+    ``sync="last"`` by DDP itself during the last micro-batch's backward (overlapping
+    communication with compute; every rank must run the same number of micro-batches, as a
+    ``DistributedSampler`` ensures), with ``sync="step"`` by one flat all-reduce at step time
+    (ranks may run out of data at different times, and OOM back-off cannot deadlock).
+
     >>> import torch, torch.nn.functional as F
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -117,6 +124,7 @@ class Accumulator:
         clip_grad_norm: float | None = None,
         model: nn.Module | None = None,
         process_group: Any = None,
+        sync: Literal["last", "step"] = "last",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -142,6 +150,8 @@ class Accumulator:
             raise ValueError(
                 f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {last_window!r}"
             )
+        if sync not in ("last", "step"):
+            raise ValueError(f"sync must be 'last' or 'step', got {sync!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -158,6 +168,7 @@ class Accumulator:
         self.clip_grad_norm = clip_grad_norm
         self.model = model
         self.process_group = process_group
+        self.sync = sync
 
         # Counters, named with their units.
         self.micro_step = 0
@@ -236,7 +247,7 @@ class Accumulator:
         then all-reduces the unsynchronised gradients itself.
         """
         model = model if model is not None else self.model
-        skip = bbdist.is_ddp(model) and not self.is_last_micro_batch(count)
+        skip = bbdist.is_ddp(model) and (self.sync == "step" or not self.is_last_micro_batch(count))
         self._pending_sync = not skip
         try:
             with bbdist.maybe_no_sync(model, skip):
@@ -342,8 +353,18 @@ class Accumulator:
                 "acc.backward(loss, count=len(batch)) for each micro-batch, then acc.step() "
                 "when acc.window_full"
             )
+        result = self._step()
+        if result is None:  # cannot happen: this rank has a window
+            raise RuntimeError("internal error: a window with micro-batches did not step")
+        return result
+
+    def _step(self) -> StepResult | None:
+        """One global window. Under DDP every rank calls this once per window, with its own
+        part (possibly none, when it ran out of data); returns None when no rank had anything,
+        which is how :meth:`end_epoch` knows every rank is done."""
         params = _params_of(self.optimizer)
-        if not any(p.grad is not None for p in params):
+        local = self._micro_in_window > 0
+        if local and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "the window's gradients were cleared before step(): do not call "
                 "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
@@ -352,20 +373,35 @@ class Accumulator:
         ref = float(self._ref) if self._ref is not None else 1.0
         distributed = bbdist.is_distributed(self.process_group)
         loss: float | Callable[[], float]
+        synced = False
         if distributed:
-            # One all-reduce carries the count and the loss of every rank's window.
-            device = next(p.grad.device for p in params if p.grad is not None)
+            # One small all-reduce carries every rank's count, loss and sync state.
+            device = _grad_device(params)
             window_loss = _loss_sum(self._losses, self._counts, self.reduction)
-            zero = torch.zeros((), dtype=torch.float64)
-            totals = torch.stack(
+            synced_here = local and self._last_backward_synced and bbdist.is_ddp(self.model)
+            totals = torch.tensor(
                 [
-                    torch.as_tensor(self._window_count, dtype=torch.float64).reshape(()).to(device),
-                    (window_loss if window_loss is not None else zero).to(device, torch.float64),
-                ]
+                    float(self._window_count),
+                    float(window_loss) if window_loss is not None else 0.0,
+                    1.0 if local else 0.0,
+                    1.0 if synced_here else 0.0,
+                ],
+                dtype=torch.float64,
+                device=device,
             )
             bbdist.all_reduce_sum(totals, self.process_group)
-            count, loss_total = (float(v) for v in totals.tolist())
-            loss = loss_total / count if window_loss is not None and count > 0 else math.nan
+            count, loss_total, n_local, n_synced = totals.tolist()
+            if n_local == 0:
+                return None  # no rank had a window: nothing to step
+            world = bbdist.world_size(self.process_group)
+            if 0 < n_synced < world:
+                raise RuntimeError(
+                    "ranks disagree on whether DDP synchronised this window's gradients: they ran "
+                    "different numbers of micro-batches. Use Accumulator(..., sync='step'), which "
+                    "synchronises once at step time and lets ranks run out of data at different times"
+                )
+            synced = n_synced == world
+            loss = loss_total / count if count > 0 else math.nan
         else:
             count = float(self._window_count)
             # The optimizer wrapper is not told the losses: nan then.
@@ -377,7 +413,7 @@ class Accumulator:
                 f"{count:g} (every label was padding/ignore_index, or every weight was zero); "
                 "its gradient is discarded. Check the labels if this happens often.",
                 EmptyWindowWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_window()
@@ -385,7 +421,7 @@ class Accumulator:
 
         if not distributed:
             factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
-        elif self._last_backward_synced and bbdist.is_ddp(self.model):
+        elif synced:
             # DDP averaged the per-rank sums over world size; undo that and divide by the count.
             factor = bbdist.world_size(self.process_group) * ref / count
         else:
@@ -393,7 +429,7 @@ class Accumulator:
             factor = ref / count
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if factor != 1.0:  # a full window of equal micro-batches is already normalised
+        if factor != 1.0:
             scale_grads_(params, factor)
 
         grad_norm = None
@@ -434,14 +470,28 @@ class Accumulator:
     def end_epoch(self) -> StepResult | None:
         """Settle the epoch's last, partial window by the ``last_window`` policy, then advance
         the epoch (which the ``micro_batches`` schedule follows). Returns the step, if one ran.
+
+        Under DDP every rank must call it: a rank that ran out of data joins the others' steps
+        (with nothing of its own, and the same update) until every rank has reached its end.
         """
+        if self.last_window == "drop" and self._micro_in_window > 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_window()
         result = None
-        if self._micro_in_window > 0:
-            if self.last_window == "renorm":
+        if not bbdist.is_distributed(self.process_group):
+            if self._micro_in_window > 0 and self.last_window == "renorm":
                 result = self.step()
-            elif self.last_window == "drop":
-                self.optimizer.zero_grad(set_to_none=True)
-                self._reset_window()
+        elif self.last_window != "carry" or self._micro_in_window == 0:
+            while True:
+                step = self._step()
+                if step is None:
+                    break
+                result = step
+        else:
+            raise RuntimeError(
+                "last_window='carry' cannot be used under DDP, where ranks must settle their "
+                "windows together at the epoch's end: use 'renorm' or 'drop'"
+            )
         self.epoch += 1
         return result
 
@@ -574,14 +624,25 @@ def _as_int(x: int | float | torch.Tensor) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
+def _grad_device(params: list[torch.Tensor]) -> torch.device:
+    return next((p.grad.device for p in params if p.grad is not None), params[0].device)
+
+
 def _all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    bbdist.all_reduce_sum(flat, group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
+    """Sum the gradients over ranks in one flat all-reduce. A rank without a gradient for a
+    parameter (it ran out of data, or the parameter was unused) takes part with zeros."""
+    trainable = [p for p in params if p.requires_grad]
+    for p in trainable:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in trainable:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        bbdist.all_reduce_sum(flat, group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

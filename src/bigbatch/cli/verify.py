@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--distributed",
+        type=int,
+        metavar="N",
+        help="run the distributed cases on N CPU processes (gloo on 127.0.0.1; N=2)",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print a JSON list, one object per case/method/dtype"
     )
 
@@ -150,7 +156,14 @@ def _print_table(results: list[CaseResult]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     dtypes = _dtypes(args.dtype)
-    if args.model:
+    if args.distributed:
+        from bigbatch.verify_distributed import verify_distributed
+
+        try:
+            results = verify_distributed(args.distributed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+    elif args.model:
         methods: list[Method] = ["bigbatch", "naive"] if args.naive else ["bigbatch"]
         results = _user_results(args, methods, dtypes)
     else:

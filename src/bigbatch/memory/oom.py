@@ -186,11 +186,19 @@ def run_window(
     20.0
     """
     counts = count_fn or (lambda micro: {"count": batch_len(micro)})
+    if bbdist.is_ddp(acc.model) and acc.sync != "step":
+        raise ValueError(
+            "under DDP run_window needs Accumulator(..., model=ddp_model, sync='step'): with "
+            "DDP syncing inside backward, a rank that runs out of memory would leave the others "
+            "waiting in that all-reduce forever"
+        )
     while True:
         failure = ""
         try:
             for micro in split_batch(batch, backoff.micro_batch):
-                acc.backward(loss_fn(micro), **counts(micro))
+                # No collective runs inside a micro-batch (sync='step'), so ranks can fail apart.
+                with acc.no_sync():
+                    acc.backward(loss_fn(micro), **counts(micro))
         except Exception as exc:
             if not is_oom(exc):
                 raise
