@@ -14,7 +14,7 @@ import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                         mid_window_differs = _grads_differ(model)
                 opt.step()
             else:
-                sync = "last" if method.endswith("last") else "step"
+                sync: Literal["last", "step"] = "last" if method.endswith("last") else "step"
                 acc = Accumulator(opt, micro_batches=n_window, model=model, sync=sync)
                 original = bbdist.all_reduce_sum
 
@@ -159,7 +159,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     calls["step"] += 1
                     return original(*a)
 
-                bbdist.all_reduce_sum = counting  # count bigbatch's own all-reduces
+                bbdist.all_reduce_sum = counting  # type: ignore[assignment]  # count bigbatch's all-reduces
                 try:
                     for i, (x, y) in enumerate(batches):
                         with acc.no_sync():
