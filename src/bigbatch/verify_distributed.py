@@ -123,7 +123,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             model.register_comm_hook(
                 calls,
                 lambda state, bucket: (
-                    _counted(state) and default_hooks.allreduce_hook(None, bucket)
+                    _counted(state) and default_hooks.allreduce_hook(dist.group.WORLD, bucket)
                 ),
             )
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
