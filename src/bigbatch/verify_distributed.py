@@ -45,7 +45,14 @@ def run_distributed(fn: Callable[..., None], world_size: int, *args: Any) -> Non
     """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` CPU processes (gloo)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    for attempt in range(3):
+        try:
+            mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+            return
+        except mp.ProcessRaisedException as exc:
+            # The free port can be taken between finding it and binding it: try another.
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
 
 
 def _entry(
@@ -123,7 +130,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             model.register_comm_hook(
                 calls,
                 lambda state, bucket: (
-                    _counted(state) and default_hooks.allreduce_hook(dist.group.WORLD, bucket)
+                    _counted(state) and default_hooks.allreduce_hook(_world(), bucket)
                 ),
             )
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -189,6 +196,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     },
                     Path(out_dir) / f"{case}-{method}.pt",
                 )
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("no process group")
+    return group
 
 
 def _counted(calls: dict[str, int]) -> bool:
