@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from bigbatch.cli import UserError
@@ -51,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, DataError) as exc:
         raise UserError(str(exc)) from exc
-    print(f"\nrun folder: {result.run_dir}  (best {cfg.monitor} {result.best_metric:.4f})")
-    print(
-        "  best.safetensors, last.safetensors, last.pt (resume), history.csv, history.png, plan.json, config.json"
-    )
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 alone reports
+        print(f"\nrun folder: {result.run_dir}  (best {cfg.monitor} {result.best_metric:.4f})")
+        print(
+            "  best.safetensors, last.safetensors, last.pt (resume), history.csv, history.png, "
+            "plan.json, config.json"
+        )
     return 0

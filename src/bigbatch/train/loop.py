@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -186,6 +187,8 @@ def plan_for(
     device: torch.device,
     precision: str,
     log: Log,
+    *,
+    target: int | None = None,
 ) -> tuple[int, int]:
     """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
     Either way the model runs once on fake tensors first, so a model that cannot take the input
@@ -206,7 +209,7 @@ def plan_for(
         overhead = None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True)
         plan = plan_micro_batch(
             spec_at,
-            cfg.batch,
+            target or cfg.batch,
             cfg.budget,
             device=device.type,
             calibration=calibration,
@@ -250,18 +253,31 @@ def train(
     from bigbatch.memory.predict import autocast_for
 
     cfg.validate()
+    rank, world = _init_distributed(cfg)
+    main_rank = rank == 0
+    if not main_rank:
+        log = _silent  # rank 0 alone logs and writes files
     run_dir = Path(run_dir)
     state = _check_run_dir(run_dir, cfg, resume)
     device = resolve_device(cfg.device)
+    if world > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     precision = resolve_precision(cfg.precision, device)
     train_items, valid_items = prepare_data(cfg, log)
     classes = train_items.classes
     factory = build_model(cfg, len(classes))
-    micro, max_micro = plan_for(cfg, factory, device, precision, log)
+    # Every rank holds 1/world of each window: the union over ranks is the target batch.
+    rank_batch = math.ceil(cfg.batch / world)
+    micro, max_micro = plan_for(cfg, factory, device, precision, log, target=rank_batch)
+    if world > 1:
+        log(
+            f"distributed: {world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
+        )
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
-    atomic_write_text(run_dir / "classes.json", json.dumps(classes))
+    if main_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+        atomic_write_text(run_dir / "classes.json", json.dumps(classes))
     plan_info = {
         "micro_batch": micro,
         "max_micro_batch": max_micro,
@@ -269,12 +285,14 @@ def train(
         "precision": precision,
         "device": str(device),
         "seed": cfg.seed,
+        "world_size": world,
     }
-    atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
+    if main_rank:
+        atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
 
     torch.manual_seed(cfg.seed)
-    model = factory().to(device).train()
-    inexact = find_inexact_layers(model)
+    core = factory().to(device).train()
+    inexact = find_inexact_layers(core)
     if inexact:
         bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
         log(
@@ -297,7 +315,16 @@ def train(
     valid_loader = make_loader(
         valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed, num_workers=cfg.num_workers
     )
-    windows_per_epoch = math.ceil(len(train_ds) / cfg.batch)
+    sampler: Any = None
+    if world > 1:
+        from torch.utils.data.distributed import DistributedSampler
+
+        sampler = DistributedSampler(
+            train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
+        )
+    windows_per_epoch = math.ceil(
+        (len(sampler) if sampler is not None else len(train_ds)) / rank_batch
+    )
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     backoff = OOMBackoff(micro_batch=micro, max_micro_batch=max_micro, grow_after=cfg.grow_after)
 
@@ -305,7 +332,7 @@ def train(
     best = math.inf
     start_epoch = 0
     if state is not None:
-        model.load_state_dict(state["model"])
+        core.load_state_dict(state["model"])
         history = json.loads(state["history"])
         best = float(state["best"])
         start_epoch = int(state["epoch"]) + 1
@@ -319,10 +346,21 @@ def train(
         epoch += n_epochs
         if start_epoch >= epoch:
             continue  # a finished phase
-        opt, sched = _make_optimizer(cfg, model, phase, n_epochs * windows_per_epoch)
+        opt, sched = _make_optimizer(cfg, core, phase, n_epochs * windows_per_epoch)
         plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        # model= is not passed: the BatchNorm note above replaces the library's warning.
-        acc = Accumulator(opt, scheduler=None if plateau else sched, scaler=scaler)
+        model: nn.Module = core
+        if world > 1:
+            # Re-wrapped per phase: DDP fixes the trainable parameters when it is built.
+            # No buffer broadcast in forward, so no collective runs inside a micro-batch.
+            model = _ddp(core)
+        # On one process model= is not passed: the BatchNorm note above replaces the warning.
+        acc = Accumulator(
+            opt,
+            scheduler=None if plateau else sched,
+            scaler=scaler,
+            model=model if world > 1 else None,
+            sync="step",
+        )
         if state is not None and state["phase"] == phase and start_epoch > phase_start:
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
@@ -333,24 +371,36 @@ def train(
             # Order, augmentation and dropout depend only on (seed, epoch): a resumed run
             # replays exactly what the uninterrupted run would have done.
             torch.manual_seed(cfg.seed + e)
-            loader = make_loader(
-                train_ds,
-                cfg.batch,
-                shuffle=True,
-                seed=cfg.seed * 1000 + e,
-                num_workers=cfg.num_workers,
-            )
+            if sampler is not None:
+                sampler.set_epoch(e)
+                loader: Any = torch.utils.data.DataLoader(
+                    train_ds, batch_size=rank_batch, sampler=sampler, num_workers=cfg.num_workers
+                )
+            else:
+                loader = make_loader(
+                    train_ds,
+                    cfg.batch,
+                    shuffle=True,
+                    seed=cfg.seed * 1000 + e,
+                    num_workers=cfg.num_workers,
+                )
             t0 = time.perf_counter()
             loss_sum = count = 0.0
-            show = _progress(progress, windows_per_epoch, f"epoch {e + 1}/{epoch} ({phase})")
+            show = _progress(
+                progress and main_rank, windows_per_epoch, f"epoch {e + 1}/{epoch} ({phase})"
+            )
             for x, y in loader:
 
-                def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                def loss_fn(
+                    batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module = model
+                ) -> torch.Tensor:
                     with autocast_for(precision, device.type):
                         logits = model(batch[0].to(device, non_blocking=True))
                     return F.cross_entropy(logits.float(), batch[1].to(device, non_blocking=True))
 
                 result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+                if result.skipped:
+                    continue
                 loss_sum += result.loss * result.count
                 count += result.count
                 show.advance(
@@ -359,8 +409,10 @@ def train(
                     acc_steps=math.ceil(len(y) / backoff.micro_batch),
                     device=device,
                 )
+            acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
             show.close()
-            metrics = evaluate(model, valid_loader, device, precision)
+            # Every rank evaluates the whole validation set: identical metrics everywhere.
+            metrics = evaluate(core, valid_loader, device, precision)
             if plateau:
                 sched.step(metrics.loss)
             row = {
@@ -380,14 +432,17 @@ def train(
             improved = sign * value < sign * best if math.isfinite(best) else True
             if improved:
                 best = value
-                save_weights(model, run_dir / "best.safetensors")
+            if not main_rank:
+                continue
+            if improved:
+                save_weights(core, run_dir / "best.safetensors")
                 atomic_write_text(
                     run_dir / "best.json", json.dumps({"epoch": e + 1, cfg.monitor: value})
                 )
-            save_weights(model, run_dir / "last.safetensors")
+            save_weights(core, run_dir / "last.safetensors")
             save_state(
                 {
-                    "model": model.state_dict(),
+                    "model": core.state_dict(),
                     "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(),
                     "accumulator": acc.state_dict(),
@@ -409,9 +464,37 @@ def train(
                 f"accuracy {metrics.accuracy:.4f}  ({row['seconds']} s, micro-batch {backoff.micro_batch})"
                 + ("  * best" if improved else "")
             )
-    sign_best = {"monitor": cfg.monitor, "best": best, "epochs": len(history)}
-    atomic_write_text(run_dir / "done.json", json.dumps(sign_best))
+    if main_rank:
+        summary = {"monitor": cfg.monitor, "best": best, "epochs": len(history)}
+        atomic_write_text(run_dir / "done.json", json.dumps(summary))
     return TrainResult(run_dir, best, history, classes)
+
+
+def _ddp(core: nn.Module) -> nn.Module:
+    """DDP without buffer syncs in forward (newer torch names the option forward_sync_buffers)."""
+    import inspect
+
+    ddp = nn.parallel.DistributedDataParallel
+    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
+        return ddp(core, forward_sync_buffers=False)
+    return ddp(core, broadcast_buffers=False)
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
+    """(rank, world size): joins the process group torchrun describes, if there is one."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
 
 
 class _Progress:
