@@ -40,3 +40,10 @@ def test_overhead_benchmark_json() -> None:
         _run("benchmarks/overhead.py", "--samples", "512", "--rounds", "1", "--json")
     )
     assert result["ratio_vs_hand"] > 0
+
+
+def test_ddp_benchmark_json() -> None:
+    out = _run("benchmarks/ddp.py", "--width", "256", "--accum", "4", "--rounds", "1", "--json")
+    result = json.loads(out[out.index("{") :])
+    counts = result["allreduces_per_window"]
+    assert counts["bigbatch_sync_step"] < counts["ddp_every_micro_batch"]

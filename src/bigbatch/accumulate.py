@@ -97,7 +97,9 @@ class Accumulator:
     ``sync="last"`` by DDP itself during the last micro-batch's backward (overlapping
     communication with compute; every rank must run the same number of micro-batches, as a
     ``DistributedSampler`` ensures), with ``sync="step"`` by one flat all-reduce at step time
-    (ranks may run out of data at different times, and OOM back-off cannot deadlock).
+    (ranks may run out of data at different times, and OOM back-off cannot deadlock). FSDP2
+    (``fully_shard``) takes ``sync="last"`` (one reduce-scatter per window; unsharded gradients
+    are kept in between) or ``sync="every"`` (a reduce-scatter per micro-batch: less memory).
 
     >>> import torch, torch.nn.functional as F
     >>> model = torch.nn.Linear(4, 2)
@@ -124,7 +126,7 @@ class Accumulator:
         clip_grad_norm: float | None = None,
         model: nn.Module | None = None,
         process_group: Any = None,
-        sync: Literal["last", "step"] = "last",
+        sync: Literal["last", "step", "every"] = "last",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -150,8 +152,13 @@ class Accumulator:
             raise ValueError(
                 f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {last_window!r}"
             )
-        if sync not in ("last", "step"):
-            raise ValueError(f"sync must be 'last' or 'step', got {sync!r}")
+        if sync not in ("last", "step", "every"):
+            raise ValueError(f"sync must be 'last', 'step' or 'every', got {sync!r}")
+        if sync == "step" and bbdist.is_fsdp(model):
+            raise ValueError(
+                "sync='step' all-reduces full gradients, which FSDP2 shards: use sync='every' "
+                "(reduce-scatter each micro-batch: least memory) or sync='last' (once per window)"
+            )
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -247,7 +254,11 @@ class Accumulator:
         then all-reduces the unsynchronised gradients itself.
         """
         model = model if model is not None else self.model
-        skip = bbdist.is_ddp(model) and (self.sync == "step" or not self.is_last_micro_batch(count))
+        skip = (
+            bbdist.syncs_gradients(model)
+            and self.sync != "every"
+            and (self.sync == "step" or not self.is_last_micro_batch(count))
+        )
         self._pending_sync = not skip
         try:
             with bbdist.maybe_no_sync(model, skip):
@@ -378,7 +389,9 @@ class Accumulator:
             # One small all-reduce carries every rank's count, loss and sync state.
             device = _grad_device(params)
             window_loss = _loss_sum(self._losses, self._counts, self.reduction)
-            synced_here = local and self._last_backward_synced and bbdist.is_ddp(self.model)
+            synced_here = (
+                local and self._last_backward_synced and bbdist.syncs_gradients(self.model)
+            )
             totals = torch.tensor(
                 [
                     float(self._window_count),
@@ -401,6 +414,12 @@ class Accumulator:
                     "synchronises once at step time and lets ranks run out of data at different times"
                 )
             synced = n_synced == world
+            if not synced and bbdist.is_fsdp(self.model):
+                raise RuntimeError(
+                    "this window ended before its last micro-batch synchronised FSDP2's sharded "
+                    "gradients (a partial window): use Accumulator(..., sync='every') with FSDP2, "
+                    "or windows that always fill"
+                )
             loss = loss_total / count if count > 0 else math.nan
         else:
             count = float(self._window_count)
@@ -422,7 +441,8 @@ class Accumulator:
         if not distributed:
             factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
         elif synced:
-            # DDP averaged the per-rank sums over world size; undo that and divide by the count.
+            # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over world
+            # size; undo that and divide by the count.
             factor = bbdist.world_size(self.process_group) * ref / count
         else:
             _all_reduce_grads(params, self.process_group)

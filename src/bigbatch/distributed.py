@@ -29,6 +29,16 @@ def is_ddp(model: nn.Module | None) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
+def is_fsdp(model: nn.Module | None) -> bool:
+    """An FSDP2 module (``torch.distributed.fsdp.fully_shard``)."""
+    return model is not None and callable(getattr(model, "set_requires_gradient_sync", None))
+
+
+def syncs_gradients(model: nn.Module | None) -> bool:
+    """Whether ``model`` reduces gradients across ranks itself during backward."""
+    return is_ddp(model) or is_fsdp(model)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum ``tensor`` over ranks in place (a no-op on one process); returns it."""
     if is_distributed(group):
@@ -47,7 +57,15 @@ def any_rank(flag: bool, device: torch.device | str = "cpu", group: Any = None) 
 
 @contextmanager
 def maybe_no_sync(model: nn.Module | None, skip_sync: bool) -> Iterator[None]:
-    """DDP's ``no_sync`` when ``skip_sync`` and the model is DDP; otherwise nothing."""
+    """Skip the gradient reduction of the backward run inside, when ``skip_sync``: DDP's
+    ``no_sync``, or FSDP2's ``set_requires_gradient_sync(False)``; otherwise nothing."""
+    if skip_sync and is_fsdp(model):
+        model.set_requires_gradient_sync(False)  # type: ignore[union-attr, operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[union-attr, operator]
+        return
     ctx = model.no_sync() if (skip_sync and is_ddp(model)) else nullcontext()  # type: ignore[operator, union-attr]
     with ctx:
         yield

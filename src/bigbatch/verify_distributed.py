@@ -117,22 +117,34 @@ def _reference(counts: list[list[int]], tokens: bool) -> dict[str, torch.Tensor]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import warnings
+
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # The test network returns a view; nothing here modifies it in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
     for case, (counts, n_window, tokens) in DISTRIBUTED_CASES.items():
         batches = case_data(counts, tokens)[rank]
         loss_fn = token_cross_entropy if tokens else F.cross_entropy
-        for method in ("bigbatch_sync_last", "bigbatch_sync_step", "naive"):
-            model = nn.parallel.DistributedDataParallel(_Net(tokens).double())
+        for method in _methods(case):
+            fsdp = "fsdp" in method
             calls = {"ddp": 0, "step": 0}
+            model: nn.Module
+            if fsdp:
+                from torch.distributed.fsdp import fully_shard
 
-            # DDP checks a hook's annotations, and this module's are strings: a lambda has none.
-            model.register_comm_hook(
-                calls,
-                lambda state, bucket: (
-                    _counted(state) and default_hooks.allreduce_hook(_world(), bucket)
-                ),
-            )
+                model = _Net(tokens).double()
+                fully_shard(model)
+            else:
+                model = nn.parallel.DistributedDataParallel(_Net(tokens).double())
+                # DDP checks a hook's annotations, and this module's are strings: a lambda has none.
+                model.register_comm_hook(
+                    calls,
+                    lambda state, bucket: (
+                        _counted(state) and default_hooks.allreduce_hook(_world(), bucket)
+                    ),
+                )
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
             captured: dict[str, torch.Tensor] = {}
             names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
@@ -145,7 +157,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             ) -> None:
                 for name, p in zip(names, model.parameters(), strict=True):
                     if p.grad is not None:
-                        captured[name] = p.grad.detach().clone()
+                        captured[name] = _full(p.grad).detach().clone()
 
             opt.register_step_pre_hook(capture)
             mid_window_differs = False
@@ -156,7 +168,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                         mid_window_differs = _grads_differ(model)
                 opt.step()
             else:
-                sync: Literal["last", "step"] = "last" if method.endswith("last") else "step"
+                sync: Literal["last", "step", "every"] = method.rsplit("_", 1)[1]  # type: ignore[assignment]
                 acc = Accumulator(opt, micro_batches=n_window, model=model, sync=sync)
                 original = bbdist.all_reduce_sum
 
@@ -175,14 +187,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                 acc.backward(loss, labels=y)
                             else:
                                 acc.backward(loss, count=len(y))
-                        if i == 0:
+                        if i == 0 and not fsdp:  # FSDP2 keeps unsynced gradients to itself
                             mid_window_differs = _grads_differ(model)
                         if acc.window_full:
                             acc.step()
                     acc.end_epoch()
                 finally:
                     bbdist.all_reduce_sum = original
-            after = [p.detach().clone() for p in model.parameters()]
+            after = [_full(p).detach().clone() for p in model.parameters()]
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, [t.tolist() for t in after])
             if rank == 0:
@@ -203,6 +215,19 @@ def _world() -> dist.ProcessGroup:
     if group is None:
         raise RuntimeError("no process group")
     return group
+
+
+def _methods(case: str) -> list[str]:
+    methods = ["bigbatch_sync_last", "bigbatch_sync_step", "naive", "bigbatch_fsdp_every"]
+    if case != "ddp_partial_window":  # FSDP2 with sync='last' needs windows that fill
+        methods.append("bigbatch_fsdp_last")
+    return methods
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2 shards parameters and gradients); a tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
 
 
 def _counted(calls: dict[str, int]) -> bool:
@@ -235,7 +260,7 @@ def verify_distributed(world_size: int = 2) -> list[CaseResult]:
         for case, (counts, _, tokens) in DISTRIBUTED_CASES.items():
             ref = _reference(counts, tokens)
             flat_counts = [c for rank in counts for c in rank]
-            for method in ("bigbatch_sync_last", "bigbatch_sync_step", "naive"):
+            for method in _methods(case):
                 got = torch.load(Path(tmp) / f"{case}-{method}.pt", weights_only=True)
                 max_abs, max_rel, groups = compare_gradients(got["grads"], ref)
                 tol = TOLERANCES[torch.float64]
