@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,7 @@ from typing import Any
 import numpy as np
 
 from bigbatch.io import atomic_write_text
-from bigbatch.train.config import ConfigError, TrainConfig, load_config
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
 
 __all__ = ["EnsembleResult", "Member", "load_experiments", "run_ensemble", "write_submission"]
 
@@ -50,12 +44,7 @@ def load_experiments(
 ) -> tuple[list[Member], dict[str, Any]]:
     """Members (with validated configs) and the ``[ensemble]`` options; errors name the member."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiments file {path} does not exist")
-    try:
-        spec = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    spec = read_toml(path, "experiments file")
     unknown = set(spec) - {"common", "ensemble", "member"}
     if unknown:
         raise ConfigError(

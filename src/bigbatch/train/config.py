@@ -16,7 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "TrainConfig", "load_config"]
+__all__ = ["ConfigError", "TrainConfig", "load_config", "read_toml"]
 
 
 class ConfigError(ValueError):
@@ -139,6 +139,17 @@ def _apply(cfg: TrainConfig, values: dict[str, Any], where: str) -> None:
         setattr(cfg, key, _coerce(key, raw, known[key].type))
 
 
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file's tables; a missing or malformed file is a ConfigError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Defaults, then the TOML file (if any), then ``key=value`` overrides; validated.
 
@@ -147,14 +158,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     cfg = TrainConfig()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            values = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
-        _apply(cfg, values, str(p))
+        _apply(cfg, read_toml(path, "config file"), str(path))
     pairs = {}
     for item in overrides:
         key, sep, value = item.partition("=")
