@@ -108,6 +108,9 @@ def main() -> None:
     p.add_argument(
         "--rounds", type=int, default=5, help="paired rounds (each runs every contender once)"
     )
+    p.add_argument(
+        "--no-frameworks", action="store_true", help="skip Lightning Fabric and Accelerate"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -116,27 +119,31 @@ def main() -> None:
         "hand": hand,
         "bigbatch": with_bigbatch,
     }
-    for name, fn, module in [
+    frameworks = [
         ("fabric", with_fabric, "lightning"),
         ("accelerate", with_accelerate, "accelerate"),
-    ]:
+    ]
+    for name, fn, module in [] if args.no_frameworks else frameworks:
         try:
             __import__(module)
             contenders[name] = fn
         except ImportError:
             pass
-    timed(hand, data[: 2 * args.accum], args.accum)  # warm-up: allocator, kernels
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm-up: allocator, kernels, the frameworks' set-up
+        timed(fn, data[: 2 * args.accum], args.accum)
     names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    pair_ratios: dict[str, list[float]] = {name: [] for name in names if name != "hand"}
     for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]  # alternate who goes first
-        for name in order:
-            times[name].append(timed(contenders[name], data, args.accum))
-    ratios = {
-        name: statistics.median(t / h for t, h in zip(times[name], times["hand"], strict=True))
-        for name in names
-        if name != "hand"
-    }
+        for name in pair_ratios:
+            # Each contender runs right beside its own hand-loop run, first or second in turn,
+            # so drift in the machine's speed hits both sides of a pair alike.
+            pair = ("hand", name) if r % 2 == 0 else (name, "hand")
+            t = {n: timed(contenders[n], data, args.accum) for n in pair}
+            times[name].append(t[name])
+            times["hand"].append(t["hand"])
+            pair_ratios[name].append(t[name] / t["hand"])
+    ratios = {name: statistics.median(r) for name, r in pair_ratios.items()}
     result = {
         "workload": f"MLP 512-1024-1024-10, {args.samples} samples, micro-batch {args.micro} x {args.accum}",
         "rounds": args.rounds,
