@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -122,8 +122,7 @@ class AccumulatingOptimizer:
             )
         factor = self.accumulator.record(mb, loss)
         for p in grads:
-            g = p.grad
-            assert g is not None  # filtered above
+            g = cast(torch.Tensor, p.grad)  # grads holds only parameters with a gradient
             if p in self._stash:
                 self._stash[p].add_(g * factor)
             else:

@@ -523,9 +523,16 @@ class _Progress:
         if self.bar is None:
             return
         rate = self.samples / max(time.perf_counter() - self.t0, 1e-9)
-        peak = ""
         if device.type == "cuda":
             peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+        elif sys.platform == "linux":
+            import resource  # the process's peak resident memory, in KiB on Linux
+
+            peak = (
+                f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+            )
+        else:
+            peak = ""
         self.bar.update(
             self.task, advance=1, info=f"{rate:.0f} samples/s, {acc_steps} x {micro}{peak}"
         )
