@@ -97,3 +97,11 @@ def test_prediction_allocates_nothing() -> None:
     big = StepSpec(lambda: nn.Linear(32768, 32768), (32768,), 4, optimizer="sgd")
     p = predict_peak(big)
     assert p.parameters > 4 * 2**30
+
+
+def test_micro_batch_one_is_calibrated_as_measured() -> None:
+    # The planner's floor: kernels often choose differently at one sample, so it is measured.
+    spec = StepSpec(bn_cnn, (3, 32, 32), 1)
+    calibration = calibrate(spec.with_batch(2))
+    assert 1 in calibration.exact
+    assert _err(predict_peak(spec, calibration=calibration).peak_bytes, measure_step_peak(spec)) <= 0.03

@@ -11,7 +11,7 @@ sequence matches the calibration's.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,15 +26,24 @@ _MARK = "bigbatch_op_"
 
 @dataclass(frozen=True)
 class Calibration:
-    """Workspace bytes per dispatched op, measured at two micro-batch sizes."""
+    """Workspace bytes per dispatched op, measured at two micro-batch sizes (interpolated
+    between and beyond them), and as measured at a few more sizes (used exactly there)."""
 
     ops: tuple[str, ...]  # op names in dispatch order (two steps)
     small: tuple[int, ...]  # workspace per op at batch_small
     large: tuple[int, ...]  # workspace per op at batch_large
     batch_small: int
     batch_large: int
+    # batch size -> (op names, workspaces) as measured: kernels may choose differently at a
+    # size (micro-batch 1 often does), so a measured size needs no interpolation.
+    exact: dict[int, tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    def ops_for(self, batch_size: int) -> tuple[str, ...]:
+        return self.exact[batch_size][0] if batch_size in self.exact else self.ops
 
     def workspace(self, index: int, batch_size: int) -> int:
+        if batch_size in self.exact:
+            return self.exact[batch_size][1][index]
         a, b = self.small[index], self.large[index]
         slope = (b - a) / (self.batch_large - self.batch_small)
         return max(0, round(a + slope * (batch_size - self.batch_small)))
@@ -96,16 +105,29 @@ def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
 
 
 def calibrate(
-    spec: StepSpec, *, batch_sizes: tuple[int, int] = (2, 4), steps: int = 2
+    spec: StepSpec,
+    *,
+    batch_sizes: tuple[int, int] = (2, 4),
+    also: tuple[int, ...] = (1,),
+    steps: int = 2,
 ) -> Calibration:
-    """Measure per-op CPU workspaces at two small micro-batch sizes (real runs on the CPU)."""
+    """Measure per-op CPU workspaces at two small micro-batch sizes, plus ``also`` (micro-batch
+    1, the planner's floor, by default), with real runs on the CPU."""
     if torch.device(spec.device).type != "cpu":
         raise ValueError("workspace calibration runs real steps on the CPU; it is for device='cpu'")
     small, large = batch_sizes
     names_s, ws_s = _workspaces(spec.with_batch(small), steps)
     names_l, ws_l = _workspaces(spec.with_batch(large), steps)
+    exact = {small: (tuple(names_s), tuple(ws_s)), large: (tuple(names_l), tuple(ws_l))}
+    for b in also:
+        if b not in exact:
+            try:
+                names_b, ws_b = _workspaces(spec.with_batch(b), steps)
+            except ValueError:
+                continue  # e.g. BatchNorm cannot train on one sample: the planner starts at 2
+            exact[b] = (tuple(names_b), tuple(ws_b))
     if names_s != names_l:
         # The op sequence depends on the batch size (a kernel choice): keep the common prefix.
         n = next((i for i, (a, b) in enumerate(zip(names_s, names_l, strict=False)) if a != b), 0)
         names_s, ws_s, ws_l = names_s[:n], ws_s[:n], ws_l[:n]
-    return Calibration(tuple(names_s), tuple(ws_s), tuple(ws_l), small, large)
+    return Calibration(tuple(names_s), tuple(ws_s), tuple(ws_l), small, large, exact)

@@ -224,7 +224,8 @@ class _StorageTracker(TorchDispatchMode):
             return out  # prim ops are fake mode's own metadata queries; real runs have none
         if self.aligned:
             i, cal = self.op_index, self.calibration
-            if i < len(cal.ops) and cal.ops[i] == str(func):
+            ops = cal.ops_for(self.batch_size)
+            if i < len(ops) and ops[i] == str(func):
                 # The kernel's scratch memory was alive together with its outputs.
                 self._observe(cal.workspace(i, self.batch_size))
             else:
