@@ -104,4 +104,7 @@ def test_micro_batch_one_is_calibrated_as_measured() -> None:
     spec = StepSpec(bn_cnn, (3, 32, 32), 1)
     calibration = calibrate(spec.with_batch(2))
     assert 1 in calibration.exact
-    assert _err(predict_peak(spec, calibration=calibration).peak_bytes, measure_step_peak(spec)) <= 0.03
+    assert (
+        _err(predict_peak(spec, calibration=calibration).peak_bytes, measure_step_peak(spec))
+        <= 0.03
+    )

@@ -198,3 +198,14 @@ def test_cli_train_and_predict(
     assert "epochs must be >= 1" in capsys.readouterr().err
     assert main(["predict", str(tmp_path / "nothing"), str(image_folder)]) == 2
     assert "not a bigbatch run folder" in capsys.readouterr().err
+
+
+def test_freeze_bn_keeps_running_statistics(image_folder: Path, tmp_path: Path) -> None:
+    overrides = [f"data={image_folder}", "arch=resnet10t", "size=32", "batch=12", "micro_batch=4"]
+    overrides += ["epochs=1", "mode=fit", "device=cpu", "num_workers=0", "freeze_bn=true"]
+    lines: list[str] = []
+    train(load_config(overrides=overrides), tmp_path / "run", log=lines.append)
+    assert not any("BatchNorm" in line for line in lines)  # frozen: nothing inexact to report
+    weights = load_file(tmp_path / "run" / "last.safetensors")
+    means = [v for k, v in weights.items() if k.endswith("running_mean")]
+    assert means and all(torch.equal(m, torch.zeros_like(m)) for m in means)

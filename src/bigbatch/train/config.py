@@ -48,6 +48,7 @@ class TrainConfig:
     size: int = 224
     item_transform: str = "squish"  # squish: resize to size x size; crop: resize, centre crop
     augment: bool = True  # random flips and crops while training
+    freeze_bn: bool = False  # BatchNorm uses its running statistics: accumulation becomes exact
     batch: int = 64  # target batch: samples per optimizer step
     budget: str = "auto"  # memory budget: 8GB, 16GiB, auto
     overhead: str = (

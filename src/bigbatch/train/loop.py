@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
-from bigbatch.inexact import find_inexact_layers
+from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.memory.predict import StepSpec
@@ -291,14 +291,16 @@ def train(
         atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
 
     torch.manual_seed(cfg.seed)
-    core = factory().to(device).train()
+    core = factory().to(device)
+    _train_mode(core, cfg)
     inexact = find_inexact_layers(core)
     if inexact:
         bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
         log(
             f"note: {bn} BatchNorm layer(s): each micro-batch is normalised with its own statistics, "
             "so accumulation is exact for the loss but not for BatchNorm (the update equals the "
-            "big batch's only when the whole window fits one micro-batch)"
+            "big batch's only when the whole window fits one micro-batch; freeze_bn=true makes "
+            "it exact, best when fine-tuning pretrained weights)"
             if bn
             else "note: dropout draws different masks per micro-batch (exact in distribution)"
         )
@@ -371,6 +373,7 @@ def train(
             # Order, augmentation and dropout depend only on (seed, epoch): a resumed run
             # replays exactly what the uninterrupted run would have done.
             torch.manual_seed(cfg.seed + e)
+            _train_mode(core, cfg)  # evaluation left the model in train mode, BatchNorm too
             if sampler is not None:
                 sampler.set_epoch(e)
                 loader: Any = torch.utils.data.DataLoader(
@@ -478,6 +481,12 @@ def _ddp(core: nn.Module) -> nn.Module:
     if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
         return ddp(core, forward_sync_buffers=False)
     return ddp(core, broadcast_buffers=False)
+
+
+def _train_mode(model: nn.Module, cfg: TrainConfig) -> None:
+    model.train()
+    if cfg.freeze_bn:
+        freeze_batchnorm(model)
 
 
 def _silent(_: str) -> None:
