@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from real_oom_script import build
 
 from bigbatch import Accumulator
 from bigbatch.memory.oom import OOMBackoff, OutOfMemoryAtMinimumError, is_oom, run_window
@@ -149,14 +150,7 @@ def test_real_cpu_oom_in_a_subprocess(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(512, 256)" in done.stdout  # it really ran out of memory and backed off
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 32768), torch.nn.ReLU(), torch.nn.Linear(32768, 10)
-    ).double()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(512, 256, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 10, (512,), generator=g)
+    model, x, y = build()  # the same model and window, without a limit
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
         F.cross_entropy(model(x), y).backward()
