@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from bigbatch.accumulate import Accumulator, LastWindow, Reduction, StepResult
+from bigbatch.accumulate import Accumulator, LastWindow, Reduction, StepResult, _params_of
 from bigbatch.counts import resolve_count
 
 __all__ = ["AccumulatingOptimizer"]
@@ -115,7 +115,7 @@ class AccumulatingOptimizer:
                 self._warned_no_count = True
             count = 1
         mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
-        grads = [p for p in self._params() if p.grad is not None]
+        grads = [p for p in _params_of(self.optimizer) if p.grad is not None]
         if not grads:
             raise RuntimeError(
                 "step() found no gradients: call loss.backward() before optimizer.step(count=...)"
@@ -155,9 +155,6 @@ class AccumulatingOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _restore_stash(self) -> None:
         for p, g in self._stash.items():
