@@ -87,8 +87,8 @@ class Accumulator:
     A window is ``micro_batches`` micro-batches (an int, or a schedule by epoch such as
     ``{0: 8, 4: 2}``), or, with ``target_count``, however many micro-batches it takes to reach
     that many samples/tokens; with neither, :attr:`window_full` stays False and you call
-    :meth:`step` when your window ends (as :func:`bigbatch.memory.oom.run_window` does). ``reduction`` says whether your loss is a mean (default) or a sum
-    over its count. ``scheduler`` is stepped once per optimizer step (never on a skipped fp16
+    :meth:`step` when your window ends (as :func:`bigbatch.memory.oom.run_window` does).
+    ``reduction`` says whether your loss is a mean (default) or a sum over its count. ``scheduler`` is stepped once per optimizer step (never on a skipped fp16
     step); ``scaler`` is a ``torch.amp.GradScaler`` for fp16; ``clip_grad_norm`` clips the
     accumulated, unscaled, normalised gradient once per window.
 
@@ -297,9 +297,8 @@ class Accumulator:
         mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
         work = loss if loss.dim() == 0 else loss.reshape(())
         if work.dtype not in (torch.float32, torch.float64):
-            work = (
-                work.float()
-            )  # upcast, so multiplying a bf16/fp16 loss by a count does not round it
+            # Upcast, so multiplying a bf16/fp16 loss by a count does not round it.
+            work = work.float()
         weight_now = self.record(mb, work.detach())
         weighted = work * (
             weight_now.to(work.dtype) if isinstance(weight_now, torch.Tensor) else weight_now

@@ -138,7 +138,7 @@ def run_ensemble(
     overrides: list[str] | None = None,
 ) -> EnsembleResult:
     """Train (or skip) every member, predict with TTA, average with weights, write the outputs."""
-    from bigbatch.train.data import list_images
+    from bigbatch.train.data import ImageItems, list_images
     from bigbatch.train.loop import prepare_data, train
     from bigbatch.train.predict import Predictions, predict_files, save_predictions
 
@@ -153,7 +153,15 @@ def run_ensemble(
     test_probs: list[tuple[float, Predictions]] = []
     valid_labels: np.ndarray | None = None
     classes: list[str] | None = None
+    # Scanning opens every image: do it once per distinct data set, not once per member and
+    # again inside train().
+    scans: dict[tuple[Any, ...], tuple[ImageItems, ImageItems]] = {}
     for m in members:
+        c = m.config
+        key = (c.data, c.image_root, c.valid, c.valid_pct, c.seed, c.bad_images)
+        if key not in scans:
+            scans[key] = prepare_data(c, log=lambda s: log(f"   {s}"))
+        data = scans[key]
         run_dir = out_dir / m.name
         log(
             f"\n== member {m.name}: {m.config.arch} @ {m.config.size} ({m.config.item_transform}), weight {m.weight}"
@@ -166,8 +174,9 @@ def run_ensemble(
                 run_dir,
                 resume=(run_dir / "last.pt").exists(),
                 log=lambda s: log(f"   {s}"),
+                data=data,
             )
-        _, valid_items = prepare_data(m.config, log=lambda s: None)
+        valid_items = data[1]
         member_classes = json.loads((run_dir / "classes.json").read_text())
         if classes is None:
             classes = member_classes

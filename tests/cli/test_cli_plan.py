@@ -82,42 +82,10 @@ def test_user_model(
         )
     )
     monkeypatch.chdir(tmp_path)
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "net:build",
-                "--input-shape",
-                "64",
-                "--batch",
-                "32",
-                "--budget",
-                "64MiB",
-                "--overhead",
-                "0",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    common = ["plan", "--input-shape", "64", "--batch", "32", "--budget", "64MiB"]
+    assert main([*common, "--model", "net:build", "--overhead", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["micro_batch"] == 32
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "net:broken",
-                "--input-shape",
-                "64",
-                "--batch",
-                "32",
-                "--budget",
-                "64MiB",
-            ]
-        )
-        == 2
-    )
+    assert main([*common, "--model", "net:broken"]) == 2
     err = capsys.readouterr().err
     assert "no such checkpoint" in err and "Traceback" not in err
 

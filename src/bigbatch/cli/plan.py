@@ -18,7 +18,6 @@ from bigbatch.cli._load import load_object
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
-    Plan,
     overhead_bytes,
     plan_micro_batch,
     resolve_budget,
@@ -114,12 +113,6 @@ def _spec_maker(
     return spec_at
 
 
-def _confirm(plan: Plan, spec: StepSpec) -> int:
-    from bigbatch.memory.measure import measure_step_peak
-
-    return measure_step_peak(spec)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.batch < 1:
         raise UserError(f"--batch must be a positive number of samples, got {args.batch}")
@@ -179,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
             ) from exc
         plan.arch, plan.size = name, size
         if args.confirm:
-            plan.confirmed_peak_bytes = _confirm(plan, spec_at(plan.micro_batch))
+            from bigbatch.memory.measure import measure_step_peak
+
+            plan.confirmed_peak_bytes = measure_step_peak(spec_at(plan.micro_batch))
         if args.plot:  # a smooth curve: the powers of two the search did not visit
             seen = {b for b, _ in plan.curve}
             smallest = min(seen)  # 2 where BatchNorm cannot train on one sample

@@ -248,8 +248,10 @@ def train(
     resume: bool = False,
     log: Log = print,
     progress: bool | None = None,
+    data: tuple[ImageItems, ImageItems] | None = None,
 ) -> TrainResult:
-    """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring."""
+    """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring.
+    ``data`` is :func:`prepare_data`'s result when the caller has scanned the images already."""
     from bigbatch.memory.predict import autocast_for
 
     cfg.validate()
@@ -263,7 +265,7 @@ def train(
     if world > 1 and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     precision = resolve_precision(cfg.precision, device)
-    train_items, valid_items = prepare_data(cfg, log)
+    train_items, valid_items = data if data is not None else prepare_data(cfg, log)
     classes = train_items.classes
     factory = build_model(cfg, len(classes))
     # Every rank holds 1/world of each window: the union over ranks is the target batch.

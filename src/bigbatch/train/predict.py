@@ -18,7 +18,7 @@ import torch
 
 from bigbatch.io import atomic_write_bytes, atomic_write_text
 from bigbatch.train.checkpoint import load_weights_file
-from bigbatch.train.config import ConfigError, config_from_json
+from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import DataError, ImageDataset, build_transforms, list_images, make_loader
 
 __all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
@@ -33,7 +33,7 @@ class Predictions:
         return [self.classes[i] for i in self.probs.argmax(axis=1)]
 
 
-def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str], object]:
+def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str], TrainConfig]:
     from bigbatch.train.loop import build_model
 
     if not (run_dir / "config.json").is_file():
@@ -71,8 +71,8 @@ def predict_files(
     total = np.zeros((len(files), len(classes)), dtype=np.float64)
     for k in range(tta):
         transform = build_transforms(
-            cfg.size,  # type: ignore[attr-defined]
-            cfg.item_transform,  # type: ignore[attr-defined]
+            cfg.size,
+            cfg.item_transform,
             train=k >= 2,
             augment=k >= 2,
             flip=k == 1,
