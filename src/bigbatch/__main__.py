@@ -1,5 +1,3 @@
-import sys
+from bigbatch.cli.main import console
 
-from bigbatch.cli.main import main
-
-sys.exit(main())
+console()

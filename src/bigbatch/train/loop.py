@@ -251,11 +251,28 @@ def train(
     data: tuple[ImageItems, ImageItems] | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring.
-    ``data`` is :func:`prepare_data`'s result when the caller has scanned the images already."""
-    from bigbatch.memory.predict import autocast_for
+    ``data`` is :func:`prepare_data`'s result when the caller has scanned the images already.
 
+    Under torchrun it joins the process group (when the caller has not) and leaves it open, so
+    one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
     cfg.validate()
     rank, world = _init_distributed(cfg)
+    return _train(cfg, run_dir, rank, world, resume=resume, log=log, progress=progress, data=data)
+
+
+def _train(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    rank: int,
+    world: int,
+    *,
+    resume: bool,
+    log: Log,
+    progress: bool | None,
+    data: tuple[ImageItems, ImageItems] | None,
+) -> TrainResult:
+    from bigbatch.memory.predict import autocast_for
+
     main_rank = rank == 0
     if not main_rank:
         log = _silent  # rank 0 alone logs and writes files
