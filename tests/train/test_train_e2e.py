@@ -209,3 +209,24 @@ def test_freeze_bn_keeps_running_statistics(image_folder: Path, tmp_path: Path) 
     weights = load_file(tmp_path / "run" / "last.safetensors")
     means = [v for k, v in weights.items() if k.endswith("running_mean")]
     assert means and all(torch.equal(m, torch.zeros_like(m)) for m in means)
+
+
+def test_progress_bar_shows_rate_and_plan(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    # A terminal console, so the bar really renders (tests' stderr is not a terminal).
+    screen = io.StringIO()
+    monkeypatch.setattr(
+        "rich.progress.get_console", lambda: Console(file=screen, force_terminal=True, width=150)
+    )
+    cfg = load_config(overrides=base_overrides(image_folder, tiny_model))
+    with_bar = train(cfg, tmp_path / "bar", log=quiet, progress=True)
+    without = train(cfg, tmp_path / "plain", log=quiet, progress=False)
+    shown = screen.getvalue()
+    assert "samples/s" in shown and "3 x 4" in shown  # rate, accumulation x micro-batch
+    assert "peak RSS" in shown
+    assert [r["train_loss"] for r in with_bar.history] == [r["train_loss"] for r in without.history]
