@@ -6,7 +6,6 @@ import argparse
 import csv
 import io
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -258,21 +257,18 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
 
 
 def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:
-    out = sys.stdout
     print(
         f"budget {format_bytes(budget)} on {args.device}, target batch {args.batch}, "
         f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}",
-        file=out,
     )
     header = f"{'model':<28} {'size':>5} {'floor (mb 1)':>13} {'max mb':>7} {'plan':>12} {'predicted peak':>15}"
-    print(header, file=out)
-    print("-" * len(header), file=out)
+    print(header)
+    print("-" * len(header))
     for p in plans:
         size = "" if p["size"] is None else str(p["size"])
         if not p["fits"]:
             print(
                 f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {'does not fit even micro-batch 1':>36}",
-                file=out,
             )
             continue
         split = f"{p['accum_steps']} x {p['micro_batch']}"
@@ -282,9 +278,9 @@ def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -
         )
         if p.get("confirmed_peak_bytes"):
             line += f"   measured {format_bytes(p['confirmed_peak_bytes'])}"
-        print(line, file=out)
+        print(line)
     if any(not p["fits"] for p in plans):
-        print("\nrows that do not fit:", file=out)
+        print("\nrows that do not fit:")
         for p in plans:
             if not p["fits"]:
-                print(f"  {p['arch']} @ {p['size']}: {p['error']}", file=out)
+                print(f"  {p['arch']} @ {p['size']}: {p['error']}")

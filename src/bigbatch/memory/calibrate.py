@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bigbatch.memory.predict import StepSpec, make_inputs, make_optimizer, run_training_step
+from bigbatch.memory.measure import allocation_events, real_step_setup
+from bigbatch.memory.predict import StepSpec, run_training_step
 
 __all__ = ["Calibration", "calibrate"]
 
@@ -64,13 +65,9 @@ class _OpMarker(TorchDispatchMode):
 
 
 def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model = spec.model().to(spec.device).train()
-    opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
-    inputs = [make_inputs(spec, spec.device) for _ in range(steps)]
+    model, opt, inputs = real_step_setup(spec, steps)
     marker = _OpMarker()
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, marker:
@@ -78,23 +75,13 @@ def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
             run_training_step(model, opt, x, spec.precision, torch.device(spec.device).type)
     workspace = [0] * len(marker.names)
 
-    def allocations(node: Any) -> list[tuple[int, int]]:
-        out = []
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n.typed[0] == _EventType.Allocation and n.typed[1].device.type == "cpu":
-                out.append((n.start_time_ns, n.typed[1].alloc_size))
-            stack.extend(n.children)
-        return out
-
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         name = node.name
         if name.startswith(_MARK):
             running = high = 0
-            for _, size in sorted(allocations(node)):
+            for _, size in allocation_events([node]):
                 running += size
                 high = max(high, running)
             # What the op leaves behind (its outputs) the fake run already counts.

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["measure_peak", "profiled_peak"]
+__all__ = ["allocation_events", "measure_peak", "measure_step_peak", "profiled_peak"]
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -28,26 +28,32 @@ def _tensor_bytes(tensors: Any) -> int:
     return total
 
 
-def profiled_peak(fn: Callable[[], Any], alive_at_start: int = 0) -> int:
-    """Peak CPU tensor memory while ``fn()`` runs: ``alive_at_start`` plus the largest running
-    sum of the allocations and frees the profiler records.
-    """
+def allocation_events(nodes: Any) -> list[tuple[int, int]]:
+    """(time in ns, bytes) of every CPU allocation (positive) and free (negative) recorded in
+    these profiler event-tree nodes and their descendants, in time order."""
     from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
 
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
     events: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(nodes)
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
             events.append((node.start_time_ns, node.typed[1].alloc_size))
         stack.extend(node.children)
-    events.sort()
+    return sorted(events)
+
+
+def profiled_peak(fn: Callable[[], Any], alive_at_start: int = 0) -> int:
+    """Peak CPU tensor memory while ``fn()`` runs: ``alive_at_start`` plus the largest running
+    sum of the allocations and frees the profiler records.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
     live = peak = 0
-    for _, size in events:
+    for _, size in allocation_events(prof.profiler.kineto_results.experimental_event_tree()):
         live += size
         peak = max(peak, live)
     return alive_at_start + peak
@@ -86,13 +92,10 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
     """Really run ``steps`` training steps of a :class:`~bigbatch.memory.predict.StepSpec` on its
     device and return the peak (the number :func:`predict_peak` predicts).
     """
-    from bigbatch.memory.predict import make_inputs, make_optimizer, run_training_step
+    from bigbatch.memory.predict import run_training_step
 
     device = torch.device(spec.device)
-    torch.manual_seed(seed)
-    model = spec.model().to(device).train()
-    opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
-    inputs = [make_inputs(spec, device) for _ in range(steps)]
+    model, opt, inputs = real_step_setup(spec, steps, seed=seed)
     alive = [*model.parameters(), *model.buffers(), *inputs]
 
     def run() -> None:
@@ -100,3 +103,17 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
             run_training_step(model, opt, x, spec.precision, device.type)
 
     return measure_peak(run, device=device, alive=alive)
+
+
+def real_step_setup(
+    spec: Any, steps: int, *, seed: int = 0
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    """The real model (in train mode), its optimizer and ``steps`` input batches of a
+    :class:`~bigbatch.memory.predict.StepSpec`, on its device, from a fixed seed."""
+    from bigbatch.memory.predict import make_inputs, make_optimizer
+
+    device = torch.device(spec.device)
+    torch.manual_seed(seed)
+    model = spec.model().to(device).train()
+    opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+    return model, opt, [make_inputs(spec, device) for _ in range(steps)]

@@ -75,13 +75,7 @@ class Plan:
             "floor_bytes": self.floor_bytes,
             "max_micro_batch": self.max_micro_batch,
             "confirmed_peak_bytes": self.confirmed_peak_bytes,
-            "breakdown": {
-                "parameters": self.prediction.parameters,
-                "gradients": self.prediction.gradients,
-                "optimizer_state": self.prediction.optimizer_state,
-                "activations": self.prediction.activations,
-                "temporaries": self.prediction.temporaries + self.prediction.workspace_bytes,
-            },
+            "breakdown": self.prediction.parts(),
             "curve": self.curve,
         }
 

@@ -83,17 +83,23 @@ class MemoryPrediction:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def parts(self) -> dict[str, int]:
+        """Bytes alive at the peak, by kind (kernel workspaces count as temporaries)."""
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "activations": self.activations,
+            "temporaries": self.temporaries + self.workspace_bytes,
+        }
+
     def breakdown(self) -> str:
         from bigbatch.memory.budget import format_bytes
 
-        parts = [
-            ("weights", self.parameters),
-            ("gradients", self.gradients),
-            (f"{self.optimizer} state", self.optimizer_state),
-            ("activations", self.activations),
-            ("temporaries", self.temporaries + self.workspace_bytes),
-        ]
-        return ", ".join(f"{name} {format_bytes(b)}" for name, b in parts if b)
+        labels = {"parameters": "weights", "optimizer_state": f"{self.optimizer} state"}
+        return ", ".join(
+            f"{labels.get(kind, kind)} {format_bytes(b)}" for kind, b in self.parts().items() if b
+        )
 
 
 def make_optimizer(

@@ -195,7 +195,7 @@ def plan_for(
     size fails here, in a second, not after the data is loaded and an epoch is half done."""
     from bigbatch.memory.budget import parse_bytes
     from bigbatch.memory.calibrate import calibrate
-    from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
+    from bigbatch.memory.plan import DoesNotFitError, overhead_bytes, plan_micro_batch
     from bigbatch.memory.predict import predict_peak
 
     def spec_at(b: int) -> StepSpec:
@@ -205,8 +205,14 @@ def plan_for(
         if cfg.micro_batch:
             predict_peak(spec_at(2))
             return cfg.micro_batch, cfg.micro_batch
+        # The overhead is read before calibration's real steps grow this process (as `bigbatch
+        # plan` does): memory they leave behind is reused by training, not spent besides it.
+        overhead = (
+            overhead_bytes(device)
+            if cfg.overhead == "auto"
+            else parse_bytes(cfg.overhead, allow_zero=True)
+        )
         calibration = calibrate(spec_at(2)) if device.type == "cpu" else None
-        overhead = None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True)
         plan = plan_micro_batch(
             spec_at,
             target or cfg.batch,
@@ -255,24 +261,10 @@ def train(
 
     Under torchrun it joins the process group (when the caller has not) and leaves it open, so
     one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
-    cfg.validate()
-    rank, world = _init_distributed(cfg)
-    return _train(cfg, run_dir, rank, world, resume=resume, log=log, progress=progress, data=data)
-
-
-def _train(
-    cfg: TrainConfig,
-    run_dir: str | Path,
-    rank: int,
-    world: int,
-    *,
-    resume: bool,
-    log: Log,
-    progress: bool | None,
-    data: tuple[ImageItems, ImageItems] | None,
-) -> TrainResult:
     from bigbatch.memory.predict import autocast_for
 
+    cfg.validate()
+    rank, world = _init_distributed(cfg)
     main_rank = rank == 0
     if not main_rank:
         log = _silent  # rank 0 alone logs and writes files
@@ -297,16 +289,15 @@ def _train(
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
         atomic_write_text(run_dir / "classes.json", json.dumps(classes))
-    plan_info = {
-        "micro_batch": micro,
-        "max_micro_batch": max_micro,
-        "target_batch": cfg.batch,
-        "precision": precision,
-        "device": str(device),
-        "seed": cfg.seed,
-        "world_size": world,
-    }
-    if main_rank:
+        plan_info = {
+            "micro_batch": micro,
+            "max_micro_batch": max_micro,
+            "target_batch": cfg.batch,
+            "precision": precision,
+            "device": str(device),
+            "seed": cfg.seed,
+            "world_size": world,
+        }
         atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
 
     torch.manual_seed(cfg.seed)
@@ -441,16 +432,14 @@ def _train(
                 "epoch": e + 1,
                 "phase": phase,
                 "train_loss": loss_sum / max(count, 1),
-                "valid_loss": metrics.loss,
-                "accuracy": metrics.accuracy,
-                "error_rate": metrics.error_rate,
+                **metrics.as_dict(),  # valid_loss, accuracy, error_rate
                 "lr": opt.param_groups[0]["lr"],
                 "micro_batch": backoff.micro_batch,
                 "optimizer_steps": acc.optimizer_step,
                 "seconds": round(time.perf_counter() - t0, 2),
             }
             history.append(row)
-            value = metrics.as_dict()[cfg.monitor] if cfg.monitor != "valid_loss" else metrics.loss
+            value = row[cfg.monitor]
             improved = sign * value < sign * best if math.isfinite(best) else True
             if improved:
                 best = value
