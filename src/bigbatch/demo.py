@@ -7,13 +7,11 @@ each planned into a small memory budget, TTA, a weighted ensemble. Nothing is do
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 import numpy as np
 
-from bigbatch.io import atomic_write_text
+from bigbatch.io import atomic_write_csv, atomic_write_text
 
 __all__ = ["write_digits_competition"]
 
@@ -80,12 +78,11 @@ def write_digits_competition(
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             im.save(path)
-    buf = io.StringIO()
-    writer = csv.writer(buf)
-    writer.writerow(["image_id", "label"])
-    for i in sorted(order[n_train:]):
-        writer.writerow([f"digit_{i:04d}.png", ""])
-    atomic_write_text(out / "sample_submission.csv", buf.getvalue())
+    atomic_write_csv(
+        out / "sample_submission.csv",
+        ["image_id", "label"],
+        ([f"digit_{i:04d}.png", ""] for i in sorted(order[n_train:])),
+    )
     experiments = out / "experiments.toml"
     atomic_write_text(experiments, EXPERIMENTS.format(budget=budget, epochs=epochs))
     return experiments

@@ -13,7 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["all_reduce_sum", "any_rank", "is_ddp", "is_distributed", "world_size"]
+__all__ = [
+    "all_reduce_sum",
+    "any_rank",
+    "is_ddp",
+    "is_distributed",
+    "is_fsdp",
+    "maybe_no_sync",
+    "syncs_gradients",
+    "world_size",
+]
 
 
 def is_distributed(group: Any = None) -> bool:

@@ -11,7 +11,6 @@ costs at most the epoch in flight.
 from __future__ import annotations
 
 import csv
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from bigbatch.io import atomic_write_text
+from bigbatch.io import atomic_write_csv
 from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
 
 __all__ = ["EnsembleResult", "Member", "load_experiments", "run_ensemble", "write_submission"]
@@ -104,8 +103,6 @@ def write_submission(
     for f, label in zip(files, labels, strict=True):
         by_name[Path(f).name] = label
         by_name[Path(f).stem] = label
-    buf = io.StringIO()
-    writer = csv.writer(buf)
     if sample_submission:
         with open(sample_submission, newline="") as handle:
             rows = [r for r in csv.reader(handle) if r]
@@ -119,14 +116,13 @@ def write_submission(
             raise ConfigError(
                 f"{len(missing)} image(s) in {sample_submission} are not in the test folder, e.g. {missing[0]!r}"
             )
-        writer.writerow(header)
-        for r in body:
-            writer.writerow([r[0], by_name[r[0]], *r[2:]])
+        atomic_write_csv(out, header, ([r[0], by_name[r[0]], *r[2:]] for r in body))
     else:
-        writer.writerow(["image", "label"])
-        for f, label in zip(files, labels, strict=True):
-            writer.writerow([Path(f).name, label])
-    atomic_write_text(out, buf.getvalue())
+        atomic_write_csv(
+            out,
+            ["image", "label"],
+            ([Path(f).name, label] for f, label in zip(files, labels, strict=True)),
+        )
     return out
 
 
@@ -145,7 +141,8 @@ def run_ensemble(
     members, options = load_experiments(experiments, overrides)
     out_dir = Path(out_dir)
     test = options.get("test")
-    if test and not list_images(Path(test)):
+    test_files = list_images(Path(test)) if test else []
+    if test and not test_files:
         raise ConfigError(f"[ensemble] test folder {test} has no images")
     tta = int(options.get("tta", 2))
     result = EnsembleResult()
@@ -156,11 +153,15 @@ def run_ensemble(
     # Scanning opens every image: do it once per distinct data set, not once per member and
     # again inside train().
     scans: dict[tuple[Any, ...], tuple[ImageItems, ImageItems]] = {}
+
+    def indented(line: str) -> None:
+        log(f"   {line}")
+
     for m in members:
         c = m.config
         key = (c.data, c.image_root, c.valid, c.valid_pct, c.seed, c.bad_images)
         if key not in scans:
-            scans[key] = prepare_data(c, log=lambda s: log(f"   {s}"))
+            scans[key] = prepare_data(c, log=indented)
         data = scans[key]
         run_dir = out_dir / m.name
         log(
@@ -173,7 +174,7 @@ def run_ensemble(
                 m.config,
                 run_dir,
                 resume=(run_dir / "last.pt").exists(),
-                log=lambda s: log(f"   {s}"),
+                log=indented,
                 data=data,
             )
         valid_items = data[1]
@@ -199,7 +200,7 @@ def run_ensemble(
             }
         )
         if test:
-            tp = predict_files(run_dir, list_images(Path(test)), tta=tta)
+            tp = predict_files(run_dir, test_files, tta=tta)
             save_predictions(tp, out_dir / m.name / "test_predictions")
             test_probs.append((m.weight, tp))
     total = sum(w for w, _ in valid_probs)
@@ -213,11 +214,7 @@ def run_ensemble(
             "accuracy": float((ens_valid.argmax(1) == valid_labels).mean()),
         }
     )
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["member", "weight", "accuracy"])
-    writer.writeheader()
-    writer.writerows(result.scores)
-    atomic_write_text(out_dir / "scores.csv", buf.getvalue())
+    atomic_write_csv(out_dir / "scores.csv", ["member", "weight", "accuracy"], result.scores)
     if test_probs:
         first = test_probs[0][1]
         probs = np.sum([w * p.probs for w, p in test_probs], axis=0) / total

@@ -8,13 +8,21 @@ the target stays as it was.
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text"]
+__all__ = [
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_csv",
+    "atomic_write_figure",
+    "atomic_write_text",
+]
 
 
 @contextlib.contextmanager
@@ -54,3 +62,33 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     _write(path, "w", lambda f: f.write(text))
+
+
+def atomic_write_csv(
+    path: str | Path, header: Sequence[str], rows: Iterable[Sequence[Any] | Mapping[str, Any]]
+) -> None:
+    """A CSV file: the header, then the rows (a mapping row is read by the header's names;
+    missing names are left empty, other keys ignored).
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "t.csv"
+    >>> atomic_write_csv(target, ["a", "b"], [[1, 2], {"b": 4, "c": 5}])
+    >>> target.read_text().splitlines()
+    ['a,b', '1,2', ',4']
+    """
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    for row in rows:
+        writer.writerow([row.get(name) for name in header] if isinstance(row, Mapping) else row)
+    atomic_write_text(path, buf.getvalue())
+
+
+def atomic_write_figure(fig: Any, path: str | Path, *, dpi: int = 100) -> None:
+    """A matplotlib figure as a PNG file; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -214,13 +212,9 @@ COLUMNS = [
 
 
 def _write_csv(path: Path, plans: list[dict[str, Any]]) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(plans)
-    from bigbatch.io import atomic_write_text
+    from bigbatch.io import atomic_write_csv
 
-    atomic_write_text(path, buf.getvalue())
+    atomic_write_csv(path, COLUMNS, plans)
 
 
 def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budget: int) -> None:
@@ -229,7 +223,7 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bigbatch.io import atomic_write_bytes
+    from bigbatch.io import atomic_write_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, curve, _ in curves:
@@ -249,11 +243,8 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Predicted peak memory of one training step")
-    buf = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_figure(fig, path, dpi=110)
 
 
 def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:

@@ -6,14 +6,13 @@ saving leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from bigbatch.io import atomic_path, atomic_write_bytes
+from bigbatch.io import atomic_path
 
 __all__ = ["load_state", "load_weights_file", "save_state", "save_weights"]
 
@@ -32,9 +31,9 @@ def load_weights_file(model: nn.Module, path: str | Path) -> None:
 
 
 def save_state(state: dict[str, Any], path: str | Path) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    # Straight to the temporary file: no second copy of the checkpoint in memory.
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load_state(path: str | Path) -> dict[str, Any]:

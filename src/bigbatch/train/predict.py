@@ -7,8 +7,6 @@ arrays, read back with ``allow_pickle=False``) and a CSV of labels, both written
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bigbatch.io import atomic_write_bytes, atomic_write_text
+from bigbatch.io import atomic_path, atomic_write_csv
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import DataError, ImageDataset, build_transforms, list_images, make_loader
@@ -104,20 +102,21 @@ def save_predictions(pred: Predictions, out: str | Path) -> tuple[Path, Path]:
     """``out.npz`` (probs, files, classes) and ``out.csv`` (file, label, confidence)."""
     out = Path(out)
     npz, csv_path = out.with_suffix(".npz"), out.with_suffix(".csv")
-    buf = io.BytesIO()
-    np.savez(
-        buf,
-        probs=pred.probs,
-        files=np.array(pred.files, dtype=str),
-        classes=np.array(pred.classes, dtype=str),
+    with atomic_path(npz) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
+        np.savez(
+            f,
+            probs=pred.probs,
+            files=np.array(pred.files, dtype=str),
+            classes=np.array(pred.classes, dtype=str),
+        )
+    atomic_write_csv(
+        csv_path,
+        ["file", "label", "confidence"],
+        (
+            [f, label, f"{p:.6f}"]
+            for f, label, p in zip(pred.files, pred.labels, pred.probs.max(axis=1), strict=True)
+        ),
     )
-    atomic_write_bytes(npz, buf.getvalue())
-    text = io.StringIO()
-    writer = csv.writer(text)
-    writer.writerow(["file", "label", "confidence"])
-    for f, label, p in zip(pred.files, pred.labels, pred.probs.max(axis=1), strict=True):
-        writer.writerow([f, label, f"{p:.6f}"])
-    atomic_write_text(csv_path, text.getvalue())
     return npz, csv_path
 
 

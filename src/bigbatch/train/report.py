@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 from typing import Any
 
-from bigbatch.io import atomic_write_bytes, atomic_write_text
+from bigbatch.io import atomic_write_csv, atomic_write_figure
 
 __all__ = ["plot_history", "write_history"]
 
@@ -15,11 +13,7 @@ __all__ = ["plot_history", "write_history"]
 def write_history(rows: list[dict[str, Any]], path: str | Path) -> None:
     if not rows:
         return
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
+    atomic_write_csv(path, list(rows[0]), rows)
 
 
 def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
@@ -49,7 +43,4 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_figure(fig, path, dpi=100)
