@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bigbatch.io import atomic_write_csv, atomic_write_text
+from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
 
 __all__ = ["write_digits_competition"]
 
@@ -21,7 +21,7 @@ EXPERIMENTS = """\
 [common]
 data = "train"
 valid_pct = 0.2
-size = 32
+size = {size}
 batch = 128          # target batch: samples per optimizer step
 budget = "{budget}"  # memory for the training step's tensors (overhead below is 0)
 overhead = "0"
@@ -66,23 +66,20 @@ def write_digits_competition(
     order = rng.permutation(len(images))
     n_train = 1600
     for rank, i in enumerate(order):
-        im = (
-            Image.fromarray(images[i])
-            .resize((size, size), Image.Resampling.BILINEAR)
-            .convert("RGB")
-        )
         if rank < n_train:
             path = out / "train" / str(digits.target[i]) / f"digit_{i:04d}.png"
         else:
             path = out / "test" / f"digit_{i:04d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            im.save(path)
+        if path.exists():
+            continue  # a rerun; each file was written atomically, so it is whole
+        im = Image.fromarray(images[i]).resize((size, size), Image.Resampling.BILINEAR)
+        with atomic_path(path) as tmp:
+            im.convert("RGB").save(tmp, format="PNG")
     atomic_write_csv(
         out / "sample_submission.csv",
         ["image_id", "label"],
         ([f"digit_{i:04d}.png", ""] for i in sorted(order[n_train:])),
     )
     experiments = out / "experiments.toml"
-    atomic_write_text(experiments, EXPERIMENTS.format(budget=budget, epochs=epochs))
+    atomic_write_text(experiments, EXPERIMENTS.format(size=size, budget=budget, epochs=epochs))
     return experiments

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,17 @@ def load_object(spec: str, what: str) -> Any:
     return getattr(module, attr)
 
 
-def call_factory(spec: str, what: str) -> Any:
-    """Load ``spec`` and call it with no arguments; a factory that raises becomes a UserError."""
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    """:func:`load_object`, which must be callable (a factory)."""
     factory = load_object(spec, what)
     if not callable(factory):
         raise UserError(f"{what}: {spec!r} is not callable; name a function that builds it")
+    return factory
+
+
+def call_factory(spec: str, what: str) -> Any:
+    """Load ``spec`` and call it with no arguments; a factory that raises becomes a UserError."""
+    factory = load_callable(spec, what)
     try:
         return factory()
     except Exception as exc:

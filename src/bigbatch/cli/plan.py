@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from bigbatch.cli import UserError
-from bigbatch.cli._load import load_object
+from bigbatch.cli._load import load_callable
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
@@ -80,11 +80,7 @@ Row = tuple[str, int | None, Callable[[], nn.Module], tuple[int, ...]]
 def _targets(args: argparse.Namespace) -> list[Row]:
     """(name, size, factory, per-sample input shape) for every row to plan."""
     if args.model:
-        factory = load_object(args.model, "--model")
-        if not callable(factory):
-            raise UserError(
-                f"--model: {args.model!r} is not callable; name a function that builds it"
-            )
+        factory = load_callable(args.model, "--model")
         if not args.input_shape:
             raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
         return [(args.model, None, factory, tuple(_ints(args.input_shape, "--input-shape")))]

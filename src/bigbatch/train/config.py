@@ -51,9 +51,8 @@ class TrainConfig:
     freeze_bn: bool = False  # BatchNorm uses its running statistics: accumulation becomes exact
     batch: int = 64  # target batch: samples per optimizer step
     budget: str = "auto"  # memory budget: 8GB, 16GiB, auto
-    overhead: str = (
-        "auto"  # memory besides the step's tensors: auto (process / CUDA context) or a size
-    )
+    # Memory besides the step's tensors: auto (this process / the CUDA context) or a size.
+    overhead: str = "auto"
     micro_batch: int = 0  # 0: the planner chooses
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     precision: str = "auto"

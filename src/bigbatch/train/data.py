@@ -117,7 +117,7 @@ def scan_folder(
                 f"class folder {folder} has no images ({', '.join(sorted(IMAGE_SUFFIXES))}); add some or remove it"
             )
         files += images
-        labels += [order.index(folder.name)] * len(images)
+        labels += [order.index(folder.name)] * len(images)  # once per class folder
     files, labels, skipped = _check_images(files, labels, bad_images)
     return ImageItems(files, labels, order, skipped)
 
@@ -157,7 +157,8 @@ def scan_csv(
             )
         order = list(classes)
     files = [root / r[0] for r in body]
-    files, labels, skipped = _check_images(files, [order.index(t) for t in labels_text], bad_images)
+    index = {name: i for i, name in enumerate(order)}  # not order.index: rows x classes
+    files, labels, skipped = _check_images(files, [index[t] for t in labels_text], bad_images)
     return ImageItems(files, labels, order, skipped)
 
 

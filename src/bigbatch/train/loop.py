@@ -82,9 +82,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
     """A zero-argument factory for the configured model (timm by name, or module:factory)."""
     if cfg.model:
-        from bigbatch.cli._load import load_object
+        from bigbatch.cli._load import load_callable
 
-        user = load_object(cfg.model, "model")
+        user = load_callable(cfg.model, "model")
 
         def build_user() -> nn.Module:
             return user(num_classes)
