@@ -18,17 +18,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from bigbatch import Accumulator
-from bigbatch import distributed as bbdist
-from bigbatch.verify_distributed import run_distributed
+from bigbatch.verify_distributed import (
+    count_bigbatch_allreduces,
+    count_ddp_allreduces,
+    run_distributed,
+)
 
 METHODS = ("ddp_every_micro_batch", "bigbatch_sync_last", "bigbatch_sync_step")
 
@@ -38,13 +39,6 @@ def make_model(width: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
     )
-
-
-def _counting_hook(state: dict[str, int], bucket: Any) -> Any:
-    state["allreduces"] += 1
-    group = dist.group.WORLD
-    assert group is not None
-    return default_hooks.allreduce_hook(group, bucket)
 
 
 def _window(
@@ -75,29 +69,22 @@ def worker(
     for method in METHODS:
         model = nn.parallel.DistributedDataParallel(make_model(width))
         state = {"allreduces": 0}
-        model.register_comm_hook(state, lambda state, bucket: _counting_hook(state, bucket))
+        count_ddp_allreduces(model, state, "allreduces")
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         acc = None
         if method != "ddp_every_micro_batch":
             sync = "last" if method.endswith("last") else "step"
             acc = Accumulator(opt, micro_batches=accum, model=model, sync=sync)  # type: ignore[arg-type]
         setups[method] = (model, acc, opt, state)
-    own = {"n": 0}
-    original = bbdist.all_reduce_sum
-
-    def counting(*a: Any) -> Any:
-        own["n"] += 1
-        return original(*a)
-
-    bbdist.all_reduce_sum = counting  # type: ignore[assignment]
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     counts: dict[str, float] = {}
     for method in METHODS:  # a warm-up window (DDP rebuilds its buckets), then one counted
         model, acc, opt, state = setups[method]
         _window(method, model, acc, opt, data)
-        state["allreduces"], own["n"] = 0, 0
-        _window(method, model, acc, opt, data)
-        counts[method] = state["allreduces"] + own["n"]
+        state["allreduces"] = 0
+        with count_bigbatch_allreduces(state, "allreduces"):
+            _window(method, model, acc, opt, data)
+        counts[method] = state["allreduces"]
     for r in range(rounds):
         order = METHODS if r % 2 == 0 else METHODS[::-1]
         for method in order:

@@ -13,7 +13,8 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +27,14 @@ from bigbatch import distributed as bbdist
 from bigbatch.accumulate import Accumulator
 from bigbatch.verify import TOLERANCES, CaseResult, compare_gradients, token_cross_entropy
 
-__all__ = ["DISTRIBUTED_CASES", "free_port", "run_distributed", "verify_distributed"]
+__all__ = [
+    "DISTRIBUTED_CASES",
+    "count_bigbatch_allreduces",
+    "count_ddp_allreduces",
+    "free_port",
+    "run_distributed",
+    "verify_distributed",
+]
 
 # case -> per-rank micro-batch counts (samples, or real tokens), micro-batches per window.
 DISTRIBUTED_CASES: dict[str, tuple[list[list[int]], int, bool]] = {
@@ -123,8 +131,6 @@ def _reference(counts: list[list[int]], tokens: bool) -> dict[str, torch.Tensor]
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import warnings
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     # The test network returns a view; nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
@@ -142,13 +148,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 fully_shard(model)
             else:
                 model = nn.parallel.DistributedDataParallel(_Net(tokens).double())
-                # DDP checks a hook's annotations, and this module's are strings: a lambda has none.
-                model.register_comm_hook(
-                    calls,
-                    lambda state, bucket: (
-                        _counted(state) and default_hooks.allreduce_hook(_world(), bucket)
-                    ),
-                )
+                count_ddp_allreduces(model, calls, "ddp")
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
             captured: dict[str, torch.Tensor] = {}
             names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
@@ -174,16 +174,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             else:
                 sync: Literal["last", "step", "every"] = method.rsplit("_", 1)[1]  # type: ignore[assignment]
                 acc = Accumulator(opt, micro_batches=n_window, model=model, sync=sync)
-                original = bbdist.all_reduce_sum
-
-                def counting(
-                    *a: Any, original: Any = original, calls: dict[str, int] = calls
-                ) -> Any:
-                    calls["step"] += 1
-                    return original(*a)
-
-                bbdist.all_reduce_sum = counting  # type: ignore[assignment]  # count bigbatch's all-reduces
-                try:
+                with count_bigbatch_allreduces(calls, "step"):
                     for i, (x, y) in enumerate(batches):
                         with acc.no_sync():
                             loss = loss_fn(model(x), y)
@@ -196,8 +187,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                         if acc.window_full:
                             acc.step()
                     acc.end_epoch()
-                finally:
-                    bbdist.all_reduce_sum = original
             after = [_full(p).detach().clone() for p in model.parameters()]
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, [t.tolist() for t in after])
@@ -234,9 +223,38 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-def _counted(calls: dict[str, int]) -> bool:
-    calls["ddp"] += 1
-    return True
+def count_ddp_allreduces(
+    model: nn.parallel.DistributedDataParallel, calls: dict[str, int], key: str
+) -> None:
+    """Count in ``calls[key]`` the gradient all-reduces DDP launches (one per bucket)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def counted(calls: dict[str, int]) -> bool:
+        calls[key] += 1
+        return True
+
+    # DDP checks a hook's annotations, and this module's are strings: a lambda has none.
+    model.register_comm_hook(
+        calls,
+        lambda state, bucket: counted(state) and default_hooks.allreduce_hook(_world(), bucket),
+    )
+
+
+@contextmanager
+def count_bigbatch_allreduces(calls: dict[str, int], key: str) -> Iterator[None]:
+    """Count in ``calls[key]`` the all-reduces bigbatch itself runs inside (counts, losses,
+    and gradients DDP did not synchronise)."""
+    original = bbdist.all_reduce_sum
+
+    def counting(*args: Any) -> Any:
+        calls[key] += 1
+        return original(*args)
+
+    bbdist.all_reduce_sum = counting  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        bbdist.all_reduce_sum = original
 
 
 def _grads_differ(model: nn.Module) -> bool:
