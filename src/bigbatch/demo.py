@@ -7,6 +7,7 @@ each planned into a small memory budget, TTA, a weighted ensemble. Nothing is do
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,7 @@ data = "train"
 valid_pct = 0.2
 size = {size}
 batch = 128          # target batch: samples per optimizer step
-budget = "{budget}"  # memory for the training step's tensors (overhead below is 0)
-overhead = "0"
+overhead = "0"       # each member's budget is for its training step's tensors alone
 epochs = {epochs}
 freeze_epochs = 0
 mode = "fit"
@@ -43,19 +43,48 @@ name = "resnet10t"
 arch = "resnet10t"
 item_transform = "squish"
 weight = 1.0
+budget = "{budget_resnet10t}"
 
 [[member]]
 name = "convnext"     # LayerNorm, no BatchNorm: its accumulation is exact
 arch = "convnext_atto"
 item_transform = "crop"
 weight = 0.5
+budget = "{budget_convnext_atto}"
 """
 
 
+MEMBERS = ("resnet10t", "convnext_atto")
+
+
+def demo_budget(arch: str, size: int, batch: int = 128) -> str:
+    """A budget that holds half the target batch but not all of it, on this machine.
+
+    CPU kernels' workspaces differ between CPUs (oneDNN's convolution backward takes 72 MiB for
+    resnet10t at 32 px on one AMD EPYC, far less elsewhere), so a fixed budget would plan 1 x 128
+    on one machine and fail on another. The planner's own calibrated prediction, midway between
+    micro-batch ``batch // 2`` and ``batch``, plans 2 x 64 everywhere.
+    """
+    from bigbatch.memory.calibrate import calibrate
+    from bigbatch.memory.plan import DEFAULT_MARGIN
+    from bigbatch.memory.predict import StepSpec, predict_peak
+    from bigbatch.models import timm_factory
+
+    spec = StepSpec(timm_factory(arch, num_classes=10, img_size=size), (3, size, size), 2)
+    calibration = calibrate(spec)
+    half, full = (
+        predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
+        for b in (batch // 2, batch)
+    )
+    return f"{math.ceil((half + full) / 2 / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
+
+
 def write_digits_competition(
-    out: str | Path, *, size: int = 32, budget: str = "120MiB", epochs: int = 4
+    out: str | Path, *, size: int = 32, budget: str = "auto", epochs: int = 4
 ) -> Path:
-    """Write the digits competition under ``out``; returns the experiments file."""
+    """Write the digits competition under ``out``; returns the experiments file.
+
+    ``budget="auto"`` gives each member :func:`demo_budget`; a size gives both that budget."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
@@ -81,5 +110,9 @@ def write_digits_competition(
         ([f"digit_{i:04d}.png", ""] for i in sorted(order[n_train:])),
     )
     experiments = out / "experiments.toml"
-    atomic_write_text(experiments, EXPERIMENTS.format(size=size, budget=budget, epochs=epochs))
+    budgets = {
+        f"budget_{arch}": demo_budget(arch, size) if budget == "auto" else budget
+        for arch in MEMBERS
+    }
+    atomic_write_text(experiments, EXPERIMENTS.format(size=size, epochs=epochs, **budgets))
     return experiments

@@ -10,7 +10,11 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("demo_output"))
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--budget", default="120MiB", help="memory for each member's training step")
+    p.add_argument(
+        "--budget",
+        default="auto",
+        help="memory for each member's training step; auto: half the batch fits, not all of it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
