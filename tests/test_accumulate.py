@@ -522,3 +522,137 @@ def test_loss_without_grad_is_rejected() -> None:
         loss = F.cross_entropy(model(x), y)
     with pytest.raises(ValueError, match="does not require grad"):
         acc.backward(loss, count=4)
+
+
+# ---------------------------------------------------------------- misuse is never silent
+
+
+def _zero_grad_in_loop_run(set_to_none: bool, before: str) -> torch.nn.Module:
+    """A loop that kept its optimizer.zero_grad() after switching to the Accumulator."""
+    model, acc = _acc(micro_batches=3)
+    for xb, yb in _epoch([8, 4, 8]):
+        if before == "backward":
+            acc.optimizer.zero_grad(set_to_none=set_to_none)
+        acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))
+    if before == "step":
+        acc.optimizer.zero_grad(set_to_none=set_to_none)
+    acc.step()
+    return model
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("before", ["backward", "step"])
+def test_zero_grad_left_in_the_loop_is_caught(set_to_none: bool, before: str) -> None:
+    if before == "step" and set_to_none:
+        match = "cleared"
+    else:
+        match = "cleared" if set_to_none else "changed in place"
+    with pytest.raises(RuntimeError, match=match):
+        _zero_grad_in_loop_run(set_to_none, before)
+
+
+def test_zero_grad_in_the_loop_would_use_only_the_last_micro_batch() -> None:
+    """Why the check above exists: the same loop, run on a plain optimizer, steps on the last
+    micro-batch alone (0.8 relative error here) instead of the window."""
+    start = make_model()
+    mbs = _epoch([8, 4, 8])
+    ref = big_batch_run(copy.deepcopy(start), [mbs])
+    model = copy.deepcopy(start)
+    opt = sgd(model.parameters())
+    total = sum(len(y) for _, y in mbs)
+    for xb, yb in mbs:
+        opt.zero_grad()
+        (F.cross_entropy(model(xb), yb) * len(yb) / total).backward()
+    opt.step()
+    assert update_rel_diff(start, model, ref) > 0.1
+
+
+def test_replaced_gradients_are_caught() -> None:
+    model, acc = _acc()
+    x, y = make_data(4)
+    acc.backward(F.cross_entropy(model(x), y), count=4)
+    for p in model.parameters():
+        p.grad = p.grad.clone()  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="replaced"):
+        acc.backward(F.cross_entropy(model(x), y), count=4)
+
+
+def test_reading_gradients_between_micro_batches_is_allowed() -> None:
+    model, acc = _acc()
+    x, y = make_data(4)
+    acc.backward(F.cross_entropy(model(x), y), count=4)
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))  # type: ignore[misc]
+    assert norm > 0
+    acc.backward(F.cross_entropy(model(x), y), count=4)
+    assert not acc.step().skipped
+
+
+def test_forgotten_end_epoch_is_caught_with_epoch_length() -> None:
+    model, acc = _acc(micro_batches=3, epoch_length=5)
+    for xb, yb in _epoch([8, 8, 8, 8, 4]):
+        acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))
+        if acc.window_full:
+            acc.step()
+    # No end_epoch(): the next epoch's first micro-batch is the epoch's sixth.
+    xb, yb = _epoch([8])[0]
+    with pytest.raises(RuntimeError, match=r"end_epoch\(\) was not called"):
+        acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))
+    acc.end_epoch()
+    acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))  # with it, the epoch goes on
+    with pytest.raises(ValueError, match="epoch_length"):
+        _acc(epoch_length=0)
+
+
+def test_iterate_settles_each_epoch_and_advances_the_schedule() -> None:
+    """acc.iterate(loader) calls end_epoch(): two epochs with the schedule {0: 3, 1: 2} equal
+    the big batch over the same windows; the loop that forgets end_epoch() does not."""
+    sizes = [8, 8, 8, 8, 4]
+    epochs = [_epoch(sizes, seed=1), _epoch(sizes, seed=2)]
+    start = make_model()
+    windows = windows_of(epochs[0], [3, 2]) + windows_of(epochs[1], [2, 2, 1])
+    ref = big_batch_run(copy.deepcopy(start), windows)
+
+    def run(use_iterate: bool) -> torch.nn.Module:
+        model = copy.deepcopy(start)
+        acc = Accumulator(sgd(model.parameters()), micro_batches={0: 3, 1: 2})
+        for epoch in epochs:
+            for xb, yb in acc.iterate(epoch) if use_iterate else epoch:
+                acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))
+                if acc.window_full:
+                    acc.step()
+        if not use_iterate:
+            acc.end_epoch()  # only once, at the very end
+        return model
+
+    assert update_rel_diff(start, run(True), ref) <= TOL64
+    assert update_rel_diff(start, run(False), ref) > NAIVE_FAILS
+
+
+def test_iterate_after_a_break_asks_for_end_epoch() -> None:
+    model, acc = _acc(micro_batches=4)
+    epoch = _epoch([8, 8, 8])
+    for xb, yb in acc.iterate(epoch):
+        acc.backward(F.cross_entropy(model(xb), yb), count=len(yb))
+        break
+    with pytest.raises(RuntimeError, match=r"acc\.end_epoch\(\)"):
+        next(iter(acc.iterate(epoch)))
+    acc.end_epoch()
+    assert next(iter(acc.iterate(epoch))) is not None
+
+
+def test_logged_loss_ignores_an_all_padding_micro_batch() -> None:
+    """A micro-batch with 0 real tokens has a mean loss of 0/0 = nan; the window's loss is the
+    mean over the real tokens of the others, as the big batch computes it."""
+    model = TokenModel().double()
+    acc = Accumulator(sgd(model.parameters()), micro_batches=3)
+    mbs = _token_batches([40, 0, 120])
+    for t, labels in mbs:
+        acc.backward(token_loss(model(t), labels), labels=labels)
+    result = acc.step()
+    with torch.no_grad():
+        copy_model = TokenModel().double()
+        t = torch.cat([b[0] for b in mbs])
+        labels = torch.cat([b[1] for b in mbs])
+        expected = float(token_loss(copy_model(t), labels))
+    assert math.isfinite(result.loss)
+    assert result.loss == pytest.approx(expected, rel=1e-12)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bigbatch import count_tokens, resolve_count
 
@@ -35,3 +36,63 @@ def test_resolve_count_rejects_bad_weights() -> None:
         resolve_count(weight=float("nan"))
     with pytest.raises(ValueError, match=r"w\.sum"):
         resolve_count(weight=torch.ones(3))
+
+
+def test_causal_lm_counts_shifted_labels_exactly() -> None:
+    """A Hugging Face causal LM shifts its labels inside: `labels=labels, shift=True` counts the
+    tokens it predicts, and the accumulated update equals the big batch's; counting every label
+    (`labels=labels`) over-counts one token per sequence and fails the same check."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from bigbatch import Accumulator
+    from helpers import update_rel_diff
+
+    config = transformers.GPT2Config(
+        vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    start = transformers.GPT2LMHeadModel(config).double()
+    g = torch.Generator().manual_seed(0)
+    # Micro-batches of different lengths and padding: 2 x 6, 3 x 12, 1 x 20 tokens.
+    batches = []
+    for n, length, pad in [(2, 6, 1), (3, 12, 5), (1, 20, 0)]:
+        ids = torch.randint(0, 50, (n, length), generator=g)
+        labels = ids.clone()
+        if pad:
+            labels[:, -pad:] = -100
+        batches.append((ids, labels))
+
+    def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    # The reference: one big batch, right-padded to the longest sequence with ignored labels.
+    ref = copy.deepcopy(start)
+    width = max(ids.shape[1] for ids, _ in batches)
+    ids = torch.cat([F.pad(i, (0, width - i.shape[1])) for i, _ in batches])
+    labels = torch.cat([F.pad(lab, (0, width - lab.shape[1]), value=-100) for _, lab in batches])
+    opt = sgd(ref)
+    ref(input_ids=ids, labels=labels).loss.backward()
+    opt.step()
+
+    def accumulated(shift: bool) -> torch.nn.Module:
+        model = copy.deepcopy(start)
+        acc = Accumulator(sgd(model), micro_batches=3)
+        for ids, labels in batches:
+            loss = model(input_ids=ids, labels=labels).loss
+            acc.backward(loss, labels=labels, shift=shift)
+        acc.step()
+        return model
+
+    # The model is float64, but transformers' ForCausalLMLoss casts the logits to float32:
+    # float32's bar, then (measured: 9e-8), against 0.097 for the unshifted count.
+    assert update_rel_diff(start, accumulated(shift=True), ref) <= 1e-6
+    assert update_rel_diff(start, accumulated(shift=False), ref) > 1e-4
+
+
+def test_shift_needs_labels() -> None:
+    with pytest.raises(ValueError, match="labels=labels"):
+        resolve_count(4, shift=True)
+    with pytest.raises(ValueError, match="at least 2"):
+        resolve_count(labels=torch.tensor([[1]]), shift=True)

@@ -127,11 +127,17 @@ class Accumulator:
         model: nn.Module | None = None,
         process_group: Any = None,
         sync: Literal["last", "step", "every"] = "last",
+        epoch_length: int | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                 "pass the optimizer itself: Accumulator(optimizer, micro_batches=8)"
+            )
+        if type(optimizer).__name__ == "AccumulatingOptimizer":
+            raise TypeError(
+                "this optimizer is an AccumulatingOptimizer, which accumulates already: pass the "
+                "optimizer it wraps (wrapper.optimizer), or use the wrapper alone"
             )
         if micro_batches is not None and target_count is not None:
             raise ValueError(
@@ -159,6 +165,13 @@ class Accumulator:
                 "sync='step' all-reduces full gradients, which FSDP2 shards: use sync='every' "
                 "(reduce-scatter each micro-batch: least memory) or sync='last' (once per window)"
             )
+        if epoch_length is not None and (
+            isinstance(epoch_length, bool) or not isinstance(epoch_length, int) or epoch_length < 1
+        ):
+            raise ValueError(
+                f"epoch_length is the number of backward() calls per epoch (an integer >= 1, "
+                f"e.g. len(loader)), got {epoch_length!r}"
+            )
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -176,6 +189,7 @@ class Accumulator:
         self.model = model
         self.process_group = process_group
         self.sync = sync
+        self.epoch_length = epoch_length
 
         # Counters, named with their units.
         self.micro_step = 0
@@ -183,6 +197,8 @@ class Accumulator:
         self._samples_seen: float | torch.Tensor = 0
         self._tokens_seen: float | torch.Tensor = 0
         self.epoch = 0
+        self._micro_in_epoch = 0  # backward() calls since the last end_epoch()
+        self._iterating = False  # inside iterate(): it calls end_epoch() itself
 
         self._checked_model = False
         # Whether DDP will all-reduce the next backward (False inside no_sync()).
@@ -205,6 +221,10 @@ class Accumulator:
         # pass at step time (ref / count == 1). Under DDP ref must agree across ranks: 1 there.
         self._ref: float | torch.Tensor | None = None
         self._last_backward_synced = True
+        # Each gradient as the last backward() left it, and its version counter: a gradient
+        # cleared, replaced or changed in place before the next backward() or step() (a
+        # zero_grad() left in the loop) would silently drop the window's earlier micro-batches.
+        self._grads_after_backward: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     @property
     def micro_batches_per_window(self) -> int | None:
@@ -266,6 +286,34 @@ class Accumulator:
         finally:
             self._pending_sync = True
 
+    def iterate(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate over one epoch of ``loader`` and call :meth:`end_epoch` when it is exhausted,
+        so the epoch's partial window is settled and a ``micro_batches`` schedule advances.
+
+        >>> import torch, torch.nn.functional as F
+        >>> model = torch.nn.Linear(4, 2)
+        >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=2)
+        >>> loader = [(torch.randn(3, 4), torch.tensor([0, 1, 0]))] * 3
+        >>> for x, y in acc.iterate(loader):
+        ...     acc.backward(F.cross_entropy(model(x), y), count=len(y))
+        ...     if acc.window_full:
+        ...         _ = acc.step()
+        >>> acc.optimizer_step, acc.epoch   # 2 windows: [3+3], then the partial [3]
+        (2, 1)
+        """
+        if self._micro_in_epoch and not self._iterating:
+            raise RuntimeError(
+                f"{self._micro_in_epoch} micro-batch(es) ran since the last end_epoch(): call "
+                "acc.end_epoch() after a loop that does not use acc.iterate(loader)"
+            )
+        self._iterating = True
+        try:
+            yield from loader
+        finally:
+            self._iterating = False
+        # Only an exhausted loader ends the epoch: a loop left with `break` keeps its window.
+        self.end_epoch()
+
     # -------------------------------------------------------------------- backward
     def backward(
         self,
@@ -274,6 +322,7 @@ class Accumulator:
         *,
         labels: torch.Tensor | None = None,
         ignore_index: int = -100,
+        shift: bool = False,
         weight: float | torch.Tensor | None = None,
     ) -> None:
         """Backpropagate one micro-batch's loss, weighted by its count.
@@ -281,7 +330,9 @@ class Accumulator:
         ``loss`` is your usual scalar loss (a mean over the micro-batch unless ``reduction="sum"``).
         Say what it averages over with exactly the count you have: ``count=len(batch)``
         (samples), ``labels=labels`` (tokens: labels != ``ignore_index``) or ``weight=w.sum()``
-        (a weighted mean; combine with ``count=`` to keep ``samples_seen``).
+        (a weighted mean; combine with ``count=`` to keep ``samples_seen``). A causal language
+        model that shifts its labels inside (Hugging Face's ``AutoModelForCausalLM(...,
+        labels=labels)``) predicts ``labels[..., 1:]``: pass ``labels=labels, shift=True``.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -294,7 +345,17 @@ class Accumulator:
                 "loss does not require grad: compute it from the model's output outside "
                 "torch.no_grad(), with the model's parameters requiring grad"
             )
-        mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
+        self._check_grads_untouched("backward()")
+        if self.epoch_length is not None and self._micro_in_epoch >= self.epoch_length:
+            raise RuntimeError(
+                f"micro-batch {self._micro_in_epoch + 1} of an epoch of epoch_length="
+                f"{self.epoch_length}: end_epoch() was not called. Call acc.end_epoch() after "
+                "each epoch (it settles the partial window and advances a micro_batches "
+                "schedule), or loop with `for batch in acc.iterate(loader)`"
+            )
+        mb = resolve_count(
+            count, labels=labels, ignore_index=ignore_index, shift=shift, weight=weight
+        )
         work = loss if loss.dim() == 0 else loss.reshape(())
         if work.dtype not in (torch.float32, torch.float64):
             # Upcast, so multiplying a bf16/fp16 loss by a count does not round it.
@@ -309,6 +370,28 @@ class Accumulator:
             weighted.backward()
         self._last_backward_synced = self._pending_sync
         self._pending_sync = True
+        self._micro_in_epoch += 1
+        self._grads_after_backward = [
+            (p, p.grad, p.grad._version) for p in _params_of(self.optimizer) if p.grad is not None
+        ]
+
+    def _check_grads_untouched(self, where: str) -> None:
+        for p, grad, version in self._grads_after_backward:
+            if p.grad is grad and grad._version == version:
+                continue
+            what = (
+                "cleared (set to None)"
+                if p.grad is None
+                else "replaced"
+                if p.grad is not grad
+                else "changed in place (zero_grad(set_to_none=False), clipping or unscaling?)"
+            )
+            raise RuntimeError(
+                f"the window's gradients were {what} between backward() and {where}: that drops "
+                f"the {self._micro_in_window} micro-batch(es) already in the window. Do not call "
+                "optimizer.zero_grad() (or clip/unscale) inside a window: acc.step() clips, "
+                "unscales and zeroes them once per window"
+            )
 
     def record(self, mb: MicroBatchCount, loss: torch.Tensor | None = None) -> float | torch.Tensor:
         """Account for one micro-batch without running backward; return the factor its loss
@@ -374,6 +457,7 @@ class Accumulator:
         which is how :meth:`end_epoch` knows every rank is done."""
         params = _params_of(self.optimizer)
         local = self._micro_in_window > 0
+        self._check_grads_untouched("step()")
         if local and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "the window's gradients were cleared before step(): do not call "
@@ -512,6 +596,7 @@ class Accumulator:
                 "windows together at the epoch's end: use 'renorm' or 'drop'"
             )
         self.epoch += 1
+        self._micro_in_epoch = 0
         return result
 
     # -------------------------------------------------------------- checkpointing
@@ -626,7 +711,8 @@ def _loss_sum(
         weights = torch.tensor(counts, dtype=stacked.dtype, device=stacked.device)
     else:
         weights = torch.stack([torch.as_tensor(c).to(stacked) for c in counts])
-    return (stacked * weights).sum()
+    # A micro-batch of count 0 (all padding) has a mean loss of 0/0 = nan but adds nothing.
+    return torch.where(weights == 0, 0.0, stacked * weights).sum()
 
 
 def _mean_loss(

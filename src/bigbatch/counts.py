@@ -17,15 +17,27 @@ __all__ = ["MicroBatchCount", "count_tokens", "resolve_count"]
 Number = int | float | torch.Tensor
 
 
-def count_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def count_tokens(
+    labels: torch.Tensor, ignore_index: int = -100, *, shift: bool = False
+) -> torch.Tensor:
     """Number of labels that take part in a token loss (those not equal to ``ignore_index``).
 
-    Returned as a 0-d tensor on the labels' device, so counting never forces a device sync.
+    ``shift=True`` counts ``labels[..., 1:]``: a causal language model that shifts its labels
+    inside (Hugging Face's ``model(input_ids, labels=labels)``) predicts every token but the
+    first, so counting all of them over-counts one token per sequence. Returned as a 0-d tensor
+    on the labels' device, so counting never forces a device sync.
 
     >>> import torch
-    >>> int(count_tokens(torch.tensor([[1, 2, -100], [3, -100, -100]])))
-    3
+    >>> labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    >>> int(count_tokens(labels)), int(count_tokens(labels, shift=True))
+    (3, 1)
     """
+    if shift:
+        if labels.dim() == 0 or labels.shape[-1] < 2:
+            raise ValueError(
+                f"shift=True needs sequences of at least 2 labels, got shape {tuple(labels.shape)}"
+            )
+        labels = labels[..., 1:]
     return (labels != ignore_index).sum()
 
 
@@ -91,17 +103,21 @@ def resolve_count(
     *,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
+    shift: bool = False,
     weight: object = None,
 ) -> MicroBatchCount:
     """Turn the ways a user can describe a micro-batch into one :class:`MicroBatchCount`.
 
     - ``count=len(batch)``: the loss is normalised per sample (the default meaning);
-    - ``labels=labels``: the loss is normalised per token, counting labels != ``ignore_index``;
+    - ``labels=labels``: the loss is normalised per token, counting labels != ``ignore_index``
+      (``shift=True``: of ``labels[..., 1:]``, for causal LMs that shift labels inside);
     - ``weight=w.sum()``: the loss is a weighted mean with these total weights.
 
     >>> resolve_count(8).normaliser
     8
     """
+    if shift and labels is None:
+        raise ValueError("shift=True shifts the labels: pass labels=labels with it")
     if type(count) is int and count >= 0 and labels is None and weight is None:
         return MicroBatchCount(normaliser=count, samples=count, tokens=0)  # the common case, fast
     if count is None and labels is None and weight is None:
@@ -117,7 +133,7 @@ def resolve_count(
     if labels is not None:
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a tensor, got {type(labels).__name__}")
-        tokens = count_tokens(labels, ignore_index)
+        tokens = count_tokens(labels, ignore_index, shift=shift)
         if count is None:
             samples = labels.shape[0] if labels.dim() > 0 else 1
     normaliser: Number

@@ -4,6 +4,11 @@ Your loop keeps ``loss.backward(); optimizer.step(); optimizer.zero_grad()``; on
 learns the micro-batch's count: ``optimizer.step(count=len(y))``. The real optimizer steps once
 per window, on the count-weighted mean gradient, exactly as a big batch would.
 
+It is a ``torch.optim.Optimizer`` sharing the wrapped optimizer's ``param_groups`` and
+``state``, so torch's LR schedulers take it (``StepLR(wrapper, ...)``) and its ``state_dict``
+saves the open window too. Attach a scheduler with ``scheduler=`` (or ``wrapper.scheduler =
+sched``): it then steps once per optimizer step, never per micro-batch.
+
 The price of not touching ``backward``: each micro-batch's gradient is folded into one extra
 gradient-sized buffer (so 2x gradient memory while a window is open). The :class:`Accumulator`
 weights the loss before backward instead and needs no buffer.
@@ -23,20 +28,21 @@ from bigbatch.counts import resolve_count
 __all__ = ["AccumulatingOptimizer"]
 
 
-class AccumulatingOptimizer:
+class AccumulatingOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that it steps once every ``micro_batches`` calls to :meth:`step`,
     on the exact big-batch gradient.
 
     >>> import torch, torch.nn.functional as F
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=2)
+    >>> opt.scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     >>> for n in (3, 1):
     ...     x, y = torch.randn(n, 4), torch.zeros(n, dtype=torch.long)
     ...     F.cross_entropy(model(x), y).backward()
     ...     result = opt.step(count=n)   # the only change to the loop: say the count
     ...     opt.zero_grad()
-    >>> opt.optimizer_step
-    1
+    >>> opt.optimizer_step, opt.param_groups[0]["lr"]
+    (1, 0.05)
     """
 
     def __init__(
@@ -49,7 +55,8 @@ class AccumulatingOptimizer:
         reduction: Reduction = "mean",
         last_window: LastWindow = "renorm",
     ) -> None:
-        self.optimizer = optimizer
+        if isinstance(optimizer, AccumulatingOptimizer):
+            raise TypeError("this optimizer is already an AccumulatingOptimizer: wrap it once")
         self.accumulator = Accumulator(
             optimizer,
             micro_batches=micro_batches,
@@ -58,17 +65,25 @@ class AccumulatingOptimizer:
             scheduler=scheduler,
             clip_grad_norm=clip_grad_norm,
         )
+        # Optimizer's own set-up (hooks, profiling of step), then share the wrapped optimizer's
+        # groups and state: an LR scheduler built on the wrapper moves the real learning rate.
+        super().__init__([p for g in optimizer.param_groups for p in g["params"]], {})
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
         self._stash: dict[torch.Tensor, torch.Tensor] = {}
         self._warned_no_count = False
 
-    # The attributes a loop or an LR scheduler reads from an optimizer.
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    def scheduler(self) -> Any:
+        """The LR scheduler stepped once per optimizer step (settable after construction, for a
+        scheduler built on this wrapper)."""
+        return self.accumulator.scheduler
 
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
+    @scheduler.setter
+    def scheduler(self, scheduler: Any) -> None:
+        self.accumulator.scheduler = scheduler
 
     @property
     def optimizer_step(self) -> int:
@@ -82,13 +97,20 @@ class AccumulatingOptimizer:
     def samples_seen(self) -> int:
         return self.accumulator.samples_seen
 
-    def step(
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not hasattr(self, "optimizer"):  # Optimizer.__init__ builds throw-away groups
+            super().add_param_group(param_group)
+            return
+        self.optimizer.add_param_group(param_group)
+
+    def step(  # type: ignore[override]
         self,
         closure: Callable[[], Any] | None = None,
         *,
         count: int | torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         ignore_index: int = -100,
+        shift: bool = False,
         weight: float | torch.Tensor | None = None,
         loss: torch.Tensor | None = None,
     ) -> StepResult | None:
@@ -114,7 +136,9 @@ class AccumulatingOptimizer:
                 )
                 self._warned_no_count = True
             count = 1
-        mb = resolve_count(count, labels=labels, ignore_index=ignore_index, weight=weight)
+        mb = resolve_count(
+            count, labels=labels, ignore_index=ignore_index, shift=shift, weight=weight
+        )
         grads = [p for p in _params_of(self.optimizer) if p.grad is not None]
         if not grads:
             raise RuntimeError(
@@ -145,16 +169,29 @@ class AccumulatingOptimizer:
         return self.accumulator.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state; save it at a window boundary."""
-        if self.accumulator.micro_in_window:
-            raise RuntimeError(
-                "save the optimizer at a window boundary (after a step), or use Accumulator, "
-                "whose state_dict() keeps a partial window"
-            )
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state, plus (under ``"bigbatch"``) the counters and the open
+        window's summed gradient: save it at any micro-batch, resume bit-identically. Loads with
+        ``torch.load(..., weights_only=True)``."""
+        state = self.optimizer.state_dict()
+        window = self.accumulator.state_dict()
+        window["grads"] = [
+            None if p not in self._stash else self._stash[p].detach().cpu().clone()
+            for p in _params_of(self.optimizer)
+        ]
+        state["bigbatch"] = window
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        window = state.pop("bigbatch", None)
         self.optimizer.load_state_dict(state)
+        self._stash = {}
+        if window is not None:
+            self.accumulator.load_state_dict(window)
+            for p in _params_of(self.optimizer):  # the window's sum lives in the stash
+                if p.grad is not None:
+                    self._stash[p] = p.grad
+                    p.grad = None
 
     def _restore_stash(self) -> None:
         for p, g in self._stash.items():
