@@ -11,18 +11,26 @@ import contextlib
 import csv
 import io
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "FolderBusyError",
     "atomic_path",
     "atomic_write_bytes",
     "atomic_write_csv",
     "atomic_write_figure",
     "atomic_write_text",
+    "check_writable",
+    "load_tensors",
+    "lock_folder",
 ]
+
+
+class FolderBusyError(RuntimeError):
+    """Another process holds the folder's lock."""
 
 
 @contextlib.contextmanager
@@ -38,9 +46,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    # Not mkstemp, which creates 0600: the umask decides, as for any file the user writes.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -92,3 +100,115 @@ def atomic_write_figure(fig: Any, path: str | Path, *, dpi: int = 100) -> None:
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """Raise ``PermissionError``/``NotADirectoryError`` with the fix unless a file can be
+    written at ``path`` (its folder is created): checked before long work, not after it."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {path} is a folder; give a file name")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise NotADirectoryError(
+            f"cannot write {what} {path}: part of {folder} is a file, not a folder"
+        ) from exc
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot create the folder for {what} {path}: permission denied"
+        ) from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"cannot write {what} {path}: {folder} is not writable; choose another place"
+        )
+
+
+@contextlib.contextmanager
+def lock_folder(folder: str | Path, what: str = "folder") -> Iterator[Path]:
+    """Create ``folder`` (if needed) and hold an exclusive lock on it while the block runs.
+
+    A second process that tries the same folder gets :class:`FolderBusyError` at once; the lock
+    goes with the process, so a killed run leaves nothing to clean up. A folder that cannot be
+    created or written raises here, before any work.
+
+    >>> import tempfile
+    >>> with lock_folder(tempfile.mkdtemp()) as folder:
+    ...     (folder / ".lock").exists()
+    True
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{what} {folder} is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".lock", "a+")  # noqa: SIM115 - held for the whole block
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise NotADirectoryError(f"cannot create {what} {folder}: a part of it is a file") from exc
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot write to {what} {folder}: permission denied; choose another folder"
+        ) from exc
+    try:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no lock, as before
+            fcntl = None  # type: ignore[assignment]
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise FolderBusyError(
+                    f"{what} {folder} is in use by {holder}: wait for it to finish, or choose "
+                    "another folder"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()}")
+            handle.flush()
+        yield folder
+    finally:
+        handle.close()  # releases the lock
+
+
+def load_tensors(path: str | Path, what: str) -> Any:
+    """``torch.load(path, weights_only=True)`` (or safetensors by suffix), with one-line errors:
+    a missing, damaged or truncated file, or one holding pickled objects, raises ``ValueError``
+    naming the file and what to do. Nothing is ever unpickled.
+
+    >>> import tempfile, torch, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "w.pt"
+    >>> torch.save({"w": torch.ones(2)}, f)
+    >>> load_tensors(f, "weights")["w"].tolist()
+    [1.0, 1.0]
+    """
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's own message suggests weights_only=False: never do that with a file you were
+        # handed (it runs arbitrary code).
+        first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
+        raise ValueError(
+            f"{what} {path} holds pickled Python objects besides tensors ({first}); bigbatch "
+            "loads tensors only and will not unpickle it: save a plain state dict "
+            "(torch.save(model.state_dict(), path)) or a .safetensors file"
+        ) from None
+    except Exception as exc:
+        raise ValueError(
+            f"cannot read {what} {path}: it is damaged or truncated, or not a torch/safetensors "
+            f"file ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})"
+        ) from None

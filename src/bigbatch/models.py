@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["UnknownArchitectureError", "load_weights", "resolve_arch", "timm_factory"]
+__all__ = [
+    "UnknownArchitectureError",
+    "load_weights",
+    "read_weights",
+    "resolve_arch",
+    "timm_factory",
+]
 
 
 class UnknownArchitectureError(ValueError):
@@ -69,6 +75,8 @@ def timm_factory(
     10
     """
     arch = resolve_arch(arch)
+    if weights is not None:
+        read_weights(weights)  # a missing or unreadable file fails now, not inside training
 
     def build() -> nn.Module:
         model = _create(arch, num_classes, img_size, in_chans)
@@ -80,23 +88,31 @@ def timm_factory(
     return build
 
 
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a local weights file (safetensors, a state dict, or a checkpoint with a
+    ``"model"`` state dict), without unpickling; ``ValueError`` naming the file otherwise."""
+    from bigbatch.io import load_tensors
+
+    state = load_tensors(path, "weights file")
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"weights file {path} is not a state dict (names to tensors): save one with "
+            "torch.save(model.state_dict(), path)"
+        )
+    return state
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = False) -> list[str]:
     """Load a local weights file into ``model`` without unpickling anything.
 
     A classifier head whose shape differs (another number of classes) is skipped; returns the
     names of the tensors that were not loaded.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} does not exist (no download is attempted)")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-            state = state["model"]
+    state = read_weights(path)
     own = model.state_dict()
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     skipped = sorted(set(state) - set(usable))

@@ -22,9 +22,9 @@ def test_file_then_overrides(tmp_path: Path) -> None:
     ("overrides", "match"),
     [
         (["data=x", "epoch=3"], "unknown key 'epoch'.*did you mean epochs"),
-        (["data=x", "epochs=three"], "epochs takes a int"),
+        (["data=x", "epochs=three"], "epochs takes an integer"),
         (["data=x", "augment=maybe"], "true or false"),
-        (["data=x", "mode=train"], "mode='train' is not one of fine_tune, fit"),
+        (["data=x", "mode=train"], "mode=.train. is not one of auto, fine_tune, fit"),
         (["data=x", "batch=0"], "batch must be >= 1"),
         (["epochs=1"], "data is not set"),
         (["data=x", "novalue"], "key=value"),

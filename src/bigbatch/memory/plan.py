@@ -23,9 +23,11 @@ __all__ = [
     "DoesNotFitError",
     "Plan",
     "device_free_bytes",
+    "device_total_bytes",
     "overhead_bytes",
     "plan_micro_batch",
     "resolve_budget",
+    "usable_bytes",
 ]
 
 # Not tensor memory, but it counts against a GPU's capacity: the CUDA context and kernels
@@ -109,6 +111,23 @@ def device_free_bytes(device: str | torch.device) -> int:
     raise ValueError("cannot read the free memory here; give a size such as 8GB instead of 'auto'")
 
 
+def device_total_bytes(device: str | torch.device) -> int | None:
+    """All the memory of ``device`` (a GPU's, or the machine's RAM); None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _process_rss() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -133,12 +152,30 @@ def resolve_budget(budget: str | int, device: str | torch.device) -> int:
     return parse_bytes(budget)
 
 
+def usable_bytes(
+    budget_bytes: int, overhead: int, device: str | torch.device, margin: float = DEFAULT_MARGIN
+) -> int:
+    """What a step's tensors may use: the budget less the margin and the overhead."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    usable = int(budget_bytes * (1 - margin)) - overhead
+    if usable <= 0:
+        raise ValueError(
+            f"the budget {format_bytes(budget_bytes)} leaves nothing for training after the "
+            f"{margin:.0%} margin and {format_bytes(overhead)} of overhead "
+            f"({'CUDA context' if torch.device(device).type == 'cuda' else 'this process: Python, torch, libraries'}); "
+            "raise the budget, or set the overhead you expect (--overhead / overhead=)"
+        )
+    return usable
+
+
 def _suggestions(spec: StepSpec) -> str:
     tips = []
     if spec.precision == "fp32":
         tips.append("precision bf16 (halves activations)")
     if spec.optimizer.lower() in ("adamw", "adam"):
-        tips.append("optimizer sgd (no Adam state: 2 copies of the weights fewer)")
+        # bigbatch train and bigbatch plan both take it (train's sgd has momentum: one copy).
+        tips.append("optimizer sgd (optimizer=sgd, --optimizer sgd: 1 or 0 state copies, not 2)")
     tips.append("activation checkpointing, or a smaller input size")
     return "try " + ", ".join(tips)
 
@@ -170,18 +207,9 @@ def plan_micro_batch(
         raise ValueError(
             f"the target batch must be a positive number of samples, got {target_batch!r}"
         )
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin must be in [0, 1), got {margin}")
     budget_bytes = resolve_budget(budget, device)
     overhead = overhead_bytes(device) if overhead is None else overhead
-    usable = int(budget_bytes * (1 - margin)) - overhead
-    if usable <= 0:
-        raise ValueError(
-            f"the budget {format_bytes(budget_bytes)} leaves nothing for training after the "
-            f"{margin:.0%} margin and {format_bytes(overhead)} of overhead "
-            f"({'CUDA context' if torch.device(device).type == 'cuda' else 'this process: Python, torch, libraries'}); "
-            "raise the budget, or set the overhead you expect (--overhead / overhead=)"
-        )
+    usable = usable_bytes(budget_bytes, overhead, device, margin)
     cache: dict[int, MemoryPrediction] = {}
 
     def peak(b: int) -> int:

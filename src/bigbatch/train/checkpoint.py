@@ -37,5 +37,10 @@ def save_state(state: dict[str, Any], path: str | Path) -> None:
 
 
 def load_state(path: str | Path) -> dict[str, Any]:
-    # weights_only: never unpickle arbitrary objects from a file on disk.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A training state written by :func:`save_state` (never unpickled: ``weights_only``)."""
+    from bigbatch.io import load_tensors
+
+    state = load_tensors(path, "checkpoint")
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"checkpoint {path} was not written by bigbatch train (no model state)")
+    return state

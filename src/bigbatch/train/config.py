@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -26,50 +27,52 @@ class ConfigError(ValueError):
 CHOICES: dict[str, tuple[str, ...]] = {
     "item_transform": ("squish", "crop"),
     "precision": ("auto", "fp32", "bf16", "fp16"),
-    "mode": ("fine_tune", "fit"),
+    "mode": ("auto", "fine_tune", "fit"),
     "schedule": ("one_cycle", "cosine", "plateau"),
     "monitor": ("valid_loss", "accuracy", "error_rate"),
     "bad_images": ("skip", "error"),
-    "optimizer": ("adamw",),
+    "optimizer": ("adamw", "sgd"),
 }
 
 
 @dataclass
 class TrainConfig:
-    """Everything ``bigbatch train`` needs; every field can be set in the file or as key=value."""
+    """Everything ``bigbatch train`` needs; every field can be set in the file or as key=value.
+    What each key means is in :data:`HELP` (and ``bigbatch train --help``)."""
 
-    data: str = ""  # a folder with one sub-folder per class, or a CSV of file,label
-    image_root: str = ""  # where the CSV's files are (default: the CSV's folder)
-    valid: str = ""  # a validation folder or CSV; empty: a seeded split of `data`
+    data: str = ""
+    image_root: str = ""
+    valid: str = ""
     valid_pct: float = 0.2
-    arch: str = "resnet18"  # any timm architecture
-    model: str = ""  # module:factory(num_classes) for your own model (instead of arch)
-    weights: str = ""  # a local weights file (safetensors or a state dict); never downloaded
+    arch: str = "resnet18"
+    model: str = ""
+    weights: str = ""
     size: int = 224
-    item_transform: str = "squish"  # squish: resize to size x size; crop: resize, centre crop
-    augment: bool = True  # random flips and crops while training
-    freeze_bn: bool = False  # BatchNorm uses its running statistics: accumulation becomes exact
-    batch: int = 64  # target batch: samples per optimizer step
-    budget: str = "auto"  # memory budget: 8GB, 16GiB, auto
-    # Memory besides the step's tensors: auto (this process / the CUDA context) or a size.
+    item_transform: str = "squish"
+    augment: bool = True
+    freeze_bn: bool = False
+    batch: int = 64
+    budget: str = "auto"
     overhead: str = "auto"
-    micro_batch: int = 0  # 0: the planner chooses
-    device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
+    micro_batch: int = 0
+    device: str = "auto"
     precision: str = "auto"
     optimizer: str = "adamw"
-    mode: str = "fine_tune"  # fine_tune: head only for freeze_epochs, then all; fit: all
+    mode: str = "auto"
     epochs: int = 5
     freeze_epochs: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.01
-    schedule: str = "one_cycle"  # in optimizer steps; plateau: ReduceLROnPlateau per epoch
-    monitor: str = "valid_loss"  # picks the best checkpoint
+    schedule: str = "one_cycle"
+    monitor: str = "valid_loss"
     seed: int = 42
     num_workers: int = 2
-    bad_images: str = "skip"  # skip (and count) or error on unreadable images
-    grow_after: int = 100  # clean windows before the OOM back-off tries a larger micro-batch
+    bad_images: str = "skip"
+    grow_after: int = 100
+    log_every: float = 30.0
 
     def validate(self) -> None:
+        """Every check that needs no data and no model: before any work starts."""
         if not self.data:
             raise ConfigError(
                 "data is not set: give data=path/to/folder (one sub-folder per class) or a CSV"
@@ -79,15 +82,57 @@ class TrainConfig:
                 raise ConfigError(
                     f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}"
                 )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         for key in ("size", "batch", "epochs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 0 <= self.valid_pct < 1:
             raise ConfigError(f"valid_pct must be in [0, 1), got {self.valid_pct}")
-        if self.micro_batch < 0 or self.freeze_epochs < 0 or self.num_workers < 0:
-            raise ConfigError("micro_batch, freeze_epochs and num_workers must be >= 0")
+        for key in ("micro_batch", "freeze_epochs", "num_workers", "grow_after", "seed"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(
+                f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}"
+            )
+        if self.log_every < 0:
+            raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
+        check_device(self.device, "device")
+        from bigbatch.memory.budget import parse_bytes
+
+        for key, allow_zero in (("budget", False), ("overhead", True)):
+            value = getattr(self, key)
+            if value.strip().lower() != "auto":
+                try:
+                    parse_bytes(value, allow_zero=allow_zero)
+                except ValueError as exc:
+                    raise ConfigError(f"{key}={value!r}: {exc}") from exc
+        if self.weights and not Path(self.weights).is_file():
+            raise ConfigError(
+                f"weights={self.weights!r} does not exist (a local safetensors or state-dict "
+                "file; nothing is downloaded)"
+            )
+        if self.micro_batch > self.batch:
+            raise ConfigError(
+                f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
+                "is a part of the batch; lower it, or raise batch"
+            )
+
+    @property
+    def model_name(self) -> str:
+        """What the run trains, for logs and folder names: the factory or the timm name."""
+        return self.model or self.arch
+
+    @property
+    def fine_tunes(self) -> bool:
+        """Whether the head trains alone first: mode=fine_tune, or auto with starting weights
+        (random weights have no features worth keeping, so auto trains everything)."""
+        return self.mode == "fine_tune" or (self.mode == "auto" and bool(self.weights))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,8 +147,79 @@ class TrainConfig:
             "micro_batch",
             "grow_after",
             "bad_images",
+            "log_every",
         }
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
+
+
+HELP: dict[str, str] = {
+    "data": "a folder with one sub-folder per class, or a CSV of file,label (required)",
+    "image_root": "where the CSV's files are (default: the CSV's folder)",
+    "valid": "a validation folder or CSV; empty: a seeded split of data",
+    "valid_pct": "the share of data held out for validation; 0: none (best checkpoint by train_loss)",
+    "arch": "any timm architecture (random init; weights= for your own starting weights)",
+    "model": "module:factory(num_classes) building your own model, instead of arch",
+    "weights": "a local weights file (safetensors or a state dict; never unpickled, never downloaded)",
+    "size": "input size: images are resized to size x size",
+    "item_transform": "squish: resize to size x size; crop: resize, then centre crop",
+    "augment": "random flips and crops while training",
+    "freeze_bn": "BatchNorm uses its running statistics: accumulation becomes exact",
+    "batch": "the target batch: samples per optimizer step",
+    "budget": "memory budget for training (8GB, 16GiB, 512MiB) or auto: the free memory now",
+    "overhead": "memory besides the step's tensors: auto (this process / the CUDA context) or a size",
+    "micro_batch": "0: the planner chooses under budget; else fixed (checked against an explicit budget)",
+    "device": "auto, cpu, cuda, cuda:N or mps",
+    "precision": "auto (bf16 or fp16 on CUDA, fp32 elsewhere), fp32, bf16, fp16",
+    "optimizer": "adamw, or sgd (momentum 0.9: one state copy instead of two)",
+    "mode": "fine_tune: the head alone for freeze_epochs, then all; fit: all; auto: fine_tune with weights=, else fit",
+    "epochs": "epochs (after the head-only ones of fine_tune)",
+    "freeze_epochs": "head-only epochs of fine_tune",
+    "lr": "learning rate (the head-only epochs use twice this)",
+    "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
+    "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
+    "monitor": "what picks best.safetensors: valid_loss, accuracy or error_rate",
+    "seed": "seeds the split, the order, augmentation and initialisation",
+    "num_workers": "data-loading processes (0: load in the training process)",
+    "bad_images": "unreadable images: skip (and count them) or error",
+    "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",
+    "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
+}
+
+
+def keys_help() -> str:
+    """Every config key with its default and meaning: the epilog of ``bigbatch train --help``."""
+    defaults = TrainConfig()
+    lines = ["config keys (in the TOML file, or key=value):"]
+    for f in fields(TrainConfig):
+        default = getattr(defaults, f.name)
+        shown = json.dumps(default) if isinstance(default, str) else str(default).lower()
+        lines.append(f"  {f.name} = {shown}\n      {HELP[f.name]}")
+    return "\n".join(lines)
+
+
+def check_device(name: str, what: str) -> None:
+    """A device name torch knows and this machine has (``auto`` always passes)."""
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"{what}={name!r} is not a device: use auto, cpu, cuda, cuda:N or mps"
+        ) from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{what}={name} but no CUDA device is available; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{what}={name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{what}={name} but MPS is not available here; use cpu or auto")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{what}={name!r}: bigbatch trains on cpu, cuda or mps")
 
 
 def _coerce(name: str, raw: Any, annotation: Any) -> Any:
@@ -122,7 +238,8 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
             raise ValueError
         return kind(raw)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name} takes a {kind.__name__}, got {raw!r}") from exc
+        noun = {"int": "an integer", "float": "a number", "str": "a string"}[kind.__name__]
+        raise ConfigError(f"{name} takes {noun}, got {raw!r}") from exc
 
 
 def _apply(cfg: TrainConfig, values: dict[str, Any], where: str) -> None:
@@ -170,7 +287,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return cfg
 
 
-def config_from_json(text: str) -> TrainConfig:
+def config_from_json(text: str, where: str = "the saved config") -> TrainConfig:
+    """A run folder's ``config.json``; anything else is a ConfigError naming it."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{where} is not a bigbatch config (not JSON: {exc}); restore it, or start a new run "
+            "in another folder"
+        ) from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} is not a bigbatch config (a JSON {type(values).__name__})")
     cfg = TrainConfig()
-    _apply(cfg, json.loads(text), "the saved config")
+    _apply(cfg, values, where)
     return cfg

@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import csv
 import random
+import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 __all__ = [
     "DataError",
+    "DuplicateRowsWarning",
     "ImageDataset",
     "ImageItems",
     "build_transforms",
     "list_images",
+    "make_loader",
     "scan_csv",
     "scan_folder",
+    "windows_per_epoch",
 ]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -34,6 +38,10 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 class DataError(ValueError):
     """A problem with the data, naming the file or folder and the fix."""
+
+
+class DuplicateRowsWarning(UserWarning):
+    """A CSV listed a file more than once; it is used once."""
 
 
 @dataclass
@@ -119,7 +127,36 @@ def scan_folder(
         files += images
         labels += [order.index(folder.name)] * len(images)  # once per class folder
     files, labels, skipped = _check_images(files, labels, bad_images)
+    _check_readable_classes(root, files, labels, order, skipped, require_all=classes is None)
     return ImageItems(files, labels, order, skipped)
+
+
+def _check_readable_classes(
+    source: Path,
+    files: list[Path],
+    labels: list[int],
+    order: Sequence[str],
+    skipped: list[tuple[Path, str]],
+    *,
+    require_all: bool,
+) -> None:
+    """After unreadable images are skipped: no image left at all, or (for training data) a
+    class left with none, is an error that names the files, not an empty class."""
+    if not files:
+        example = f", e.g. {skipped[0][0]} ({skipped[0][1][:100]})" if skipped else ""
+        raise DataError(
+            f"none of the {len(skipped)} image(s) in {source} can be read{example}; check the "
+            "files are images (PNG, JPEG, ...) and not empty or damaged"
+        )
+    if require_all:
+        present = set(labels)
+        empty = [name for i, name in enumerate(order) if i not in present]
+        if empty:
+            raise DataError(
+                f"class {empty[0]!r} in {source} has no readable image (all "
+                f"{sum(1 for f, _ in skipped if f.parent.name == empty[0]) or 'of its'} "
+                "unreadable): fix its images, or remove the class"
+            )
 
 
 def scan_csv(
@@ -135,18 +172,35 @@ def scan_csv(
     if not path.is_file():
         raise DataError(f"CSV {path} does not exist")
     root = Path(image_root) if image_root else path.parent
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
+            rows = list(csv.reader(f))
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 (in Excel: CSV UTF-8)"
+        ) from None
+    except csv.Error as exc:
+        raise DataError(f"{path} is not a readable CSV: {exc}") from None
     if len(rows) < 2 or len(rows[0]) < 2:
         raise DataError(f"{path} needs a header and rows of file,label")
-    body = [r for r in rows[1:] if r]
-    missing = [r[0] for r in body if not (root / r[0]).is_file()]
+    body: list[tuple[str, str]] = []
+    for line, row in enumerate(rows[1:], start=2):
+        if not row or not any(cell.strip() for cell in row):
+            continue  # a blank line
+        if len(row) < 2 or not row[1].strip():
+            raise DataError(
+                f"{path} line {line} has no label ({','.join(row)!r}): every row needs file,label"
+            )
+        # Stray spaces would make "cat" and "cat " two classes.
+        body.append((row[0].strip(), row[1].strip()))
+    body = _drop_duplicate_rows(path, body)
+    missing = [f for f, _ in body if not (root / f).is_file()]
     if missing:
         raise DataError(
             f"{len(missing)} file(s) named in {path} do not exist under {root}, e.g. {missing[0]!r}; "
             "fix the CSV or set image_root"
         )
-    labels_text = [r[1] for r in body]
+    labels_text = [label for _, label in body]
     if classes is None:
         order = sorted(set(labels_text))
     else:
@@ -156,10 +210,35 @@ def scan_csv(
                 f"{path} has labels the training data does not: {', '.join(unseen[:10])}"
             )
         order = list(classes)
-    files = [root / r[0] for r in body]
+    files = [root / f for f, _ in body]
     index = {name: i for i, name in enumerate(order)}  # not order.index: rows x classes
     files, labels, skipped = _check_images(files, [index[t] for t in labels_text], bad_images)
+    _check_readable_classes(path, files, labels, order, skipped, require_all=classes is None)
     return ImageItems(files, labels, order, skipped)
+
+
+def _drop_duplicate_rows(path: Path, body: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A file listed twice would land on both sides of the train/validation split (a leak) and
+    weigh double: identical rows are kept once; one file with two labels is an error."""
+    first: dict[str, tuple[int, str]] = {}
+    kept: list[tuple[str, str]] = []
+    for i, (f, label) in enumerate(body):
+        key = str(Path(f))
+        if key in first:
+            if first[key][1] != label:
+                raise DataError(
+                    f"{path} labels {f!r} twice, as {first[key][1]!r} and {label!r}: keep one row"
+                )
+            continue
+        first[key] = (i, label)
+        kept.append((f, label))
+    if len(kept) < len(body):
+        warnings.warn(
+            f"{path} lists {len(body) - len(kept)} file(s) more than once; each is used once",
+            DuplicateRowsWarning,
+            stacklevel=3,
+        )
+    return kept
 
 
 def load_items(
@@ -227,26 +306,80 @@ class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
+        from PIL import Image, ImageOps
 
         with Image.open(self.files[i]) as im:
-            image = im.convert("RGB")
+            # Cameras store the orientation in EXIF: a photo taken upright must train upright.
+            image = ImageOps.exif_transpose(im).convert("RGB")
         return self.transform(image), self.labels[i]
 
 
 def make_loader(
-    dataset: Dataset[Any], batch_size: int, *, shuffle: bool, seed: int, num_workers: int
+    dataset: Dataset[Any],
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    num_workers: int,
+    min_last: int = 1,
 ) -> DataLoader[Any]:
-    """A DataLoader whose order (and augmentation, through worker seeds) depends only on ``seed``."""
+    """A DataLoader whose order (and augmentation, through worker seeds) depends only on ``seed``.
+
+    ``min_last=2`` folds a last batch of one sample into the one before it (BatchNorm cannot
+    normalise a lone sample in training)."""
     g = torch.Generator().manual_seed(seed)
+    if min_last <= 1:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=g,
+            num_workers=num_workers,
+            persistent_workers=False,
+        )
+    order: Any = RandomSampler(dataset, generator=g) if shuffle else range(len(dataset))  # type: ignore[arg-type]
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
+        batch_sampler=_MergeShortLast(BatchSampler(order, batch_size, False), min_last),
         generator=g,
         num_workers=num_workers,
         persistent_workers=False,
     )
+
+
+class _MergeShortLast:
+    """Batches of a batch sampler, with a last batch shorter than ``min_last`` appended to the
+    one before it."""
+
+    def __init__(self, batches: Iterable[list[int]], min_last: int) -> None:
+        self.batches, self.min_last = batches, min_last
+
+    def __iter__(self) -> Iterator[list[int]]:
+        held: list[int] | None = None
+        for batch in self.batches:
+            if held is not None:
+                if len(batch) < self.min_last:
+                    batch = held + batch
+                else:
+                    yield held
+            held = batch
+        if held is not None:
+            yield held
+
+    def __len__(self) -> int:
+        sampler = self.batches.sampler  # type: ignore[attr-defined]
+        return windows_per_epoch(len(sampler), self.batches.batch_size, self.min_last)  # type: ignore[attr-defined]
+
+
+def windows_per_epoch(n: int, batch: int, min_last: int = 1) -> int:
+    """How many batches :func:`make_loader` yields for ``n`` samples.
+
+    >>> windows_per_epoch(33, 16), windows_per_epoch(33, 16, min_last=2)
+    (3, 2)
+    """
+    windows = -(-n // batch)
+    short = n % batch
+    return windows - 1 if windows > 1 and 0 < short < min_last else windows
 
 
 def class_counts(items: ImageItems) -> dict[str, int]:

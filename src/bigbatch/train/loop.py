@@ -28,7 +28,7 @@ from bigbatch.io import atomic_write_text
 from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.memory.predict import StepSpec
 from bigbatch.train.checkpoint import load_state, save_state, save_weights
-from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+from bigbatch.train.config import ConfigError, TrainConfig, check_device, config_from_json
 from bigbatch.train.data import (
     ImageDataset,
     ImageItems,
@@ -37,11 +37,19 @@ from bigbatch.train.data import (
     load_items,
     make_loader,
     split_items,
+    windows_per_epoch,
 )
 from bigbatch.train.metrics import ClassificationMetrics
 from bigbatch.train.report import plot_history, write_history
 
-__all__ = ["TrainResult", "build_model", "prepare_data", "resolve_device", "train"]
+__all__ = [
+    "TrainResult",
+    "TrainingDiverged",
+    "build_model",
+    "prepare_data",
+    "resolve_device",
+    "train",
+]
 
 Log = Callable[[str], None]
 
@@ -54,14 +62,11 @@ class TrainResult:
     classes: list[str] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, what: str = "device") -> torch.device:
+    """``auto`` (cuda, then mps, then cpu), or a device this machine has (else ConfigError)."""
     if name != "auto":
-        device = torch.device(name)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"device={name} but no CUDA device is available; use device=cpu or auto"
-            )
-        return device
+        check_device(name, what)
+        return torch.device(name)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
@@ -96,7 +101,7 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
         return timm_factory(
             cfg.arch, num_classes=num_classes, img_size=cfg.size, weights=cfg.weights or None
         )
-    except UnknownArchitectureError as exc:
+    except (UnknownArchitectureError, ValueError) as exc:  # an unknown name, unreadable weights
         raise ConfigError(str(exc)) from exc
 
 
@@ -115,6 +120,11 @@ def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageI
         log(
             f"skipped {len(skipped)} unreadable image(s), e.g. {skipped[0][0]} ({skipped[0][1][:80]})"
         )
+    if len(valid) == 0:
+        log(
+            "no validation set (valid_pct=0 and no valid=): no validation metrics; "
+            "best.safetensors is chosen by train_loss"
+        )
     counts = class_counts(train_items)
     log(
         f"data: {len(train_items)} training and {len(valid)} validation images, "
@@ -129,7 +139,7 @@ def _check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, A
     saved_cfg = run_dir / "config.json"
     state_path = run_dir / "last.pt"
     if saved_cfg.exists():
-        old = config_from_json(saved_cfg.read_text())
+        old = config_from_json(saved_cfg.read_text(), str(saved_cfg))
         diff = sorted(k for k, v in cfg.training_keys().items() if old.training_keys().get(k) != v)
         if diff:
             raise ConfigError(
@@ -144,7 +154,15 @@ def _check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, A
             )
     elif resume:
         raise ConfigError(f"--resume {run_dir}: no run there (config.json is missing)")
-    return load_state(state_path) if resume and state_path.exists() else None
+    if not (resume and state_path.exists()):
+        return None
+    try:
+        return load_state(state_path)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{exc}. To start this run again from epoch 1, delete {state_path} (best and last "
+            ".safetensors stay); to keep it, restore the file"
+        ) from exc
 
 
 def _head_parameters(model: nn.Module) -> set[int]:
@@ -157,7 +175,7 @@ def _head_parameters(model: nn.Module) -> set[int]:
 
 
 def _phases(cfg: TrainConfig) -> list[tuple[str, int]]:
-    if cfg.mode == "fine_tune" and cfg.freeze_epochs > 0:
+    if cfg.fine_tunes and cfg.freeze_epochs > 0:
         return [("frozen", cfg.freeze_epochs), ("unfrozen", cfg.epochs)]
     return [("all", cfg.epochs)]
 
@@ -170,7 +188,11 @@ def _make_optimizer(
         p.requires_grad_(phase != "frozen" or id(p) in head)
     params = [p for p in model.parameters() if p.requires_grad]
     lr = cfg.lr * (2.0 if phase == "frozen" else 1.0)  # the head alone takes a larger rate
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    opt: torch.optim.Optimizer
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     sched: Any
     if cfg.schedule == "one_cycle":
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, steps))
@@ -179,6 +201,10 @@ def _make_optimizer(
     else:
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
     return opt, sched
+
+
+# The planner's name for each training optimizer (their state is what differs).
+PLAN_OPTIMIZER = {"adamw": "adamw", "sgd": "sgd_momentum"}
 
 
 def plan_for(
@@ -192,19 +218,44 @@ def plan_for(
 ) -> tuple[int, int]:
     """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
     Either way the model runs once on fake tensors first, so a model that cannot take the input
-    size fails here, in a second, not after the data is loaded and an epoch is half done."""
-    from bigbatch.memory.budget import parse_bytes
-    from bigbatch.memory.calibrate import calibrate
-    from bigbatch.memory.plan import DoesNotFitError, overhead_bytes, plan_micro_batch
+    size fails here, in a second, not after the data is loaded and an epoch is half done. A fixed
+    ``micro_batch`` with an explicit ``budget`` is checked against it."""
+    from bigbatch.memory.budget import format_bytes, parse_bytes
+    from bigbatch.memory.calibrate import calibrate_within
+    from bigbatch.memory.plan import (
+        DoesNotFitError,
+        device_total_bytes,
+        overhead_bytes,
+        plan_micro_batch,
+        resolve_budget,
+        usable_bytes,
+    )
     from bigbatch.memory.predict import predict_peak
 
     def spec_at(b: int) -> StepSpec:
-        return StepSpec(factory, (3, cfg.size, cfg.size), b, "adamw", precision, device.type)  # type: ignore[arg-type]
+        return StepSpec(
+            factory,
+            (3, cfg.size, cfg.size),
+            b,
+            PLAN_OPTIMIZER[cfg.optimizer],
+            precision,  # type: ignore[arg-type]
+            device.type,
+        )
 
+    explicit_budget = cfg.budget.strip().lower() != "auto"
     try:
-        if cfg.micro_batch:
-            predict_peak(spec_at(2))
+        if cfg.micro_batch and not explicit_budget:
+            predict_peak(spec_at(min(2, cfg.micro_batch)))
+            log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return cfg.micro_batch, cfg.micro_batch
+        budget = resolve_budget(cfg.budget, device)
+        total = device_total_bytes(device)
+        if explicit_budget and total is not None and budget > total:
+            raise ConfigError(
+                f"budget={cfg.budget} is more than all the memory this {device.type} has "
+                f"({format_bytes(total)}): a plan for it would run out of memory; use "
+                f"budget=auto (the free memory now) or at most {format_bytes(total)}"
+            )
         # The overhead is read before calibration's real steps grow this process (as `bigbatch
         # plan` does): memory they leave behind is reused by training, not spent besides it.
         overhead = (
@@ -212,21 +263,43 @@ def plan_for(
             if cfg.overhead == "auto"
             else parse_bytes(cfg.overhead, allow_zero=True)
         )
-        calibration = calibrate(spec_at(2)) if device.type == "cpu" else None
+        calibration = None
+        if device.type == "cpu":
+            calibration, note = calibrate_within(spec_at(2), usable_bytes(budget, overhead, device))
+            if note:
+                log(f"plan: {note}")
         plan = plan_micro_batch(
             spec_at,
             target or cfg.batch,
-            cfg.budget,
+            budget,
             device=device.type,
             calibration=calibration,
             overhead=overhead,
+            max_micro_batch=cfg.micro_batch or None,
         )
     except DoesNotFitError as exc:
         raise ConfigError(str(exc)) from exc
+    except ConfigError:
+        raise
     except (RuntimeError, TypeError, ValueError) as exc:
         raise ConfigError(
-            f"{cfg.model or cfg.arch} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
+            f"{cfg.model_name} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc
+    if cfg.micro_batch:
+        if plan.max_micro_batch < cfg.micro_batch:
+            raise ConfigError(
+                f"micro_batch={cfg.micro_batch} does not fit budget={cfg.budget}: the largest "
+                f"micro-batch that does is {plan.max_micro_batch} "
+                f"({format_bytes(plan.curve[-1][1] if plan.curve else 0)} predicted beyond it, "
+                f"{format_bytes(plan.usable_bytes)} usable); set micro_batch={plan.max_micro_batch}, "
+                "or micro_batch=0 to let the planner choose"
+            )
+        log(
+            f"micro-batch {cfg.micro_batch} (fixed) fits budget {cfg.budget}: "
+            f"{format_bytes(predict_peak(spec_at(cfg.micro_batch), calibration=calibration).peak_bytes)} "
+            f"predicted of {format_bytes(plan.usable_bytes)} usable"
+        )
+        return cfg.micro_batch, cfg.micro_batch
     log(f"plan: {plan.summary()}")
     return plan.micro_batch, plan.max_micro_batch
 
@@ -247,6 +320,10 @@ def evaluate(
     return metrics
 
 
+class TrainingDiverged(ConfigError):
+    """The training loss became inf or nan; the last good checkpoint is kept."""
+
+
 def train(
     cfg: TrainConfig,
     run_dir: str | Path,
@@ -259,16 +336,40 @@ def train(
     """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring.
     ``data`` is :func:`prepare_data`'s result when the caller has scanned the images already.
 
+    The run folder is locked for the whole run (a second ``train`` on it fails at once), and
+    every check that needs no training (config, folder, data, model, plan) runs first.
+
     Under torchrun it joins the process group (when the caller has not) and leaves it open, so
     one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
-    from bigbatch.memory.predict import autocast_for
-
     cfg.validate()
     rank, world = _init_distributed(cfg)
-    main_rank = rank == 0
-    if not main_rank:
-        log = _silent  # rank 0 alone logs and writes files
     run_dir = Path(run_dir)
+    if rank != 0:  # rank 0 alone logs and writes files
+        return _train(cfg, run_dir, resume, _silent, False, data, rank, world)
+    from bigbatch.io import FolderBusyError, lock_folder
+
+    try:
+        with lock_folder(run_dir, "run folder"):
+            return _train(cfg, run_dir, resume, log, progress, data, rank, world)
+    except (FolderBusyError, OSError) as exc:
+        if isinstance(exc, FolderBusyError | NotADirectoryError | PermissionError):
+            raise ConfigError(str(exc)) from exc
+        raise
+
+
+def _train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    resume: bool,
+    log: Log,
+    progress: bool | None,
+    data: tuple[ImageItems, ImageItems] | None,
+    rank: int,
+    world: int,
+) -> TrainResult:
+    from bigbatch.memory.predict import autocast_for
+
+    main_rank = rank == 0
     state = _check_run_dir(run_dir, cfg, resume)
     device = resolve_device(cfg.device)
     if world > 1 and device.type == "cuda":
@@ -284,9 +385,15 @@ def train(
         log(
             f"distributed: {world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
         )
+    if cfg.mode == "auto":
+        log(
+            f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
+            "starting from weights=)"
+            if cfg.fine_tunes
+            else "mode: fit (random weights: every layer trains from the start)"
+        )
 
     if main_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
         atomic_write_text(run_dir / "classes.json", json.dumps(classes))
         plan_info = {
@@ -304,8 +411,8 @@ def train(
     core = factory().to(device)
     _train_mode(core, cfg)
     inexact = find_inexact_layers(core)
+    bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
     if inexact:
-        bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
         log(
             f"note: {bn} BatchNorm layer(s): each micro-batch is normalised with its own statistics, "
             "so accumulation is exact for the loss but not for BatchNorm (the update equals the "
@@ -314,6 +421,11 @@ def train(
             if bn
             else "note: dropout draws different masks per micro-batch (exact in distribution)"
         )
+    # BatchNorm in training cannot normalise one sample alone (on a 1x1 feature map it raises):
+    # no window and no micro-batch may hold a lone sample.
+    lone_ok = bn == 0 or cfg.freeze_bn
+    if not lone_ok:
+        _check_no_lone_sample(len(train_items), rank_batch, world, log)
     train_ds = ImageDataset(
         train_items.files,
         train_items.labels,
@@ -324,6 +436,8 @@ def train(
         valid_items.labels,
         build_transforms(cfg.size, cfg.item_transform, train=False, augment=False),
     )
+    has_valid = len(valid_ds) > 0
+    monitor = cfg.monitor if has_valid else "train_loss"
     valid_loader = make_loader(
         valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed, num_workers=cfg.num_workers
     )
@@ -334,11 +448,13 @@ def train(
         sampler = DistributedSampler(
             train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
         )
-    windows_per_epoch = math.ceil(
-        (len(sampler) if sampler is not None else len(train_ds)) / rank_batch
-    )
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    backoff = OOMBackoff(micro_batch=micro, max_micro_batch=max_micro, grow_after=cfg.grow_after)
+    backoff = OOMBackoff(
+        micro_batch=micro,
+        max_micro_batch=max_micro,
+        grow_after=cfg.grow_after,
+        min_micro_batch=1 if lone_ok else min(2, micro),
+    )
 
     history: list[dict[str, Any]] = []
     best = math.inf
@@ -351,14 +467,19 @@ def train(
         backoff.micro_batch = int(state["micro_batch"])
         log(f"resuming {run_dir} after epoch {start_epoch} of {sum(n for _, n in _phases(cfg))}")
 
-    sign = 1.0 if cfg.monitor in ("valid_loss", "error_rate") else -1.0
+    sign = 1.0 if monitor in ("valid_loss", "error_rate", "train_loss") else -1.0
     epoch = 0
     for phase, n_epochs in _phases(cfg):
         phase_start = epoch
         epoch += n_epochs
         if start_epoch >= epoch:
             continue  # a finished phase
-        opt, sched = _make_optimizer(cfg, core, phase, n_epochs * windows_per_epoch)
+        loaders_windows = (
+            math.ceil(len(sampler) / rank_batch)
+            if sampler is not None
+            else windows_per_epoch(len(train_ds), cfg.batch, 1 if lone_ok else 2)
+        )
+        opt, sched = _make_optimizer(cfg, core, phase, n_epochs * loaders_windows)
         plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
         model: nn.Module = core
         if world > 1:
@@ -396,11 +517,16 @@ def train(
                     shuffle=True,
                     seed=cfg.seed * 1000 + e,
                     num_workers=cfg.num_workers,
+                    min_last=1 if lone_ok else 2,
                 )
             t0 = time.perf_counter()
             loss_sum = count = 0.0
             show = _progress(
-                progress and main_rank, windows_per_epoch, f"epoch {e + 1}/{epoch} ({phase})"
+                progress and main_rank,
+                loaders_windows,
+                f"epoch {e + 1}/{epoch} ({phase})",
+                log=log,
+                log_every=cfg.log_every,
             )
             for x, y in loader:
 
@@ -414,6 +540,16 @@ def train(
                 result = run_window(acc, (x, y), loss_fn, backoff, device=device)
                 if result.skipped:
                     continue
+                if not math.isfinite(result.loss):
+                    show.close()
+                    raise TrainingDiverged(
+                        f"training diverged: the loss became {result.loss} at epoch {e + 1}, "
+                        f"optimizer step {acc.optimizer_step} (lr {opt.param_groups[0]['lr']:.3g}). "
+                        f"Nothing of epoch {e + 1} was saved"
+                        + (f"; {run_dir / 'last.pt'} holds epoch {e}" if history else "")
+                        + ". Lower lr (e.g. lr="
+                        + f"{cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
+                    )
                 loss_sum += result.loss * result.count
                 count += result.count
                 show.advance(
@@ -424,22 +560,25 @@ def train(
                 )
             acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
             show.close()
-            # Every rank evaluates the whole validation set: identical metrics everywhere.
-            metrics = evaluate(core, valid_loader, device, precision)
-            if plateau:
-                sched.step(metrics.loss)
-            row = {
+            row: dict[str, Any] = {
                 "epoch": e + 1,
                 "phase": phase,
                 "train_loss": loss_sum / max(count, 1),
-                **metrics.as_dict(),  # valid_loss, accuracy, error_rate
+            }
+            if has_valid:
+                # Every rank evaluates the whole validation set: identical metrics everywhere.
+                metrics = evaluate(core, valid_loader, device, precision)
+                row |= metrics.as_dict()  # valid_loss, accuracy, error_rate
+            if plateau:
+                sched.step(row["valid_loss" if has_valid else "train_loss"])
+            row |= {
                 "lr": opt.param_groups[0]["lr"],
                 "micro_batch": backoff.micro_batch,
                 "optimizer_steps": acc.optimizer_step,
                 "seconds": round(time.perf_counter() - t0, 2),
             }
             history.append(row)
-            value = row[cfg.monitor]
+            value = row[monitor]
             improved = sign * value < sign * best if math.isfinite(best) else True
             if improved:
                 best = value
@@ -448,7 +587,7 @@ def train(
             if improved:
                 save_weights(core, run_dir / "best.safetensors")
                 atomic_write_text(
-                    run_dir / "best.json", json.dumps({"epoch": e + 1, cfg.monitor: value})
+                    run_dir / "best.json", json.dumps({"epoch": e + 1, monitor: value})
                 )
             save_weights(core, run_dir / "last.safetensors")
             save_state(
@@ -467,18 +606,36 @@ def train(
                 run_dir / "last.pt",
             )
             write_history(history, run_dir / "history.csv")
-            plot_history(
-                history, run_dir / "history.png", title=f"{cfg.model or cfg.arch} @ {cfg.size}"
+            plot_history(history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
+            scores = (
+                f"valid loss {row['valid_loss']:.4f}  accuracy {row['accuracy']:.4f}  "
+                if has_valid
+                else ""
             )
             log(
-                f"epoch {e + 1}: train loss {row['train_loss']:.4f}  valid loss {metrics.loss:.4f}  "
-                f"accuracy {metrics.accuracy:.4f}  ({row['seconds']} s, micro-batch {backoff.micro_batch})"
+                f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"
+                f"({row['seconds']} s, micro-batch {backoff.micro_batch})"
                 + ("  * best" if improved else "")
             )
     if main_rank:
-        summary = {"monitor": cfg.monitor, "best": best, "epochs": len(history)}
+        summary = {"monitor": monitor, "best": best, "epochs": len(history)}
         atomic_write_text(run_dir / "done.json", json.dumps(summary))
     return TrainResult(run_dir, best, history, classes)
+
+
+def _check_no_lone_sample(n_train: int, rank_batch: int, world: int, log: Log) -> None:
+    if n_train < 2 * world:
+        raise ConfigError(
+            f"{n_train} training image(s) for {world} process(es): a BatchNorm model needs at "
+            "least 2 per window (it cannot normalise one sample); add images, or set "
+            "freeze_bn=true"
+        )
+    if world == 1 and n_train > rank_batch and n_train % rank_batch == 1:
+        log(
+            f"note: {n_train} training images in windows of {rank_batch} leave 1 for the last "
+            f"window, which BatchNorm cannot normalise alone: it joins the window before "
+            f"({rank_batch + 1} samples)"
+        )
 
 
 def _ddp(core: nn.Module) -> nn.Module:
@@ -515,13 +672,17 @@ def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
 
 
 class _Progress:
-    """A rich progress bar with samples/s, peak memory and micro-batch x accumulation; silent
-    when the output is not a terminal."""
+    """A rich progress bar with samples/s, peak memory and micro-batch x accumulation on a
+    terminal; elsewhere (a log file, a notebook, CI) a plain line every ``log_every`` seconds."""
 
-    def __init__(self, enabled: bool, total: int, title: str) -> None:
+    def __init__(
+        self, enabled: bool, total: int, title: str, log: Log = print, log_every: float = 0.0
+    ) -> None:
         self.bar: Any = None
         self.samples = 0
-        self.t0 = time.perf_counter()
+        self.windows = 0
+        self.total, self.title, self.log, self.log_every = total, title, log, log_every
+        self.t0 = self.last_line = time.perf_counter()
         if enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -537,21 +698,19 @@ class _Progress:
 
     def advance(self, samples: int, micro: int, *, acc_steps: int, device: torch.device) -> None:
         self.samples += samples
-        if self.bar is None:
+        self.windows += 1
+        now = time.perf_counter()
+        if self.bar is None and not (self.log_every and now - self.last_line >= self.log_every):
             return
-        rate = self.samples / max(time.perf_counter() - self.t0, 1e-9)
-        if device.type == "cuda":
-            peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-        elif sys.platform == "linux":
-            import resource  # the process's peak resident memory, in KiB on Linux
-
-            peak = (
-                f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
-            )
-        else:
-            peak = ""
-        self.bar.update(
-            self.task, advance=1, info=f"{rate:.0f} samples/s, {acc_steps} x {micro}{peak}"
+        rate = self.samples / max(now - self.t0, 1e-9)
+        info = f"{rate:.0f} samples/s, {acc_steps} x {micro}{_peak_memory(device)}"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+            return
+        self.last_line = now
+        eta = (now - self.t0) / self.windows * (self.total - self.windows)
+        self.log(
+            f"{self.title}: window {self.windows}/{self.total}, {info}, about {eta:.0f} s left"
         )
 
     def close(self) -> None:
@@ -559,5 +718,19 @@ class _Progress:
             self.bar.stop()
 
 
-def _progress(enabled: bool | None, total: int, title: str) -> _Progress:
-    return _Progress(sys.stderr.isatty() if enabled is None else enabled, total, title)
+def _peak_memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    if sys.platform == "linux":
+        import resource  # the process's peak resident memory, in KiB on Linux
+
+        return f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    return ""
+
+
+def _progress(
+    enabled: bool | None, total: int, title: str, *, log: Log = print, log_every: float = 0.0
+) -> _Progress:
+    return _Progress(
+        sys.stderr.isatty() if enabled is None else enabled, total, title, log, log_every
+    )

@@ -13,7 +13,7 @@ __all__ = ["plot_history", "write_history"]
 def write_history(rows: list[dict[str, Any]], path: str | Path) -> None:
     if not rows:
         return
-    atomic_write_csv(path, list(rows[0]), rows)
+    atomic_write_csv(path, list(rows[-1]), rows)
 
 
 def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
@@ -25,17 +25,21 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
     epochs = [r["epoch"] for r in rows]
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train loss")
-    ax_loss.plot(epochs, [r["valid_loss"] for r in rows], marker="o", label="valid loss")
+    if "valid_loss" not in rows[-1]:  # no validation set: the losses alone
+        ax_metric.set_visible(False)
+    else:
+        ax_loss.plot(epochs, [r["valid_loss"] for r in rows], marker="o", label="valid loss")
     ax_loss.set_xlabel("epoch")
     ax_loss.set_ylabel("loss")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)
-    ax_metric.plot(
-        epochs, [r["accuracy"] for r in rows], marker="o", color="green", label="accuracy"
-    )
-    ax_metric.plot(
-        epochs, [r["error_rate"] for r in rows], marker="o", color="red", label="error rate"
-    )
+    if "accuracy" in rows[-1]:
+        ax_metric.plot(
+            epochs, [r["accuracy"] for r in rows], marker="o", color="green", label="accuracy"
+        )
+        ax_metric.plot(
+            epochs, [r["error_rate"] for r in rows], marker="o", color="red", label="error rate"
+        )
     ax_metric.set_xlabel("epoch")
     ax_metric.set_ylim(0, 1)
     ax_metric.legend()
