@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -41,8 +42,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(module.run(args))
     except UserError as exc:
-        print(f"bigbatch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        message = str(exc)
+    except OSError as exc:
+        # A full disk or a folder we may not write, found mid-run: one line, no traceback.
+        # Files are written atomically, so what was saved before is whole.
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            message = (
+                f"no space left on the device while writing {exc.filename or 'a file'}: free some "
+                "space, then run the same command again (finished work is kept; bigbatch train "
+                "continues with --resume)"
+            )
+        elif isinstance(exc, PermissionError):
+            message = f"permission denied: {exc.filename or exc}; choose a folder you can write"
+        else:
+            raise
+    print(f"bigbatch {args.command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def console() -> None:

@@ -15,9 +15,11 @@ from bigbatch.cli._load import load_callable
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
+    device_total_bytes,
     overhead_bytes,
     plan_micro_batch,
     resolve_budget,
+    usable_bytes,
 )
 from bigbatch.memory.predict import OPTIMIZERS, PRECISIONS, StepSpec, predict_peak
 
@@ -107,8 +109,19 @@ def _spec_maker(
 
 
 def run(args: argparse.Namespace) -> int:
+    from bigbatch.io import check_writable
+    from bigbatch.train.config import ConfigError, check_device
+
     if args.batch < 1:
         raise UserError(f"--batch must be a positive number of samples, got {args.batch}")
+    try:
+        # Planning for a GPU needs none; measuring on one (--confirm) does.
+        check_device(args.device, "--device", here=args.confirm)
+        for path, what in ((args.csv, "--csv"), (args.plot, "--plot")):
+            if path is not None:
+                check_writable(path, what)
+    except (ConfigError, OSError) as exc:
+        raise UserError(str(exc)) from exc
     try:
         budget = resolve_budget(args.budget, args.device)
         # Measured once, before calibration runs grow this process.
@@ -117,8 +130,16 @@ def run(args: argparse.Namespace) -> int:
             if args.overhead
             else overhead_bytes(args.device)
         )
+        usable = usable_bytes(budget, overhead, args.device, args.margin)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    notes = []
+    total = device_total_bytes(args.device)
+    if total is not None and budget > total:
+        notes.append(
+            f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "
+            f"({format_bytes(total)}): fine for planning another machine, not for training here"
+        )
     rows = _targets(args)
     calibrate_cpu = args.device == "cpu" and not args.no_calibrate
     plans: list[dict[str, Any]] = []
@@ -130,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             calibration = None
             if calibrate_cpu:
-                from bigbatch.memory.calibrate import calibrate
+                from bigbatch.memory.calibrate import calibrate_within
 
-                calibration = calibrate(spec_at(2))
+                calibration, note = calibrate_within(spec_at(2), usable)
+                if note:
+                    notes.append(f"{label}: {note}")
             plan = plan_micro_batch(
                 spec_at,
                 args.batch,
@@ -144,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             )
         except DoesNotFitError as exc:
             if len(rows) == 1:
-                raise UserError(str(exc)) from exc
+                raise UserError("; ".join([str(exc), *notes])) from exc
             plans.append(
                 {
                     "arch": name,
@@ -187,9 +210,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args.plot, curves, budget)
     if args.json:
+        for p in plans:
+            p["notes"] = notes
         print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
     else:
         _print(plans, args, budget)
+        for note in notes:
+            print(f"note: {note}")
     return 0
 
 

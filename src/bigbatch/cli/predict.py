@@ -19,19 +19,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     p.add_argument("--out", type=Path, help="output path without suffix (default: RUN/predictions)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
 
 
 def run(args: argparse.Namespace) -> int:
+    from bigbatch.io import check_writable
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
     from bigbatch.train.predict import predict_folder, save_predictions
 
     try:
+        check_writable((args.out or args.run / "predictions").with_suffix(".npz"), "--out")
         pred = predict_folder(
             args.run, args.images, tta=args.tta, checkpoint=args.checkpoint, device=args.device
         )
-    except (ConfigError, DataError, ValueError) as exc:
+    except (ConfigError, DataError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from exc
     npz, csv_path = save_predictions(pred, args.out or args.run / "predictions")
     print(

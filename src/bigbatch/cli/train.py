@@ -10,6 +10,10 @@ from bigbatch.cli import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from bigbatch.train.config import keys_help
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = keys_help()
     p.add_argument("config", nargs="?", help="a TOML file of training keys (optional)")
     p.add_argument(
         "overrides", nargs="*", help="key=value pairs that override the file, e.g. epochs=3"
@@ -36,13 +40,13 @@ def run(args: argparse.Namespace) -> int:
             saved = args.resume / "config.json"
             if not saved.is_file():
                 raise ConfigError(f"--resume {args.resume}: no run there (config.json is missing)")
-            cfg = config_from_json(saved.read_text())
+            cfg = config_from_json(saved.read_text(), str(saved))
         else:
             cfg = load_config(config, overrides)
         run_dir = (
             args.resume
             or args.out
-            or Path("runs") / f"{Path(cfg.model).name or cfg.arch}-{cfg.size}"
+            or Path("runs") / f"{Path(cfg.model_name).name.replace(':', '-')}-{cfg.size}"
         )
         result = train(
             cfg,

@@ -154,8 +154,19 @@ def _print_table(results: list[CaseResult]) -> None:
         print(f"\n{', '.join(rows)}: {text}")
 
 
+# Options that only describe a user model: given without --model they would be ignored.
+_MODEL_ONLY = ("micro", "data", "eval")
+
+
 def run(args: argparse.Namespace) -> int:
     dtypes = _dtypes(args.dtype)
+    if not args.model:
+        given = [f"--{name}" for name in _MODEL_ONLY if getattr(args, name, None)]
+        if given:
+            raise UserError(
+                f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
+                "(the built-in cases have their own sizes)"
+            )
     if args.distributed:
         from bigbatch.verify_distributed import verify_distributed
 

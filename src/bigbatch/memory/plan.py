@@ -175,7 +175,10 @@ def _suggestions(spec: StepSpec) -> str:
         tips.append("precision bf16 (halves activations)")
     if spec.optimizer.lower() in ("adamw", "adam"):
         # bigbatch train and bigbatch plan both take it (train's sgd has momentum: one copy).
-        tips.append("optimizer sgd (optimizer=sgd, --optimizer sgd: 1 or 0 state copies, not 2)")
+        tips.append(
+            "SGD (optimizer=sgd in bigbatch train, --optimizer sgd in bigbatch plan: one state "
+            "copy of the weights or none, instead of Adam's two)"
+        )
     tips.append("activation checkpointing, or a smaller input size")
     return "try " + ", ".join(tips)
 

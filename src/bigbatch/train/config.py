@@ -197,8 +197,9 @@ def keys_help() -> str:
     return "\n".join(lines)
 
 
-def check_device(name: str, what: str) -> None:
-    """A device name torch knows and this machine has (``auto`` always passes)."""
+def check_device(name: str, what: str, *, here: bool = True) -> None:
+    """A device name torch knows and (with ``here``) this machine has; ``auto`` always passes.
+    ``here=False`` only checks the name: a plan for a GPU needs no GPU."""
     if name == "auto":
         return
     import torch
@@ -209,6 +210,10 @@ def check_device(name: str, what: str) -> None:
         raise ConfigError(
             f"{what}={name!r} is not a device: use auto, cpu, cuda, cuda:N or mps"
         ) from exc
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{what}={name!r}: bigbatch trains on cpu, cuda or mps")
+    if not here:
+        return
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"{what}={name} but no CUDA device is available; use cpu or auto")
@@ -218,8 +223,6 @@ def check_device(name: str, what: str) -> None:
             )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{what}={name} but MPS is not available here; use cpu or auto")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"{what}={name!r}: bigbatch trains on cpu, cuda or mps")
 
 
 def _coerce(name: str, raw: Any, annotation: Any) -> Any:

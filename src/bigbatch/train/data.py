@@ -25,6 +25,7 @@ __all__ = [
     "ImageDataset",
     "ImageItems",
     "build_transforms",
+    "check_readable",
     "list_images",
     "make_loader",
     "scan_csv",
@@ -90,6 +91,17 @@ def _check_images(
         keep_f.append(f)
         keep_l.append(label)
     return keep_f, keep_l, skipped
+
+
+def check_readable(files: Sequence[Path], where: str | Path) -> None:
+    """Raise DataError naming the unreadable images among ``files`` (test images cannot be
+    skipped: a submission needs a row for each)."""
+    bad = [(f, problem) for f in files if (problem := _readable(f))]
+    if bad:
+        raise DataError(
+            f"{len(bad)} image(s) in {where} cannot be read, e.g. {bad[0][0]} ({bad[0][1][:100]}); "
+            "replace or remove them"
+        )
 
 
 def list_images(folder: Path) -> list[Path]:

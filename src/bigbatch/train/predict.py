@@ -17,7 +17,14 @@ import torch
 from bigbatch.io import atomic_path, atomic_write_csv
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
-from bigbatch.train.data import DataError, ImageDataset, build_transforms, list_images, make_loader
+from bigbatch.train.data import (
+    DataError,
+    ImageDataset,
+    build_transforms,
+    check_readable,
+    list_images,
+    make_loader,
+)
 
 __all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
 
@@ -38,14 +45,23 @@ def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str
         raise ConfigError(
             f"{run_dir} is not a bigbatch run folder (no config.json); train one first"
         )
-    cfg = config_from_json((run_dir / "config.json").read_text())
-    classes = json.loads((run_dir / "classes.json").read_text())
+    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
+    try:
+        classes = json.loads((run_dir / "classes.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{run_dir}/classes.json is missing or damaged: {exc}") from exc
     weights = run_dir / f"{checkpoint}.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
     cfg.weights = ""  # the run's own weights replace any starting weights
     model = build_model(cfg, len(classes))()
-    load_weights_file(model, weights)
+    try:
+        load_weights_file(model, weights)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot load {weights}: {type(exc).__name__}: {str(exc)[:200]}; it is damaged, or the "
+            "run's config.json names another model"
+        ) from exc
     return model, classes, cfg
 
 
@@ -60,11 +76,13 @@ def predict_files(
     seed: int = 0,
 ) -> Predictions:
     """Averaged class probabilities of ``files`` over ``tta`` passes (1 = no augmentation)."""
-    if tta < 1:
-        raise ValueError(f"tta is a number of passes >= 1, got {tta}")
+    from bigbatch.train.loop import resolve_device
+
+    if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
+        raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
+    dev = resolve_device(device, "--device")
     run_dir = Path(run_dir)
     model, classes, cfg = _load_run(run_dir, checkpoint)
-    dev = torch.device(device)
     model.to(dev).eval()
     total = np.zeros((len(files), len(classes)), dtype=np.float64)
     for k in range(tta):
@@ -92,9 +110,15 @@ def predict_files(
 
 
 def predict_folder(run_dir: str | Path, folder: str | Path, **kwargs: object) -> Predictions:
-    files = list_images(Path(folder))
+    """:func:`predict_files` on every image under ``folder``; the folder, the run and the
+    images are checked before the model runs."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder of images")
+    files = list_images(folder)
     if not files:
         raise DataError(f"{folder} has no images to predict")
+    check_readable(files, folder)
     return predict_files(run_dir, files, **kwargs)  # type: ignore[arg-type]
 
 
