@@ -35,3 +35,51 @@ def test_checkpoint_survives_a_full_disk(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(OSError):
         save_weights(model, tmp_path / "best.safetensors")
     assert (tmp_path / "best.safetensors").read_bytes() == before
+
+
+def test_files_get_the_usual_permissions(tmp_path: Path) -> None:
+    """mkstemp's 0600 used to leak into every output: the umask decides, as for any file."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_locked_folder_refuses_a_second_holder(tmp_path: Path) -> None:
+    from bigbatch.io import FolderBusyError, lock_folder
+
+    with (
+        lock_folder(tmp_path / "run"),
+        pytest.raises(FolderBusyError, match=r"in use by pid"),
+        lock_folder(tmp_path / "run"),
+    ):
+        pass
+    with lock_folder(tmp_path / "run"):  # released with the first holder
+        pass
+
+
+def test_pickled_objects_are_refused_without_running_them(tmp_path: Path) -> None:
+    import pickle
+
+    from bigbatch.io import load_tensors
+
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str, str]]:
+            return (Path.write_text, (ran, "x"))  # type: ignore[return-value]
+
+    for name, data in (("raw.pt", pickle.dumps(Evil())), ("zip.pt", None)):
+        path = tmp_path / name
+        if data is None:
+            torch.save({"x": Evil()}, path)
+        else:
+            path.write_bytes(data)
+        with pytest.raises(ValueError, match="will not unpickle") as info:
+            load_tensors(path, "checkpoint")
+        assert "weights_only=False" not in str(info.value)
+    assert not ran.exists()

@@ -199,13 +199,23 @@ def load_tensors(path: str | Path, what: str) -> Any:
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        # torch's own message suggests weights_only=False: never do that with a file you were
-        # handed (it runs arbitrary code).
-        first = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
+        with open(path, "rb") as f:
+            head = f.read(2)
+        # A torch zip archive or a raw pickle (both refused by weights_only) holds objects; any
+        # other bytes are not a torch file at all.
+        if head in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
+            # torch's own message suggests weights_only=False: never do that with a file you
+            # were handed (it runs arbitrary code). Say which object it is, not that.
+            found = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), "")
+            raise ValueError(
+                f"{what} {path} holds pickled Python objects besides tensors"
+                + (f" ({found[:160]})" if found else "")
+                + "; bigbatch loads tensors only and will not unpickle it: save a plain state "
+                "dict (torch.save(model.state_dict(), path)) or a .safetensors file"
+            ) from None
         raise ValueError(
-            f"{what} {path} holds pickled Python objects besides tensors ({first}); bigbatch "
-            "loads tensors only and will not unpickle it: save a plain state dict "
-            "(torch.save(model.state_dict(), path)) or a .safetensors file"
+            f"cannot read {what} {path}: it is damaged or truncated, or not a torch/safetensors "
+            f"file (UnpicklingError: {str(exc).strip()[:120]})"
         ) from None
     except Exception as exc:
         raise ValueError(

@@ -159,3 +159,19 @@ def test_real_cpu_oom_in_a_subprocess(tmp_path: Path) -> None:
     got = torch.load(out, weights_only=True)
     for name, p in model.state_dict().items():
         assert float((got[name] - p).abs().max() / p.abs().max()) <= TOL64, name
+
+
+def test_split_is_balanced_and_never_leaves_batchnorm_a_lone_sample() -> None:
+    from bigbatch.memory.oom import split_batch
+
+    def sizes(n: int, size: int, min_size: int = 1) -> list[int]:
+        return [len(p) for p in split_batch(torch.arange(n), size, min_size=min_size)]
+
+    assert sizes(20, 8) == [7, 7, 6]
+    assert sizes(17, 16) == [9, 8]  # not 16 + 1
+    assert sizes(17, 4, min_size=2) == [4, 4, 3, 3, 3]
+    assert sizes(3, 2, min_size=2) == [3]
+    assert sizes(3, 2) == [2, 1]
+    x, y = torch.arange(5), torch.arange(5) * 10
+    parts = split_batch({"x": x, "y": y}, 2)
+    assert [p["y"].tolist() for p in parts] == [[0, 10], [20, 30], [40]]

@@ -24,6 +24,30 @@ def tiny(num_classes):
 
 def fixed_size(num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
+
+def with_bn(num_classes):
+    # BatchNorm1d after pooling: one sample in training is one value per channel, an error.
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.BatchNorm1d(8), nn.Linear(8, num_classes),
+    )
+
+class Diverges(nn.Module):
+    # Trains normally for `after` training forwards, then its output is nan.
+    def __init__(self, num_classes, after):
+        super().__init__()
+        self.net = tiny(num_classes)
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        out = self.net(x)
+        return out * float("nan") if self.calls > self.after else out
+
+def diverges_in_epoch_2(num_classes):
+    return Diverges(num_classes, after=6)  # epoch 1: 2 windows x 3 micro-batches of 4
 """
 
 

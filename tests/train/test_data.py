@@ -1,9 +1,19 @@
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import write_images
 
-from bigbatch.train.data import DataError, scan_csv, scan_folder, split_items
+from bigbatch.train.data import (
+    DataError,
+    DuplicateRowsWarning,
+    ImageDataset,
+    make_loader,
+    scan_csv,
+    scan_folder,
+    split_items,
+    windows_per_epoch,
+)
 
 
 def test_folder_of_classes(image_folder: Path) -> None:
@@ -46,3 +56,85 @@ def test_seeded_split_is_reproducible(image_folder: Path) -> None:
     assert a == split_items(items, 0.2, seed=1)[1].files
     assert a != split_items(items, 0.2, seed=2)[1].files
     assert len(a) == 6
+
+
+# ------------------------------------------------------------- silent data problems (issue 8)
+
+
+def _write_csv(path: Path, rows: list[str]) -> Path:
+    path.write_text("\n".join(["file,label", *rows]) + "\n")
+    return path
+
+
+def test_labels_with_stray_spaces_are_one_class(tmp_path: Path) -> None:
+    write_images(tmp_path / "imgs")
+    rows = ["red/red_0.png,red", "red/red_1.png,red ", "blue/blue_0.png, blue"]
+    items = scan_csv(_write_csv(tmp_path / "t.csv", rows), image_root=tmp_path / "imgs")
+    assert items.classes == ["blue", "red"]
+
+
+def test_duplicate_csv_rows_are_used_once_and_cannot_leak_across_the_split(
+    tmp_path: Path,
+) -> None:
+    write_images(tmp_path / "imgs")
+    rows = [f"red/red_{i}.png,red" for i in range(10)] + [
+        f"blue/blue_{i}.png,blue" for i in range(10)
+    ]
+    path = _write_csv(tmp_path / "t.csv", rows + rows[:5])
+    with pytest.warns(DuplicateRowsWarning, match="5 file"):
+        items = scan_csv(path, image_root=tmp_path / "imgs")
+    assert len(items) == 20
+    train, valid = split_items(items, 0.5, seed=0)
+    assert not set(train.files) & set(valid.files)
+    with pytest.raises(DataError, match=r"labels 'red/red_0\.png' twice"):
+        scan_csv(
+            _write_csv(tmp_path / "c.csv", [*rows, "red/red_0.png,blue"]),
+            image_root=tmp_path / "imgs",
+        )
+
+
+def test_a_class_of_only_unreadable_images_is_an_error(image_folder: Path) -> None:
+    (image_folder / "purple").mkdir()
+    (image_folder / "purple" / "a.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"class 'purple' .* has no readable image"):
+        scan_folder(image_folder)
+
+
+def test_no_readable_image_at_all_names_the_files_not_valid_pct(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.png").write_bytes(b"")
+    with pytest.raises(DataError, match=r"none of the 2 image\(s\) .* can be read, e.g."):
+        scan_folder(tmp_path)
+
+
+def test_exif_orientation_is_applied(tmp_path: Path) -> None:
+    """A portrait photo stored landscape with EXIF orientation 6 must train upright."""
+    from PIL import Image
+
+    path = tmp_path / "photo.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    Image.new("RGB", (16, 8)).save(path, exif=exif)
+    ds = ImageDataset([path], [0], transform=lambda im: torch.tensor(im.size))
+    assert ds[0][0].tolist() == [8, 16]  # shown as 8 wide, 16 high
+
+
+def test_merged_last_window_for_batchnorm() -> None:
+    """33 samples in windows of 16: 16, 16, 1 by default; with min_last=2 (BatchNorm models)
+    the lone sample joins the window before: 16, 17. Every sample is used once."""
+    loader = make_loader(
+        torch.utils.data.TensorDataset(torch.arange(33)), 16, shuffle=True, seed=0, num_workers=0
+    )
+    assert [len(b[0]) for b in loader] == [16, 16, 1]
+    merged = make_loader(
+        torch.utils.data.TensorDataset(torch.arange(33)),
+        16,
+        shuffle=True,
+        seed=0,
+        num_workers=0,
+        min_last=2,
+    )
+    sizes = [len(b[0]) for b in merged]
+    assert sizes == [16, 17] and len(merged) == 2 == windows_per_epoch(33, 16, min_last=2)
+    assert sorted(torch.cat([b[0] for b in merged]).tolist()) == list(range(33))

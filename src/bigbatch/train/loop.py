@@ -282,6 +282,11 @@ def plan_for(
     except ConfigError:
         raise
     except (RuntimeError, TypeError, ValueError) as exc:
+        if "more than 1 value per channel" in str(exc):
+            raise ConfigError(
+                f"BatchNorm cannot train on micro-batch 1 ({cfg.model_name} normalises a 1x1 "
+                "feature map): set micro_batch >= 2, or freeze_bn=true"
+            ) from exc
         raise ConfigError(
             f"{cfg.model_name} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc

@@ -25,9 +25,7 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
     epochs = [r["epoch"] for r in rows]
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train loss")
-    if "valid_loss" not in rows[-1]:  # no validation set: the losses alone
-        ax_metric.set_visible(False)
-    else:
+    if "valid_loss" in rows[-1]:  # absent without a validation set: the losses alone
         ax_loss.plot(epochs, [r["valid_loss"] for r in rows], marker="o", label="valid loss")
     ax_loss.set_xlabel("epoch")
     ax_loss.set_ylabel("loss")
@@ -40,10 +38,12 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
         ax_metric.plot(
             epochs, [r["error_rate"] for r in rows], marker="o", color="red", label="error rate"
         )
-    ax_metric.set_xlabel("epoch")
-    ax_metric.set_ylim(0, 1)
-    ax_metric.legend()
-    ax_metric.grid(True, alpha=0.3)
+        ax_metric.set_xlabel("epoch")
+        ax_metric.set_ylim(0, 1)
+        ax_metric.legend()
+        ax_metric.grid(True, alpha=0.3)
+    else:
+        ax_metric.set_visible(False)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

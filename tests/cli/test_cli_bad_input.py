@@ -1,0 +1,208 @@
+"""Bad input on the command line: exit 2 with one line naming the fix, never a traceback, and
+before any long work (issue 8). One case per class of input."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+from conftest import TINY_MODEL, write_images
+
+from bigbatch.cli.main import main
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny image folder and model in the working directory."""
+    write_images(tmp_path / "train", n_per_class=6)
+    (tmp_path / "tinymodel.py").write_text(TINY_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tinymodel", None)
+    return tmp_path
+
+
+TRAIN = [
+    "train",
+    "data=train",
+    "model=tinymodel:tiny",
+    "size=16",
+    "batch=12",
+    "micro_batch=4",
+    "epochs=1",
+    "device=cpu",
+    "num_workers=0",
+]
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], match: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and match in lines[0], err
+    return lines[0]
+
+
+def _trained_run(job: Path) -> Path:
+    assert main([*TRAIN, "--out", "run", "--no-progress"]) == 0
+    return job / "run"
+
+
+def _csv(job: Path, body: bytes) -> None:
+    (job / "train.csv").write_bytes(b"file,label\n" + body)
+
+
+CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "csv row without a label": (
+        lambda j: (
+            _csv(j, b"train/red/red_0.png,red\ntrain/red/red_1.png\n"),
+            [*TRAIN, "data=train.csv"],
+        )[1],
+        "line 3 has no label",
+    ),
+    "csv not utf-8": (
+        lambda j: (
+            _csv(j, "train/red/red_0.png,caf\xe9\n".encode("latin-1")),
+            [*TRAIN, "data=train.csv"],
+        )[1],
+        "is not UTF-8 text",
+    ),
+    "negative weight decay": (lambda j: [*TRAIN, "weight_decay=-1"], "weight_decay must be >= 0"),
+    "lr nan": (lambda j: [*TRAIN, "lr=nan"], "lr must be a finite number"),
+    "device tpu (train)": (lambda j: [*TRAIN, "device=tpu"], "device='tpu'"),
+    "device tpu (plan)": (
+        lambda j: [
+            "plan",
+            "--arch",
+            "resnet10t",
+            "--batch",
+            "8",
+            "--budget",
+            "1GB",
+            "--device",
+            "tpu",
+        ],
+        "--device='tpu'",
+    ),
+    "confirm on a missing GPU": (
+        lambda j: [
+            "plan",
+            "--arch",
+            "resnet10t",
+            "--batch",
+            "8",
+            "--budget",
+            "1GB",
+            "--device",
+            "cuda",
+            "--confirm",
+        ],
+        "no CUDA device is available",
+    ),
+    "missing weights file": (lambda j: [*TRAIN, "weights=nope.safetensors"], "does not exist"),
+    "garbage weights file": (
+        lambda j: (
+            (j / "w.pt").write_bytes(b"not a checkpoint"),
+            [
+                *TRAIN.copy()[:2],
+                "arch=resnet10t",
+                "size=16",
+                "batch=4",
+                "epochs=1",
+                "device=cpu",
+                "weights=w.pt",
+            ],
+        )[1],
+        "cannot read weights file w.pt",
+    ),
+    "out is a file": (lambda j: ((j / "f").write_text(""), [*TRAIN, "--out", "f"])[1], "is a file"),
+    "out inside a file": (
+        lambda j: ((j / "f").write_text(""), [*TRAIN, "--out", "f/run"])[1],
+        "a part of it is a file",
+    ),
+    "plan csv into a file's folder": (
+        lambda j: (
+            (j / "f").write_text(""),
+            ["plan", "--arch", "resnet10t", "--batch", "8", "--budget", "1GB", "--csv", "f/t.csv"],
+        )[1],
+        "is a file, not a folder",
+    ),
+    "verify --micro without --model": (lambda j: ["verify", "--micro", "4,4"], "add --model"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line(name: str, job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, match = CASES[name]
+    _fails(argv(job), capsys, match)
+    assert not (job / "run" / "last.pt").exists()
+
+
+def test_damaged_run_files_on_resume(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _trained_run(job)
+    capsys.readouterr()
+    last = run / "last.pt"
+    good = last.read_bytes()
+    last.write_bytes(good[: len(good) // 2])  # truncated
+    _fails(["train", "--resume", "run"], capsys, "damaged or truncated")
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (print, ("this must never run",))
+
+    last.write_bytes(pickle.dumps({"model": Evil()}))
+    line = _fails(["train", "--resume", "run"], capsys, "will not unpickle it")
+    assert "weights_only=False" not in line and "this must never run" not in line
+    (run / "config.json").write_text("{ not json")
+    _fails(["train", "--resume", "run"], capsys, "is not a bigbatch config")
+
+
+def test_predict_bad_input(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _trained_run(job)
+    capsys.readouterr()
+    (job / "test").mkdir()
+    write_images(job / "test", n_per_class=1)
+    _fails(["predict", "run", "test", "--device", "cuda"], capsys, "no CUDA device")
+    _fails(["predict", "run", "test", "--tta", "0"], capsys, "tta is a number of passes")
+    (job / "test" / "red" / "broken.png").write_bytes(b"\x89PNG not really")
+    _fails(["predict", "run", "test"], capsys, "broken.png")
+
+
+def test_a_full_disk_is_one_line(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bigbatch.train.loop as loop
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "run/last.safetensors")
+
+    monkeypatch.setattr(loop, "save_weights", full)
+    line = _fails([*TRAIN, "--out", "run"], capsys, "no space left on the device")
+    assert "run/last.safetensors" in line and "--resume" in line
+
+
+def test_train_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import fields
+
+    from bigbatch.train.config import HELP, TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for f in fields(TrainConfig):
+        assert f"  {f.name} = " in out and HELP[f.name] in out
+
+
+def test_cuda_device_name_alone_plans_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this checks planning for a GPU on a machine without one")
+    argv = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "4GB"]
+    assert main([*argv, "--device", "cuda", "--json"]) == 0
