@@ -147,7 +147,7 @@ def _check_model_name(cfg: TrainConfig) -> None:
 def _check_test_options(options: dict[str, Any]) -> None:
     """The test folder's images are readable and the sample submission names each of them
     unambiguously; sets ``options["test_files"]`` and ``options["test_ids"]``."""
-    from bigbatch.train.data import DataError, check_readable, list_images
+    from bigbatch.train.data import DataError, images_to_predict
 
     test, sample = options.get("test"), options.get("sample_submission")
     if sample and not test:
@@ -155,13 +155,8 @@ def _check_test_options(options: dict[str, Any]) -> None:
     if not test:
         return
     folder = Path(test)
-    if not folder.is_dir():
-        raise ConfigError(f"[ensemble] test folder {folder} does not exist")
-    files = list_images(folder)
-    if not files:
-        raise ConfigError(f"[ensemble] test folder {folder} has no images")
     try:
-        check_readable(files, folder)
+        files = images_to_predict(folder)
     except DataError as exc:
         raise ConfigError(f"[ensemble] {exc}") from exc
     options["test_files"] = files

@@ -29,6 +29,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+PLAN = ["plan", "--arch", "resnet10t", "--batch", "8", "--budget", "1GB"]
 TRAIN = [
     "train",
     "data=train",
@@ -80,13 +81,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "device tpu (train)": (lambda j: [*TRAIN, "device=tpu"], "device='tpu'"),
     "device tpu (plan)": (
         lambda j: [
-            "plan",
-            "--arch",
-            "resnet10t",
-            "--batch",
-            "8",
-            "--budget",
-            "1GB",
+            *PLAN,
             "--device",
             "tpu",
         ],
@@ -94,13 +89,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "confirm on a missing GPU": (
         lambda j: [
-            "plan",
-            "--arch",
-            "resnet10t",
-            "--batch",
-            "8",
-            "--budget",
-            "1GB",
+            *PLAN,
             "--device",
             "cuda",
             "--confirm",
@@ -131,7 +120,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "plan csv into a file's folder": (
         lambda j: (
             (j / "f").write_text(""),
-            ["plan", "--arch", "resnet10t", "--batch", "8", "--budget", "1GB", "--csv", "f/t.csv"],
+            [*PLAN, "--csv", "f/t.csv"],
         )[1],
         "is a file, not a folder",
     ),

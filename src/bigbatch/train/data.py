@@ -26,6 +26,7 @@ __all__ = [
     "ImageItems",
     "build_transforms",
     "check_readable",
+    "images_to_predict",
     "list_images",
     "make_loader",
     "scan_csv",
@@ -102,6 +103,18 @@ def check_readable(files: Sequence[Path], where: str | Path) -> None:
             f"{len(bad)} image(s) in {where} cannot be read, e.g. {bad[0][0]} ({bad[0][1][:100]}); "
             "replace or remove them"
         )
+
+
+def images_to_predict(folder: str | Path) -> list[Path]:
+    """Every image under ``folder`` (recursively), each readable; DataError otherwise."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder of images")
+    files = list_images(folder)
+    if not files:
+        raise DataError(f"{folder} has no images to predict")
+    check_readable(files, folder)
+    return files
 
 
 def list_images(folder: Path) -> list[Path]:

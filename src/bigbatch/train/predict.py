@@ -17,14 +17,7 @@ import torch
 from bigbatch.io import atomic_path, atomic_write_csv
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
-from bigbatch.train.data import (
-    DataError,
-    ImageDataset,
-    build_transforms,
-    check_readable,
-    list_images,
-    make_loader,
-)
+from bigbatch.train.data import ImageDataset, build_transforms, images_to_predict, make_loader
 
 __all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
 
@@ -112,14 +105,7 @@ def predict_files(
 def predict_folder(run_dir: str | Path, folder: str | Path, **kwargs: object) -> Predictions:
     """:func:`predict_files` on every image under ``folder``; the folder, the run and the
     images are checked before the model runs."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DataError(f"{folder} is not a folder of images")
-    files = list_images(folder)
-    if not files:
-        raise DataError(f"{folder} has no images to predict")
-    check_readable(files, folder)
-    return predict_files(run_dir, files, **kwargs)  # type: ignore[arg-type]
+    return predict_files(run_dir, images_to_predict(folder), **kwargs)  # type: ignore[arg-type]
 
 
 def save_predictions(pred: Predictions, out: str | Path) -> tuple[Path, Path]:
