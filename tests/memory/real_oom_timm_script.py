@@ -1,0 +1,73 @@
+"""Run by test_oom.py in subprocesses: timm convnext_atto at 64 px, two windows of 128 samples,
+SGD, one thread, under an address-space limit (RLIMIT_AS) set `extra` MiB above the process
+once the model has taken one small step.
+
+    python real_oom_timm_script.py need MICRO          -> prints the MiB one step at MICRO adds
+    python real_oom_timm_script.py clean EXTRA MICRO   -> OK or FAIL: trains at MICRO, no back-off
+    python real_oom_timm_script.py backoff EXTRA OUT   -> starts at 128, backs off; saves weights
+
+test_oom.py imports build() for the reference without a limit."""
+
+import resource
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bigbatch import Accumulator
+from bigbatch.memory.oom import OOMBackoff, OutOfMemoryAtMinimumError, run_window
+
+
+def build() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("convnext_atto", num_classes=10)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 3, 64, 64, generator=g)
+    return model, x, torch.randint(0, 10, (128,), generator=g)
+
+
+def status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # threads need address space too: keep the limit about tensors
+    mode = sys.argv[1]
+    model, x, y = build()
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def loss_fn(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(b[0]), b[1])
+
+    # One small step first, so kernels and their buffers exist, as in a run already going.
+    run_window(acc, (x[:2], y[:2]), loss_fn, OOMBackoff(micro_batch=2))
+    if mode == "need":
+        before = status("VmSize")
+        run_window(acc, (x, y), loss_fn, OOMBackoff(micro_batch=int(sys.argv[2])))
+        print((status("VmPeak") - before) // 2**20)
+        sys.exit(0)
+    extra = int(sys.argv[2])
+    resource.setrlimit(
+        resource.RLIMIT_AS, (status("VmSize") + extra * 2**20, resource.RLIM_INFINITY)
+    )
+    if mode == "clean":
+        backoff = OOMBackoff(micro_batch=int(sys.argv[3]), grow_after=0)
+        try:
+            for _ in range(2):
+                run_window(acc, (x, y), loss_fn, backoff)
+        except OutOfMemoryAtMinimumError:
+            pass
+        print("OK" if not backoff.events else "FAIL")
+        sys.exit(0)
+    backoff = OOMBackoff(micro_batch=128, grow_after=0)
+    for _ in range(2):
+        run_window(acc, (x, y), loss_fn, backoff)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(backoff.micro_batch, [(e.old, e.new) for e in backoff.events])
+    torch.save(model.state_dict(), sys.argv[3])
