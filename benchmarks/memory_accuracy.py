@@ -5,7 +5,8 @@ workspace calibration from two real steps at micro-batch 2 and 4), then one real
 with the profiler's allocation events. Prints each error, the mean and worst |error|, and the
 time to predict (calibration included). Also shows the uncalibrated prediction beside it.
 
-    python benchmarks/memory_accuracy.py          # MLP, BN CNN, transformer, resnet18, convnext_atto
+    python benchmarks/memory_accuracy.py          # MLP, BN CNN, transformer, resnet18, convnext_atto,
+                                                  # LSTM, GRU, GPT (tied embedding, SDPA)
     python benchmarks/memory_accuracy.py --json   # {"mean_abs_err_pct": ..., "worst_abs_err_pct": ..., ...}
 """
 
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.memory.calibrate import calibrate
@@ -58,12 +60,65 @@ class Encoder(nn.Module):
         return self.head(self.encoder(self.embed(x)).mean(1))
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "mlp": (mlp, (512,)),
-    "bn_cnn": (bn_cnn, (3, 32, 32)),
-    "transformer": (Encoder, (32, 64)),
-    "resnet18": (timm_factory("resnet18", num_classes=10), (3, 64, 64)),
-    "convnext_atto": (timm_factory("convnext_atto", num_classes=10), (3, 64, 64)),
+class Recurrent(nn.Module):
+    """A 2-layer LSTM or GRU over 64 steps (oneDNN's fused kernels on CPU), last step -> head."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[kind](32, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class GPT(nn.Module):
+    """A small GPT: tied token embedding, causal scaled_dot_product_attention, 2 blocks."""
+
+    def __init__(self, vocab: int = 512, dim: int = 128, heads: int = 4, blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(64, dim))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(dim),
+                    "qkv": nn.Linear(dim, 3 * dim),
+                    "proj": nn.Linear(dim, dim),
+                    "ln2": nn.LayerNorm(dim),
+                    "mlp": nn.Sequential(
+                        nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+                    ),
+                }
+            )
+            for _ in range(blocks)
+        )
+        self.heads = heads
+        self.ln = nn.LayerNorm(dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        b, t, d = x.shape
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).split(d, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](att.transpose(1, 2).reshape(b, t, d))
+            x = x + blk["mlp"](blk["ln2"](x))
+        return self.ln(x) @ self.embed.weight.T  # tied output embedding
+
+
+# name -> (factory, one sample's shape, input dtype)
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] = {
+    "mlp": (mlp, (512,), torch.float32),
+    "bn_cnn": (bn_cnn, (3, 32, 32), torch.float32),
+    "transformer": (Encoder, (32, 64), torch.float32),
+    "resnet18": (timm_factory("resnet18", num_classes=10), (3, 64, 64), torch.float32),
+    "convnext_atto": (timm_factory("convnext_atto", num_classes=10), (3, 64, 64), torch.float32),
+    "lstm": (lambda: Recurrent("lstm"), (64, 32), torch.float32),
+    "gru": (lambda: Recurrent("gru"), (64, 32), torch.float32),
+    "gpt": (GPT, (64,), torch.long),
 }
 
 
@@ -78,12 +133,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     for name in args.models.split(","):
-        factory, shape = MODELS[name]
+        factory, shape, dtype = MODELS[name]
         t0 = time.perf_counter()
-        cal = calibrate(StepSpec(factory, shape, 2))
+        cal = calibrate(StepSpec(factory, shape, 2, input_dtype=dtype))
         calibration_s = time.perf_counter() - t0
         for b in batches:
-            spec = StepSpec(factory, shape, b)
+            spec = StepSpec(factory, shape, b, input_dtype=dtype)
             t0 = time.perf_counter()
             pred = predict_peak(spec, calibration=cal)
             predict_s = time.perf_counter() - t0

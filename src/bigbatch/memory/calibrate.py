@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, real_step_setup
 from bigbatch.memory.predict import StepSpec, run_training_step
@@ -30,46 +31,95 @@ WORKSPACE_HEADROOM = 2.0
 _MARK = "bigbatch_op_"
 
 
+Sizes = tuple[int, ...]  # the storage bytes of each tensor an op returns
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One calibration run at one micro-batch size: per dispatched op, its name, its workspace
+    and the sizes of what it returns."""
+
+    ops: tuple[str, ...]
+    workspaces: tuple[int, ...]
+    outputs: tuple[Sizes, ...]
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """Workspace bytes per dispatched op, measured at two micro-batch sizes (interpolated
-    between and beyond them), and as measured at a few more sizes (used exactly there)."""
+    """Per dispatched op, the workspace bytes and the real sizes of its outputs, measured at two
+    micro-batch sizes (interpolated between and beyond them), and as measured at a few more
+    sizes (used exactly there).
 
-    ops: tuple[str, ...]  # op names in dispatch order (two steps)
-    small: tuple[int, ...]  # workspace per op at batch_small
-    large: tuple[int, ...]  # workspace per op at batch_large
+    Real output sizes matter where an op's fake (meta) kernel under-reports them: oneDNN's LSTM
+    (``aten.mkldnn_rnn_layer``) returns its workspace, saved for backward, as an empty tensor on
+    fake tensors, 8 MB at micro-batch 4 for real."""
+
+    small: _Run
+    large: _Run
     batch_small: int
     batch_large: int
-    # batch size -> (op names, workspaces) as measured: kernels may choose differently at a
-    # size (micro-batch 1 often does), so a measured size needs no interpolation.
-    exact: dict[int, tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # Kernels may choose differently at a size (micro-batch 1 often does), so a measured size
+    # needs no interpolation.
+    exact: dict[int, _Run] = field(default_factory=dict)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return self.small.ops
 
     def ops_for(self, batch_size: int) -> tuple[str, ...]:
-        return self.exact[batch_size][0] if batch_size in self.exact else self.ops
+        return self.exact[batch_size].ops if batch_size in self.exact else self.ops
+
+    def _at(self, a: int, b: int, batch_size: int) -> int:
+        if self.batch_large == self.batch_small:
+            return a
+        slope = (b - a) / (self.batch_large - self.batch_small)
+        return max(0, round(a + slope * (batch_size - self.batch_small)))
 
     def workspace(self, index: int, batch_size: int) -> int:
         if batch_size in self.exact:
-            return self.exact[batch_size][1][index]
-        a, b = self.small[index], self.large[index]
-        slope = (b - a) / (self.batch_large - self.batch_small)
-        return max(0, round(a + slope * (batch_size - self.batch_small)))
+            return self.exact[batch_size].workspaces[index]
+        return self._at(self.small.workspaces[index], self.large.workspaces[index], batch_size)
+
+    def output_sizes(self, index: int, batch_size: int) -> Sizes:
+        """The real storage bytes of op ``index``'s outputs at ``batch_size``."""
+        if batch_size in self.exact:
+            return self.exact[batch_size].outputs[index]
+        a, b = self.small.outputs[index], self.large.outputs[index]
+        if len(a) != len(b):
+            return ()
+        return tuple(self._at(x, y, batch_size) for x, y in zip(a, b, strict=True))
 
 
 class _OpMarker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.outputs: list[Sizes] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "prim":
             return func(*args, **(kwargs or {}))
         i = len(self.names)
         self.names.append(str(func))
-        with torch.profiler.record_function(f"{_MARK}{i}"):
-            return func(*args, **(kwargs or {}))
+        if (
+            func.is_view
+        ):  # a view allocates nothing: no profiler range (the slow part), no workspace
+            out = func(*args, **(kwargs or {}))
+        else:
+            with torch.profiler.record_function(f"{_MARK}{i}"):
+                out = func(*args, **(kwargs or {}))
+        self.outputs.append(output_sizes(out))
+        return out
 
 
-def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
+def output_sizes(out: Any) -> Sizes:
+    """The storage bytes of each tensor in an op's output (the fake run computes the same)."""
+    return tuple(
+        t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+    )
+
+
+def _measure(spec: StepSpec, steps: int) -> _Run:
     from torch.profiler import ProfilerActivity, profile
 
     model, opt, inputs = real_step_setup(spec, steps)
@@ -93,7 +143,7 @@ def _workspaces(spec: StepSpec, steps: int) -> tuple[list[str], list[int]]:
             workspace[int(name[len(_MARK) :])] = max(0, high - max(running, 0))
             continue  # nested ops belong to this one
         stack.extend(node.children)
-    return marker.names, workspace
+    return _Run(tuple(marker.names), tuple(workspace), tuple(marker.outputs))
 
 
 def calibrate(
@@ -108,26 +158,20 @@ def calibrate(
     if torch.device(spec.device).type != "cpu":
         raise ValueError("workspace calibration runs real steps on the CPU; it is for device='cpu'")
     small, large = batch_sizes
-    if small >= large:  # one size: its workspaces hold everywhere (no slope to interpolate)
-        names, ws = _workspaces(spec.with_batch(small), steps)
-        return Calibration(
-            tuple(names), tuple(ws), tuple(ws), small, small + 1, {small: (tuple(names), tuple(ws))}
-        )
-    names_s, ws_s = _workspaces(spec.with_batch(small), steps)
-    names_l, ws_l = _workspaces(spec.with_batch(large), steps)
-    exact = {small: (tuple(names_s), tuple(ws_s)), large: (tuple(names_l), tuple(ws_l))}
-    for b in also:
-        if b not in exact:
+    runs = {b: _measure(spec.with_batch(b), steps) for b in sorted({small, large})}
+    for size in also:
+        if size not in runs:
             try:
-                names_b, ws_b = _workspaces(spec.with_batch(b), steps)
+                runs[size] = _measure(spec.with_batch(size), steps)
             except ValueError:
                 continue  # e.g. BatchNorm cannot train on one sample: the planner starts at 2
-            exact[b] = (tuple(names_b), tuple(ws_b))
-    if names_s != names_l:
+    a, b = runs[small], runs[large]
+    if a.ops != b.ops:
         # The op sequence depends on the batch size (a kernel choice): keep the common prefix.
-        n = next((i for i, (a, b) in enumerate(zip(names_s, names_l, strict=False)) if a != b), 0)
-        names_s, ws_s, ws_l = names_s[:n], ws_s[:n], ws_l[:n]
-    return Calibration(tuple(names_s), tuple(ws_s), tuple(ws_l), small, large, exact)
+        n = next((i for i, (x, y) in enumerate(zip(a.ops, b.ops, strict=False)) if x != y), 0)
+        a = _Run(a.ops[:n], a.workspaces[:n], a.outputs[:n])
+        b = _Run(b.ops[:n], b.workspaces[:n], b.outputs[:n])
+    return Calibration(a, b, small, large, runs)
 
 
 def calibrate_within(spec: StepSpec, usable_bytes: int) -> tuple[Calibration | None, str]:

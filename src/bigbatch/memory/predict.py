@@ -164,6 +164,9 @@ def run_training_step(
     opt.zero_grad(set_to_none=True)
 
 
+_LOOKAHEAD = 4  # calibration ops a fake op may skip, and fake-only ops in a row, when aligning
+
+
 class _StorageTracker(TorchDispatchMode):
     """Live tensor storages by creation phase, with the peak and who was alive at it."""
 
@@ -172,7 +175,9 @@ class _StorageTracker(TorchDispatchMode):
         self.round_to = round_to
         self.calibration = calibration
         self.batch_size = batch_size
-        self.op_index = 0
+        self.op_index = 0  # fake ops dispatched in the counted steps
+        self.cal_index = 0  # the next calibration op to match
+        self.misses = 0  # fake ops in a row that matched none
         self.counting = False  # ops are numbered from the first training step on
         self.aligned = calibration is not None
         self.peak_workspace = 0
@@ -191,11 +196,11 @@ class _StorageTracker(TorchDispatchMode):
                 return uid
         return None
 
-    def track(self, t: torch.Tensor) -> None:
+    def track(self, t: torch.Tensor, real_bytes: int = 0) -> None:
         if self.uid_of(t) is not None:
             return
         st = t.untyped_storage()
-        n = st.nbytes()
+        n = max(st.nbytes(), real_bytes)
         if self.round_to > 1:
             n = max(self.round_to, math.ceil(n / self.round_to) * self.round_to) if n else 0
         uid = self._next_uid
@@ -223,21 +228,39 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        if not self.counting or func.namespace == "prim":
-            return out  # prim ops are fake mode's own metadata queries; real runs have none
-        if self.aligned:
-            i, cal = self.op_index, self.calibration
-            ops = cal.ops_for(self.batch_size)
-            if i < len(ops) and ops[i] == str(func):
-                # The kernel's scratch memory was alive together with its outputs.
-                self._observe(cal.workspace(i, self.batch_size))
-            else:
-                self.aligned = False  # the op sequence left the calibration's: stop adding
-        self.op_index += 1
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # prim ops are fake mode's own metadata queries; real runs have none
+        counted = self.counting and func.namespace != "prim"
+        real: tuple[int, ...] = ()
+        matched = self._match(str(func)) if counted and self.aligned else None
+        if matched is not None:
+            real = self.calibration.output_sizes(matched, self.batch_size)
+        if len(real) != len(tensors):
+            real = (0,) * len(tensors)
+        for t, n in zip(tensors, real, strict=True):
+            # Where a fake kernel under-reports an output (an empty workspace), the real size.
+            self.track(t, n)
+        if matched is not None:
+            # The kernel's scratch memory was alive together with its outputs.
+            self._observe(self.calibration.workspace(matched, self.batch_size))
+        if counted:
+            self.op_index += 1
         return out
+
+    def _match(self, name: str) -> int | None:
+        """The calibration op this fake op is, or None. Fake mode dispatches a few ops the real
+        run does not (a real ``detach`` may become ``new_empty_strided`` + ``copy_``), and the
+        reverse: look a few ops ahead, count unmatched fake ops as extra, and stop adding only
+        after a run of misses, when the sequences have really parted."""
+        ops = self.calibration.ops_for(self.batch_size)
+        for j in range(self.cal_index, min(len(ops), self.cal_index + _LOOKAHEAD)):
+            if ops[j] == name:
+                self.cal_index, self.misses = j + 1, 0
+                return j
+        self.misses += 1
+        if self.misses > _LOOKAHEAD or self.cal_index >= len(ops):
+            self.aligned = False
+        return None
 
     @contextlib.contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
