@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                     "arch": name,
                     "size": size,
                     "fits": False,
-                    "floor_bytes": exc.floor.peak_bytes,
+                    "floor_bytes": exc.floor.planning_bytes,
                     "error": str(exc),
                 }
             )
@@ -199,7 +199,10 @@ def run(args: argparse.Namespace) -> int:
             ]
             plan.curve = sorted(
                 plan.curve
-                + [(b, predict_peak(spec_at(b), calibration=calibration).peak_bytes) for b in extra]
+                + [
+                    (b, predict_peak(spec_at(b), calibration=calibration).planning_bytes)
+                    for b in extra
+                ]
             )
         row = plan.to_dict() | {"fits": True}
         plans.append(row)

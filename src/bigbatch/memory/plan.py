@@ -77,6 +77,9 @@ class Plan:
             "floor_bytes": self.floor_bytes,
             "max_micro_batch": self.max_micro_batch,
             "confirmed_peak_bytes": self.confirmed_peak_bytes,
+            # On CUDA the plan fits this: the allocator's reserved peak and the BLAS workspaces.
+            "predicted_allocated_peak_bytes": self.prediction.peak_bytes,
+            "predicted_reserved_bytes": self.prediction.reserved_bytes or None,
             "breakdown": self.prediction.parts(),
             "curve": self.curve,
         }
@@ -218,7 +221,7 @@ def plan_micro_batch(
     def peak(b: int) -> int:
         if b not in cache:
             cache[b] = predict_peak(spec_at(b), calibration=calibration)
-        return cache[b].peak_bytes
+        return cache[b].planning_bytes
 
     smallest = 1
     try:
@@ -275,7 +278,7 @@ def plan_micro_batch(
         floor_bytes=floor,
         max_micro_batch=lo,
         prediction=cache[micro],
-        curve=sorted((b, p.peak_bytes) for b, p in cache.items()),
+        curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
     )
 
 

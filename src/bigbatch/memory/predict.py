@@ -77,26 +77,46 @@ class MemoryPrediction:
     precision: str
     optimizer: str
     workspace_bytes: int = 0  # added by CPU calibration (kernel workspaces fake tensors miss)
+    # CUDA only: what the caching allocator reserves for the traced allocations (rounding, pools,
+    # fragmentation; see bigbatch.memory.cuda_allocator), and cuBLAS/cuBLASLt's workspaces.
+    reserved_bytes: int = 0
+    library_workspace_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def planning_bytes(self) -> int:
+        """What a plan must fit: the peak, or on CUDA what the allocator reserves for it plus
+        the BLAS libraries' workspaces (a CUDA OOM is a segment that cannot be reserved)."""
+        return max(self.peak_bytes, self.reserved_bytes) + self.library_workspace_bytes
+
     def parts(self) -> dict[str, int]:
-        """Bytes alive at the peak, by kind (kernel workspaces count as temporaries)."""
-        return {
+        """Bytes at the peak, by kind (kernel workspaces count as temporaries); on CUDA also
+        what the allocator holds beyond them and the BLAS workspaces."""
+        parts = {
             "parameters": self.parameters,
             "gradients": self.gradients,
             "optimizer_state": self.optimizer_state,
             "activations": self.activations,
             "temporaries": self.temporaries + self.workspace_bytes,
         }
+        if self.reserved_bytes:
+            parts["allocator_cache"] = max(0, self.reserved_bytes - self.peak_bytes)
+            parts["blas_workspaces"] = self.library_workspace_bytes
+        return parts
 
     def breakdown(self) -> str:
         from bigbatch.memory.budget import format_bytes
 
-        labels = {"parameters": "weights", "optimizer_state": f"{self.optimizer} state"}
+        labels = {
+            "parameters": "weights",
+            "optimizer_state": f"{self.optimizer} state",
+            "allocator_cache": "CUDA allocator rounding and cache",
+            "blas_workspaces": "cuBLAS/cuBLASLt workspaces",
+        }
         return ", ".join(
             f"{labels.get(kind, kind)} {format_bytes(b)}" for kind, b in self.parts().items() if b
         )
@@ -188,6 +208,8 @@ class _StorageTracker(TorchDispatchMode):
         self.peak_snapshot: dict[int, tuple[int, str]] = {}
         self._refs: dict[int, list[tuple[weakref.ref[Any], int]]] = {}
         self._next_uid = 0
+        # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model.
+        self.events: list[tuple[str, int, int]] | None = None
 
     def uid_of(self, t: torch.Tensor) -> int | None:
         st = t.untyped_storage()
@@ -210,6 +232,8 @@ class _StorageTracker(TorchDispatchMode):
         def release(ref: weakref.ref[Any], uid: int = uid, key: int = key) -> None:
             size, _ = self.live.pop(uid, (0, ""))
             self.live_bytes -= size
+            if self.events is not None:
+                self.events.append(("free", uid, 0))
             refs = self._refs.get(key, [])
             refs[:] = [(r, u) for r, u in refs if u != uid]
             if not refs:
@@ -218,6 +242,8 @@ class _StorageTracker(TorchDispatchMode):
         self._refs.setdefault(key, []).append((weakref.ref(st, release), uid))
         self.live[uid] = (n, self.phase)
         self.live_bytes += n
+        if self.events is not None:
+            self.events.append(("malloc", uid, n))
         self._observe(0)
 
     def _observe(self, workspace: int) -> None:
@@ -306,6 +332,8 @@ def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> 
         calibration=calibration,
         batch_size=spec.batch_size,
     )
+    if target.type == "cuda":
+        tracker.events = []
     grads_uids: set[int] = set()
     state_uids: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=True), tracker:
@@ -369,9 +397,17 @@ def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> 
         notes.append(
             f"op sequence left the calibration at op {tracker.op_index}: workspaces after it are not counted"
         )
+    reserved = library = 0
+    if tracker.events is not None:
+        from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
+
+        reserved = simulate(tracker.events).reserved_bytes
+        library = cuda_library_workspace_bytes()
     return MemoryPrediction(
         peak_bytes=tracker.peak_bytes,
         workspace_bytes=tracker.peak_workspace,
+        reserved_bytes=reserved,
+        library_workspace_bytes=library,
         notes=notes,
         batch_size=spec.batch_size,
         device=target.type,

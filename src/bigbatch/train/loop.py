@@ -301,7 +301,7 @@ def plan_for(
             )
         log(
             f"micro-batch {cfg.micro_batch} (fixed) fits budget {cfg.budget}: "
-            f"{format_bytes(predict_peak(spec_at(cfg.micro_batch), calibration=calibration).peak_bytes)} "
+            f"{format_bytes(predict_peak(spec_at(cfg.micro_batch), calibration=calibration).planning_bytes)} "
             f"predicted of {format_bytes(plan.usable_bytes)} usable"
         )
         return cfg.micro_batch, cfg.micro_batch

@@ -1,0 +1,126 @@
+"""The CUDA caching-allocator model against allocation sequences with known layouts.
+
+No GPU here: each expected layout is PyTorch's documented behaviour or a layout users recorded
+with torch.cuda.memory_snapshot() (cited per test). What was not checked: a live GPU's
+reserved memory against the model for a whole training step."""
+
+from __future__ import annotations
+
+import pytest
+
+from bigbatch.memory.cuda_allocator import (
+    CachingAllocatorModel,
+    cuda_library_workspace_bytes,
+    round_size,
+    segment_size,
+    simulate,
+)
+
+MiB = 2**20
+
+
+def test_rounding_and_segment_sizes() -> None:
+    assert [round_size(n) for n in (1, 512, 513, 40_000)] == [512, 512, 1024, 40_448]
+    assert segment_size(40_448) == 2 * MiB  # small pool
+    assert segment_size(8_519_680) == 20 * MiB  # large, under 10 MiB
+    assert segment_size(30 * MiB + 1) == 32 * MiB  # large: rounded up to 2 MiB
+
+
+def test_matmul_snapshot_recorded_by_a_user() -> None:
+    """`y = X @ W + b` with W 1000x10, b 10, X 1000 (fp32): the small segment a user recorded
+    (discuss.pytorch.org/t/178671): blocks 40448 W, 512 b, 4096 X, 512 free (the matmul's
+    result, freed after the add), 512 y, then the free rest; allocated 45568 of 2097152."""
+    m = CachingAllocatorModel()
+    m.malloc("W", 40_000)
+    m.malloc("b", 40)
+    m.malloc("X", 4_000)
+    m.malloc("XW", 40)
+    m.malloc("y", 40)
+    m.free("XW")
+    assert m.segment_layout(0) == [
+        (40_448, True),
+        (512, True),
+        (4_096, True),
+        (512, False),
+        (512, True),
+        (2_097_152 - 46_080, False),
+    ]
+    assert (m.allocated, m.reserved) == (45_568, 2_097_152)
+    # The same user's cuBLAS workspace: 8519680 bytes in a 20 MiB large segment.
+    m.malloc("cublas", 8_519_680)
+    assert m.segment_layout(1) == [(8_519_680, True), (20 * MiB - 8_519_680, False)]
+    assert m.reserved == 2 * MiB + 20 * MiB
+
+
+def test_fragmentation_reserves_more_than_is_allocated() -> None:
+    """Two 6 MiB blocks share a 20 MiB segment; freeing the first leaves a 6 MiB hole a 7 MiB
+    request cannot use: the first 7 MiB takes the 8 MiB tail whole (a 1 MiB rest is not split
+    off a large block), the second a new segment. 40 MiB reserved for 21 MiB allocated."""
+    m = CachingAllocatorModel()
+    for key in ("a", "b"):
+        m.malloc(key, 6 * MiB)
+    m.free("a")
+    m.malloc("c", 7 * MiB)
+    assert m.reserved == 20 * MiB
+    m.malloc("d", 7 * MiB)
+    assert m.reserved == 40 * MiB and m.allocated == 21 * MiB
+    assert m.peak_reserved == 40 * MiB
+
+
+def test_freed_neighbours_merge_and_are_reused() -> None:
+    """Best fit after merging: freeing two adjacent 4 MiB blocks makes one 8 MiB block that
+    an 8 MiB request reuses: nothing new is reserved."""
+    m = CachingAllocatorModel()
+    for key in ("a", "b", "c"):
+        m.malloc(key, 4 * MiB)
+    m.free("a")
+    m.free("b")
+    m.malloc("d", 8 * MiB)
+    assert m.reserved == 20 * MiB and m.segment_layout(0)[0] == (8 * MiB, True)
+
+
+def test_large_blocks_split_only_above_one_mebibyte() -> None:
+    """A large-pool remainder of 1 MiB or less stays with the block (counted as allocated)."""
+    m = CachingAllocatorModel()
+    m.malloc("a", 19 * MiB + 512)  # remainder just under 1 MiB: not split
+    assert m.allocated == 20 * MiB
+    m = CachingAllocatorModel()
+    m.malloc("a", 18 * MiB)  # remainder 2 MiB: split
+    assert m.allocated == 18 * MiB
+
+
+def test_simulate_replays_events_and_small_pool_is_separate() -> None:
+    peak = simulate([("malloc", i, 1000) for i in range(3)] + [("malloc", "big", 2 * MiB)])
+    assert peak.segments == 2 and peak.reserved_bytes == 2 * MiB + 20 * MiB
+    assert peak.allocated_bytes == 3 * 1024 + 2 * MiB
+
+
+def test_library_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    assert cuda_library_workspace_bytes() == 8_519_680 + 32 * MiB
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "1024")
+    assert cuda_library_workspace_bytes() == 16 * 1024 * 8 + MiB
+
+
+def test_a_cuda_plan_fits_what_the_allocator_reserves() -> None:
+    """predict_peak for a CUDA device replays its traced allocations through the model: the
+    plan's number is the reserved peak plus the BLAS workspaces, above the allocated peak."""
+    import torch
+
+    from bigbatch.memory.predict import StepSpec, predict_peak
+
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(1000, 3000), torch.nn.ReLU(), torch.nn.Linear(3000, 10)
+        )
+
+    pred = predict_peak(StepSpec(net, (1000,), 64, device="cuda"))
+    assert pred.reserved_bytes >= pred.peak_bytes
+    assert pred.planning_bytes == pred.reserved_bytes + cuda_library_workspace_bytes()
+    parts = pred.parts()
+    assert parts["allocator_cache"] == pred.reserved_bytes - pred.peak_bytes
+    assert "cuBLAS/cuBLASLt workspaces" in pred.breakdown()
+    cpu = predict_peak(StepSpec(net, (1000,), 64))
+    assert cpu.reserved_bytes == 0 and cpu.planning_bytes == cpu.peak_bytes
