@@ -140,3 +140,21 @@ def test_planning_stays_inside_the_budget_it_plans_for(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "even micro-batch 1 does not fit" in proc.stderr
     assert "not calibrated" in proc.stderr or "calibrated at micro-batch" in proc.stderr
     assert peak < budget, f"the planner peaked at {peak / 2**20:.0f} MiB: {proc.stderr[-700:]}"
+
+
+def test_planning_prints_no_profiler_lines() -> None:
+    """Calibration's profiler used to print 'USDT: ... profiler_start' and 'ERROR: ...
+    gpuGetDeviceCount failed' at every start and stop; a normal run prints neither."""
+    import subprocess
+    import sys
+
+    args = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "2GB"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bigbatch", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert "USDT" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-1000:]
+    assert "resnet10t" in proc.stdout

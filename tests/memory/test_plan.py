@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from torch import nn
 
@@ -9,7 +11,7 @@ from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
-from bigbatch.memory.predict import StepSpec
+from bigbatch.memory.predict import StepSpec, predict_peak
 
 
 def cnn() -> nn.Module:
@@ -31,19 +33,24 @@ def spec_at(b: int) -> StepSpec:
 
 def test_chosen_micro_batch_fits_when_really_run() -> None:
     budget = 40 * 2**20
-    plan = plan_micro_batch(spec_at, 256, budget, overhead=0, calibration=calibrate(spec_at(2)))
+    cal = calibrate(spec_at(2))
+    plan = plan_micro_batch(spec_at, 256, budget, overhead=0, calibration=cal)
     assert 1 <= plan.micro_batch < 256
     assert plan.accum_steps * plan.micro_batch >= 256 > (plan.accum_steps - 1) * plan.micro_batch
     assert plan.predicted_peak_bytes <= plan.usable_bytes
     measured = measure_step_peak(spec_at(plan.micro_batch))
     assert measured <= budget, f"measured {format_bytes(measured)} over the budget"
-    # The largest micro-batch that fits is really the largest: one more is predicted over.
-    assert plan_micro_batch(spec_at, plan.max_micro_batch + 1, budget, overhead=0).accum_steps == 2
+    # The fewest steps: one step fewer needs a micro-batch that is predicted over the budget.
+    fewer = math.ceil(256 / (plan.accum_steps - 1))
+    assert predict_peak(spec_at(fewer), calibration=cal).planning_bytes > plan.usable_bytes
+    # Peak memory is close to affine in the micro-batch: the floor, the whole target, and the
+    # confirmation of where the line meets the budget (it was about 8 predictions before).
+    assert plan.predictions <= 3 and plan.to_dict()["predictions"] == plan.predictions
 
 
 def test_whole_target_when_it_fits() -> None:
     plan = plan_micro_batch(spec_at, 8, "1GiB", overhead=0)
-    assert (plan.micro_batch, plan.accum_steps) == (8, 1)
+    assert (plan.micro_batch, plan.accum_steps, plan.predictions) == (8, 1, 2)
 
 
 def test_micro_batches_are_balanced() -> None:

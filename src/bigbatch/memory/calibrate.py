@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bigbatch.memory.measure import allocation_events, real_step_setup
+from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
 from bigbatch.memory.predict import StepSpec, run_training_step
 
 __all__ = ["Calibration", "calibrate", "calibrate_within"]
@@ -120,12 +120,10 @@ def output_sizes(out: Any) -> Sizes:
 
 
 def _measure(spec: StepSpec, steps: int) -> _Run:
-    from torch.profiler import ProfilerActivity, profile
-
     model, opt, inputs = real_step_setup(spec, steps)
     marker = _OpMarker()
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, marker:
+    with cpu_memory_profile() as prof, marker:
         for x in inputs:
             run_training_step(model, opt, x, spec.precision, torch.device(spec.device).type)
     workspace = [0] * len(marker.names)

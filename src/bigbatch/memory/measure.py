@@ -7,8 +7,11 @@ deterministic to the byte, unlike peak RSS, which heap fragmentation inflates.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,14 +46,44 @@ def allocation_events(nodes: Any) -> list[tuple[int, int]]:
     return sorted(events)
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null while the block runs: the profiler's C++ logger
+    prints 'USDT: ... profiler_start' and, without a GPU, 'ERROR: ... gpuGetDeviceCount failed'
+    there at every start and stop, alarming and meaningless to a user."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def cpu_memory_profile() -> Iterator[Any]:
+    """torch's profiler with allocation events, quiet when it starts and stops (only then:
+    warnings from the profiled code still reach stderr)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _quiet_native_stderr():
+            prof.__exit__(None, None, None)
+
+
 def profiled_peak(fn: Callable[[], Any], alive_at_start: int = 0) -> int:
     """Peak CPU tensor memory while ``fn()`` runs: ``alive_at_start`` plus the largest running
     sum of the allocations and frees the profiler records.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         fn()
     live = peak = 0
     for _, size in allocation_events(prof.profiler.kineto_results.experimental_event_tree()):

@@ -62,6 +62,7 @@ class Plan:
     size: int | None = None
     confirmed_peak_bytes: int | None = None
     curve: list[tuple[int, int]] = field(default_factory=list)  # (micro-batch, predicted peak)
+    predictions: int = 0  # predictions the search made (the floor's included)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +83,7 @@ class Plan:
             "predicted_reserved_bytes": self.prediction.reserved_bytes or None,
             "breakdown": self.prediction.parts(),
             "curve": self.curve,
+            "predictions": self.predictions,
         }
 
     def summary(self) -> str:
@@ -241,22 +243,61 @@ def plan_micro_batch(
             f"{format_bytes(overhead)} overhead); {_suggestions(spec_at(1))}",
             f,
         )
-    # Peak grows about linearly in the micro-batch: guess by interpolation, and bisect whenever
-    # a guess fails to halve the interval (so a few predictions suffice, and it always ends).
     cap = min(target_batch, max_micro_batch or target_batch)
-    lo, hi = smallest, cap + 1  # lo fits; hi does not (or is past the cap)
     if cap < smallest:
         raise ValueError(
             f"the target batch {target_batch} is below the smallest micro-batch {smallest}"
         )
+    micro = _affine_plan(peak, smallest, floor, cap, target_batch, usable)
+    if micro is None:  # not affine enough: search below the size that did not fit
+        micro = _search(peak, smallest, cap, target_batch, usable)
+    chosen = peak(micro)
+    return Plan(
+        micro_batch=micro,
+        accum_steps=math.ceil(target_batch / micro),
+        target_batch=target_batch,
+        predicted_peak_bytes=chosen,
+        budget_bytes=budget_bytes,
+        usable_bytes=usable,
+        overhead_bytes=overhead,
+        floor_bytes=floor,
+        max_micro_batch=max(b for b, p in cache.items() if p.planning_bytes <= usable),
+        prediction=cache[micro],
+        curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
+        predictions=len(cache),
+    )
+
+
+def _balanced(target: int, largest: int) -> int:
+    """The micro-batch of the fewest steps of at most ``largest``, split evenly (256 with at
+    most 100 fitting: 3 x 86): the same number of steps, a lower peak."""
+    return math.ceil(target / math.ceil(target / largest))
+
+
+def _affine_plan(
+    peak: Callable[[int], int], smallest: int, floor: int, cap: int, target: int, usable: int
+) -> int | None:
+    """Peak memory is close to affine in the micro-batch: the whole target at once if it fits
+    (the second prediction), else where the line through the floor and the target meets the
+    budget, balanced and confirmed (the third). None when the confirmation does not fit."""
+    if cap == smallest or peak(cap) <= usable:
+        return cap if cap in (target, smallest) else _balanced(target, cap)
+    guess = min(max(_interpolate(smallest, floor, cap, peak(cap), usable), smallest), cap - 1)
+    micro = max(_balanced(target, guess), smallest)
+    return micro if peak(micro) <= usable else None
+
+
+def _search(peak: Callable[[int], int], smallest: int, cap: int, target: int, usable: int) -> int:
+    """The largest micro-batch that fits, by interpolation guarded by bisection (where the
+    peak is not affine: allocator segments, kernel choices), then balanced."""
+    lo, hi = smallest, cap + 1  # lo fits; hi does not (or is past the cap)
     bisect = False
     while hi - lo > 1:
-        if bisect:
-            guess = (lo + hi) // 2
-        elif hi <= cap:
-            guess = _interpolate(lo, peak(lo), hi, peak(hi), usable)
-        else:
-            guess = cap  # the whole target batch at once, if it fits
+        guess = (
+            (lo + hi) // 2
+            if bisect or hi > cap
+            else _interpolate(lo, peak(lo), hi, peak(hi), usable)
+        )
         guess = min(max(guess, lo + 1), hi - 1)
         width = hi - lo
         if peak(guess) <= usable:
@@ -264,22 +305,7 @@ def plan_micro_batch(
         else:
             hi = guess
         bisect = (hi - lo) * 2 > width
-    accum = math.ceil(target_batch / lo)
-    micro = math.ceil(target_batch / accum)  # balanced: the same number of steps, smaller peak
-    chosen = peak(micro)
-    return Plan(
-        micro_batch=micro,
-        accum_steps=accum,
-        target_batch=target_batch,
-        predicted_peak_bytes=chosen,
-        budget_bytes=budget_bytes,
-        usable_bytes=usable,
-        overhead_bytes=overhead,
-        floor_bytes=floor,
-        max_micro_batch=lo,
-        prediction=cache[micro],
-        curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
-    )
+    return _balanced(target, lo)
 
 
 def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
