@@ -233,3 +233,45 @@ def test_a_folder_that_cannot_be_written_fails_first(
     with pytest.raises(ConfigError, match=r"cannot write to run folder .*permission denied"):
         train(cfg, tmp_path / "ro" / "run", log=quiet)
     assert not scanned
+
+
+def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import bigbatch.train.loop as loop
+    from bigbatch.train.loop import resolve_threads
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = load_config(overrides=["data=x"])
+    with monkeypatch.context() as m:
+        m.setattr(os, "sched_getaffinity", lambda _: set(range(2)), raising=False)
+        assert resolve_threads(auto, cpu) == (2, 0)  # small machine: load in-process
+        m.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+        assert resolve_threads(auto, cpu) == (6, 2)
+        assert resolve_threads(auto, cuda) == (8, 4)
+        assert resolve_threads(load_config(overrides=["data=x", "threads=3"]), cpu) == (3, 2)
+
+    before = torch.get_num_threads()
+    overrides = [*base_overrides(image_folder, tiny_model), "threads=1"]
+    seen: list[int] = []
+    real_run_window = loop.run_window
+
+    def killed(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        if len(seen) == 3:  # the first window of epoch 2
+            raise KeyboardInterrupt
+        return real_run_window(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "run_window", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["threads"], plan["num_workers"]) == (1, 0) and set(seen) == {1}
+    assert torch.get_num_threads() == before  # the caller's setting is restored
+    seen.clear()
+    lines: list[str] = []
+    overrides[-1] = "threads=2"  # not a training key: the resume keeps the run's own count
+    train(load_config(overrides=overrides), tmp_path / "run", resume=True, log=lines.append)
+    assert set(seen) == {1} and any("the run's own threads=1" in line for line in lines)

@@ -66,7 +66,8 @@ class TrainConfig:
     schedule: str = "one_cycle"
     monitor: str = "valid_loss"
     seed: int = 42
-    num_workers: int = 2
+    num_workers: int = -1
+    threads: int = 0
     bad_images: str = "skip"
     grow_after: int = 100
     log_every: float = 30.0
@@ -91,7 +92,9 @@ class TrainConfig:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 0 <= self.valid_pct < 1:
             raise ConfigError(f"valid_pct must be in [0, 1), got {self.valid_pct}")
-        for key in ("micro_batch", "freeze_epochs", "num_workers", "grow_after", "seed"):
+        if self.num_workers < -1:
+            raise ConfigError(f"num_workers must be >= 0, or -1 for auto; got {self.num_workers}")
+        for key in ("micro_batch", "freeze_epochs", "threads", "grow_after", "seed"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.lr <= 0:
@@ -141,6 +144,7 @@ class TrainConfig:
         """What decides the trained weights (a resumed run must match these)."""
         ignore = {
             "num_workers",
+            "threads",
             "device",
             "budget",
             "overhead",
@@ -179,7 +183,8 @@ HELP: dict[str, str] = {
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
     "monitor": "what picks best.safetensors: valid_loss, accuracy or error_rate",
     "seed": "seeds the split, the order, augmentation and initialisation",
-    "num_workers": "data-loading processes (0: load in the training process)",
+    "num_workers": "data-loading processes (0: in the training process; -1: auto, 0 on a CPU run with 2 cores or fewer)",
+    "threads": "torch's CPU threads (0: auto, the cores the data loaders leave); kept on resume",
     "bad_images": "unreadable images: skip (and count them) or error",
     "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",
     "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
