@@ -116,6 +116,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] 
     "transformer": (Encoder, (32, 64), torch.float32),
     "resnet18": (timm_factory("resnet18", num_classes=10), (3, 64, 64), torch.float32),
     "convnext_atto": (timm_factory("convnext_atto", num_classes=10), (3, 64, 64), torch.float32),
+    # Its constructor sizes stages with torch.unique, which meta tensors lack: built on the CPU.
+    "regnetx_002": (timm_factory("regnetx_002", num_classes=10), (3, 64, 64), torch.float32),
     "lstm": (lambda: Recurrent("lstm"), (64, 32), torch.float32),
     "gru": (lambda: Recurrent("gru"), (64, 32), torch.float32),
     "gpt": (GPT, (64,), torch.long),

@@ -137,3 +137,51 @@ def test_lstm_workspace_saved_for_backward_is_predicted() -> None:
         assert abs(pred.peak_bytes - real) / real <= 0.05, (b, pred.peak_bytes, real)
         raw = predict_peak(spec(b)).peak_bytes
         assert (real - raw) / real > 0.3  # what calibration corrects: not a test that cannot fail
+
+
+class _UniqueInInit(nn.Module):
+    """Sizes its layers with torch.unique in the constructor, as timm's RegNets do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = torch.unique(torch.tensor([64, 64, 128]))
+        self.body = nn.Sequential(
+            nn.Linear(32, int(widths[0])), nn.ReLU(), nn.Linear(int(widths[0]), int(widths[1]))
+        )
+        self.head = nn.Linear(int(widths[1]), 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class _NonzeroInForward(nn.Module):
+    """Keeps the rows a data-dependent mask selects: the output shape depends on the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 256)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        keep = torch.nonzero(h.sum(1) > -1.0).squeeze(1)  # every row, but fake mode cannot know
+        return self.head(h[keep])
+
+
+def test_a_constructor_fake_tensors_cannot_run_is_built_on_the_cpu() -> None:
+    spec = StepSpec(_UniqueInInit, (32,), 16)
+    pred = predict_peak(spec)
+    assert not pred.notes  # still predicted on fake tensors
+    real = measure_step_peak(spec)
+    assert abs(pred.peak_bytes - real) / real <= 0.05
+
+
+def test_an_op_fake_tensors_cannot_run_falls_back_to_measured_steps() -> None:
+    """Within a stated 10% of the measured peak, and the note says it was measured."""
+    for b in (8, 64):
+        spec = StepSpec(_NonzeroInForward, (64,), b)
+        pred = predict_peak(spec)
+        assert pred.notes and pred.notes[0].startswith("measured, not predicted"), pred.notes
+        assert "nonzero" in pred.notes[0]
+        real = measure_step_peak(spec)
+        assert abs(pred.peak_bytes - real) / real <= 0.10, (b, pred.peak_bytes, real)

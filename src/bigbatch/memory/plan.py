@@ -84,6 +84,7 @@ class Plan:
             "breakdown": self.prediction.parts(),
             "curve": self.curve,
             "predictions": self.predictions,
+            "notes": self.prediction.notes,
         }
 
     def summary(self) -> str:
@@ -95,6 +96,7 @@ class Plan:
             f"target batch {self.target_batch} = {split}; predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"(budget {format_bytes(self.budget_bytes)}); {self.prediction.breakdown()}"
+            + "".join(f"; note: {n}" for n in self.prediction.notes)
         )
 
 

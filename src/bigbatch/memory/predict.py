@@ -13,6 +13,7 @@ im2col), is added by :mod:`bigbatch.memory.calibrate` from two small real steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import weakref
@@ -298,8 +299,17 @@ class _StorageTracker(TorchDispatchMode):
 
 
 def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    with torch.device("meta"):
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:
+        if _unfakeable_op(exc) is None:
+            raise
+        # The constructor itself computes with an op meta tensors lack (timm's RegNets size
+        # their stages with torch.unique): build on the CPU, then keep only the shapes.
         model = factory()
+        if isinstance(model, nn.Module):
+            model = model.to(device="meta")
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
     return model
@@ -308,18 +318,92 @@ def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
 def predict_peak(spec: StepSpec, *, steps: int = 2, calibration: Any = None) -> MemoryPrediction:
     """Predict the peak memory of ``steps`` training steps of ``spec`` on fake tensors.
 
+    A model with an op fake tensors cannot run (no meta kernel, or an output shape that depends
+    on the data: ``torch.unique``, ``nonzero``) is measured instead: real CPU steps at two small
+    micro-batch sizes, extrapolated linearly, with a note saying so (:func:`_measured_fallback`).
+
     >>> import torch
     >>> spec = StepSpec(lambda: torch.nn.Linear(1024, 1024), (1024,), batch_size=32, optimizer="adamw")
     >>> p = predict_peak(spec)
     >>> p.parameters, p.optimizer_state >= 2 * p.parameters
     (4198400, True)
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if spec.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {spec.batch_size}")
     if spec.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
+    try:
+        return _predict_on_fake(spec, steps, calibration)
+    except Exception as exc:
+        op = _unfakeable_op(exc)
+        if op is None:
+            raise
+    return _measured_fallback(spec, op)
+
+
+def _unfakeable_op(exc: BaseException) -> str | None:
+    """The op fake tensors could not run, when that is what ``exc`` says; else None."""
+    from torch._subclasses.fake_tensor import (
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    if isinstance(exc, DynamicOutputShapeException | UnsupportedOperatorException):
+        return str(exc.func)
+    text = str(exc)
+    if isinstance(exc, NotImplementedError) and "Meta" in text:
+        return text.split(":", 1)[0]  # "aten::_unique2: attempted to run this operator ..."
+    return None
+
+
+def _measured_fallback(spec: StepSpec, op: str) -> MemoryPrediction:
+    """Real CPU steps at two small micro-batch sizes, extrapolated linearly in the micro-batch
+    (peak memory is close to affine in it; see the planner). Measured once per model and input,
+    so a plan's several predictions cost two real steps. CPU kernels' memory stands in for a
+    CUDA target's, which is not the same: the note says so."""
+    t0 = time.perf_counter()
+    (a, peak_a), (b, peak_b) = _measured_line(replace(spec, batch_size=1, device="cpu"))
+    slope = (peak_b - peak_a) / (b - a)
+    peak = max(peak_a, round(peak_a + slope * (spec.batch_size - a)))
+    params = sum(p.numel() * p.element_size() for p in _build_on_meta(spec.model).parameters())
+    where = "" if spec.device == "cpu" else f" on the CPU, standing in for {spec.device}"
+    return MemoryPrediction(
+        peak_bytes=peak,
+        parameters=params,
+        gradients=0,
+        optimizer_state=0,
+        activations=0,
+        temporaries=max(0, peak - params),
+        batch_size=spec.batch_size,
+        device=torch.device(spec.device).type,
+        precision=spec.precision,
+        optimizer=spec.optimizer,
+        seconds=time.perf_counter() - t0,
+        notes=[
+            f"measured, not predicted: fake tensors cannot run {op}, so real steps at "
+            f"micro-batch {a} and {b}{where} were measured and extrapolated linearly"
+        ],
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _measured_line(spec: StepSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    from bigbatch.memory.measure import measure_step_peak
+
+    points = []
+    for b in (1, 2, 4):
+        try:
+            points.append((b, measure_step_peak(spec.with_batch(b))))
+        except ValueError:  # BatchNorm cannot train on one sample: start at 2
+            continue
+        if len(points) == 2:
+            return points[0], points[1]
+    raise ValueError(f"{spec.name or 'the model'} cannot run a real step at micro-batch 1, 2 or 4")
+
+
+def _predict_on_fake(spec: StepSpec, steps: int, calibration: Any) -> MemoryPrediction:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     t0 = time.perf_counter()
     target = torch.device(spec.device)
     # The autograd engine wants a real CUDA context for CUDA tensors, even fake ones, so a CUDA
