@@ -10,7 +10,9 @@ from bigbatch.cli.main import main
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "plan: target batch 128" in out and "ensemble" in out
+    # Each member's budget holds half the batch on this machine: 2 x 64, calibrated.
+    assert out.count("plan: target batch 128 = 2 x 64") == 2 and "ensemble" in out
+    assert "not calibrated" not in out
     submission = (tmp_path / "runs" / "submission.csv").read_text().splitlines()
     assert submission[0] == "image_id,label" and len(submission) == 1 + 197
     assert all(row.split(",")[1] in {str(d) for d in range(10)} for row in submission[1:])
