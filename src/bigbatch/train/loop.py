@@ -231,7 +231,7 @@ def plan_for(
         resolve_budget,
         usable_bytes,
     )
-    from bigbatch.memory.predict import predict_peak
+    from bigbatch.memory.predict import check_forward, predict_peak
 
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
@@ -246,7 +246,7 @@ def plan_for(
     explicit_budget = cfg.budget.strip().lower() != "auto"
     try:
         if cfg.micro_batch and not explicit_budget:
-            predict_peak(spec_at(min(2, cfg.micro_batch)))
+            check_forward(spec_at(min(2, cfg.micro_batch)))
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return cfg.micro_batch, cfg.micro_batch
         budget = resolve_budget(cfg.budget, device)
