@@ -14,6 +14,7 @@ from torch import nn
 __all__ = [
     "UnknownArchitectureError",
     "load_weights",
+    "pretrained_state",
     "read_weights",
     "resolve_arch",
     "timm_factory",
@@ -45,10 +46,16 @@ def resolve_arch(name: str) -> str:
     raise UnknownArchitectureError(f"unknown architecture {name!r}: {hint}")
 
 
-def _create(arch: str, num_classes: int, img_size: int | None, in_chans: int) -> nn.Module:
+def _create(
+    arch: str, num_classes: int, img_size: int | None, in_chans: int, pretrained: bool = False
+) -> nn.Module:
     import timm
 
-    kwargs: dict[str, Any] = {"pretrained": False, "num_classes": num_classes, "in_chans": in_chans}
+    kwargs: dict[str, Any] = {
+        "pretrained": pretrained,
+        "num_classes": num_classes,
+        "in_chans": in_chans,
+    }
     if img_size is not None:
         try:
             # Vision transformers fix their input size at build time; convnets take any.
@@ -65,10 +72,13 @@ def timm_factory(
     img_size: int | None = None,
     in_chans: int = 3,
     weights: str | Path | None = None,
+    pretrained: bool = False,
 ) -> Callable[[], nn.Module]:
-    """A zero-argument factory building ``arch`` with random weights (``pretrained=False``: no
-    download), or with a local ``weights`` file (safetensors, or a torch state dict read with
-    ``weights_only=True``).
+    """A zero-argument factory building ``arch`` with random weights, a local ``weights`` file
+    (safetensors, or a torch state dict read with ``weights_only=True``), or timm's
+    ``pretrained`` weights: through the Hugging Face hub cache, downloaded when there is a
+    network, offline when cached; resolved once, here, so a missing file fails before any work
+    (:func:`pretrained_state`). A head of another size is left as timm makes it.
 
     >>> model = timm_factory("resnet18", num_classes=10)()
     >>> model.fc.out_features
@@ -77,15 +87,45 @@ def timm_factory(
     arch = resolve_arch(arch)
     if weights is not None:
         read_weights(weights)  # a missing or unreadable file fails now, not inside training
+    state = pretrained_state(arch, num_classes, img_size, in_chans) if pretrained else None
 
     def build() -> nn.Module:
         model = _create(arch, num_classes, img_size, in_chans)
-        if weights is not None:
+        on_meta = any(p.is_meta for p in model.parameters())  # a plan's shapes-only build
+        if state is not None and not on_meta:
+            model.load_state_dict(state)
+        if weights is not None and not on_meta:
             load_weights(model, weights)
         return model
 
     build.__name__ = f"timm:{arch}"
     return build
+
+
+def pretrained_state(
+    arch: str, num_classes: int, img_size: int | None = None, in_chans: int = 3
+) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights for ``arch`` with this head, as a state dict.
+
+    timm fetches them from the Hugging Face hub into its cache (``HF_HUB_CACHE``, by default
+    ``~/.cache/huggingface/hub``) the first time, and reads the cache after that, offline too
+    (``HF_HUB_OFFLINE=1``). With neither a network nor the files cached it raises ValueError
+    naming the model, the cache and what to do."""
+    try:
+        model = _create(arch, num_classes, img_size, in_chans, pretrained=True)
+    except Exception as exc:
+        import timm
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        cfg = timm.models.get_pretrained_cfg(arch)
+        source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or arch
+        raise ValueError(
+            f"pretrained weights for {arch} ({source}) are not in the Hugging Face cache "
+            f"{HF_HUB_CACHE} and could not be downloaded ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}); run once "
+            "with a network, point HF_HUB_CACHE at a cache that has them, or give weights=FILE"
+        ) from None
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ class TrainConfig:
     arch: str = "resnet18"
     model: str = ""
     weights: str = ""
+    pretrained: bool = False
     size: int = 224
     item_transform: str = "squish"
     augment: bool = True
@@ -115,6 +116,12 @@ class TrainConfig:
                     parse_bytes(value, allow_zero=allow_zero)
                 except ValueError as exc:
                     raise ConfigError(f"{key}={value!r}: {exc}") from exc
+        if self.weights and self.pretrained:
+            raise ConfigError("weights= and pretrained=true both give starting weights: choose one")
+        if self.pretrained and self.model:
+            raise ConfigError(
+                "pretrained=true loads timm's weights for arch=; your model= factory loads its own"
+            )
         if self.weights and not Path(self.weights).is_file():
             raise ConfigError(
                 f"weights={self.weights!r} does not exist (a local safetensors or state-dict "
@@ -135,7 +142,9 @@ class TrainConfig:
     def fine_tunes(self) -> bool:
         """Whether the head trains alone first: mode=fine_tune, or auto with starting weights
         (random weights have no features worth keeping, so auto trains everything)."""
-        return self.mode == "fine_tune" or (self.mode == "auto" and bool(self.weights))
+        return self.mode == "fine_tune" or (
+            self.mode == "auto" and (bool(self.weights) or self.pretrained)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,6 +173,7 @@ HELP: dict[str, str] = {
     "arch": "any timm architecture (random init; weights= for your own starting weights)",
     "model": "module:factory(num_classes) building your own model, instead of arch",
     "weights": "a local weights file (safetensors or a state dict; never unpickled, never downloaded)",
+    "pretrained": "timm's pretrained weights, through the Hugging Face cache (downloaded once, then offline)",
     "size": "input size: images are resized to size x size",
     "item_transform": "squish: resize to size x size; crop: resize, then centre crop",
     "augment": "random flips and crops while training",
@@ -175,7 +185,7 @@ HELP: dict[str, str] = {
     "device": "auto, cpu, cuda, cuda:N or mps",
     "precision": "auto (bf16 or fp16 on CUDA, fp32 elsewhere), fp32, bf16, fp16",
     "optimizer": "adamw, or sgd (momentum 0.9: one state copy instead of two)",
-    "mode": "fine_tune: the head alone for freeze_epochs, then all; fit: all; auto: fine_tune with weights=, else fit",
+    "mode": "fine_tune: the head alone for freeze_epochs, then all; fit: all; auto: fine_tune with weights= or pretrained, else fit",
     "epochs": "epochs (after the head-only ones of fine_tune)",
     "freeze_epochs": "head-only epochs of fine_tune",
     "lr": "learning rate (the head-only epochs use twice this)",

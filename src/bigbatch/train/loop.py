@@ -100,7 +100,11 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
 
     try:
         return timm_factory(
-            cfg.arch, num_classes=num_classes, img_size=cfg.size, weights=cfg.weights or None
+            cfg.arch,
+            num_classes=num_classes,
+            img_size=cfg.size,
+            weights=cfg.weights or None,
+            pretrained=cfg.pretrained,
         )
     except (UnknownArchitectureError, ValueError) as exc:  # an unknown name, unreadable weights
         raise ConfigError(str(exc)) from exc
@@ -434,7 +438,7 @@ def _train(
     if cfg.mode == "auto":
         log(
             f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
-            "starting from weights=)"
+            "starting from " + ("pretrained weights)" if cfg.pretrained else "weights=)")
             if cfg.fine_tunes
             else "mode: fit (random weights: every layer trains from the start)"
         )

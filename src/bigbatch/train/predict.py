@@ -46,7 +46,7 @@ def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str
     weights = run_dir / f"{checkpoint}.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
-    cfg.weights = ""  # the run's own weights replace any starting weights
+    cfg.weights, cfg.pretrained = "", False  # the run's own weights replace the starting ones
     model = build_model(cfg, len(classes))()
     try:
         load_weights_file(model, weights)

@@ -1,0 +1,88 @@
+"""timm's pretrained weights through the Hugging Face hub cache, offline (issue 9).
+
+The test builds the cache itself, in the hub's layout, with weights it makes: nothing is
+downloaded. Runs in a subprocess, since huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE
+when it is imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from bigbatch.models import timm_factory
+    from bigbatch.train.config import ConfigError, load_config
+    from bigbatch.train.loop import build_model
+    try:
+        factory = timm_factory("resnet10t", num_classes=3, pretrained=True)
+    except ValueError as exc:
+        print("ERROR", exc)
+        sys.exit(0)
+    model = factory()
+    saved = torch.load(sys.argv[1], weights_only=True)
+    same = all(torch.equal(model.state_dict()[k], v) for k, v in saved.items() if "fc." not in k)
+    print("LOADED", same, model.fc.out_features)
+    with torch.device("meta"):  # a plan's shapes-only build loads nothing
+        print("META", all(p.is_meta for p in factory().parameters()))
+    """
+)
+
+
+def _run(tmp_path: Path, cache: Path) -> str:
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    env.pop("HF_HOME", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "saved.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_pretrained_weights_load_offline_from_a_hub_cache(tmp_path: Path) -> None:
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    weights = timm.create_model("resnet10t", num_classes=1000).state_dict()
+    torch.save(weights, tmp_path / "saved.pt")
+    repo = tmp_path / "hub" / "models--timm--resnet10t.c3_in1k"
+    sha = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(repo / "snapshots" / sha / "model.safetensors"),
+    )
+    out = _run(tmp_path, tmp_path / "hub")
+    # The backbone is the cached one; the 1000-class head became a new 3-class head.
+    assert "LOADED True 3" in out and "META True" in out, out
+
+
+def test_no_cache_and_no_network_is_one_clear_line(tmp_path: Path) -> None:
+    out = _run(tmp_path, tmp_path / "empty-hub")
+    assert out.startswith("ERROR pretrained weights for resnet10t (timm/resnet10t.c3_in1k)")
+    assert str(tmp_path / "empty-hub") in out and "weights=FILE" in out
+
+
+def test_pretrained_config_checks() -> None:
+    from bigbatch.train.config import ConfigError, load_config
+
+    cfg = load_config(overrides=["data=x", "pretrained=true"])
+    assert cfg.fine_tunes  # mode=auto fine-tunes pretrained weights
+    with pytest.raises(ConfigError, match="choose one"):
+        load_config(overrides=["data=x", "pretrained=true", "weights=w.pt"])
+    with pytest.raises(ConfigError, match="model= factory"):
+        load_config(overrides=["data=x", "pretrained=true", "model=m:f"])
