@@ -72,6 +72,7 @@ class TrainConfig:
     bad_images: str = "skip"
     grow_after: int = 100
     log_every: float = 30.0
+    checkpoint_every: str = ""
 
     def validate(self) -> None:
         """Every check that needs no data and no model: before any work starts."""
@@ -107,6 +108,7 @@ class TrainConfig:
         if self.log_every < 0:
             raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
         check_device(self.device, "device")
+        self.checkpoint_interval()  # raises on a value it cannot read
         from bigbatch.memory.budget import parse_bytes
 
         for key, allow_zero in (("budget", False), ("overhead", True)):
@@ -132,6 +134,25 @@ class TrainConfig:
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
                 "is a part of the batch; lower it, or raise batch"
             )
+
+    def checkpoint_interval(self) -> tuple[int, float]:
+        """(optimizer steps, seconds) between mid-epoch checkpoints; (0, 0) for none."""
+        text = self.checkpoint_every.strip().lower().replace(" ", "")
+        if not text:
+            return 0, 0.0
+        try:
+            if text.endswith(("min", "m")):
+                minutes = float(text.rstrip("min") or "x")
+                if math.isfinite(minutes) and minutes > 0:
+                    return 0, 60.0 * minutes
+            elif int(text) > 0:
+                return int(text), 0.0
+        except ValueError:
+            pass
+        raise ConfigError(
+            f"checkpoint_every={self.checkpoint_every!r}: give optimizer steps (e.g. 200) or "
+            "minutes (e.g. 10min)"
+        )
 
     @property
     def model_name(self) -> str:
@@ -161,6 +182,7 @@ class TrainConfig:
             "grow_after",
             "bad_images",
             "log_every",
+            "checkpoint_every",
         }
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
 
@@ -198,6 +220,7 @@ HELP: dict[str, str] = {
     "bad_images": "unreadable images: skip (and count them) or error",
     "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",
     "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
+    "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
 }
 
 

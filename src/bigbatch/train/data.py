@@ -11,13 +11,13 @@ import csv
 import random
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset
 
 __all__ = [
     "DataError",
@@ -347,53 +347,37 @@ def make_loader(
     seed: int,
     num_workers: int,
     min_last: int = 1,
+    skip: int = 0,
 ) -> DataLoader[Any]:
     """A DataLoader whose order (and augmentation, through worker seeds) depends only on ``seed``.
 
-    ``min_last=2`` folds a last batch of one sample into the one before it (BatchNorm cannot
-    normalise a lone sample in training)."""
-    g = torch.Generator().manual_seed(seed)
-    if min_last <= 1:
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            generator=g,
-            num_workers=num_workers,
-            persistent_workers=False,
-        )
-    order: Any = RandomSampler(dataset, generator=g) if shuffle else range(len(dataset))  # type: ignore[arg-type]
+    The epoch's batches are drawn up front from a generator of their own, so a run resumed in
+    the middle of an epoch skips the first ``skip`` batches without loading them and sees the
+    same ones after. ``min_last=2`` folds a last batch of one sample into the one before it
+    (BatchNorm cannot normalise a lone sample in training).
+
+    >>> [len(b) for b in make_loader(list(range(33)), 16, shuffle=True, seed=0, num_workers=0, min_last=2).batch_sampler]
+    [16, 17]
+    """
+    n = len(dataset)  # type: ignore[arg-type]
+    order = (
+        torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        if shuffle
+        else list(range(n))
+    )
+    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    if len(batches) > 1 and len(batches[-1]) < min_last:
+        short = batches.pop()
+        batches[-1] = batches[-1] + short
     return DataLoader(
         dataset,
-        batch_sampler=_MergeShortLast(BatchSampler(order, batch_size, False), min_last),
-        generator=g,
+        batch_sampler=batches[skip:],
+        # Worker seeds from their own generator: the global RNG (augmentation, dropout) is
+        # not consumed by starting an epoch, so a restored RNG state replays it exactly.
+        generator=torch.Generator().manual_seed(seed + 1),
         num_workers=num_workers,
         persistent_workers=False,
     )
-
-
-class _MergeShortLast:
-    """Batches of a batch sampler, with a last batch shorter than ``min_last`` appended to the
-    one before it."""
-
-    def __init__(self, batches: Iterable[list[int]], min_last: int) -> None:
-        self.batches, self.min_last = batches, min_last
-
-    def __iter__(self) -> Iterator[list[int]]:
-        held: list[int] | None = None
-        for batch in self.batches:
-            if held is not None:
-                if len(batch) < self.min_last:
-                    batch = held + batch
-                else:
-                    yield held
-            held = batch
-        if held is not None:
-            yield held
-
-    def __len__(self) -> int:
-        sampler = self.batches.sampler  # type: ignore[attr-defined]
-        return windows_per_epoch(len(sampler), self.batches.batch_size, self.min_last)  # type: ignore[attr-defined]
 
 
 def windows_per_epoch(n: int, batch: int, min_last: int = 1) -> int:

@@ -159,6 +159,10 @@ def _check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, A
             )
     elif resume:
         raise ConfigError(f"--resume {run_dir}: no run there (config.json is missing)")
+    if resume:
+        # A kill during an atomic write leaves its temporary file (up to a checkpoint's size).
+        for tmp in run_dir.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
     if not (resume and state_path.exists()):
         return None
     try:
@@ -511,13 +515,30 @@ def _train(
     history: list[dict[str, Any]] = []
     best = math.inf
     start_epoch = 0
+    mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
     if state is not None:
         core.load_state_dict(state["model"])
         history = json.loads(state["history"])
         best = float(state["best"])
         start_epoch = int(state["epoch"]) + 1
         backoff.micro_batch = int(state["micro_batch"])
-        log(f"resuming {run_dir} after epoch {start_epoch} of {sum(n for _, n in _phases(cfg))}")
+        backoff.clean_windows = int(state.get("clean_windows", 0))
+        backoff.grow_after = int(state.get("grow_after", backoff.grow_after))
+        mid = state.get("mid") or None
+        total = sum(n for _, n in _phases(cfg))
+        log(
+            f"resuming {run_dir} in epoch {start_epoch + 1} of {total}, after window "
+            f"{mid['windows']}"
+            if mid
+            else f"resuming {run_dir} after epoch {start_epoch} of {total}"
+        )
+        if mid and workers > 0:
+            log(
+                "note: resuming mid-epoch with num_workers > 0: the rest of this epoch's "
+                "augmentation is drawn by other worker streams (bit-identical with num_workers=0)"
+            )
+    every_steps, every_seconds = cfg.checkpoint_interval()
+    last_checkpoint = time.perf_counter()
 
     sign = 1.0 if monitor in ("valid_loss", "error_rate", "train_loss") else -1.0
     epoch = 0
@@ -546,7 +567,11 @@ def _train(
             model=model if world > 1 else None,
             sync="step",
         )
-        if state is not None and state["phase"] == phase and start_epoch > phase_start:
+        if (
+            state is not None
+            and state["phase"] == phase
+            and (start_epoch > phase_start or mid is not None)
+        ):
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
             acc.load_state_dict(state["accumulator"])
@@ -557,9 +582,12 @@ def _train(
             # replays exactly what the uninterrupted run would have done.
             torch.manual_seed(cfg.seed + e)
             _train_mode(core, cfg)  # evaluation left the model in train mode, BatchNorm too
+            resumed = mid if mid is not None and e == start_epoch else None
+            mid = None
+            loader: Any
             if sampler is not None:
                 sampler.set_epoch(e)
-                loader: Any = torch.utils.data.DataLoader(
+                loader = torch.utils.data.DataLoader(
                     train_ds, batch_size=rank_batch, sampler=sampler, num_workers=workers
                 )
             else:
@@ -570,9 +598,18 @@ def _train(
                     seed=cfg.seed * 1000 + e,
                     num_workers=workers,
                     min_last=1 if lone_ok else 2,
+                    skip=int(resumed["windows"]) if resumed else 0,
                 )
             t0 = time.perf_counter()
             loss_sum = count = 0.0
+            windows_done = 0
+            if resumed:
+                # Where the checkpoint left the epoch: its windows, sums and random streams.
+                windows_done = int(resumed["windows"])
+                loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
+                torch.set_rng_state(resumed["rng"])
+                if resumed.get("cuda_rng") and torch.cuda.is_available():
+                    torch.cuda.set_rng_state_all(list(resumed["cuda_rng"]))
             show = _progress(
                 progress and main_rank,
                 loaders_windows,
@@ -604,6 +641,36 @@ def _train(
                     )
                 loss_sum += result.loss * result.count
                 count += result.count
+                windows_done += 1
+                now = time.perf_counter()
+                due = (every_steps and acc.optimizer_step % every_steps == 0) or (
+                    every_seconds and now - last_checkpoint >= every_seconds
+                )
+                # One process only: a DistributedSampler cannot skip the windows already done.
+                if due and world == 1 and windows_done < loaders_windows:
+                    last_checkpoint = now
+                    _save_checkpoint(
+                        run_dir,
+                        core,
+                        opt,
+                        sched,
+                        acc,
+                        scaler,
+                        backoff,
+                        epoch=e - 1,
+                        phase=phase,
+                        best=best,
+                        history=history,
+                        mid={
+                            "windows": windows_done,
+                            "loss_sum": loss_sum,
+                            "count": count,
+                            "rng": torch.get_rng_state(),
+                            "cuda_rng": torch.cuda.get_rng_state_all()
+                            if torch.cuda.is_available()
+                            else [],
+                        },
+                    )
                 show.advance(
                     len(y),
                     backoff.micro_batch,
@@ -642,21 +709,20 @@ def _train(
                     run_dir / "best.json", json.dumps({"epoch": e + 1, monitor: value})
                 )
             save_weights(core, run_dir / "last.safetensors")
-            save_state(
-                {
-                    "model": core.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "accumulator": acc.state_dict(),
-                    "scaler": scaler.state_dict() if scaler is not None else {},
-                    "epoch": e,
-                    "phase": phase,
-                    "best": best,
-                    "micro_batch": backoff.micro_batch,
-                    "history": json.dumps(history),
-                },
-                run_dir / "last.pt",
+            _save_checkpoint(
+                run_dir,
+                core,
+                opt,
+                sched,
+                acc,
+                scaler,
+                backoff,
+                epoch=e,
+                phase=phase,
+                best=best,
+                history=history,
             )
+            last_checkpoint = time.perf_counter()
             write_history(history, run_dir / "history.csv")
             plot_history(history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
             scores = (
@@ -673,6 +739,44 @@ def _train(
         summary = {"monitor": monitor, "best": best, "epochs": len(history)}
         atomic_write_text(run_dir / "done.json", json.dumps(summary))
     return TrainResult(run_dir, best, history, classes)
+
+
+def _save_checkpoint(
+    run_dir: Path,
+    core: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    acc: Accumulator,
+    scaler: Any,
+    backoff: OOMBackoff,
+    *,
+    epoch: int,
+    phase: str,
+    best: float,
+    history: list[dict[str, Any]],
+    mid: dict[str, Any] | None = None,
+) -> None:
+    """``last.pt``: everything a resumed run needs to end bit-identical. ``epoch`` is the last
+    finished epoch; ``mid`` where the epoch in flight stands (windows done, the epoch's loss
+    sums, the random streams), for a checkpoint between windows."""
+    save_state(
+        {
+            "model": core.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "accumulator": acc.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else {},
+            "epoch": epoch,
+            "phase": phase,
+            "best": best,
+            "micro_batch": backoff.micro_batch,
+            "clean_windows": backoff.clean_windows,
+            "grow_after": backoff.grow_after,
+            "history": json.dumps(history),
+            "mid": mid or {},
+        },
+        run_dir / "last.pt",
+    )
 
 
 def _check_no_lone_sample(n_train: int, rank_batch: int, world: int, log: Log) -> None:
