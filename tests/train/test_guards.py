@@ -275,3 +275,38 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
     overrides[-1] = "threads=2"  # not a training key: the resume keeps the run's own count
     train(load_config(overrides=overrides), tmp_path / "run", resume=True, log=lines.append)
     assert set(seen) == {1} and any("the run's own threads=1" in line for line in lines)
+
+
+def test_channels_last_and_compile_are_applied_when_asked(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """channels_last=true trains with NHWC weights and inputs (auto: on CUDA conv models only);
+    compile=true hands the training model to torch.compile, checkpoints keep plain names.
+    (The compiler itself is not run here: it takes minutes on this CPU.)"""
+    compiled: list[torch.nn.Module] = []
+
+    def fake_compile(model: torch.nn.Module, **kwargs: object) -> torch.nn.Module:
+        compiled.append(model)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    formats: list[bool] = []
+    real_run_window = loop.run_window
+
+    def spy(
+        acc: object, batch: tuple[torch.Tensor, torch.Tensor], *a: object, **k: object
+    ) -> object:
+        formats.append(batch[0].is_contiguous(memory_format=torch.channels_last))
+        return real_run_window(acc, batch, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "run_window", spy)
+    overrides = [*base_overrides(image_folder, tiny_model), "channels_last=true", "compile=true"]
+    train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
+    assert len(compiled) == 1  # one training phase (mode=fit)
+    conv = next(m for m in compiled[0].modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    from safetensors.torch import load_file
+
+    assert not any("_orig_mod" in k for k in load_file(tmp_path / "run" / "last.safetensors"))
+    cfg = load_config(overrides=["data=x"])
+    assert cfg.channels_last == "auto" and not cfg.compile

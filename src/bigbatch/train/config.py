@@ -32,6 +32,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "monitor": ("valid_loss", "accuracy", "error_rate"),
     "bad_images": ("skip", "error"),
     "optimizer": ("adamw", "sgd"),
+    "channels_last": ("auto", "true", "false"),
 }
 
 
@@ -73,6 +74,8 @@ class TrainConfig:
     grow_after: int = 100
     log_every: float = 30.0
     checkpoint_every: str = ""
+    channels_last: str = "auto"
+    compile: bool = False
 
     def validate(self) -> None:
         """Every check that needs no data and no model: before any work starts."""
@@ -183,6 +186,7 @@ class TrainConfig:
             "bad_images",
             "log_every",
             "checkpoint_every",
+            "compile",
         }
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
 
@@ -221,6 +225,8 @@ HELP: dict[str, str] = {
     "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",
     "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
     "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
+    "channels_last": "NHWC memory format for convolutional models: auto (on CUDA), true, false",
+    "compile": "torch.compile the model for training (opt-in: the first steps compile)",
 }
 
 

@@ -348,6 +348,7 @@ def make_loader(
     num_workers: int,
     min_last: int = 1,
     skip: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader[Any]:
     """A DataLoader whose order (and augmentation, through worker seeds) depends only on ``seed``.
 
@@ -377,6 +378,7 @@ def make_loader(
         generator=torch.Generator().manual_seed(seed + 1),
         num_workers=num_workers,
         persistent_workers=False,
+        pin_memory=pin_memory,  # page-locked batches: copies to a GPU that overlap compute
     )
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -319,7 +319,11 @@ def plan_for(
 
 
 def evaluate(
-    model: nn.Module, loader: Any, device: torch.device, precision: str
+    model: nn.Module,
+    loader: Any,
+    device: torch.device,
+    precision: str,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> ClassificationMetrics:
     from bigbatch.memory.predict import autocast_for
 
@@ -328,7 +332,7 @@ def evaluate(
     with torch.no_grad():
         for x, y in loader:
             with autocast_for(precision, device.type):
-                logits = model(x.to(device))
+                logits = model(x.to(device, non_blocking=True, memory_format=memory_format))
             metrics.update(logits, y.to(device))
     model.train()
     return metrics
@@ -465,6 +469,15 @@ def _train(
 
     torch.manual_seed(cfg.seed)
     core = factory().to(device)
+    # NHWC where it helps: convolutions on a GPU (tensor cores want it); opt-in elsewhere.
+    has_conv = any(isinstance(m, nn.Conv2d) for m in core.modules())
+    use_nhwc = cfg.channels_last == "true" or (
+        cfg.channels_last == "auto" and device.type == "cuda" and has_conv
+    )
+    memory_format = torch.channels_last if use_nhwc else torch.contiguous_format
+    if use_nhwc:
+        core = core.to(memory_format=torch.channels_last)
+    pin = device.type == "cuda"
     _train_mode(core, cfg)
     inexact = find_inexact_layers(core)
     bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
@@ -495,7 +508,12 @@ def _train(
     has_valid = len(valid_ds) > 0
     monitor = cfg.monitor if has_valid else "train_loss"
     valid_loader = make_loader(
-        valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed, num_workers=workers
+        valid_ds,
+        max(1, 2 * micro),
+        shuffle=False,
+        seed=cfg.seed,
+        num_workers=workers,
+        pin_memory=pin,
     )
     sampler: Any = None
     if world > 1:
@@ -559,6 +577,9 @@ def _train(
             # Re-wrapped per phase: DDP fixes the trainable parameters when it is built.
             # No buffer broadcast in forward, so no collective runs inside a micro-batch.
             model = _ddp(core)
+        if cfg.compile:
+            # After DDP, as torch's docs say; the weights stay `core`'s (checkpoints unchanged).
+            model = cast(nn.Module, torch.compile(model))
         # On one process model= is not passed: the BatchNorm note above replaces the warning.
         acc = Accumulator(
             opt,
@@ -599,6 +620,7 @@ def _train(
                     num_workers=workers,
                     min_last=1 if lone_ok else 2,
                     skip=int(resumed["windows"]) if resumed else 0,
+                    pin_memory=pin,
                 )
             t0 = time.perf_counter()
             loss_sum = count = 0.0
@@ -623,7 +645,9 @@ def _train(
                     batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module = model
                 ) -> torch.Tensor:
                     with autocast_for(precision, device.type):
-                        logits = model(batch[0].to(device, non_blocking=True))
+                        logits = model(
+                            batch[0].to(device, non_blocking=True, memory_format=memory_format)
+                        )
                     return F.cross_entropy(logits.float(), batch[1].to(device, non_blocking=True))
 
                 result = run_window(acc, (x, y), loss_fn, backoff, device=device)
@@ -686,7 +710,7 @@ def _train(
             }
             if has_valid:
                 # Every rank evaluates the whole validation set: identical metrics everywhere.
-                metrics = evaluate(core, valid_loader, device, precision)
+                metrics = evaluate(core, valid_loader, device, precision, memory_format)
                 row |= metrics.as_dict()  # valid_loss, accuracy, error_rate
             if plateau:
                 sched.step(row["valid_loss" if has_valid else "train_loss"])
