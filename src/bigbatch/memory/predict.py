@@ -185,7 +185,10 @@ def run_training_step(
     opt.zero_grad(set_to_none=True)
 
 
-_LOOKAHEAD = 4  # calibration ops a fake op may skip, and fake-only ops in a row, when aligning
+_LOOKAHEAD = 4  # calibration ops a fake op may skip when aligning
+# Fake-only ops in a row before the sequences count as parted (convnext's LayerNorm dispatches
+# 5 in fake mode: squeeze twice, new_zeros, as_strided, copy_).
+_MAX_MISSES = 16
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -199,6 +202,7 @@ class _StorageTracker(TorchDispatchMode):
         self.op_index = 0  # fake ops dispatched in the counted steps
         self.cal_index = 0  # the next calibration op to match
         self.misses = 0  # fake ops in a row that matched none
+        self.left_at = 0  # the fake op where the sequences parted
         self.counting = False  # ops are numbered from the first training step on
         self.aligned = calibration is not None
         self.peak_workspace = 0
@@ -284,9 +288,12 @@ class _StorageTracker(TorchDispatchMode):
             if ops[j] == name:
                 self.cal_index, self.misses = j + 1, 0
                 return j
+        if self.cal_index >= len(ops):
+            return None  # past the calibrated steps: nothing left to add, nothing to warn about
         self.misses += 1
-        if self.misses > _LOOKAHEAD or self.cal_index >= len(ops):
+        if self.misses > _MAX_MISSES:
             self.aligned = False
+            self.left_at = self.op_index
         return None
 
     @contextlib.contextmanager
@@ -500,7 +507,7 @@ def _predict_on_fake(spec: StepSpec, steps: int, calibration: Any) -> MemoryPred
     notes = []
     if calibration is not None and not tracker.aligned:
         notes.append(
-            f"op sequence left the calibration at op {tracker.op_index}: workspaces after it are not counted"
+            f"op sequence left the calibration at op {tracker.left_at}: workspaces after it are not counted"
         )
     reserved = library = 0
     if tracker.events is not None:
