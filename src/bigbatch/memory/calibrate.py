@@ -103,9 +103,7 @@ class _OpMarker(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         i = len(self.names)
         self.names.append(str(func))
-        if (
-            func.is_view
-        ):  # a view allocates nothing: no profiler range (the slow part), no workspace
+        if func.is_view:  # a view allocates nothing: no workspace to attribute, no range
             out = func(*args, **(kwargs or {}))
         else:
             with torch.profiler.record_function(f"{_MARK}{i}"):

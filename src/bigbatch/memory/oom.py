@@ -43,7 +43,7 @@ OOM_MESSAGES = (
 
 
 # Of those, the CPU's (whatever type torch raises them as): the host heap ran out.
-HOST_OOM_MESSAGES = ("DefaultCPUAllocator", "could not create a primitive", "posix_memalign")
+HOST_OOM_MESSAGES = ("DefaultCPUAllocator", "could not create a primitive")
 
 
 class OutOfMemoryAtMinimumError(RuntimeError):

@@ -8,6 +8,7 @@ is resumable: finished epochs are never redone, and the resumed run ends with th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -300,18 +301,21 @@ def plan_for(
             f"{cfg.model_name} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc
     if cfg.micro_batch:
+        # The plan predicted the fixed micro-batch already (its cap, tried first), unless a
+        # rank's share of the batch under torchrun is smaller.
+        needed = dict(plan.curve).get(cfg.micro_batch) or (
+            predict_peak(spec_at(cfg.micro_batch), calibration=calibration).planning_bytes
+        )
         if plan.max_micro_batch < cfg.micro_batch:
             raise ConfigError(
-                f"micro_batch={cfg.micro_batch} does not fit budget={cfg.budget}: the largest "
-                f"micro-batch that does is {plan.max_micro_batch} "
-                f"({format_bytes(plan.curve[-1][1] if plan.curve else 0)} predicted beyond it, "
-                f"{format_bytes(plan.usable_bytes)} usable); set micro_batch={plan.max_micro_batch}, "
-                "or micro_batch=0 to let the planner choose"
+                f"micro_batch={cfg.micro_batch} does not fit budget={cfg.budget}: it needs "
+                f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable; "
+                f"the largest micro-batch that fits is {plan.max_micro_batch}: set "
+                f"micro_batch={plan.max_micro_batch}, or micro_batch=0 to let the planner choose"
             )
         log(
             f"micro-batch {cfg.micro_batch} (fixed) fits budget {cfg.budget}: "
-            f"{format_bytes(predict_peak(spec_at(cfg.micro_batch), calibration=calibration).planning_bytes)} "
-            f"predicted of {format_bytes(plan.usable_bytes)} usable"
+            f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable"
         )
         return cfg.micro_batch, cfg.micro_batch
     log(f"plan: {plan.summary()}")
@@ -370,10 +374,8 @@ def train(
     try:
         with lock_folder(run_dir, "run folder"):
             return _train(cfg, run_dir, resume, log, progress, data, rank, world)
-    except (FolderBusyError, OSError) as exc:
-        if isinstance(exc, FolderBusyError | NotADirectoryError | PermissionError):
-            raise ConfigError(str(exc)) from exc
-        raise
+    except (FolderBusyError, NotADirectoryError, PermissionError) as exc:
+        raise ConfigError(str(exc)) from exc
     finally:
         torch.set_num_threads(threads_before)  # the caller's process keeps its own setting
 
@@ -588,6 +590,9 @@ def _train(
             model=model if world > 1 else None,
             sync="step",
         )
+        checkpoint = functools.partial(
+            _save_checkpoint, run_dir, core, opt, sched, acc, scaler, backoff, phase=phase
+        )
         if (
             state is not None
             and state["phase"] == phase
@@ -673,16 +678,8 @@ def _train(
                 # One process only: a DistributedSampler cannot skip the windows already done.
                 if due and world == 1 and windows_done < loaders_windows:
                     last_checkpoint = now
-                    _save_checkpoint(
-                        run_dir,
-                        core,
-                        opt,
-                        sched,
-                        acc,
-                        scaler,
-                        backoff,
+                    checkpoint(
                         epoch=e - 1,
-                        phase=phase,
                         best=best,
                         history=history,
                         mid={
@@ -733,19 +730,7 @@ def _train(
                     run_dir / "best.json", json.dumps({"epoch": e + 1, monitor: value})
                 )
             save_weights(core, run_dir / "last.safetensors")
-            _save_checkpoint(
-                run_dir,
-                core,
-                opt,
-                sched,
-                acc,
-                scaler,
-                backoff,
-                epoch=e,
-                phase=phase,
-                best=best,
-                history=history,
-            )
+            checkpoint(epoch=e, best=best, history=history)
             last_checkpoint = time.perf_counter()
             write_history(history, run_dir / "history.csv")
             plot_history(history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
