@@ -258,10 +258,13 @@ class _StorageTracker(TorchDispatchMode):
             self.peak_snapshot = dict(self.live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "prim":
+            # Fake mode's own metadata queries (prim.device, two per aten op): a real run has
+            # none and they allocate nothing.
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        # prim ops are fake mode's own metadata queries; real runs have none
-        counted = self.counting and func.namespace != "prim"
+        counted = self.counting
         real: tuple[int, ...] = ()
         matched = self._match(str(func)) if counted and self.aligned else None
         if matched is not None:
