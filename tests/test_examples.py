@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("0*.py"))
+EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
 
 
 def _run(*args: str) -> str:

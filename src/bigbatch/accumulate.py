@@ -324,6 +324,7 @@ class Accumulator:
         ignore_index: int = -100,
         shift: bool = False,
         weight: float | torch.Tensor | None = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """Backpropagate one micro-batch's loss, weighted by its count.
 
@@ -333,6 +334,8 @@ class Accumulator:
         (a weighted mean; combine with ``count=`` to keep ``samples_seen``). A causal language
         model that shifts its labels inside (Hugging Face's ``AutoModelForCausalLM(...,
         labels=labels)``) predicts ``labels[..., 1:]``: pass ``labels=labels, shift=True``.
+        ``backward`` runs the weighted loss's backward where a framework must do it itself
+        (Lightning's ``module.manual_backward`` applies its precision plugin's loss scaling).
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -365,7 +368,9 @@ class Accumulator:
             weight_now.to(work.dtype) if isinstance(weight_now, torch.Tensor) else weight_now
         )
         if self.scaler is not None:
-            self.scaler.scale(weighted).backward()
+            weighted = self.scaler.scale(weighted)
+        if backward is not None:
+            backward(weighted)
         else:
             weighted.backward()
         self._last_backward_synced = self._pending_sync

@@ -1,0 +1,108 @@
+"""Keras 3 (torch backend) fit with ExactAccumulation equals the big batch; Keras's own
+gradient_accumulation_steps does not (the negative control)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from reference import (
+    CLASSES,
+    FEATURES,
+    SCENARIOS,
+    SEQ,
+    Batch,
+    reference_update,
+    rel_err,
+    windows_of,
+)
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "torch":
+    pytest.skip("Keras runs another backend in this process", allow_module_level=True)
+from bigbatch.integrations.keras import ExactAccumulation  # noqa: E402
+
+LR = 0.5
+
+
+@pytest.fixture(autouse=True)
+def float64_keras():  # type: ignore[no-untyped-def]
+    """Keras computes losses in the global dtype policy (float32) whatever the layers' dtype."""
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_dtype_policy(before)
+
+
+def build(tokens: bool) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    shape = (SEQ, FEATURES) if tokens else (FEATURES,)
+    return keras.Sequential(
+        [keras.Input(shape, dtype="float64"), keras.layers.Dense(CLASSES, dtype="float64")]
+    )
+
+
+def keras_batches(batches: list[Batch], tokens: bool) -> list[tuple[torch.Tensor, ...]]:
+    """Padding (-100) becomes label 0 with sample weight 0: Keras's way to mask a token loss."""
+    if not tokens:
+        return [(x, y) for x, y in batches]
+    return [(x, y.clamp(min=0), (y != -100).double()) for x, y in batches]
+
+
+def run(name: str, exact: bool, epochs: int = 1, n: int | None = None) -> tuple[tuple, tuple]:
+    batches, window = SCENARIOS[name]
+    n = n or window
+    tokens = name == "tokens"
+    inner = build(tokens)
+    kernel, bias = (torch.as_tensor(v.numpy()).clone() for v in inner.weights)
+    init = (kernel.T.double(), bias.double())
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True,
+        reduction="mean_with_sample_weight" if tokens else "sum_over_batch_size",
+    )
+    if exact:
+        model = ExactAccumulation(inner, micro_batches=n, count="weights" if tokens else "samples")
+        optimizer = keras.optimizers.SGD(learning_rate=LR)
+    else:
+        model = inner
+        optimizer = keras.optimizers.SGD(learning_rate=LR, gradient_accumulation_steps=n)
+    model.compile(optimizer=optimizer, loss=loss)
+    loader = torch.utils.data.DataLoader(keras_batches(batches, tokens), batch_size=None)
+    model.fit(loader, epochs=epochs, verbose=0)
+    got = tuple(torch.as_tensor(v.numpy()) for v in inner.weights)
+    return (got[0].T, got[1]), init
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_fit_equals_big_batch_and_gradient_accumulation_steps_does_not(name: str) -> None:
+    batches, n = SCENARIOS[name]
+    got, init = run(name, exact=True)
+    want = reference_update(*init, windows_of(batches, n), LR)
+    # Keras keeps parts of its fit (its optimizer's learning rate, its loss reduction) in float32
+    # even with a float64 dtype policy: float32 round-off.
+    assert rel_err(got, want, init) < 1e-6
+
+    got, _ = run(name, exact=False)
+    assert rel_err(got, want, init) > 0.1
+
+
+def test_windows_continue_over_epochs_with_the_partial_window_applied() -> None:
+    batches, _ = SCENARIOS["uneven"]  # [4, 12, 16, 32], windows of 3: [4, 12, 16], [32]
+    got, init = run("uneven", exact=True, epochs=2, n=3)
+    w, b = init
+    for window in windows_of(batches, 3) * 2:
+        w, b = reference_update(w, b, [window], LR)
+    assert rel_err(got, (w, b), init) < 1e-6
+
+
+def test_misuse_is_refused() -> None:
+    inner = build(tokens=False)
+    model = ExactAccumulation(inner, micro_batches=2)
+    with pytest.raises(ValueError, match="remove it"):
+        model.compile(optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), loss="mse")
+    with pytest.raises(ValueError, match="'samples' or 'weights'"):
+        ExactAccumulation(inner, micro_batches=2, count="tokens")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"wrap a keras\.Model"):
+        ExactAccumulation(torch.nn.Linear(2, 2), micro_batches=2)

@@ -1,0 +1,199 @@
+"""Lightning's Trainer.fit with ExactAccumulation equals the big batch; its own
+accumulate_grad_batches does not (the negative control)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from reference import (
+    CLASSES,
+    FEATURES,
+    SCENARIOS,
+    Batch,
+    loss_of,
+    reference_update,
+    rel_err,
+    sample_batches,
+    windows_of,
+)
+from torch import nn
+
+L = pytest.importorskip("lightning.pytorch")
+from bigbatch.integrations.lightning import ExactAccumulation, exact_backward  # noqa: E402
+
+LR = 0.5
+
+
+class Lit(L.LightningModule):
+    def __init__(self, batches: list[Batch], exact: bool, scheduler: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(FEATURES, CLASSES)
+        self.batches = batches
+        self.exact = exact
+        self.scheduler = scheduler
+        self.automatic_optimization = not exact
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = loss_of(self.net(x), y)
+        if self.exact:
+            exact_backward(self, loss, labels=y)
+        return loss
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        # Each item is a whole micro-batch, of the size the scenario gives.
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(self.parameters(), lr=LR)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def fit(module: Lit, epochs: int = 1, **trainer_kwargs: object) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=trainer_kwargs.pop("devices", 1),
+        precision=trainer_kwargs.pop("precision", "64-true"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
+        trainer.fit(module)
+    return trainer
+
+
+def init_params() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    net = nn.Linear(FEATURES, CLASSES)
+    return net.weight.detach().double(), net.bias.detach().double()
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_fit_equals_big_batch_and_accumulate_grad_batches_does_not(name: str) -> None:
+    batches, n = SCENARIOS[name]
+    init = init_params()
+    want = reference_update(*init, windows_of(batches, n), LR)
+
+    exact = Lit(batches, exact=True)
+    trainer = fit(exact, callbacks=[ExactAccumulation(n)])
+    got = (exact.net.weight, exact.net.bias)
+    assert rel_err(got, want, init) < 1e-12
+    assert trainer.global_step == len(windows_of(batches, n))  # optimizer steps
+
+    builtin = Lit(batches, exact=False)
+    fit(builtin, accumulate_grad_batches=n)
+    assert rel_err((builtin.net.weight, builtin.net.bias), want, init) > 0.1
+
+
+def test_epoch_schedule_clipping_and_step_scheduler() -> None:
+    batches = sample_batches([5, 9, 3], seed=4)
+    init = init_params()
+    # epoch 0: windows of 2 -> [5, 9], [3]; epoch 1: windows of 4 -> [5, 9, 3]
+    windows = [*windows_of(batches, 2), batches]
+    module = Lit(batches, exact=True, scheduler=True)
+    trainer = fit(
+        module, epochs=2, callbacks=[ExactAccumulation({0: 2, 1: 4}, clip_grad_norm=0.05)]
+    )
+    assert trainer.global_step == 3
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR / 8)
+    # the reference: clipped big-batch SGD with the LR halved after each optimizer step
+    w, b = init
+    for i, window in enumerate(windows):
+        w, b = reference_update(w, b, [window], LR * 0.5**i, clip=0.05)
+    assert rel_err((module.net.weight, module.net.bias), (w, b), init) < 1e-12
+
+
+def test_bf16_mixed_precision_equals_the_core_accumulator_under_the_same_autocast() -> None:
+    from bigbatch import Accumulator
+
+    batches, n = SCENARIOS["short_last"]
+    batches = [(x.float(), y) for x, y in batches]
+    module = Lit(batches, exact=True)
+    fit(module, precision="bf16-mixed", callbacks=[ExactAccumulation(n)])
+    got = (module.net.weight, module.net.bias)
+
+    # bf16 rounds each micro-batch's weight gradient (a bf16 matmul output), so the sharp check
+    # is against bigbatch's own loop with the same micro-batches and autocast ...
+    core = Lit(batches, exact=False)
+    acc = Accumulator(torch.optim.SGD(core.parameters(), lr=LR), micro_batches=n)
+    for x, y in acc.iterate(batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(core.net(x), y)
+        acc.backward(loss, labels=y)
+        if acc.window_full:
+            acc.step()
+    init = init_params()
+    assert rel_err(got, (core.net.weight.detach(), core.net.bias.detach()), init) < 1e-6
+    # ... and the big batch agrees to bf16 round-off, where Lightning's own accumulation is far off.
+    want = reference_update(*init, [batches], LR)
+    assert rel_err(got, want, init) < 2e-2
+    builtin = Lit(batches, exact=False)
+    fit(builtin, precision="bf16-mixed", accumulate_grad_batches=n)
+    assert rel_err((builtin.net.weight, builtin.net.bias), want, init) > 0.1
+
+
+def test_misuse_is_refused_with_the_fix() -> None:
+    batches, n = SCENARIOS["uneven"]
+    with pytest.raises(RuntimeError, match="automatic_optimization = False"):
+        fit(Lit(batches, exact=False), callbacks=[ExactAccumulation(n)])
+    # Lightning itself refuses accumulate_grad_batches with manual optimisation, naming the fix.
+    with pytest.raises(Exception, match="Remove `Trainer\\(accumulate_grad_batches"):
+        fit(Lit(batches, exact=True), accumulate_grad_batches=2, callbacks=[ExactAccumulation(n)])
+    with pytest.raises(RuntimeError, match="callbacks=\\[ExactAccumulation"):
+        fit(Lit(batches, exact=True))
+    with pytest.raises(ValueError, match="how big a window"):
+        ExactAccumulation()
+
+
+class RankLit(Lit):
+    """Each rank trains on its own micro-batches (uneven sizes, a partial last window)."""
+
+    def __init__(self, per_rank: list[list[Batch]]) -> None:
+        super().__init__(per_rank[0], exact=True)
+        self.per_rank = per_rank
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.per_rank[self.global_rank], batch_size=None)
+
+
+def test_ddp_two_processes_equals_the_big_batch_over_both_ranks() -> None:
+    rank0 = sample_batches([4, 12, 5], seed=7)
+    rank1 = sample_batches([16, 3, 7], seed=8)
+    module = RankLit([rank0, rank1])
+    fit(
+        module,
+        devices=2,
+        strategy="ddp_spawn",
+        use_distributed_sampler=False,
+        callbacks=[ExactAccumulation(2)],
+    )
+    # ddp_spawn returns the weights to this process (not the step counter)
+    # window 1: both ranks' first two micro-batches; window 2 (at the epoch's end): the rest
+    windows = [[*rank0[:2], *rank1[:2]], [rank0[2], rank1[2]]]
+    init = init_params()
+    want = reference_update(*init, windows, LR)
+    # The weights come back into this process's float32 module: float32 round-off.
+    assert rel_err((module.net.weight, module.net.bias), want, init) < 1e-6
+
+    builtin = RankLit([rank0, rank1])
+    builtin.automatic_optimization, builtin.exact = True, False
+    fit(
+        builtin,
+        devices=2,
+        strategy="ddp_spawn",
+        use_distributed_sampler=False,
+        accumulate_grad_batches=2,
+    )
+    assert rel_err((builtin.net.weight, builtin.net.bias), want, init) > 0.1
