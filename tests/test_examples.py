@@ -47,3 +47,10 @@ def test_ddp_benchmark_json() -> None:
     result = json.loads(out[out.index("{") :])
     counts = result["allreduces_per_window"]
     assert counts["bigbatch_sync_step"] < counts["ddp_every_micro_batch"]
+
+
+def test_integrations_benchmark_json() -> None:
+    out = _run("benchmarks/integrations.py", "--batches", "8", "--rounds", "1", "--json")
+    rows = json.loads(out[out.index("{") :])["rows"]
+    assert set(rows) == {"lightning", "fastai", "keras", "hf"}
+    assert all(row["ratio"] > 0 for row in rows.values())

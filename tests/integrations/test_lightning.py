@@ -103,10 +103,12 @@ def test_epoch_schedule_clipping_and_step_scheduler() -> None:
     # epoch 0: windows of 2 -> [5, 9], [3]; epoch 1: windows of 4 -> [5, 9, 3]
     windows = [*windows_of(batches, 2), batches]
     module = Lit(batches, exact=True, scheduler=True)
-    trainer = fit(
-        module, epochs=2, callbacks=[ExactAccumulation({0: 2, 1: 4}, clip_grad_norm=0.05)]
-    )
+    callback = ExactAccumulation({0: 2, 1: 4}, clip_grad_norm=0.05, log_window_loss=True)
+    trainer = fit(module, epochs=2, callbacks=[callback])
     assert trainer.global_step == 3
+    # the last window's exact mean loss is logged
+    assert callback.last_step is not None
+    assert float(trainer.callback_metrics["window_loss"]) == pytest.approx(callback.last_step.loss)
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR / 8)
     # the reference: clipped big-batch SGD with the LR halved after each optimizer step
     w, b = init

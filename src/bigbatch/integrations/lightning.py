@@ -52,6 +52,8 @@ class ExactAccumulation(Callback):
     ``micro_batches`` is an int or an ``{epoch: N}`` schedule, as ``accumulate_grad_batches``
     takes; or give ``target_count`` (samples or tokens per optimizer step). The module must use
     manual optimisation and call :func:`exact_backward` in ``training_step``.
+    ``log_window_loss=True`` logs each window's exact mean loss as ``window_loss``;
+    ``last_step`` holds the last :class:`bigbatch.StepResult`.
 
     >>> ExactAccumulation({0: 8, 4: 2}).micro_batches
     {0: 8, 4: 2}
@@ -65,6 +67,7 @@ class ExactAccumulation(Callback):
         reduction: Reduction = "mean",
         last_window: LastWindow = "renorm",
         clip_grad_norm: float | None = None,
+        log_window_loss: bool = False,
     ) -> None:
         if micro_batches is None and target_count is None:
             raise ValueError(
@@ -76,6 +79,7 @@ class ExactAccumulation(Callback):
         self.reduction: Reduction = reduction
         self.last_window: LastWindow = last_window
         self.clip_grad_norm = clip_grad_norm
+        self.log_window_loss = log_window_loss
         self.accumulator: Accumulator | None = None
         self.last_step: StepResult | None = None
         self._ddp: torch.nn.Module | None = None
@@ -127,7 +131,9 @@ class ExactAccumulation(Callback):
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._no_sync.close()
-        if self._stepped_in_batch and self.last_step is not None:
+        if self.log_window_loss and self._stepped_in_batch and self.last_step is not None:
+            # The exact window mean loss (count-weighted), as "window_loss"; reading it waits
+            # for the device, so it is off unless asked for.
             pl_module.log("window_loss", self.last_step.loss, prog_bar=True, on_step=True)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
