@@ -6,7 +6,7 @@ with the profiler's allocation events. Prints each error, the mean and worst |er
 time to predict (calibration included). Also shows the uncalibrated prediction beside it.
 
     python benchmarks/memory_accuracy.py          # MLP, BN CNN, transformer, resnet18, convnext_atto,
-                                                  # LSTM, GRU, GPT (tied embedding, SDPA)
+                                                  # LSTM, GRU, GPT (tied embedding, SDPA), 2D/3D U-Net
     python benchmarks/memory_accuracy.py --json   # {"mean_abs_err_pct": ..., "worst_abs_err_pct": ..., ...}
 """
 
@@ -26,6 +26,7 @@ from bigbatch.memory.calibrate import calibrate
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.predict import StepSpec, predict_peak
 from bigbatch.models import timm_factory
+from bigbatch.segmentation.models import UNet
 
 
 def mlp() -> nn.Module:
@@ -121,6 +122,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] 
     "lstm": (lambda: Recurrent("lstm"), (64, 32), torch.float32),
     "gru": (lambda: Recurrent("gru"), (64, 32), torch.float32),
     "gpt": (GPT, (64,), torch.long),
+    # Segmentation: a 2D U-Net on 64 px images and a 3D U-Net on 4-modality 32^3 volumes.
+    "unet2d": (lambda: UNet(3, 2, dims=2, width=16, depth=3), (3, 64, 64), torch.float32),
+    "unet3d": (lambda: UNet(4, 3, dims=3, width=8, depth=3), (4, 32, 32, 32), torch.float32),
 }
 
 

@@ -277,6 +277,14 @@ def _explain(
             "loss / N weights every micro-batch equally; the big batch weights each by its "
             "count. Exact only when all micro-batches have the same count."
         )
+    if getattr(loss_fn, "couples_samples", False):
+        name = getattr(loss_fn, "__name__", "the loss")
+        return (
+            f"{name} couples the samples of a batch (it declares couples_samples): its value on "
+            "the micro-batches is not its value on the big batch, whatever the weights, so no "
+            "accumulation can be exact. Use a per-sample form (for Dice: "
+            "bigbatch.segmentation.losses.dice_loss, averaged over samples)."
+        )
     layers = find_inexact_layers(model)
     if layers:
         text = describe_inexact_layers(layers)

@@ -186,7 +186,13 @@ def _suggestions(spec: StepSpec) -> str:
             "SGD (optimizer=sgd in bigbatch train, --optimizer sgd in bigbatch plan: one state "
             "copy of the weights or none, instead of Adam's two)"
         )
-    tips.append("activation checkpointing, or a smaller input size")
+    if len(spec.input_shape) >= 4:  # channels + 3 spatial dims: a volume
+        tips.append(
+            "activation checkpointing, or smaller patches (train on crops of the volume, e.g. "
+            "--input-shape with half the side: an eighth of the activations)"
+        )
+    else:
+        tips.append("activation checkpointing, or a smaller input size")
     return "try " + ", ".join(tips)
 
 
