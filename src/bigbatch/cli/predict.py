@@ -1,4 +1,5 @@
-"""``bigbatch predict RUN_DIR IMAGES --tta N``: class probabilities (.npz) and labels (.csv)."""
+"""``bigbatch predict RUN_DIR IMAGES --tta N``: class probabilities (.npz) and labels (.csv), or,
+for a segmentation run, masks (PNG, .npy or NIfTI, as the inputs) in RUN/masks."""
 
 from __future__ import annotations
 
@@ -10,15 +11,21 @@ from bigbatch.cli import UserError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", type=Path, help="a run folder written by bigbatch train")
-    p.add_argument("images", type=Path, help="a folder of images (searched recursively)")
+    p.add_argument("images", type=Path, help="a folder of images or volumes (searched recursively)")
     p.add_argument(
         "--tta",
         type=int,
         default=2,
-        help="passes: 1 plain, 2 adds the flip, more add augmented crops",
+        help="passes: 1 plain, 2 adds the flip, more add augmented crops (segmentation: flips "
+        "along each spatial axis)",
     )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
-    p.add_argument("--out", type=Path, help="output path without suffix (default: RUN/predictions)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output path without suffix (default: RUN/predictions); segmentation: a folder "
+        "(default: RUN/masks)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
 
 
@@ -27,7 +34,24 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
     from bigbatch.train.predict import predict_folder, save_predictions
+    from bigbatch.train.segpredict import is_segmentation_run, predict_masks
 
+    if is_segmentation_run(args.run):
+        out = args.out or args.run / "masks"
+        try:
+            check_writable(out / "probe", "--out")
+            masks = predict_masks(
+                args.run,
+                args.images,
+                out,
+                tta=args.tta,
+                checkpoint=args.checkpoint,
+                device=args.device,
+            )
+        except (ConfigError, DataError, ValueError, OSError) as exc:
+            raise UserError(str(exc)) from exc
+        print(f"{len(masks)} mask(s), {args.tta} TTA pass(es) (flips): {out}")
+        return 0
     try:
         check_writable((args.out or args.run / "predictions").with_suffix(".npz"), "--out")
         pred = predict_folder(

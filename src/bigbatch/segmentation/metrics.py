@@ -54,7 +54,8 @@ class SegmentationMetrics:
             self.actual[i] += float(t.sum())
 
     def compute(self) -> dict[str, object]:
-        """``dice``/``jaccard`` (means over classes) and ``dice_per_class``/``jaccard_per_class``.
+        """``dice``/``jaccard`` (means over the classes but the background) and
+        ``dice_per_class``/``jaccard_per_class`` (every class).
         A class absent from both prediction and truth scores 1 (nothing to miss)."""
         union = self.predicted + self.actual - self.intersection
         total = self.predicted + self.actual
@@ -64,9 +65,12 @@ class SegmentationMetrics:
         jaccard = torch.where(
             union > 0, self.intersection / union.clamp(min=1), torch.ones_like(union)
         )
+        # The means leave the background (class 0) out: it is most of every image and would
+        # hide how well the structures themselves are found.
+        scored = slice(1, None) if self.num_classes > 1 else slice(None)
         return {
-            "dice": float(dice.mean()),
-            "jaccard": float(jaccard.mean()),
+            "dice": float(dice[scored].mean()),
+            "jaccard": float(jaccard[scored].mean()),
             "dice_per_class": dice.tolist(),
             "jaccard_per_class": jaccard.tolist(),
         }

@@ -29,7 +29,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "mode": ("auto", "fine_tune", "fit"),
     "schedule": ("one_cycle", "cosine", "plateau"),
-    "monitor": ("valid_loss", "accuracy", "error_rate"),
+    "monitor": ("valid_loss", "accuracy", "error_rate", "dice", "jaccard"),
+    "task": ("classification", "segmentation"),
+    "loss": ("bce_dice", "dice", "bce"),
     "bad_images": ("skip", "error"),
     "optimizer": ("adamw", "sgd"),
     "channels_last": ("auto", "true", "false"),
@@ -41,6 +43,7 @@ class TrainConfig:
     """Everything ``bigbatch train`` needs; every field can be set in the file or as key=value.
     What each key means is in :data:`HELP` (and ``bigbatch train --help``)."""
 
+    task: str = "classification"
     data: str = ""
     image_root: str = ""
     valid: str = ""
@@ -67,6 +70,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     schedule: str = "one_cycle"
     monitor: str = "valid_loss"
+    loss: str = "bce_dice"
+    num_classes: int = 0
     seed: int = 42
     num_workers: int = -1
     threads: int = 0
@@ -132,6 +137,19 @@ class TrainConfig:
                 f"weights={self.weights!r} does not exist (a local safetensors or state-dict "
                 "file; nothing is downloaded)"
             )
+        task_metrics = {
+            "classification": ("accuracy", "error_rate"),
+            "segmentation": ("dice", "jaccard"),
+        }
+        if self.monitor != "valid_loss" and self.monitor not in task_metrics[self.task]:
+            raise ConfigError(
+                f"monitor={self.monitor} is not a {self.task} metric: use valid_loss, "
+                + " or ".join(task_metrics[self.task])
+            )
+        if self.num_classes < 0:
+            raise ConfigError(
+                f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
+            )
         if self.micro_batch > self.batch:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
@@ -192,15 +210,16 @@ class TrainConfig:
 
 
 HELP: dict[str, str] = {
-    "data": "a folder with one sub-folder per class, or a CSV of file,label (required)",
+    "task": "classification (image -> class) or segmentation (image/volume -> mask)",
+    "data": "classification: a folder with one sub-folder per class, or a CSV of file,label; segmentation: a folder with images/ and masks/, or a CSV of image,mask (required)",
     "image_root": "where the CSV's files are (default: the CSV's folder)",
     "valid": "a validation folder or CSV; empty: a seeded split of data",
     "valid_pct": "the share of data held out for validation; 0: none (best checkpoint by train_loss)",
-    "arch": "any timm architecture (random init; weights= for your own starting weights)",
+    "arch": "any timm architecture (random init; weights= for your own starting weights); segmentation: unet (2D/3D, GroupNorm) or a timm encoder name (2D)",
     "model": "module:factory(num_classes) building your own model, instead of arch",
     "weights": "a local weights file (safetensors or a state dict; never unpickled, never downloaded)",
     "pretrained": "timm's pretrained weights, through the Hugging Face cache (downloaded once, then offline)",
-    "size": "input size: images are resized to size x size",
+    "size": "input size: images are resized to size x size; volumes are cropped to size^3 patches",
     "item_transform": "squish: resize to size x size; crop: resize, then centre crop",
     "augment": "random flips and crops while training",
     "freeze_bn": "BatchNorm uses its running statistics: accumulation becomes exact",
@@ -217,7 +236,9 @@ HELP: dict[str, str] = {
     "lr": "learning rate (the head-only epochs use twice this)",
     "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
-    "monitor": "what picks best.safetensors: valid_loss, accuracy or error_rate",
+    "monitor": "what picks best.safetensors: valid_loss; accuracy or error_rate (classification); dice or jaccard (segmentation)",
+    "loss": "segmentation loss: bce_dice, dice (per sample, exact under accumulation) or bce",
+    "num_classes": "segmentation classes: 0 infers them from the masks (0/1 or 0/255: binary)",
     "seed": "seeds the split, the order, augmentation and initialisation",
     "num_workers": "data-loading processes (0: in the training process; -1: auto, 0 on a CPU run with 2 cores or fewer)",
     "threads": "torch's CPU threads (0: auto, the cores the data loaders leave); kept on resume",

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
@@ -30,18 +29,10 @@ from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.memory.predict import StepSpec
 from bigbatch.train.checkpoint import load_state, save_state, save_weights
 from bigbatch.train.config import ConfigError, TrainConfig, check_device, config_from_json
-from bigbatch.train.data import (
-    ImageDataset,
-    ImageItems,
-    build_transforms,
-    class_counts,
-    load_items,
-    make_loader,
-    split_items,
-    windows_per_epoch,
-)
-from bigbatch.train.metrics import ClassificationMetrics
+from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.report import plot_history, write_history
+from bigbatch.train.tasks import Metrics, task_for
+from bigbatch.train.tasks.classification import build_model, prepare_data
 
 __all__ = [
     "TrainResult",
@@ -84,60 +75,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "fp32"  # CPU bf16 is slow on most CPUs; MPS autocast is young
-
-
-def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
-    """A zero-argument factory for the configured model (timm by name, or module:factory)."""
-    if cfg.model:
-        from bigbatch.cli._load import load_callable
-
-        user = load_callable(cfg.model, "model")
-
-        def build_user() -> nn.Module:
-            return user(num_classes)
-
-        return build_user
-    from bigbatch.models import UnknownArchitectureError, timm_factory
-
-    try:
-        return timm_factory(
-            cfg.arch,
-            num_classes=num_classes,
-            img_size=cfg.size,
-            weights=cfg.weights or None,
-            pretrained=cfg.pretrained,
-        )
-    except (UnknownArchitectureError, ValueError) as exc:  # an unknown name, unreadable weights
-        raise ConfigError(str(exc)) from exc
-
-
-def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageItems]:
-    items = load_items(cfg.data, cfg.image_root, bad_images=cfg.bad_images)
-    if cfg.valid:
-        valid = load_items(
-            cfg.valid, cfg.image_root, classes=items.classes, bad_images=cfg.bad_images
-        )
-        train_items = items
-    else:
-        train_items, valid = split_items(items, cfg.valid_pct, cfg.seed)
-        valid.skipped = []
-    skipped = items.skipped + (valid.skipped if cfg.valid else [])
-    if skipped:
-        log(
-            f"skipped {len(skipped)} unreadable image(s), e.g. {skipped[0][0]} ({skipped[0][1][:80]})"
-        )
-    if len(valid) == 0:
-        log(
-            "no validation set (valid_pct=0 and no valid=): no validation metrics; "
-            "best.safetensors is chosen by train_loss"
-        )
-    counts = class_counts(train_items)
-    log(
-        f"data: {len(train_items)} training and {len(valid)} validation images, "
-        f"{len(items.classes)} classes ({', '.join(f'{k}: {v}' for k, v in list(counts.items())[:6])}"
-        f"{', ...' if len(counts) > 6 else ''})"
-    )
-    return train_items, valid
 
 
 def _check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
@@ -225,6 +162,7 @@ def plan_for(
     log: Log,
     *,
     target: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
 ) -> tuple[int, int]:
     """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
     Either way the model runs once on fake tensors first, so a model that cannot take the input
@@ -245,7 +183,7 @@ def plan_for(
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
             factory,
-            (3, cfg.size, cfg.size),
+            input_shape or (3, cfg.size, cfg.size),
             b,
             PLAN_OPTIMIZER[cfg.optimizer],
             precision,  # type: ignore[arg-type]
@@ -327,11 +265,12 @@ def evaluate(
     loader: Any,
     device: torch.device,
     precision: str,
+    metrics: Metrics,
     memory_format: torch.memory_format = torch.contiguous_format,
-) -> ClassificationMetrics:
+) -> Metrics:
+    """Run the validation set through ``model`` into ``metrics`` (the task's)."""
     from bigbatch.memory.predict import autocast_for
 
-    metrics = ClassificationMetrics()
     model.eval()
     with torch.no_grad():
         for x, y in loader:
@@ -353,10 +292,10 @@ def train(
     resume: bool = False,
     log: Log = print,
     progress: bool | None = None,
-    data: tuple[ImageItems, ImageItems] | None = None,
+    data: tuple[Any, Any] | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring.
-    ``data`` is :func:`prepare_data`'s result when the caller has scanned the images already.
+    ``data`` is the task's scanned (train, valid) items when the caller has them already.
 
     The run folder is locked for the whole run (a second ``train`` on it fails at once), and
     every check that needs no training (config, folder, data, model, plan) runs first.
@@ -407,7 +346,7 @@ def _train(
     resume: bool,
     log: Log,
     progress: bool | None,
-    data: tuple[ImageItems, ImageItems] | None,
+    data: tuple[Any, Any] | None,
     rank: int,
     world: int,
 ) -> TrainResult:
@@ -435,12 +374,15 @@ def _train(
         workers = int(saved.get("num_workers", workers))
     torch.set_num_threads(threads)
     log(f"threads: {threads} for torch, {workers} data-loading worker(s)")
-    train_items, valid_items = data if data is not None else prepare_data(cfg, log)
-    classes = train_items.classes
-    factory = build_model(cfg, len(classes))
+    task = task_for(cfg)
+    train_items, valid_items = task.prepare(log, data)
+    classes = task.classes
+    factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
-    micro, max_micro = plan_for(cfg, factory, device, precision, log, target=rank_batch)
+    micro, max_micro = plan_for(
+        cfg, factory, device, precision, log, target=rank_batch, input_shape=task.input_shape()
+    )
     if world > 1:
         log(
             f"distributed: {world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
@@ -456,6 +398,7 @@ def _train(
     if main_rank:
         atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
         atomic_write_text(run_dir / "classes.json", json.dumps(classes))
+        atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
         plan_info = {
             "micro_batch": micro,
             "max_micro_batch": max_micro,
@@ -497,16 +440,7 @@ def _train(
     lone_ok = bn == 0 or cfg.freeze_bn
     if not lone_ok:
         _check_no_lone_sample(len(train_items), rank_batch, world, log)
-    train_ds = ImageDataset(
-        train_items.files,
-        train_items.labels,
-        build_transforms(cfg.size, cfg.item_transform, train=True, augment=cfg.augment),
-    )
-    valid_ds = ImageDataset(
-        valid_items.files,
-        valid_items.labels,
-        build_transforms(cfg.size, cfg.item_transform, train=False, augment=False),
-    )
+    train_ds, valid_ds = task.datasets(train_items, valid_items)
     has_valid = len(valid_ds) > 0
     monitor = cfg.monitor if has_valid else "train_loss"
     valid_loader = make_loader(
@@ -653,7 +587,7 @@ def _train(
                         logits = model(
                             batch[0].to(device, non_blocking=True, memory_format=memory_format)
                         )
-                    return F.cross_entropy(logits.float(), batch[1].to(device, non_blocking=True))
+                    return task.loss(logits, batch[1].to(device, non_blocking=True))
 
                 result = run_window(acc, (x, y), loss_fn, backoff, device=device)
                 if result.skipped:
@@ -707,8 +641,10 @@ def _train(
             }
             if has_valid:
                 # Every rank evaluates the whole validation set: identical metrics everywhere.
-                metrics = evaluate(core, valid_loader, device, precision, memory_format)
-                row |= metrics.as_dict()  # valid_loss, accuracy, error_rate
+                metrics = evaluate(
+                    core, valid_loader, device, precision, task.metrics(), memory_format
+                )
+                row |= metrics.as_dict()  # valid_loss, then the task's scores
             if plateau:
                 sched.step(row["valid_loss" if has_valid else "train_loss"])
             row |= {
@@ -734,11 +670,7 @@ def _train(
             last_checkpoint = time.perf_counter()
             write_history(history, run_dir / "history.csv")
             plot_history(history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
-            scores = (
-                f"valid loss {row['valid_loss']:.4f}  accuracy {row['accuracy']:.4f}  "
-                if has_valid
-                else ""
-            )
+            scores = task.scores(row) if has_valid else ""
             log(
                 f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"
                 f"({row['seconds']} s, micro-batch {backoff.micro_batch})"

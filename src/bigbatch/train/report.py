@@ -31,13 +31,15 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
     ax_loss.set_ylabel("loss")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)
-    if "accuracy" in rows[-1]:
-        ax_metric.plot(
-            epochs, [r["accuracy"] for r in rows], marker="o", color="green", label="accuracy"
-        )
-        ax_metric.plot(
-            epochs, [r["error_rate"] for r in rows], marker="o", color="red", label="error rate"
-        )
+    # Classification's scores, or segmentation's (per-class Dice as thin lines).
+    shown = [(k, c) for k, c in (("accuracy", "green"), ("error_rate", "red")) if k in rows[-1]]
+    shown += [(k, c) for k, c in (("dice", "green"), ("jaccard", "purple")) if k in rows[-1]]
+    if shown:
+        for key, color in shown:
+            label = key.replace("_", " ")
+            ax_metric.plot(epochs, [r[key] for r in rows], marker="o", color=color, label=label)
+        for key in (k for k in rows[-1] if k.startswith("dice_")):
+            ax_metric.plot(epochs, [r[key] for r in rows], linewidth=0.8, alpha=0.6, label=key)
         ax_metric.set_xlabel("epoch")
         ax_metric.set_ylim(0, 1)
         ax_metric.legend()

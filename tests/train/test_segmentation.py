@@ -1,0 +1,148 @@
+"""task=segmentation end to end: 2D images and 3D volumes train, validate with Dice/Jaccard,
+predict masks with the input's geometry, refuse bad input by name, and resume bit-identically."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_resume_mid_epoch import _train as train_in_subprocess
+
+from bigbatch.cli.main import main
+from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
+from bigbatch.train.config import load_config
+from bigbatch.train.data import DataError
+from bigbatch.train.loop import train
+from bigbatch.train.segdata import scan_segmentation
+
+COMMON = ["task=segmentation", "arch=unet", "num_workers=0", "threads=1", "device=cpu", "lr=3e-3"]
+
+
+def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) -> None:
+    data = write_shapes_2d(tmp_path / "shapes", n=20, size=32)
+    cfg = load_config(
+        overrides=[f"data={data}", *COMMON, "size=32", "batch=8", "micro_batch=4", "epochs=2",
+                   "monitor=dice", "schedule=plateau"]
+    )  # fmt: skip
+    result = train(cfg, tmp_path / "run", progress=False, log=lambda _: None)
+    with open(tmp_path / "run" / "history.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"valid_loss", "dice", "jaccard", "dice_0", "dice_1", "dice_2"} <= set(rows[0])
+    assert result.best_metric == max(float(r["dice"]) for r in rows)  # best by dice
+    assert (tmp_path / "run" / "history.png").stat().st_size > 0
+    assert json.loads((tmp_path / "run" / "task.json").read_text())["num_classes"] == 3
+
+    # A test image of another size gets a mask of its own size, with the 3 classes' labels.
+    from PIL import Image
+
+    test = tmp_path / "test"
+    test.mkdir()
+    Image.fromarray(np.zeros((40, 48, 3), dtype=np.uint8)).save(test / "odd.png")
+    assert main(["predict", str(tmp_path / "run"), str(test), "--tta", "2"]) == 0
+    mask = np.asarray(Image.open(tmp_path / "run" / "masks" / "odd.png"))
+    assert mask.shape == (40, 48) and set(np.unique(mask)) <= {0, 1, 2}
+
+
+def test_3d_volumes_train_and_predict_npy_and_nifti(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import nibabel as nib
+
+    data = write_blobs_3d(tmp_path / "blobs", n=6, size=16, channels=2)
+    cfg = load_config(
+        overrides=[f"data={data}", *COMMON, "size=16", "batch=4", "micro_batch=2", "epochs=1",
+                   "valid_pct=0.34"]
+    )  # fmt: skip
+    train(cfg, tmp_path / "run", progress=False, log=lambda _: None)
+    info = json.loads((tmp_path / "run" / "task.json").read_text())
+    assert (info["dims"], info["channels"], info["num_classes"]) == (3, 2, 1)
+
+    test = tmp_path / "test"
+    test.mkdir()
+    volume = np.random.default_rng(0).normal(size=(2, 12, 20, 10)).astype(np.float32)
+    np.save(test / "a.npy", volume)  # not a multiple of the U-Net's stride: padded, cropped back
+    affine = np.diag([1.5, 1.5, 2.0, 1.0])
+    nib.save(nib.Nifti1Image(volume[0], affine), str(test / "b.nii.gz"))
+    # b holds one modality, but the run was trained on 2 channels: refused by name.
+    assert main(["predict", str(tmp_path / "run"), str(test)]) == 2
+    assert "b.nii.gz has 1 channel(s)" in capsys.readouterr().err
+    (test / "b.nii.gz").unlink()
+    nib.save(nib.Nifti1Image(volume, affine), str(test / "c.nii.gz"))  # (C, D, H, W) in one file
+    assert main(["predict", str(tmp_path / "run"), str(test), "--tta", "3"]) == 0
+    mask = np.load(tmp_path / "run" / "masks" / "a.npy")
+    assert mask.shape == (12, 20, 10) and set(np.unique(mask)) <= {0, 1}
+    nifti = nib.load(str(tmp_path / "run" / "masks" / "c.nii.gz"))
+    assert nifti.shape == (12, 20, 10) and np.allclose(nifti.affine, affine)  # same geometry
+
+
+def _pair(root: Path, name: str, image: np.ndarray, mask: np.ndarray) -> None:
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(root / "images" / name)
+    Image.fromarray(mask).save(root / "masks" / name)
+
+
+def test_bad_input_is_refused_by_name_before_training(tmp_path: Path) -> None:
+    img = np.zeros((16, 16, 3), dtype=np.uint8)
+    ok = np.zeros((16, 16), dtype=np.uint8)
+
+    _pair(tmp_path / "a", "x.png", img, ok)
+    (tmp_path / "a" / "images" / "lonely.png").write_bytes(
+        (tmp_path / "a" / "images" / "x.png").read_bytes()
+    )
+    with pytest.raises(DataError, match=r"lonely\.png has no mask"):
+        scan_segmentation(tmp_path / "a")
+
+    _pair(tmp_path / "b", "x.png", img, np.zeros((8, 16), dtype=np.uint8))
+    with pytest.raises(DataError, match=r"mask .*x.png is \(8, 16\) but its image"):
+        scan_segmentation(tmp_path / "b")
+
+    _pair(tmp_path / "c", "x.png", img, np.full((16, 16), 3, dtype=np.uint8))
+    with pytest.raises(DataError, match="label 3, outside num_classes=2"):
+        scan_segmentation(tmp_path / "c", num_classes=2)
+
+    _pair(tmp_path / "d", "x.png", img, ok)
+    (tmp_path / "d" / "images" / "x.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"cannot read .*x\.png"):
+        scan_segmentation(tmp_path / "d")
+
+    import nibabel as nib
+
+    e = tmp_path / "e"
+    e.mkdir()
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 8), np.float32), np.eye(4)), str(e / "t1.nii.gz"))
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 6), np.float32), np.eye(4)), str(e / "t2.nii.gz"))
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 8), np.uint8), np.eye(4)), str(e / "seg.nii.gz"))
+    (e / "cases.csv").write_text("image,mask\nt1.nii.gz;t2.nii.gz,seg.nii.gz\n")
+    with pytest.raises(DataError, match=r"modalities of one case differ.*t2.nii.gz \(8, 8, 6\)"):
+        scan_segmentation(e / "cases.csv")
+
+    # Through the command line: one line naming the file, exit code 2, no run started.
+    assert (
+        main(["train", f"data={tmp_path / 'a'}", "task=segmentation", "--out", str(tmp_path / "r")])
+        == 2
+    )
+    assert not (tmp_path / "r" / "last.pt").exists()
+
+
+def test_segmentation_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: Path) -> None:
+    write_shapes_2d(tmp_path / "shapes", n=20, size=16)
+    keys = ["data=shapes", *COMMON, "size=16", "batch=4", "micro_batch=2", "epochs=2",
+            "checkpoint_every=1"]  # fmt: skip
+    full = train_in_subprocess(tmp_path, *keys, "--out", "full")
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = train_in_subprocess(tmp_path, *keys, "--out", "killed", KILL_AT="7")  # epoch 2
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = train_in_subprocess(tmp_path, "--resume", "killed")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "in epoch 2 of 2" in resumed.stdout
+    want = load_file(tmp_path / "full" / "last.safetensors")
+    got = load_file(tmp_path / "killed" / "last.safetensors")
+    assert all(torch.equal(want[k], got[k]) for k in want)
