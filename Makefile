@@ -30,6 +30,7 @@ test: lint typecheck unit
 demo: $(STAMP)
 	$(BIN)/python examples/demo_digits.py
 	$(BIN)/bigbatch demo --out demo_output
+	$(BIN)/bigbatch demo --task segmentation --out demo_output/segmentation
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

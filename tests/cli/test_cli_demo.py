@@ -18,3 +18,15 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert all(row.split(",")[1] in {str(d) for d in range(10)} for row in submission[1:])
     for member in ("resnet10t", "convnext"):
         assert (tmp_path / "runs" / member / "history.png").is_file()
+
+
+def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "validation Dice: 2d" in out and "3d" in out
+    for run in ("unet2d", "unet3d"):
+        assert (tmp_path / "runs" / run / "history.png").is_file()
+        assert len(list((tmp_path / "runs" / run / "masks").iterdir())) == 4
+    # A rerun keeps the finished runs.
+    assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
+    assert "is finished already: kept" in capsys.readouterr().out

@@ -9,6 +9,13 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("demo_output"))
+    p.add_argument(
+        "--task",
+        default="classification",
+        choices=("classification", "segmentation"),
+        help="classification: the digits competition and an ensemble; segmentation: 2D shapes "
+        "and 3D blobs (generated), U-Nets, Dice/Jaccard, predicted masks",
+    )
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument(
         "--budget",
@@ -22,6 +29,17 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.demo import write_digits_competition
 
     t0 = time.perf_counter()
+    if args.task == "segmentation":
+        from bigbatch.demo import run_segmentation_demo
+
+        scores = run_segmentation_demo(args.out, epochs=args.epochs)
+        print(
+            "\nvalidation Dice: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+            + f"; runs in {args.out / 'runs'}/unet2d and unet3d (history.png: losses, Dice, Jaccard)"
+        )
+        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+        return 0
     data = args.out / "data"
     print(
         f"writing scikit-learn's digits as an image competition under {data}/ (train/, test/, sample_submission.csv)"
