@@ -217,7 +217,7 @@ def test_a_folder_that_cannot_be_written_fails_first(
 ) -> None:
     """A read-only place for the run folder (simulated: this suite runs as root in CI, where
     chmod does not stop writes) fails before the data is scanned, in one line."""
-    import bigbatch.train.loop as loop
+    import bigbatch.train.tasks.classification as classification
 
     real_mkdir = Path.mkdir
 
@@ -228,7 +228,7 @@ def test_a_folder_that_cannot_be_written_fails_first(
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     scanned = []
-    monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: scanned.append(1))
+    monkeypatch.setattr(classification, "prepare_data", lambda *a, **k: scanned.append(1))
     cfg = load_config(overrides=base_overrides(image_folder, tiny_model))
     with pytest.raises(ConfigError, match=r"cannot write to run folder .*permission denied"):
         train(cfg, tmp_path / "ro" / "run", log=quiet)

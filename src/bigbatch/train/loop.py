@@ -31,7 +31,7 @@ from bigbatch.train.checkpoint import load_state, save_state, save_weights
 from bigbatch.train.config import ConfigError, TrainConfig, check_device, config_from_json
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.report import plot_history, write_history
-from bigbatch.train.tasks import Metrics, task_for
+from bigbatch.train.tasks import Metrics, Task, task_for
 from bigbatch.train.tasks.classification import build_model, prepare_data
 
 __all__ = [
@@ -340,6 +340,44 @@ def resolve_threads(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
     return threads, workers
 
 
+@dataclass
+class _Run:
+    """What the loop shares between its steps: set up once by :func:`_setup`."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    log: Log
+    progress: bool | None
+    task: Task
+    rank: int
+    world: int
+    device: torch.device
+    precision: str
+    workers: int
+    core: nn.Module
+    memory_format: torch.memory_format
+    pin: bool
+    lone_ok: bool
+    rank_batch: int
+    train_ds: Any
+    valid_loader: Any
+    has_valid: bool
+    monitor: str
+    sampler: Any
+    scaler: Any
+    backoff: OOMBackoff
+    state: dict[str, Any] | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: float = math.inf
+    start_epoch: int = 0
+    mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
+    last_checkpoint: float = 0.0
+
+    @property
+    def main_rank(self) -> bool:
+        return self.rank == 0
+
+
 def _train(
     cfg: TrainConfig,
     run_dir: Path,
@@ -350,33 +388,40 @@ def _train(
     rank: int,
     world: int,
 ) -> TrainResult:
-    from bigbatch.memory.predict import autocast_for
+    """The loop: set up (checks, plan, model, data, the state to resume), then each phase's
+    epochs, each epoch's windows through :func:`~bigbatch.memory.oom.run_window`, and after
+    each epoch validation, the history and atomic checkpoints."""
+    run = _setup(cfg, run_dir, resume, log, progress, data, rank, world)
+    epoch = 0
+    for phase, n_epochs in _phases(cfg):
+        phase_start, epoch = epoch, epoch + n_epochs
+        if run.start_epoch < epoch:  # else a finished phase
+            _train_phase(run, phase, phase_start, epoch)
+    if run.main_rank:
+        summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
+        atomic_write_text(run_dir / "done.json", json.dumps(summary))
+    return TrainResult(run_dir, run.best, run.history, run.task.classes)
 
-    main_rank = rank == 0
+
+def _setup(
+    cfg: TrainConfig,
+    run_dir: Path,
+    resume: bool,
+    log: Log,
+    progress: bool | None,
+    data: tuple[Any, Any] | None,
+    rank: int,
+    world: int,
+) -> _Run:
+    """Every check that needs no training, the plan, the model, the data and the saved state."""
     state = _check_run_dir(run_dir, cfg, resume)
     device = resolve_device(cfg.device)
     if world > 1 and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     precision = resolve_precision(cfg.precision, device)
-    threads, workers = resolve_threads(cfg, device)
-    saved_plan = run_dir / "plan.json"
-    if state is not None and saved_plan.exists():
-        # The thread and worker counts change the last bits (reductions, worker RNG streams):
-        # a resumed run keeps the ones it started with, to end bit-identical.
-        saved = json.loads(saved_plan.read_text())
-        if (saved.get("threads"), saved.get("num_workers")) != (threads, workers):
-            log(
-                f"resuming with the run's own threads={saved.get('threads', threads)} and "
-                f"num_workers={saved.get('num_workers', workers)} (not {threads} and {workers}): "
-                "they change the last bits of the result"
-            )
-        threads = int(saved.get("threads", threads))
-        workers = int(saved.get("num_workers", workers))
-    torch.set_num_threads(threads)
-    log(f"threads: {threads} for torch, {workers} data-loading worker(s)")
+    threads, workers = _threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)
     train_items, valid_items = task.prepare(log, data)
-    classes = task.classes
     factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
@@ -394,11 +439,7 @@ def _train(
             if cfg.fine_tunes
             else "mode: fit (random weights: every layer trains from the start)"
         )
-
-    if main_rank:
-        atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
-        atomic_write_text(run_dir / "classes.json", json.dumps(classes))
-        atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
+    if rank == 0:
         plan_info = {
             "micro_batch": micro,
             "max_micro_batch": max_micro,
@@ -410,6 +451,9 @@ def _train(
             "threads": threads,
             "num_workers": workers,
         }
+        atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+        atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
+        atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
         atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
 
     torch.manual_seed(cfg.seed)
@@ -419,11 +463,89 @@ def _train(
     use_nhwc = cfg.channels_last == "true" or (
         cfg.channels_last == "auto" and device.type == "cuda" and has_conv
     )
-    memory_format = torch.channels_last if use_nhwc else torch.contiguous_format
     if use_nhwc:
         core = core.to(memory_format=torch.channels_last)
-    pin = device.type == "cuda"
     _train_mode(core, cfg)
+    lone_ok = _note_inexact(core, cfg, log)
+    if not lone_ok:
+        _check_no_lone_sample(len(train_items), rank_batch, world, log)
+    train_ds, valid_ds = task.datasets(train_items, valid_items)
+    sampler: Any = None
+    if world > 1:
+        from torch.utils.data.distributed import DistributedSampler
+
+        sampler = DistributedSampler(
+            train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
+        )
+    has_valid = len(valid_ds) > 0
+    run = _Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        log=log,
+        progress=progress,
+        task=task,
+        rank=rank,
+        world=world,
+        device=device,
+        precision=precision,
+        workers=workers,
+        core=core,
+        memory_format=torch.channels_last if use_nhwc else torch.contiguous_format,
+        pin=device.type == "cuda",
+        lone_ok=lone_ok,
+        rank_batch=rank_batch,
+        train_ds=train_ds,
+        valid_loader=make_loader(
+            valid_ds,
+            max(1, 2 * micro),
+            shuffle=False,
+            seed=cfg.seed,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+        ),
+        has_valid=has_valid,
+        monitor=cfg.monitor if has_valid else "train_loss",
+        sampler=sampler,
+        scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
+        backoff=OOMBackoff(
+            micro_batch=micro,
+            max_micro_batch=max_micro,
+            grow_after=cfg.grow_after,
+            min_micro_batch=1 if lone_ok else min(2, micro),
+        ),
+        state=state,
+        last_checkpoint=time.perf_counter(),
+    )
+    if state is not None:
+        _restore(run, state)
+    return run
+
+
+def _threads_for_run(
+    cfg: TrainConfig, device: torch.device, run_dir: Path, state: Any, log: Log
+) -> tuple[int, int]:
+    threads, workers = resolve_threads(cfg, device)
+    saved_plan = run_dir / "plan.json"
+    if state is not None and saved_plan.exists():
+        # The thread and worker counts change the last bits (reductions, worker RNG streams):
+        # a resumed run keeps the ones it started with, to end bit-identical.
+        saved = json.loads(saved_plan.read_text())
+        if (saved.get("threads"), saved.get("num_workers")) != (threads, workers):
+            log(
+                f"resuming with the run's own threads={saved.get('threads', threads)} and "
+                f"num_workers={saved.get('num_workers', workers)} (not {threads} and {workers}): "
+                "they change the last bits of the result"
+            )
+        threads = int(saved.get("threads", threads))
+        workers = int(saved.get("num_workers", workers))
+    torch.set_num_threads(threads)
+    log(f"threads: {threads} for torch, {workers} data-loading worker(s)")
+    return threads, workers
+
+
+def _note_inexact(core: nn.Module, cfg: TrainConfig, log: Log) -> bool:
+    """Say what keeps accumulation from being exact; return whether a lone sample may train
+    (BatchNorm in training cannot normalise one sample: on a 1x1 feature map it raises)."""
     inexact = find_inexact_layers(core)
     bn = sum(1 for layer in inexact if layer.kind == "batchnorm")
     if inexact:
@@ -435,251 +557,236 @@ def _train(
             if bn
             else "note: dropout draws different masks per micro-batch (exact in distribution)"
         )
-    # BatchNorm in training cannot normalise one sample alone (on a 1x1 feature map it raises):
-    # no window and no micro-batch may hold a lone sample.
-    lone_ok = bn == 0 or cfg.freeze_bn
-    if not lone_ok:
-        _check_no_lone_sample(len(train_items), rank_batch, world, log)
-    train_ds, valid_ds = task.datasets(train_items, valid_items)
-    has_valid = len(valid_ds) > 0
-    monitor = cfg.monitor if has_valid else "train_loss"
-    valid_loader = make_loader(
-        valid_ds,
-        max(1, 2 * micro),
-        shuffle=False,
-        seed=cfg.seed,
-        num_workers=workers,
-        pin_memory=pin,
-    )
-    sampler: Any = None
-    if world > 1:
-        from torch.utils.data.distributed import DistributedSampler
+    return bn == 0 or cfg.freeze_bn
 
-        sampler = DistributedSampler(
-            train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
-        )
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    backoff = OOMBackoff(
-        micro_batch=micro,
-        max_micro_batch=max_micro,
-        grow_after=cfg.grow_after,
-        min_micro_batch=1 if lone_ok else min(2, micro),
-    )
 
-    history: list[dict[str, Any]] = []
-    best = math.inf
-    start_epoch = 0
-    mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
-    if state is not None:
-        core.load_state_dict(state["model"])
-        history = json.loads(state["history"])
-        best = float(state["best"])
-        start_epoch = int(state["epoch"]) + 1
-        backoff.micro_batch = int(state["micro_batch"])
-        backoff.clean_windows = int(state.get("clean_windows", 0))
-        backoff.grow_after = int(state.get("grow_after", backoff.grow_after))
-        mid = state.get("mid") or None
-        total = sum(n for _, n in _phases(cfg))
-        log(
-            f"resuming {run_dir} in epoch {start_epoch + 1} of {total}, after window "
-            f"{mid['windows']}"
-            if mid
-            else f"resuming {run_dir} after epoch {start_epoch} of {total}"
+def _restore(run: _Run, state: dict[str, Any]) -> None:
+    run.core.load_state_dict(state["model"])
+    run.history = json.loads(state["history"])
+    run.best = float(state["best"])
+    run.start_epoch = int(state["epoch"]) + 1
+    run.backoff.micro_batch = int(state["micro_batch"])
+    run.backoff.clean_windows = int(state.get("clean_windows", 0))
+    run.backoff.grow_after = int(state.get("grow_after", run.backoff.grow_after))
+    run.mid = state.get("mid") or None
+    total = sum(n for _, n in _phases(run.cfg))
+    run.log(
+        f"resuming {run.run_dir} in epoch {run.start_epoch + 1} of {total}, after window "
+        f"{run.mid['windows']}"
+        if run.mid
+        else f"resuming {run.run_dir} after epoch {run.start_epoch} of {total}"
+    )
+    if run.mid and run.workers > 0:
+        run.log(
+            "note: resuming mid-epoch with num_workers > 0: the rest of this epoch's "
+            "augmentation is drawn by other worker streams (bit-identical with num_workers=0)"
         )
-        if mid and workers > 0:
-            log(
-                "note: resuming mid-epoch with num_workers > 0: the rest of this epoch's "
-                "augmentation is drawn by other worker streams (bit-identical with num_workers=0)"
-            )
+
+
+@dataclass
+class _Phase:
+    """One phase's optimizer, schedule and accumulator (the head-only epochs of fine_tune get
+    their own)."""
+
+    name: str
+    end_epoch: int
+    windows: int  # per epoch
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    plateau: bool
+    acc: Accumulator
+    checkpoint: Callable[..., None]
+
+
+def _train_phase(run: _Run, phase: str, phase_start: int, end_epoch: int) -> None:
+    cfg = run.cfg
+    windows = (
+        math.ceil(len(run.sampler) / run.rank_batch)
+        if run.sampler is not None
+        else windows_per_epoch(len(run.train_ds), cfg.batch, 1 if run.lone_ok else 2)
+    )
+    opt, sched = _make_optimizer(cfg, run.core, phase, (end_epoch - phase_start) * windows)
+    plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    model: nn.Module = run.core
+    if run.world > 1:
+        # Re-wrapped per phase: DDP fixes the trainable parameters when it is built.
+        # No buffer broadcast in forward, so no collective runs inside a micro-batch.
+        model = _ddp(run.core)
+    if cfg.compile:
+        # After DDP, as torch's docs say; the weights stay `core`'s (checkpoints unchanged).
+        model = cast(nn.Module, torch.compile(model))
+    # On one process model= is not passed: the BatchNorm note replaces the warning.
+    acc = Accumulator(
+        opt,
+        scheduler=None if plateau else sched,
+        scaler=run.scaler,
+        model=model if run.world > 1 else None,
+        sync="step",
+    )
+    checkpoint = functools.partial(
+        _save_checkpoint, run.run_dir, run.core, opt, sched, acc, run.scaler, run.backoff,
+        phase=phase,
+    )  # fmt: skip
+    state = run.state
+    if (
+        state is not None
+        and state["phase"] == phase
+        and (run.start_epoch > phase_start or run.mid is not None)
+    ):
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        acc.load_state_dict(state["accumulator"])
+        if run.scaler is not None and state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+    ph = _Phase(phase, end_epoch, windows, model, opt, sched, plateau, acc, checkpoint)
+    for e in range(max(phase_start, run.start_epoch), end_epoch):
+        t0 = time.perf_counter()
+        loss_sum, count = _train_epoch(run, ph, e)
+        _finish_epoch(run, ph, e, loss_sum, count, t0)
+
+
+def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
+    """One epoch's windows; returns the epoch's loss sum and count (for the exact mean)."""
+    from bigbatch.memory.predict import autocast_for
+
+    cfg, device, acc, backoff = run.cfg, run.device, ph.acc, run.backoff
+    # Order, augmentation and dropout depend only on (seed, epoch): a resumed run replays
+    # exactly what the uninterrupted run would have done.
+    torch.manual_seed(cfg.seed + e)
+    _train_mode(run.core, cfg)  # evaluation left the model in train mode, BatchNorm too
+    resumed = run.mid if run.mid is not None and e == run.start_epoch else None
+    run.mid = None
+    loader: Any
+    if run.sampler is not None:
+        run.sampler.set_epoch(e)
+        loader = torch.utils.data.DataLoader(
+            run.train_ds, batch_size=run.rank_batch, sampler=run.sampler, num_workers=run.workers
+        )
+    else:
+        loader = make_loader(
+            run.train_ds,
+            cfg.batch,
+            shuffle=True,
+            seed=cfg.seed * 1000 + e,
+            num_workers=run.workers,
+            min_last=1 if run.lone_ok else 2,
+            skip=int(resumed["windows"]) if resumed else 0,
+            pin_memory=run.pin,
+        )
+    loss_sum = count = 0.0
+    windows_done = 0
+    if resumed:
+        # Where the checkpoint left the epoch: its windows, sums and random streams.
+        windows_done = int(resumed["windows"])
+        loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
+        torch.set_rng_state(resumed["rng"])
+        if resumed.get("cuda_rng") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(resumed["cuda_rng"]))
+    show = _progress(
+        run.progress and run.main_rank,
+        ph.windows,
+        f"epoch {e + 1}/{ph.end_epoch} ({ph.name})",
+        log=run.log,
+        log_every=cfg.log_every,
+    )
     every_steps, every_seconds = cfg.checkpoint_interval()
-    last_checkpoint = time.perf_counter()
 
-    sign = 1.0 if monitor in ("valid_loss", "error_rate", "train_loss") else -1.0
-    epoch = 0
-    for phase, n_epochs in _phases(cfg):
-        phase_start = epoch
-        epoch += n_epochs
-        if start_epoch >= epoch:
-            continue  # a finished phase
-        loaders_windows = (
-            math.ceil(len(sampler) / rank_batch)
-            if sampler is not None
-            else windows_per_epoch(len(train_ds), cfg.batch, 1 if lone_ok else 2)
-        )
-        opt, sched = _make_optimizer(cfg, core, phase, n_epochs * loaders_windows)
-        plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        model: nn.Module = core
-        if world > 1:
-            # Re-wrapped per phase: DDP fixes the trainable parameters when it is built.
-            # No buffer broadcast in forward, so no collective runs inside a micro-batch.
-            model = _ddp(core)
-        if cfg.compile:
-            # After DDP, as torch's docs say; the weights stay `core`'s (checkpoints unchanged).
-            model = cast(nn.Module, torch.compile(model))
-        # On one process model= is not passed: the BatchNorm note above replaces the warning.
-        acc = Accumulator(
-            opt,
-            scheduler=None if plateau else sched,
-            scaler=scaler,
-            model=model if world > 1 else None,
-            sync="step",
-        )
-        checkpoint = functools.partial(
-            _save_checkpoint, run_dir, core, opt, sched, acc, scaler, backoff, phase=phase
-        )
-        if (
-            state is not None
-            and state["phase"] == phase
-            and (start_epoch > phase_start or mid is not None)
-        ):
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            acc.load_state_dict(state["accumulator"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-        for e in range(max(phase_start, start_epoch), epoch):
-            # Order, augmentation and dropout depend only on (seed, epoch): a resumed run
-            # replays exactly what the uninterrupted run would have done.
-            torch.manual_seed(cfg.seed + e)
-            _train_mode(core, cfg)  # evaluation left the model in train mode, BatchNorm too
-            resumed = mid if mid is not None and e == start_epoch else None
-            mid = None
-            loader: Any
-            if sampler is not None:
-                sampler.set_epoch(e)
-                loader = torch.utils.data.DataLoader(
-                    train_ds, batch_size=rank_batch, sampler=sampler, num_workers=workers
-                )
-            else:
-                loader = make_loader(
-                    train_ds,
-                    cfg.batch,
-                    shuffle=True,
-                    seed=cfg.seed * 1000 + e,
-                    num_workers=workers,
-                    min_last=1 if lone_ok else 2,
-                    skip=int(resumed["windows"]) if resumed else 0,
-                    pin_memory=pin,
-                )
-            t0 = time.perf_counter()
-            loss_sum = count = 0.0
-            windows_done = 0
-            if resumed:
-                # Where the checkpoint left the epoch: its windows, sums and random streams.
-                windows_done = int(resumed["windows"])
-                loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
-                torch.set_rng_state(resumed["rng"])
-                if resumed.get("cuda_rng") and torch.cuda.is_available():
-                    torch.cuda.set_rng_state_all(list(resumed["cuda_rng"]))
-            show = _progress(
-                progress and main_rank,
-                loaders_windows,
-                f"epoch {e + 1}/{epoch} ({phase})",
-                log=log,
-                log_every=cfg.log_every,
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with autocast_for(run.precision, device.type):
+            logits = ph.model(
+                batch[0].to(device, non_blocking=True, memory_format=run.memory_format)
             )
-            for x, y in loader:
+        return run.task.loss(logits, batch[1].to(device, non_blocking=True))
 
-                def loss_fn(
-                    batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module = model
-                ) -> torch.Tensor:
-                    with autocast_for(precision, device.type):
-                        logits = model(
-                            batch[0].to(device, non_blocking=True, memory_format=memory_format)
-                        )
-                    return task.loss(logits, batch[1].to(device, non_blocking=True))
-
-                result = run_window(acc, (x, y), loss_fn, backoff, device=device)
-                if result.skipped:
-                    continue
-                if not math.isfinite(result.loss):
-                    show.close()
-                    raise TrainingDiverged(
-                        f"training diverged: the loss became {result.loss} at epoch {e + 1}, "
-                        f"optimizer step {acc.optimizer_step} (lr {opt.param_groups[0]['lr']:.3g}). "
-                        f"Nothing of epoch {e + 1} was saved"
-                        + (f"; {run_dir / 'last.pt'} holds epoch {e}" if history else "")
-                        + ". Lower lr (e.g. lr="
-                        + f"{cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
-                    )
-                loss_sum += result.loss * result.count
-                count += result.count
-                windows_done += 1
-                now = time.perf_counter()
-                due = (every_steps and acc.optimizer_step % every_steps == 0) or (
-                    every_seconds and now - last_checkpoint >= every_seconds
-                )
-                # One process only: a DistributedSampler cannot skip the windows already done.
-                if due and world == 1 and windows_done < loaders_windows:
-                    last_checkpoint = now
-                    checkpoint(
-                        epoch=e - 1,
-                        best=best,
-                        history=history,
-                        mid={
-                            "windows": windows_done,
-                            "loss_sum": loss_sum,
-                            "count": count,
-                            "rng": torch.get_rng_state(),
-                            "cuda_rng": torch.cuda.get_rng_state_all()
-                            if torch.cuda.is_available()
-                            else [],
-                        },
-                    )
-                show.advance(
-                    len(y),
-                    backoff.micro_batch,
-                    acc_steps=math.ceil(len(y) / backoff.micro_batch),
-                    device=device,
-                )
-            acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
+    for x, y in loader:
+        result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+        if result.skipped:
+            continue
+        if not math.isfinite(result.loss):
             show.close()
-            row: dict[str, Any] = {
-                "epoch": e + 1,
-                "phase": phase,
-                "train_loss": loss_sum / max(count, 1),
-            }
-            if has_valid:
-                # Every rank evaluates the whole validation set: identical metrics everywhere.
-                metrics = evaluate(
-                    core, valid_loader, device, precision, task.metrics(), memory_format
-                )
-                row |= metrics.as_dict()  # valid_loss, then the task's scores
-            if plateau:
-                sched.step(row["valid_loss" if has_valid else "train_loss"])
-            row |= {
-                "lr": opt.param_groups[0]["lr"],
-                "micro_batch": backoff.micro_batch,
-                "optimizer_steps": acc.optimizer_step,
-                "seconds": round(time.perf_counter() - t0, 2),
-            }
-            history.append(row)
-            value = row[monitor]
-            improved = sign * value < sign * best if math.isfinite(best) else True
-            if improved:
-                best = value
-            if not main_rank:
-                continue
-            if improved:
-                save_weights(core, run_dir / "best.safetensors")
-                atomic_write_text(
-                    run_dir / "best.json", json.dumps({"epoch": e + 1, monitor: value})
-                )
-            save_weights(core, run_dir / "last.safetensors")
-            checkpoint(epoch=e, best=best, history=history)
-            last_checkpoint = time.perf_counter()
-            write_history(history, run_dir / "history.csv")
-            plot_history(history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
-            scores = task.scores(row) if has_valid else ""
-            log(
-                f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"
-                f"({row['seconds']} s, micro-batch {backoff.micro_batch})"
-                + ("  * best" if improved else "")
+            raise TrainingDiverged(
+                f"training diverged: the loss became {result.loss} at epoch {e + 1}, "
+                f"optimizer step {acc.optimizer_step} (lr {ph.opt.param_groups[0]['lr']:.3g}). "
+                f"Nothing of epoch {e + 1} was saved"
+                + (f"; {run.run_dir / 'last.pt'} holds epoch {e}" if run.history else "")
+                + ". Lower lr (e.g. lr="
+                + f"{cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
             )
-    if main_rank:
-        summary = {"monitor": monitor, "best": best, "epochs": len(history)}
-        atomic_write_text(run_dir / "done.json", json.dumps(summary))
-    return TrainResult(run_dir, best, history, classes)
+        loss_sum += result.loss * result.count
+        count += result.count
+        windows_done += 1
+        now = time.perf_counter()
+        due = (every_steps and acc.optimizer_step % every_steps == 0) or (
+            every_seconds and now - run.last_checkpoint >= every_seconds
+        )
+        # One process only: a DistributedSampler cannot skip the windows already done.
+        if due and run.world == 1 and windows_done < ph.windows:
+            run.last_checkpoint = now
+            ph.checkpoint(
+                epoch=e - 1,
+                best=run.best,
+                history=run.history,
+                mid={
+                    "windows": windows_done,
+                    "loss_sum": loss_sum,
+                    "count": count,
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                },
+            )
+        show.advance(
+            len(y),
+            backoff.micro_batch,
+            acc_steps=math.ceil(len(y) / backoff.micro_batch),
+            device=device,
+        )
+    acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
+    show.close()
+    return loss_sum, count
+
+
+def _finish_epoch(run: _Run, ph: _Phase, e: int, loss_sum: float, count: float, t0: float) -> None:
+    """Validation, the plateau schedule, the history, the best and last checkpoints, the log."""
+    row: dict[str, Any] = {"epoch": e + 1, "phase": ph.name, "train_loss": loss_sum / max(count, 1)}
+    if run.has_valid:
+        # Every rank evaluates the whole validation set: identical metrics everywhere.
+        metrics = evaluate(
+            run.core, run.valid_loader, run.device, run.precision, run.task.metrics(),
+            run.memory_format,
+        )  # fmt: skip
+        row |= metrics.as_dict()  # valid_loss, then the task's scores
+    if ph.plateau:
+        ph.sched.step(row["valid_loss" if run.has_valid else "train_loss"])
+    row |= {
+        "lr": ph.opt.param_groups[0]["lr"],
+        "micro_batch": run.backoff.micro_batch,
+        "optimizer_steps": ph.acc.optimizer_step,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    run.history.append(row)
+    value = row[run.monitor]
+    sign = 1.0 if run.monitor in ("valid_loss", "error_rate", "train_loss") else -1.0
+    improved = sign * value < sign * run.best if math.isfinite(run.best) else True
+    if improved:
+        run.best = value
+    if not run.main_rank:
+        return
+    run_dir, cfg = run.run_dir, run.cfg
+    if improved:
+        save_weights(run.core, run_dir / "best.safetensors")
+        atomic_write_text(run_dir / "best.json", json.dumps({"epoch": e + 1, run.monitor: value}))
+    save_weights(run.core, run_dir / "last.safetensors")
+    ph.checkpoint(epoch=e, best=run.best, history=run.history)
+    run.last_checkpoint = time.perf_counter()
+    write_history(run.history, run_dir / "history.csv")
+    plot_history(run.history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
+    scores = run.task.scores(row) if run.has_valid else ""
+    run.log(
+        f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"
+        f"({row['seconds']} s, micro-batch {run.backoff.micro_batch})"
+        + ("  * best" if improved else "")
+    )
 
 
 def _save_checkpoint(
