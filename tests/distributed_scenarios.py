@@ -68,3 +68,32 @@ def uneven_data(rank: int, world: int, port: int, out: str) -> None:
     acc.end_epoch()
     _save(rank, out, "uneven", model, acc.optimizer_step)
     dist.barrier()
+
+
+def contrastive_views(rank: int, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(200 + rank)
+    return [
+        (torch.randn(n, 6, generator=g, dtype=torch.float64),
+         torch.randn(n, 6, generator=g, dtype=torch.float64))
+        for n in sizes
+    ]  # fmt: skip
+
+
+def info_nce(z1: torch.Tensor, z2: torch.Tensor) -> torch.Tensor:
+    logits = F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T / 0.2
+    return F.cross_entropy(logits, torch.arange(len(z1)))
+
+
+CONTRASTIVE_SIZES = {0: [5, 3], 1: [4, 4, 2]}  # uneven: 8 rows on rank 0, 10 on rank 1
+
+
+def cached_contrastive(rank: int, world: int, port: int, out: str) -> None:
+    """InfoNCE over both ranks' rows (all-gathered): every rank's negatives are the global batch."""
+    from bigbatch.coupled import cached_backward
+
+    model = net()
+    acc = Accumulator(sgd(model), micro_batches=1, sync="step")
+    batches = contrastive_views(rank, CONTRASTIVE_SIZES[rank])
+    cached_backward(acc, lambda b: (model(b[0]), model(b[1])), info_nce, batches, gather=True)
+    acc.step()
+    _save(rank, out, "cached", model)

@@ -101,3 +101,33 @@ def test_cli_verify_distributed(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "ddp_tokens" in out and "DIFFERS" in out
     assert main(["verify", "--distributed", "3"]) == 2
+
+
+def test_cached_contrastive_across_ranks_equals_one_process_big_batch(tmp_path: Path) -> None:
+    from distributed_scenarios import CONTRASTIVE_SIZES, cached_contrastive, contrastive_views
+    from distributed_scenarios import info_nce as loss_fn
+
+    run_distributed(cached_contrastive, 2, str(tmp_path))
+    r0, r1 = [torch.load(tmp_path / f"cached-{r}.pt", weights_only=True) for r in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+    # One process: all of rank 0's rows, then rank 1's, in one InfoNCE over the 18 pairs.
+    model = net()
+    opt = sgd(model)
+    views = [v for r in (0, 1) for v in contrastive_views(r, CONTRASTIVE_SIZES[r])]
+    z1 = model(torch.cat([v[0] for v in views]))
+    z2 = model(torch.cat([v[1] for v in views]))
+    loss_fn(z1, z2).backward()
+    opt.step()
+    assert _rel(r0["params"], model) <= TOL64
+    # Negative control: each rank's own InfoNCE (its rows' negatives only), averaged.
+    local = net()
+    opt = sgd(local)
+    total = 0
+    for r in (0, 1):
+        rows = contrastive_views(r, CONTRASTIVE_SIZES[r])
+        a = local(torch.cat([v[0] for v in rows]))
+        b = local(torch.cat([v[1] for v in rows]))
+        total = total + len(a) * loss_fn(a, b)
+    (total / 18).backward()
+    opt.step()
+    assert _rel(r0["params"], local) > 1e-3

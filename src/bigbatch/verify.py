@@ -32,7 +32,8 @@ __all__ = [
     "window_gradients",
 ]
 
-Method = Literal["bigbatch", "naive"]
+# bigbatch / naive (loss / N); for coupled losses: cached (gradient caching) / plain.
+Method = Literal["bigbatch", "naive", "cached", "plain"]
 CountBy = Literal["samples", "tokens"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -16,10 +16,17 @@ from bigbatch.cli.main import main
 def test_builtin_cases_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--json", "--dtype", "float64"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["method"] for r in rows} == {"bigbatch", "naive"}
+    assert {r["method"] for r in rows} == {"bigbatch", "naive", "cached", "plain"}
     for r in rows:
         assert {"case", "method", "dtype", "max_abs", "max_rel", "passed"} <= set(r)
-        assert r["passed"] == (r["method"] == "bigbatch" or r["case"] == "equal")
+        exact = r["method"] in ("bigbatch", "cached") or r["case"] == "equal"
+        assert r["passed"] == exact, r
+    # The coupled losses: gradient caching exact, plain accumulation another objective.
+    coupled = {(r["case"], r["method"]): r for r in rows if r["method"] in ("cached", "plain")}
+    assert {c for c, _ in coupled} == {"info_nce", "supcon", "batch_dice"}
+    for case in ("info_nce", "supcon", "batch_dice"):
+        assert coupled[(case, "cached")]["max_rel"] <= 1e-12
+        assert coupled[(case, "plain")]["max_rel"] > 1e-3
 
 
 def test_table_explains_the_naive_failures(capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,4 +123,4 @@ def test_console_script_runs() -> None:
         text=True,
         check=True,
     ).stdout
-    assert len(json.loads(out)) == 10
+    assert len(json.loads(out)) == 10 + 6  # 5 cases x bigbatch/naive, 3 coupled x cached/plain

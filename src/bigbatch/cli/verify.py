@@ -178,10 +178,14 @@ def run(args: argparse.Namespace) -> int:
         methods: list[Method] = ["bigbatch", "naive"] if args.naive else ["bigbatch"]
         results = _user_results(args, methods, dtypes)
     else:
+        from bigbatch.verify_coupled import run_coupled_cases
+
         results = run_builtin_cases(methods=("bigbatch", "naive"), dtypes=dtypes, seed=args.seed)
+        # Losses that couple the samples: plain accumulation against gradient caching.
+        results += run_coupled_cases([d for d in dtypes if d != torch.bfloat16])
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
         _print_table(results)
-    ours: list[Any] = [r for r in results if r.method == "bigbatch"]
+    ours: list[Any] = [r for r in results if r.method in ("bigbatch", "cached")]
     return 0 if all(r.passed for r in ours) else 1

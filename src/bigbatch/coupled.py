@@ -1,0 +1,175 @@
+"""Exact big batches for losses that couple the samples: contrastive (in-batch negatives), batch
+Dice, listwise ranking. Gradient caching (Gao et al., 2021).
+
+Such a loss is not a sum over samples, so no weighting of micro-batch losses equals it: 4
+micro-batches of 64 see 63 negatives each, the batch of 256 sees 255. :func:`cached_backward`
+computes the big batch's loss and gradient with the memory of one micro-batch:
+
+1. each micro-batch is encoded without a graph (its random state recorded), giving the
+   representations, small (batch x dim);
+2. the loss runs once on all of them, and its gradient with respect to them is kept;
+3. each micro-batch is encoded again, with a graph and the same random state (so dropout draws
+   the same masks), and backpropagates its slice of that gradient.
+
+The parameter gradient is then the big batch's, by the chain rule; the cost is one more forward.
+It goes through :meth:`bigbatch.Accumulator.backward`, so the window's normalisation, GradScaler,
+clipping, schedulers and checkpoints work as for any micro-batch, and several cached big batches
+can make one optimizer step (each weighted by its count).
+
+>>> import torch, torch.nn.functional as F
+>>> from bigbatch import Accumulator
+>>> encoder = torch.nn.Linear(8, 4)
+>>> acc = Accumulator(torch.optim.SGD(encoder.parameters(), lr=0.1), micro_batches=1)
+>>> def info_nce(z1, z2):
+...     logits = F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T / 0.1
+...     return F.cross_entropy(logits, torch.arange(len(z1)))
+>>> pairs = [(torch.randn(3, 8), torch.randn(3, 8)) for _ in range(2)]  # 2 micro-batches of 3 pairs
+>>> loss = cached_backward(acc, lambda b: (encoder(b[0]), encoder(b[1])), info_nce, pairs)
+>>> _ = acc.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bigbatch.accumulate import Accumulator
+
+__all__ = ["cached_backward", "info_nce", "supervised_contrastive"]
+
+Encode = Callable[[Any], "torch.Tensor | tuple[torch.Tensor, ...]"]
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _towers(out: Any, where: str) -> tuple[torch.Tensor, ...]:
+    towers = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    if not towers or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in towers):
+        raise TypeError(
+            f"encode must return a tensor of representations (batch first) or a tuple of them "
+            f"(one per tower), got {type(out).__name__} from {where}"
+        )
+    return towers
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """All ranks' rows, in rank order; the gradient flows back to the rank that owns each row.
+    Ranks may hold different numbers of rows: padded to the largest for the collective, then
+    trimmed."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+
+    world = dist.get_world_size()
+    rows = torch.tensor([len(t)], device=t.device)
+    counts = [torch.zeros_like(rows) for _ in range(world)]
+    dist.all_gather(counts, rows)
+    sizes = [int(c) for c in counts]
+    padded = torch.cat([t, t.new_zeros((max(sizes) - len(t), *t.shape[1:]))])
+    if t.requires_grad:
+        parts = list(dist_fn.all_gather(padded))
+    else:
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous())
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def cached_backward(
+    acc: Accumulator,
+    encode: Encode,
+    loss_fn: Callable[..., torch.Tensor],
+    micro_batches: Sequence[Any],
+    *,
+    targets: torch.Tensor | None = None,
+    count: int | None = None,
+    gather: bool = False,
+) -> torch.Tensor:
+    """Backpropagate ``loss_fn`` over the big batch made of ``micro_batches``, exactly, holding
+    one micro-batch's activations at a time. Returns the loss (detached).
+
+    ``encode(micro_batch)`` returns its representations, batch first: a tensor, or a tuple with
+    one per tower (image and text, or two views). ``loss_fn(*towers)`` (``loss_fn(*towers,
+    targets)`` when ``targets`` are given, for the whole big batch, in order) gets each tower's
+    representations of the whole big batch and returns its mean loss. ``count`` is what the loss
+    averages over (default: the number of rows); the Accumulator weights this big batch by it.
+    ``gather=True`` under torch.distributed: every rank's representations (and targets) join the
+    loss, so the negatives are the global batch; the gradient of each row flows back to its rank.
+    Put autocast inside ``encode`` and ``loss_fn`` where you want it.
+    """
+    if not micro_batches:
+        raise ValueError("micro_batches is empty: give the big batch's micro-batches")
+    states = []
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for i, mb in enumerate(micro_batches):
+        states.append(_rng_state())
+        with torch.no_grad():
+            parts.append(tuple(t.detach() for t in _towers(encode(mb), f"micro-batch {i}")))
+    n_towers = len(parts[0])
+    if any(len(p) != n_towers for p in parts):
+        raise ValueError("encode returned a different number of towers for different micro-batches")
+    sizes = [len(p[0]) for p in parts]
+    local = [torch.cat([p[t] for p in parts]).requires_grad_(True) for t in range(n_towers)]
+    after_first_pass = _rng_state()
+    towers = [_gather(t) for t in local] if gather else local
+    args: list[Any] = list(towers)
+    if targets is not None:
+        args.append(_gather(targets) if gather else targets)
+    loss = loss_fn(*args)
+
+    def second_pass(weighted: torch.Tensor) -> None:
+        # The loss's gradient with respect to every row of this rank (all-gather's backward
+        # routes the other ranks' share here), then each micro-batch's own backward.
+        weighted.backward()
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in local]
+        start = 0
+        for state, mb, n in zip(states, micro_batches, sizes, strict=True):
+            _set_rng_state(state)  # the same dropout masks as the first pass
+            out = _towers(encode(mb), "the second pass")
+            torch.autograd.backward(out, [g[start : start + n] for g in grads])
+            start += n
+        _set_rng_state(after_first_pass)
+
+    acc.backward(loss, count=count if count is not None else sum(sizes), backward=second_pass)
+    return loss.detach()
+
+
+def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float = 0.2) -> torch.Tensor:
+    """Symmetric InfoNCE (CLIP, SimCLR's NT-Xent across views): row i of ``z1`` and of ``z2`` are
+    a positive pair, every other row of the batch a negative. It couples the samples.
+
+    >>> z = torch.eye(4)
+    >>> round(float(info_nce(z, z, temperature=0.05)), 4)
+    0.0
+    """
+    logits = F.normalize(z1, dim=1) @ F.normalize(z2, dim=1).T / temperature
+    target = torch.arange(len(z1), device=z1.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+def supervised_contrastive(
+    z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.2
+) -> torch.Tensor:
+    """Supervised contrastive loss (Khosla et al., 2020): rows with the same label are each
+    other's positives, all other rows of the batch negatives. It couples the samples."""
+    z = F.normalize(z, dim=1)
+    self_mask = torch.eye(len(z), dtype=torch.bool, device=z.device)
+    sim = (z @ z.T / temperature).masked_fill(self_mask, torch.finfo(z.dtype).min)
+    log_prob = sim.log_softmax(dim=1)
+    positives = (labels[:, None] == labels[None, :]) & ~self_mask
+    per_anchor = -(log_prob.masked_fill(~positives, 0)).sum(1) / positives.sum(1).clamp(min=1)
+    return per_anchor.mean()
+
+
+info_nce.couples_samples = True  # type: ignore[attr-defined]
+supervised_contrastive.couples_samples = True  # type: ignore[attr-defined]
