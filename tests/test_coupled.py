@@ -172,3 +172,22 @@ def test_misuse_is_refused() -> None:
         cached_backward(acc, encode, loss_fn, [])
     with pytest.raises(TypeError, match="encode must return a tensor"):
         cached_backward(acc, lambda b: "not a tensor", loss_fn, batches)
+
+
+def test_plan_leaves_room_for_the_gradient_cache() -> None:
+    from bigbatch.coupled import cache_bytes
+    from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
+    from bigbatch.memory.predict import StepSpec
+
+    def spec_at(b: int) -> StepSpec:
+        wide = lambda: nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 6))  # noqa: E731
+        return StepSpec(wide, (512,), b)
+
+    budget = 64 * 2**20
+    plain = plan_micro_batch(spec_at, 1024, budget, overhead=0)
+    cache = cache_bytes(1024, 6)  # 1024 pairs: the 1024 x 1024 similarities dominate
+    cached = plan_micro_batch(spec_at, 1024, budget, overhead=0, extra_bytes=cache)
+    assert cached.micro_batch < plain.micro_batch
+    assert cached.predicted_peak_bytes + cache <= budget * 0.9
+    with pytest.raises(DoesNotFitError, match="gradient cache"):
+        plan_micro_batch(spec_at, 1024, cache, overhead=0, extra_bytes=cache)

@@ -54,3 +54,13 @@ def test_integrations_benchmark_json() -> None:
     rows = json.loads(out[out.index("{") :])["rows"]
     assert set(rows) == {"lightning", "fastai", "keras", "hf"}
     assert all(row["ratio"] > 0 for row in rows.values())
+
+
+def test_coupled_benchmark_json() -> None:
+    out = _run(
+        "benchmarks/coupled.py", "--batch", "64", "--micro", "16", "--width", "64", "--rounds", "1",
+        "--json",
+    )  # fmt: skip
+    result = json.loads(out)
+    assert result["peak_bytes"]["cached"] < result["peak_bytes"]["big_batch"]
+    assert result["time_ratio_vs_plain_accumulation"] > 0

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from bigbatch.accumulate import Accumulator
 
-__all__ = ["cached_backward", "info_nce", "supervised_contrastive"]
+__all__ = ["cache_bytes", "cached_backward", "info_nce", "supervised_contrastive"]
 
 Encode = Callable[[Any], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
@@ -173,3 +173,24 @@ def supervised_contrastive(
 
 info_nce.couples_samples = True  # type: ignore[attr-defined]
 supervised_contrastive.couples_samples = True  # type: ignore[attr-defined]
+
+
+def cache_bytes(
+    batch: int,
+    dim: int,
+    *,
+    towers: int = 2,
+    element_bytes: int = 4,
+    pairwise: bool = True,
+) -> int:
+    """Memory :func:`cached_backward` holds besides one micro-batch's step, for planning
+    (``plan_micro_batch(..., extra_bytes=cache_bytes(...))``): the representations and their
+    gradients (``2 x towers x batch x dim``), and, for a ``pairwise`` loss (InfoNCE, supervised
+    contrastive), its own activations at the full batch: the ``batch x batch`` similarities,
+    their softmax both ways and its gradient, about 6 of them.
+
+    >>> cache_bytes(1024, 128) // 2**20   # MiB: 2 MiB of representations, 24 of similarities
+    26
+    """
+    reps = 2 * towers * batch * dim * element_bytes
+    return reps + (6 * batch * batch * element_bytes if pairwise else 0)

@@ -206,10 +206,13 @@ def plan_micro_batch(
     overhead: int | None = None,
     calibration: Any = None,
     max_micro_batch: int | None = None,
+    extra_bytes: int = 0,
 ) -> Plan:
     """Choose the largest micro-batch that fits ``budget`` and the accumulation for ``target_batch``.
 
-    ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``. Raises
+    ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``. ``extra_bytes`` is memory
+    held besides one micro-batch's step for the whole window: a gradient cache
+    (:func:`bigbatch.coupled.cache_bytes`) for a loss that couples the samples. Raises
     :class:`DoesNotFitError` (with the floor's breakdown and what to try) when even micro-batch 1
     does not fit.
 
@@ -225,7 +228,14 @@ def plan_micro_batch(
         )
     budget_bytes = resolve_budget(budget, device)
     overhead = overhead_bytes(device) if overhead is None else overhead
-    usable = usable_bytes(budget_bytes, overhead, device, margin)
+    usable = usable_bytes(budget_bytes, overhead, device, margin) - extra_bytes
+    if usable <= 0:
+        raise DoesNotFitError(
+            f"the {format_bytes(extra_bytes)} held across the window (extra_bytes: a gradient "
+            f"cache?) leave nothing of budget {format_bytes(budget_bytes)} for the step; raise "
+            "the budget or shrink the cache (a smaller target batch or representation)",
+            predict_peak(spec_at(1), calibration=calibration),
+        )
     cache: dict[int, MemoryPrediction] = {}
 
     def peak(b: int) -> int:
@@ -248,7 +258,9 @@ def plan_micro_batch(
             f"even micro-batch {smallest} does not fit: it needs {format_bytes(floor)} "
             f"({f.breakdown()}) but {format_bytes(usable)} is usable "
             f"(budget {format_bytes(budget_bytes)} less {margin:.0%} margin and "
-            f"{format_bytes(overhead)} overhead); {_suggestions(spec_at(1))}",
+            f"{format_bytes(overhead)} overhead"
+            + (f" and {format_bytes(extra_bytes)} of gradient cache" if extra_bytes else "")
+            + f"); {_suggestions(spec_at(1))}",
             f,
         )
     cap = min(target_batch, max_micro_batch or target_batch)
