@@ -158,3 +158,16 @@ def test_planning_prints_no_profiler_lines() -> None:
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert "USDT" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-1000:]
     assert "resnet10t" in proc.stdout
+
+
+def test_plan_leaves_room_for_a_gradient_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "bigbatch.segmentation.models:unet2d", "--input-shape", "3,32,32",
+            "--batch", "4096", "--budget", "1GB", "--overhead", "0", "--no-calibrate", "--json"]  # fmt: skip
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--cache-dim", "128"]) == 0
+    captured = capsys.readouterr()
+    cached = json.loads(captured.out)
+    assert "gradient cache for batch 4096: 392.0 MiB" in captured.err
+    assert cached["micro_batch"] < plain["micro_batch"]
+    assert plain["usable_bytes"] - cached["usable_bytes"] == 392 * 2**20

@@ -146,3 +146,15 @@ def test_segmentation_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: 
     want = load_file(tmp_path / "full" / "last.safetensors")
     got = load_file(tmp_path / "killed" / "last.safetensors")
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_timm_encoder_under_the_unet_decoder_trains(tmp_path: Path) -> None:
+    data = write_shapes_2d(tmp_path / "shapes", n=8, size=32)
+    lines: list[str] = []
+    cfg = load_config(
+        overrides=[f"data={data}", *COMMON, "arch=resnet10t", "size=32", "batch=4",
+                   "micro_batch=2", "epochs=1"]
+    )  # fmt: skip
+    result = train(cfg, tmp_path / "run", progress=False, log=lines.append)
+    assert "dice" in result.history[-1]
+    assert any("BatchNorm layer(s)" in line for line in lines)  # the encoder's: said, with remedies

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", action="store_true", help="print JSON (an object, or a list for a table)"
     )
+    p.add_argument(
+        "--cache-dim",
+        type=int,
+        default=0,
+        help="plan for gradient caching (bigbatch.coupled): the representation size; the cache "
+        "(representations, their gradients, a pairwise loss's batch x batch similarities) is "
+        "held besides each micro-batch's step",
+    )
+    p.add_argument(
+        "--cache-towers", type=int, default=2, help="representations per sample (two views: 2)"
+    )
     p.add_argument("--csv", type=Path, help="also write the table as CSV to this file")
     p.add_argument("--plot", type=Path, help="also write a PNG plot of peak vs micro-batch")
 
@@ -114,6 +126,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise UserError(f"--batch must be a positive number of samples, got {args.batch}")
+    if args.cache_dim < 0 or args.cache_towers < 1:
+        raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
+    from bigbatch.coupled import cache_bytes
+
+    cache = (
+        cache_bytes(args.batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
+    )
+    if cache:
+        print(
+            f"gradient cache for batch {args.batch}: {format_bytes(cache)} held besides each step",
+            file=sys.stderr,  # stdout stays the plan (JSON with --json)
+        )
     try:
         # Planning for a GPU needs none; measuring on one (--confirm) does.
         check_device(args.device, "--device", here=args.confirm)
@@ -164,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                 margin=args.margin,
                 overhead=overhead,
                 calibration=calibration,
+                extra_bytes=cache,
             )
         except DoesNotFitError as exc:
             if len(rows) == 1:
