@@ -57,9 +57,10 @@ def test_integrations_benchmark_json() -> None:
 
 
 def test_coupled_benchmark_json() -> None:
+    # Activations (batch x width x depth) outweigh the weights and the 512 x 512 similarities.
     out = _run(
-        "benchmarks/coupled.py", "--batch", "64", "--micro", "16", "--width", "64", "--rounds", "1",
-        "--json",
+        "benchmarks/coupled.py", "--batch", "512", "--micro", "64", "--width", "512", "--depth",
+        "6", "--dim", "128", "--rounds", "1", "--json",
     )  # fmt: skip
     result = json.loads(out)
     assert result["peak_bytes"]["cached"] < result["peak_bytes"]["big_batch"]
