@@ -306,13 +306,13 @@ def train(
     rank, world = _init_distributed(cfg)
     run_dir = Path(run_dir)
     if rank != 0:  # rank 0 alone logs and writes files
-        return _train(cfg, run_dir, resume, _silent, False, data, rank, world)
+        return _loop(_setup(cfg, run_dir, resume, _silent, False, data, rank, world))
     from bigbatch.io import FolderBusyError, lock_folder
 
     threads_before = torch.get_num_threads()
     try:
         with lock_folder(run_dir, "run folder"):
-            return _train(cfg, run_dir, resume, log, progress, data, rank, world)
+            return _loop(_setup(cfg, run_dir, resume, log, progress, data, rank, world))
     except (FolderBusyError, NotADirectoryError, PermissionError) as exc:
         raise ConfigError(str(exc)) from exc
     finally:
@@ -378,29 +378,19 @@ class _Run:
         return self.rank == 0
 
 
-def _train(
-    cfg: TrainConfig,
-    run_dir: Path,
-    resume: bool,
-    log: Log,
-    progress: bool | None,
-    data: tuple[Any, Any] | None,
-    rank: int,
-    world: int,
-) -> TrainResult:
-    """The loop: set up (checks, plan, model, data, the state to resume), then each phase's
-    epochs, each epoch's windows through :func:`~bigbatch.memory.oom.run_window`, and after
-    each epoch validation, the history and atomic checkpoints."""
-    run = _setup(cfg, run_dir, resume, log, progress, data, rank, world)
+def _loop(run: _Run) -> TrainResult:
+    """The loop, after :func:`_setup`: each phase's epochs, each epoch's windows through
+    :func:`~bigbatch.memory.oom.run_window`, and after each epoch validation, the history and
+    atomic checkpoints."""
     epoch = 0
-    for phase, n_epochs in _phases(cfg):
+    for phase, n_epochs in _phases(run.cfg):
         phase_start, epoch = epoch, epoch + n_epochs
         if run.start_epoch < epoch:  # else a finished phase
             _train_phase(run, phase, phase_start, epoch)
     if run.main_rank:
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
-        atomic_write_text(run_dir / "done.json", json.dumps(summary))
-    return TrainResult(run_dir, run.best, run.history, run.task.classes)
+        atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
+    return TrainResult(run.run_dir, run.best, run.history, run.task.classes)
 
 
 def _setup(
