@@ -455,6 +455,7 @@ def _setup(
     )
     if use_nhwc:
         core = core.to(memory_format=torch.channels_last)
+    pin = device.type == "cuda"  # page-locked batches: copies to a GPU that overlap compute
     _train_mode(core, cfg)
     lone_ok = _note_inexact(core, cfg, log)
     if not lone_ok:
@@ -481,7 +482,7 @@ def _setup(
         workers=workers,
         core=core,
         memory_format=torch.channels_last if use_nhwc else torch.contiguous_format,
-        pin=device.type == "cuda",
+        pin=pin,
         lone_ok=lone_ok,
         rank_batch=rank_batch,
         train_ds=train_ds,
@@ -491,7 +492,7 @@ def _setup(
             shuffle=False,
             seed=cfg.seed,
             num_workers=workers,
-            pin_memory=device.type == "cuda",
+            pin_memory=pin,
         ),
         has_valid=has_valid,
         monitor=cfg.monitor if has_valid else "train_loss",

@@ -34,9 +34,11 @@ from bigbatch.train.data import IMAGE_SUFFIXES, MEAN, STD, DataError
 __all__ = [
     "SegDataset",
     "SegItems",
+    "image_input",
     "read_image",
     "read_mask",
     "scan_segmentation",
+    "standardise",
     "volume_suffix",
 ]
 
@@ -263,17 +265,11 @@ class SegDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self, image: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size = (self.size, self.size)
-        x = F.interpolate(image[None] / 255.0, size=size, mode="bilinear", antialias=True)[0]
-        mean = torch.tensor(MEAN).view(3, 1, 1)
-        std = torch.tensor(STD).view(3, 1, 1)
         y = F.interpolate(mask[None, None].float(), size=size, mode="nearest")[0, 0].long()
-        return (x - mean) / std, y
+        return image_input(image, self.size), y
 
     def _volume(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = image.flatten(1)
-        image = (image - flat.mean(1).view(-1, 1, 1, 1)) / flat.std(1).clamp(min=1e-6).view(
-            -1, 1, 1, 1
-        )
+        image = standardise(image)
         pad: list[int] = []
         for s in reversed(image.shape[1:]):
             extra = max(0, self.size - s)
@@ -287,3 +283,17 @@ class SegDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             starts.append(int(torch.randint(0, room + 1, ())) if self.train else room // 2)
         crop = tuple(slice(a, a + self.size) for a in starts)
         return image[(slice(None), *crop)], mask[crop]
+
+
+def image_input(image: torch.Tensor, size: int) -> torch.Tensor:
+    """A ``(3, H, W)`` RGB image of 0..255 as the model sees it, in training and prediction
+    alike: resized to ``size`` x ``size`` and ImageNet-normalised."""
+    x = F.interpolate(image[None] / 255.0, size=(size, size), mode="bilinear", antialias=True)[0]
+    return (x - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+
+
+def standardise(volume: torch.Tensor) -> torch.Tensor:
+    """Each channel of a ``(C, D, H, W)`` volume to mean 0 and standard deviation 1."""
+    flat = volume.flatten(1)
+    shape = (-1, *[1] * (volume.dim() - 1))
+    return (volume - flat.mean(1).view(shape)) / flat.std(1).clamp(min=1e-6).view(shape)

@@ -21,8 +21,16 @@ import torch.nn.functional as F
 from bigbatch.io import atomic_path
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, config_from_json
-from bigbatch.train.data import IMAGE_SUFFIXES, MEAN, STD, DataError
-from bigbatch.train.segdata import read_image, volume_suffix
+from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict
+from bigbatch.train.segdata import (
+    VOLUME_SUFFIXES as VOLUMES,
+)
+from bigbatch.train.segdata import (
+    image_input,
+    read_image,
+    standardise,
+    volume_suffix,
+)
 
 __all__ = ["is_segmentation_run", "predict_masks"]
 
@@ -35,13 +43,15 @@ def is_segmentation_run(run_dir: Path) -> bool:
 
 
 def _inputs(folder: Path, dims: int) -> list[Path]:
+    if dims == 2:
+        return images_to_predict(folder)  # the classification check: every image readable
     if not folder.is_dir():
-        raise DataError(f"{folder} is not a folder of images or volumes to predict")
-    wanted = IMAGE_SUFFIXES if dims == 2 else {".npy", ".nii", ".nii.gz"}
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and volume_suffix(p) in wanted)
+        raise DataError(f"{folder} is not a folder of volumes to predict")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and volume_suffix(p) in VOLUMES)
     if not files:
-        kinds = "images (png, jpg ...)" if dims == 2 else "volumes (.npy, .nii, .nii.gz)"
-        raise DataError(f"{folder} holds no {kinds}: this run segments {kinds}")
+        raise DataError(
+            f"{folder} holds no volumes (.npy, .nii, .nii.gz): this run segments volumes"
+        )
     return files
 
 
@@ -83,17 +93,12 @@ def predict_masks(
             )
         spatial = tuple(image.shape[1:])
         if dims == 2:
-            x = F.interpolate(image[None] / 255.0, size=(cfg.size, cfg.size), mode="bilinear")
-            x = (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+            x = image_input(image, cfg.size)[None]  # as in training
         else:
-            flat = image.flatten(1)
-            x = (image - flat.mean(1).view(-1, 1, 1, 1)) / flat.std(1).clamp(min=1e-6).view(
-                -1, 1, 1, 1
-            )
             pad: list[int] = []
             for s in reversed(spatial):
                 pad += [0, -s % stride]
-            x = F.pad(x, pad)[None]
+            x = F.pad(standardise(image), pad)[None]
         probs = torch.zeros(0)
         with torch.no_grad():
             flips = list(range(x.dim() - 1, 1, -1))  # the spatial axes, last first
