@@ -65,3 +65,23 @@ def test_coupled_benchmark_json() -> None:
     result = json.loads(out)
     assert result["peak_bytes"]["cached"] < result["peak_bytes"]["big_batch"]
     assert result["time_ratio_vs_plain_accumulation"] > 0
+
+
+def test_memory_accuracy_benchmark_json() -> None:
+    # The LSTM is the case fake tensors alone get most wrong (its oneDNN workspace).
+    out = _run(
+        "benchmarks/memory_accuracy.py", "--models", "mlp,lstm", "--batches", "1,16", "--json"
+    )
+    result = json.loads(out[out.index("{") :])
+    assert len(result["rows"]) == 4
+    assert result["worst_abs_err_pct"] <= 5 < result["uncalibrated_worst_abs_err_pct"]
+    assert result["max_predict_seconds"] > 0
+
+
+def test_train_throughput_benchmark_json() -> None:
+    out = _run(
+        "benchmarks/train_throughput.py", "--per-class", "16", "--epochs", "1", "--rounds", "1",
+        "--json",
+    )  # fmt: skip
+    result = json.loads(out[out.index("{") :])
+    assert result["ratio_vs_hand_loop"] > 0 and result["whole_run_ratio"] > 0

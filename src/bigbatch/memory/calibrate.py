@@ -1,8 +1,9 @@
 """Per-op workspace calibration for CPU predictions.
 
 Fake tensors see every tensor an op returns, but not the scratch memory a CPU kernel allocates
-and frees inside itself (oneDNN convolution backward, im2col). Two small real steps (micro-batch
-2 and 4, a few seconds) run with every dispatched op wrapped in a profiler range; each op's
+and frees inside itself (oneDNN convolution backward, im2col). A small real training step at
+micro-batch 2 and 4 (and 1), each after a first step that creates the optimizer state, runs
+with every dispatched op wrapped in a profiler range; each op's
 workspace is the highest point its allocations reach above what it leaves behind. The fake run
 then adds op i's workspace, interpolated linearly in the micro-batch, at op i, as long as its op
 sequence matches the calibration's.
@@ -119,13 +120,24 @@ def output_sizes(out: Any) -> Sizes:
     )
 
 
-def _measure(spec: StepSpec, steps: int) -> _Run:
-    model, opt, inputs = real_step_setup(spec, steps)
+def _measure(spec: StepSpec) -> _Run:
+    """Profile one steady training step (the one the prediction traces), after a first step
+    that creates the optimizer state."""
+    model, opt, inputs = real_step_setup(spec, 2)
+    device_type = torch.device(spec.device).type
+    run_training_step(model, opt, inputs.pop(0), spec.precision, device_type)
+    x = inputs.pop(0)  # freed after the profiler stops: it existed before it started
     marker = _OpMarker()
-    gc.collect()
-    with cpu_memory_profile() as prof, marker:
-        for x in inputs:
-            run_training_step(model, opt, x, spec.precision, torch.device(spec.device).type)
+    # A garbage collection inside the profiled step would free another run's tensors in the
+    # middle of some op's range; :func:`calibrate` collects once, before its runs.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with cpu_memory_profile() as prof, marker:
+            run_training_step(model, opt, x, spec.precision, device_type)
+    finally:
+        if collecting:
+            gc.enable()
     workspace = [0] * len(marker.names)
 
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -149,18 +161,18 @@ def calibrate(
     *,
     batch_sizes: tuple[int, int] = (2, 4),
     also: tuple[int, ...] = (1,),
-    steps: int = 2,
 ) -> Calibration:
     """Measure per-op CPU workspaces at two small micro-batch sizes, plus ``also`` (micro-batch
     1, the planner's floor, by default), with real runs on the CPU."""
     if torch.device(spec.device).type != "cpu":
         raise ValueError("workspace calibration runs real steps on the CPU; it is for device='cpu'")
     small, large = batch_sizes
-    runs = {b: _measure(spec.with_batch(b), steps) for b in sorted({small, large})}
+    gc.collect()
+    runs = {b: _measure(spec.with_batch(b)) for b in sorted({small, large})}
     for size in also:
         if size not in runs:
             try:
-                runs[size] = _measure(spec.with_batch(size), steps)
+                runs[size] = _measure(spec.with_batch(size))
             except ValueError:
                 continue  # e.g. BatchNorm cannot train on one sample: the planner starts at 2
     a, b = runs[small], runs[large]

@@ -125,17 +125,20 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
     """Really run ``steps`` training steps of a :class:`~bigbatch.memory.predict.StepSpec` on its
     device and return the peak (the number :func:`predict_peak` predicts).
     """
-    from bigbatch.memory.predict import run_training_step
+    from bigbatch.memory.predict import make_inputs, run_training_step
 
     device = torch.device(spec.device)
-    model, opt, inputs = real_step_setup(spec, steps, seed=seed)
-    alive = [*model.parameters(), *model.buffers(), *inputs]
+    model, opt, _ = real_step_setup(spec, 0, seed=seed)
 
     def run() -> None:
-        for x in inputs:
-            run_training_step(model, opt, x, spec.precision, device.type)
+        # The batches are made inside the measured window, so that freeing each after its step
+        # is seen (the profiler ignores frees of what existed before it started); the second
+        # batch waits during the first step, as a loader's next batch does.
+        inputs = [make_inputs(spec, device) for _ in range(steps)]
+        while inputs:
+            run_training_step(model, opt, inputs.pop(0), spec.precision, device.type)
 
-    return measure_peak(run, device=device, alive=alive)
+    return measure_peak(run, device=device, alive=[*model.parameters(), *model.buffers()])
 
 
 def real_step_setup(
