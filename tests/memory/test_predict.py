@@ -47,10 +47,11 @@ def _err(pred: int, real: int) -> float:
     return abs(pred - real) / real
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+# Adagrad makes its state when it is built, the others in their first step.
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "sgd_momentum", "adagrad"])
 def test_mlp_prediction_matches_measurement(optimizer: str) -> None:
     spec = StepSpec(mlp, (128,), 32, optimizer=optimizer)
-    assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.01
+    assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.005
 
 
 def test_transformer_encoder_built_on_meta_is_predicted() -> None:

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-calibrate",
         action="store_true",
-        help="skip the CPU workspace calibration (two real steps at micro-batch 2 and 4)",
+        help="skip the CPU workspace calibration (small real steps at micro-batch 1, 2 and 4)",
     )
     p.add_argument(
         "--confirm", action="store_true", help="run one real step at the plan on the device"

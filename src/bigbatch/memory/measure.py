@@ -138,7 +138,9 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
         while inputs:
             run_training_step(model, opt, inputs.pop(0), spec.precision, device.type)
 
-    return measure_peak(run, device=device, alive=[*model.parameters(), *model.buffers()])
+    # Some optimizers make their state when they are built (Adagrad's sums): it is alive too.
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return measure_peak(run, device=device, alive=[*model.parameters(), *model.buffers(), *state])
 
 
 def real_step_setup(

@@ -42,6 +42,8 @@ OOM_MESSAGES = (
 )
 
 
+NOT_OOM_MESSAGE = "could not create a primitive descriptor"
+
 # Of those, the CPU's (whatever type torch raises them as): the host heap ran out.
 HOST_OOM_MESSAGES = ("DefaultCPUAllocator", "could not create a primitive")
 
@@ -67,7 +69,13 @@ def is_oom(exc: BaseException) -> bool:
     """
     if isinstance(exc, _oom_types()):
         return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    # oneDNN says "could not create a primitive descriptor for ..." when it does not support
+    # a configuration (an LSTM under bf16 autocast on a CPU without bf16): no smaller
+    # micro-batch helps, so it is not an OOM.
+    return any(m in text for m in OOM_MESSAGES) and NOT_OOM_MESSAGE not in text
 
 
 @dataclass(frozen=True)

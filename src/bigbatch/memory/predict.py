@@ -496,13 +496,12 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
             # whatever of it the state does not already outweigh.
             batch_bytes = inputs[0].untyped_storage().nbytes()
             waiting = torch.empty(batch_bytes, dtype=torch.uint8, device=device)
+            built = _state_bytes(opt)  # Adagrad makes its state when it is built
             with tracker.in_phase("optimizer"):
                 _first_optimizer_step(params, opt)
-            state_bytes = _state_bytes(opt)
+            made = _state_bytes(opt) - built
             del waiting
-            waiting = torch.empty(
-                max(0, batch_bytes - state_bytes), dtype=torch.uint8, device=device
-            )
+            waiting = torch.empty(max(0, batch_bytes - made), dtype=torch.uint8, device=device)
         tracker.counting = True
         while inputs:
             x = inputs.pop(0)
