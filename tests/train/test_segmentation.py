@@ -46,6 +46,7 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) 
     assert main(["predict", str(tmp_path / "run"), str(test), "--tta", "2"]) == 0
     mask = np.asarray(Image.open(tmp_path / "run" / "masks" / "odd.png"))
     assert mask.shape == (40, 48) and set(np.unique(mask)) <= {0, 1, 2}
+    assert main(["predict", str(tmp_path / "run"), str(test), "--patch", "16"]) == 2
 
 
 def test_3d_volumes_train_and_predict_npy_and_nifti(
@@ -78,6 +79,17 @@ def test_3d_volumes_train_and_predict_npy_and_nifti(
     assert mask.shape == (12, 20, 10) and set(np.unique(mask)) <= {0, 1}
     nifti = nib.load(str(tmp_path / "run" / "masks" / "c.nii.gz"))
     assert nifti.shape == (12, 20, 10) and np.allclose(nifti.affine, affine)  # same geometry
+
+    # In overlapping 8^3 windows (for volumes too large to predict whole): the same geometry.
+    windows = tmp_path / "windows"
+    assert (
+        main(["predict", str(tmp_path / "run"), str(test), "--patch", "8", "--out", str(windows)])
+        == 0
+    )
+    assert np.load(windows / "a.npy").shape == (12, 20, 10)
+    assert nib.load(str(windows / "c.nii.gz")).shape == (12, 20, 10)
+    assert main(["predict", str(tmp_path / "run"), str(test), "--patch", "12"]) == 2
+    assert "positive multiple of 8; try 8" in capsys.readouterr().err
 
 
 def _pair(root: Path, name: str, image: np.ndarray, mask: np.ndarray) -> None:

@@ -21,6 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     p.add_argument(
+        "--patch",
+        type=int,
+        default=0,
+        help="segmentation volumes: predict in overlapping PATCH^3 windows (a multiple of 8), "
+        "for volumes too large to predict whole; default: whole, falling back to windows of "
+        "the training size on an out-of-memory error",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         help="output path without suffix (default: RUN/predictions); segmentation: a folder "
@@ -47,11 +55,14 @@ def run(args: argparse.Namespace) -> int:
                 tta=args.tta,
                 checkpoint=args.checkpoint,
                 device=args.device,
+                patch=args.patch,
             )
         except (ConfigError, DataError, ValueError, OSError) as exc:
             raise UserError(str(exc)) from exc
         print(f"{len(masks)} mask(s), {args.tta} TTA pass(es) (flips): {out}")
         return 0
+    if args.patch:
+        raise UserError("--patch is for segmentation runs; this run classifies images")
     try:
         check_writable((args.out or args.run / "predictions").with_suffix(".npz"), "--out")
         pred = predict_folder(
