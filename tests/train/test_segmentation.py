@@ -92,6 +92,55 @@ def test_3d_volumes_train_and_predict_npy_and_nifti(
     assert "positive multiple of 8; try 8" in capsys.readouterr().err
 
 
+TIGHT_UNET = """
+import torch
+from bigbatch.segmentation.models import UNet
+
+
+class Tight(UNet):
+    # As a GPU would: more than two training volumes at a time do not fit.
+    def forward(self, x):
+        if self.training and x.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(x)
+
+
+def build(in_channels, num_classes):
+    return Tight(in_channels, num_classes, dims=3, width=8)
+"""
+
+
+def test_a_3d_run_out_of_memory_shrinks_its_micro_batch_and_keeps_the_update(
+    tmp_path: Path,
+) -> None:
+    data = write_blobs_3d(tmp_path / "blobs", n=10, size=16, channels=1)
+    factory = tmp_path / "tight.py"
+    factory.write_text(TIGHT_UNET)
+
+    def run(
+        name: str, micro_batch: int, lr: str = "lr=3e-3"
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        cfg = load_config(
+            overrides=[f"data={data}", *COMMON, f"model={factory}:build", "size=16", "batch=8",
+                       f"micro_batch={micro_batch}", "epochs=2", "valid_pct=0.2", "optimizer=sgd",
+                       lr]
+        )  # fmt: skip
+        train(cfg, tmp_path / name, progress=False, log=lambda _: None)
+        with open(tmp_path / name / "history.csv") as f:
+            micro = [row["micro_batch"] for row in csv.DictReader(f)]
+        return load_file(tmp_path / name / "last.safetensors"), micro
+
+    shrunk, micro = run("oom", 8)  # 8 -> 4 -> 2 on the first window
+    assert micro == ["2", "2"]
+    clean, _ = run("clean", 2)  # a clean start at the micro-batch it landed on
+    for name, w in clean.items():
+        assert torch.allclose(shrunk[name], w, rtol=0, atol=1e-6), name
+    # The check can fail: halving the gradient (under SGD, halving the learning rate), what a
+    # wrong normalisation of a window does, moves the weights far beyond that tolerance.
+    halved, _ = run("halved", 2, "lr=1.5e-3")
+    assert max((halved[n] - w).abs().max().item() for n, w in clean.items()) > 1e-4
+
+
 def _pair(root: Path, name: str, image: np.ndarray, mask: np.ndarray) -> None:
     from PIL import Image
 
