@@ -73,12 +73,18 @@ def test_3d_volumes_train_and_predict_npy_and_nifti(
     assert main(["predict", str(tmp_path / "run"), str(test)]) == 2
     assert "b.nii.gz has 1 channel(s)" in capsys.readouterr().err
     (test / "b.nii.gz").unlink()
-    nib.save(nib.Nifti1Image(volume, affine), str(test / "c.nii.gz"))  # (C, D, H, W) in one file
+    # The same two modalities in one NIfTI, last (X, Y, Z, C), as the standard stores them; and
+    # as ITK writes a vector image, (X, Y, Z, 1, C).
+    last = np.moveaxis(volume, 0, -1)
+    nib.save(nib.Nifti1Image(last, affine), str(test / "c.nii.gz"))
+    nib.save(nib.Nifti1Image(last[:, :, :, None], affine), str(test / "d.nii.gz"))
     assert main(["predict", str(tmp_path / "run"), str(test), "--tta", "3"]) == 0
     mask = np.load(tmp_path / "run" / "masks" / "a.npy")
     assert mask.shape == (12, 20, 10) and set(np.unique(mask)) <= {0, 1}
-    nifti = nib.load(str(tmp_path / "run" / "masks" / "c.nii.gz"))
-    assert nifti.shape == (12, 20, 10) and np.allclose(nifti.affine, affine)  # same geometry
+    for name in ("c.nii.gz", "d.nii.gz"):
+        nifti = nib.load(str(tmp_path / "run" / "masks" / name))
+        assert nifti.shape == (12, 20, 10) and np.allclose(nifti.affine, affine)  # same geometry
+        assert np.array_equal(np.asarray(nifti.dataobj), mask)  # the channels read as in a.npy
 
     # In overlapping 8^3 windows (for volumes too large to predict whole): the same geometry.
     windows = tmp_path / "windows"

@@ -8,8 +8,9 @@ Layouts:
   (one per MRI modality: T1, T2, FLAIR ...), stacked as channels.
 
 2D images are PNG/JPEG (RGB), masks PNG label maps (0/255 or 0/1 for binary, 0..K-1 for K
-classes). 3D volumes are NIfTI (``.nii``/``.nii.gz``, through nibabel) or ``.npy``
-(``(D, H, W)``, or ``(C, D, H, W)`` for several channels), masks the same formats.
+classes). 3D volumes are NIfTI (``.nii``/``.nii.gz``, through nibabel; ``(X, Y, Z)``, or
+``(X, Y, Z, C)`` for several modalities, as the NIfTI standard and the Medical Segmentation
+Decathlon store them) or ``.npy`` (``(D, H, W)``, or ``(C, D, H, W)``), masks the same formats.
 
 Every pair is read once before training: a missing mask, a mask whose size differs from its
 image, mask values outside the classes, modalities of different shapes and unreadable files are
@@ -72,7 +73,7 @@ def _read_array(path: Path) -> np.ndarray:
                     f"{path} is NIfTI, which needs nibabel: pip install 'bigbatch[seg]'"
                 ) from exc
             volume: Any = nib.load(str(path))
-            return np.asarray(volume.dataobj)
+            return _nifti_channels_first(np.asarray(volume.dataobj))
         from PIL import Image
 
         with Image.open(path) as im:
@@ -81,6 +82,14 @@ def _read_array(path: Path) -> np.ndarray:
         raise
     except Exception as exc:
         raise DataError(f"cannot read {path}: {type(exc).__name__}: {str(exc)[:160]}") from exc
+
+
+def _nifti_channels_first(a: np.ndarray) -> np.ndarray:
+    """NIfTI keeps modalities (or time) in its 4th dimension, after the 3 spatial ones; ITK
+    writes a vector image as 5D with a time dimension of 1. Both become ``(C, X, Y, Z)``."""
+    if a.ndim == 5 and a.shape[3] == 1:
+        a = a[:, :, :, 0]
+    return np.moveaxis(a, -1, 0) if a.ndim == 4 else a
 
 
 def read_image(files: Sequence[Path], dims: int) -> np.ndarray:
@@ -100,7 +109,8 @@ def read_image(files: Sequence[Path], dims: int) -> np.ndarray:
             a = a[None]
         if a.ndim != 4:
             raise DataError(
-                f"{f} has shape {a.shape}: a volume is (D, H, W), or (C, D, H, W) for channels"
+                f"{f} has shape {a.shape}: a volume is (D, H, W), or (C, D, H, W) for channels "
+                "((X, Y, Z, C) in NIfTI)"
             )
         parts.append(a)
     shapes = {p.shape[1:] for p in parts}
