@@ -208,3 +208,19 @@ def test_an_op_fake_tensors_cannot_run_falls_back_to_measured_steps() -> None:
         assert "nonzero" in pred.notes[0]
         real = measure_step_peak(spec)
         assert abs(pred.peak_bytes - real) / real <= 0.10, (b, pred.peak_bytes, real)
+
+
+def test_lazy_modules_are_refused_with_the_fix() -> None:
+    def lazy() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 10))
+
+    with pytest.raises(ValueError, match=r"lazy parameters \(0.weight, 0.bias\).*Run one"):
+        predict_peak(StepSpec(lazy, (64,), 8))
+
+    def initialised() -> nn.Module:  # the fix the message names
+        model = lazy()
+        model(torch.zeros(1, 64))
+        return model
+
+    spec = StepSpec(initialised, (64,), 8)
+    assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.005

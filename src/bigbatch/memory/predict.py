@@ -340,6 +340,14 @@ def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
             model = model.to(device="meta")
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"the model has lazy parameters ({', '.join(lazy[:3])}): their sizes are unknown "
+            "until a forward pass. Run one in the factory, e.g. `model(torch.zeros(1, "
+            "*input_shape)); return model` (free on the meta device), or give the layers "
+            "their input sizes"
+        )
     return model
 
 
