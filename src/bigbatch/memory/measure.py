@@ -125,7 +125,7 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
     """Really run ``steps`` training steps of a :class:`~bigbatch.memory.predict.StepSpec` on its
     device and return the peak (the number :func:`predict_peak` predicts).
     """
-    from bigbatch.memory.predict import make_inputs, run_training_step
+    from bigbatch.memory.predict import make_inputs, optimizer_state_tensors, run_training_step
 
     device = torch.device(spec.device)
     model, opt, _ = real_step_setup(spec, 0, seed=seed)
@@ -139,8 +139,8 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
             run_training_step(model, opt, inputs.pop(0), spec.precision, device.type)
 
     # Some optimizers make their state when they are built (Adagrad's sums): it is alive too.
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return measure_peak(run, device=device, alive=[*model.parameters(), *model.buffers(), *state])
+    alive = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(opt)]
+    return measure_peak(run, device=device, alive=alive)
 
 
 def real_step_setup(

@@ -194,13 +194,13 @@ def _first_optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer
     opt.zero_grad(set_to_none=True)
 
 
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor an optimizer keeps as state (Adam's moments, Adagrad's sums, step counts)."""
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(
-        v.untyped_storage().nbytes()
-        for s in opt.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
+    return sum(v.untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
 
 
 _LOOKAHEAD = 4  # calibration ops a fake op may skip when aligning
@@ -527,10 +527,9 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
                     grads_uids.add(uid)
             with tracker.in_phase("optimizer"):
                 opt.step()
-            for s in opt.state.values():
-                for v in s.values():
-                    if isinstance(v, torch.Tensor) and (uid := tracker.uid_of(v)) is not None:
-                        state_uids.add(uid)
+            for v in optimizer_state_tensors(opt):
+                if (uid := tracker.uid_of(v)) is not None:
+                    state_uids.add(uid)
             opt.zero_grad(set_to_none=True)
             del x  # a training loop's batch lives until its optimizer step is done
     parts = {
