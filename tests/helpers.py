@@ -149,3 +149,16 @@ def update_rel_diff(start: nn.Module, a: nn.Module, b: nn.Module) -> float:
         s = float(db.abs().max())
         worst = max(worst, float((da - db).abs().max()) / s if s else float((da - db).abs().max()))
     return worst
+
+
+def roundoff_tol(rounded: Sequence[torch.Tensor], exact: Sequence[torch.Tensor]) -> float:
+    """The tolerance of a float32 equivalence check: a multiple of the float32 big batch's own
+    distance from the float64 big batch (``rounded`` and ``exact``: the same gradients or
+    updates in both), never below 1e-6 (``bigbatch.verify.roundoff_tolerance``)."""
+    from bigbatch.verify import roundoff_tolerance
+
+    def named(ts: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {str(i): t.detach() for i, t in enumerate(ts)}
+
+    return roundoff_tolerance(named(rounded), named(exact), torch.float32)[0]
+

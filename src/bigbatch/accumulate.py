@@ -24,7 +24,13 @@ from bigbatch import distributed as bbdist
 from bigbatch.counts import MicroBatchCount, resolve_count
 from bigbatch.inexact import warn_inexact_layers
 
-__all__ = ["Accumulator", "EmptyWindowWarning", "StepResult", "scale_grads_"]
+__all__ = [
+    "Accumulator",
+    "EmptyWindowWarning",
+    "NonFiniteGradientWarning",
+    "StepResult",
+    "scale_grads_",
+]
 
 LastWindow = Literal["renorm", "drop", "carry"]
 Reduction = Literal["mean", "sum"]
@@ -33,6 +39,10 @@ _LAST_WINDOW_POLICIES = ("renorm", "drop", "carry")
 
 class EmptyWindowWarning(UserWarning):
     """A window's total count was zero (e.g. only padding): its step was skipped."""
+
+
+class NonFiniteGradientWarning(UserWarning):
+    """A window's gradient held inf or nan (no GradScaler to catch it): its step was skipped."""
 
 
 @dataclass(frozen=True)
@@ -405,6 +415,7 @@ class Accumulator:
         if not self._checked_model and self.model is not None:
             warn_inexact_layers(self.model, stacklevel=4)
             self._checked_model = True
+        self._check_window_open()
         c = _exact(mb.normaliser)
         if self._ref is None:
             self._ref = self._expected_count(c)
@@ -419,6 +430,20 @@ class Accumulator:
         self._samples_seen = self._samples_seen + mb.samples
         self._tokens_seen = self._tokens_seen + mb.tokens
         return factor
+
+    def _check_window_open(self) -> None:
+        if self.window_full:
+            # Without this, a forgotten step() merges every following window into one update.
+            raise RuntimeError(
+                f"the window is full ({self._micro_in_window} micro-batches"
+                + (
+                    f", count {float(self._window_count):g} >= target_count {self.target_count:g}"
+                    if self.target_count is not None
+                    else ""
+                )
+                + "): call acc.step() when acc.window_full, before the next micro-batch's "
+                "backward()"
+            )
 
     def _expected_count(self, first: float | torch.Tensor) -> float | torch.Tensor:
         if bbdist.is_distributed(self.process_group):
@@ -469,6 +494,7 @@ class Accumulator:
                 "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
             )
         micro_batches = self._micro_in_window
+        self._check_counts_not_negative()
         ref = float(self._ref) if self._ref is not None else 1.0
         distributed = bbdist.is_distributed(self.process_group)
         loss: float | Callable[[], float]
@@ -539,6 +565,11 @@ class Accumulator:
             self.scaler.unscale_(self.optimizer)
         if factor != 1.0:
             scale_grads_(params, factor)
+        if self.scaler is None and not _grads_finite(params):
+            # GradScaler skips such a step itself; without one, optimizer.step() would turn
+            # every parameter into nan. After the all-reduce, so every rank skips alike.
+            self._skip_non_finite()
+            return StepResult(self.optimizer_step, micro_batches, count, None, True, _loss=loss)
 
         grad_norm = None
         if self.clip_grad_norm is not None:
@@ -567,6 +598,38 @@ class Accumulator:
             skipped=skipped,
             _loss=loss,
         )
+
+    def _check_counts_not_negative(self) -> None:
+        # Tensor counts are checked here, where the step reads them anyway, not per micro-batch
+        # (which would wait for the device each time).
+        first = next((c for c in self._counts if isinstance(c, torch.Tensor)), None)
+        if first is None:
+            return
+        counts = torch.stack(
+            [torch.as_tensor(c, dtype=first.dtype, device=first.device) for c in self._counts]
+        )
+        if bool((counts < 0).any()):
+            raise ValueError(
+                f"micro-batch {int((counts < 0).nonzero()[0]) + 1} of this window has a negative "
+                "count or weight: counts are numbers of samples/tokens and weights are >= 0; "
+                "pass count=len(batch), labels=labels or weight=w.sum() with w >= 0"
+            )
+
+    def _skip_non_finite(self) -> None:
+        where = "a gradient (the losses were finite: an overflow in backward?)"
+        bad = [i + 1 for i, x in enumerate(self._losses) if not bool(torch.isfinite(x).all())]
+        if bad:
+            where = "the loss of micro-batch " + ", ".join(map(str, bad[:5]))
+            where += f" of {self._micro_in_window}"
+        warnings.warn(
+            f"optimizer step {self.optimizer_step} skipped: the window's gradient holds inf or "
+            f"nan, from {where}. The weights are unchanged. Check that batch's inputs and "
+            "labels, lower the learning rate, or use a GradScaler with fp16",
+            NonFiniteGradientWarning,
+            stacklevel=4,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
 
     def discard_window(self) -> None:
         """Throw the open window away: zero its gradients and roll the counters back to its
@@ -602,6 +665,9 @@ class Accumulator:
             )
         self.epoch += 1
         self._micro_in_epoch = 0
+        if self.window_full:
+            # A carried window that the new epoch's (smaller) window size already fills.
+            result = self.step()
         return result
 
     # -------------------------------------------------------------- checkpointing
@@ -732,6 +798,21 @@ def _mean_loss(
 
 def _as_int(x: int | float | torch.Tensor) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def _grads_finite(params: list[torch.Tensor]) -> bool:
+    """Whether every gradient is finite: one fused max-abs per (device, dtype) group (max-abs
+    cannot overflow the way a sum or a 2-norm can in fp16), one sync for the step."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad._values() if p.grad.is_sparse else p.grad
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    finite = [
+        torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()
+        for grads in groups.values()
+    ]
+    return all(bool(f) for f in finite)
 
 
 def _grad_device(params: list[torch.Tensor]) -> torch.device:

@@ -64,6 +64,8 @@ def _check_integer_count(count: object) -> Number:
                 f"count must be an integer (got a {count.dtype} tensor); "
                 "for fractional per-sample weights pass weight=... instead"
             )
+        if count.device.type == "cpu" and int(count) < 0:  # on a device: checked at step time
+            raise ValueError(f"count must be >= 0, got {int(count)}")
         return count.detach().reshape(())
     if isinstance(count, numbers.Integral):
         if int(count) < 0:
@@ -86,6 +88,8 @@ def _check_weight(weight: object) -> Number:
                 "weight must be the micro-batch's total weight (a single number), got a tensor "
                 f"of shape {tuple(weight.shape)}; pass weight=w.sum()"
             )
+        if weight.device.type == "cpu" and not float(weight) >= 0:  # on a device: at step time
+            raise ValueError(f"weight must be >= 0, got {float(weight)}")
         return (
             weight.detach()
             .reshape(())

@@ -30,15 +30,22 @@ can make one optimizer step (each weighted by its count).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from bigbatch.accumulate import Accumulator
 
 __all__ = ["cache_bytes", "cached_backward", "info_nce", "supervised_contrastive"]
+
+# How far (in units of the representations' machine epsilon, relative to their largest value) the
+# second pass may differ from the first and still count as the same computation: graph or no
+# graph, the kernels are the same, so real replays agree to a few ulps.
+_REPLAY_ULPS = 64
 
 Encode = Callable[[Any], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
@@ -52,6 +59,56 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
     torch.set_rng_state(state[0])
     if state[1]:
         torch.cuda.set_rng_state_all(state[1])
+
+
+@contextmanager
+def _batchnorm_stats_kept() -> Iterator[None]:
+    """Restore the running statistics of every BatchNorm the block runs in train mode: the
+    first, graph-free pass must not update them (the second pass does, once per micro-batch).
+    Found through a forward pre-hook, removed on exit, so ``encode`` can be any callable."""
+    saved: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def snapshot(module: nn.Module, _: Any) -> None:
+        if (
+            isinstance(module, nn.modules.batchnorm._NormBase)
+            and module.training
+            and module.track_running_stats
+            and module not in saved
+        ):
+            saved[module] = [(b, b.detach().clone()) for b in module.buffers(recurse=False)]
+
+    handle = nn.modules.module.register_module_forward_pre_hook(snapshot)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for buffers in saved.values():
+                for live, before in buffers:
+                    live.copy_(before)
+
+
+def _check_replayed(out: tuple[torch.Tensor, ...], cached: list[torch.Tensor], i: int) -> None:
+    """The second pass must recompute the first pass's representations: randomness that the
+    saved torch RNG states do not replay (numpy augmentation, a private torch.Generator) would
+    make the gradient silently inexact."""
+    if len(out) != len(cached) or any(o.shape != c.shape for o, c in zip(out, cached, strict=False)):
+        raise ValueError(
+            f"encode returned {[tuple(o.shape) for o in out]} for micro-batch {i} in the second "
+            f"pass but {[tuple(c.shape) for c in cached]} in the first: encode must return the "
+            "same representations for the same micro-batch"
+        )
+    for o, c in zip(out, (c.detach() for c in cached), strict=True):
+        scale = float(c.abs().max()) if c.numel() else 0.0
+        diff = float((o.detach() - c).abs().max()) if c.numel() else 0.0
+        if diff > _REPLAY_ULPS * torch.finfo(c.dtype).eps * max(scale, 1e-30):
+            raise RuntimeError(
+                f"encode gave different representations for micro-batch {i} in the second pass "
+                f"(max difference {diff:.2e} of {scale:.2e}): its randomness is not replayed. "
+                "cached_backward replays torch's global RNGs only: draw augmentation and dropout "
+                "from torch's global generator (not numpy, random or a private torch.Generator), "
+                "or augment in the data pipeline before cached_backward"
+            )
 
 
 def _towers(out: Any, where: str) -> tuple[torch.Tensor, ...]:
@@ -107,14 +164,23 @@ def cached_backward(
     loss, so the negatives are the global batch; the gradient of each row flows back to its rank.
     Put autocast inside ``encode`` and ``loss_fn`` where you want it.
     """
+    if not isinstance(micro_batches, Sequence) or isinstance(micro_batches, str | bytes):
+        raise TypeError(
+            f"micro_batches must be a list of micro-batches (each is encoded twice), got "
+            f"{type(micro_batches).__name__}: pass list(...) of the big batch's micro-batches, "
+            "e.g. [next(it) for _ in range(4)]"
+        )
     if not micro_batches:
         raise ValueError("micro_batches is empty: give the big batch's micro-batches")
+    # Checked before the first pass's work; backward() checks again.
+    acc._check_window_open()
     states = []
     parts: list[tuple[torch.Tensor, ...]] = []
-    for i, mb in enumerate(micro_batches):
-        states.append(_rng_state())
-        with torch.no_grad():
-            parts.append(tuple(t.detach() for t in _towers(encode(mb), f"micro-batch {i}")))
+    with _batchnorm_stats_kept():  # the second pass updates them, once per micro-batch
+        for i, mb in enumerate(micro_batches):
+            states.append(_rng_state())
+            with torch.no_grad():
+                parts.append(tuple(t.detach() for t in _towers(encode(mb), f"micro-batch {i}")))
     n_towers = len(parts[0])
     if any(len(p) != n_towers for p in parts):
         raise ValueError("encode returned a different number of towers for different micro-batches")
@@ -133,10 +199,20 @@ def cached_backward(
         weighted.backward()
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in local]
         start = 0
-        for state, mb, n in zip(states, micro_batches, sizes, strict=True):
+        for i, (state, mb, n) in enumerate(zip(states, micro_batches, sizes, strict=True)):
             _set_rng_state(state)  # the same dropout masks as the first pass
             out = _towers(encode(mb), "the second pass")
-            torch.autograd.backward(out, [g[start : start + n] for g in grads])
+            cached = [t[start : start + n] for t in local]
+            _check_replayed(out, cached, i)
+            pairs = [(o, g[start : start + n]) for o, g in zip(out, grads, strict=True)]
+            trainable = [(o, g) for o, g in pairs if o.requires_grad]
+            if not trainable:
+                raise RuntimeError(
+                    f"encode's output for micro-batch {i} does not require grad in the second "
+                    "pass: the encoder is frozen (requires_grad=False) or encode detaches or runs "
+                    "under torch.no_grad(); gradient caching needs a trainable encoder"
+                )
+            torch.autograd.backward([o for o, _ in trainable], [g for _, g in trainable])
             start += n
         _set_rng_state(after_first_pass)
 

@@ -77,8 +77,9 @@ def demo_budget(arch: str, size: int, batch: int = 128) -> str:
 
 def midway_budget(spec: Any, batch: int) -> str:
     """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` and
-    ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`)."""
-    from bigbatch.memory.calibrate import calibrate
+    ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
+    never below what the planner's own calibration steps need, so the plan is calibrated."""
+    from bigbatch.memory.calibrate import calibrate, calibration_need
     from bigbatch.memory.plan import DEFAULT_MARGIN
     from bigbatch.memory.predict import predict_peak
 
@@ -87,7 +88,8 @@ def midway_budget(spec: Any, batch: int) -> str:
         predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
         for b in (batch // 2, batch)
     )
-    return f"{math.ceil((half + full) / 2 / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
+    usable = max((half + full) / 2, calibration_need(spec.with_batch(4)))
+    return f"{math.ceil(usable / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
 
 
 def write_digits_competition(

@@ -10,9 +10,11 @@ from bigbatch.cli.main import main
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out
-    # Each member's budget holds half the batch on this machine: 2 x 64, calibrated.
+    # Each member's budget is derived on this machine from the calibrated predictions (midway
+    # between micro-batch 64 and 128) and covers the planner's calibration steps: 2 x 64,
+    # calibrated at every size, wherever the test runs.
     assert out.count("plan: target batch 128 = 2 x 64") == 2 and "ensemble" in out
-    assert "not calibrated" not in out
+    assert "calibrated" not in out, out
     submission = (tmp_path / "runs" / "submission.csv").read_text().splitlines()
     assert submission[0] == "image_id,label" and len(submission) == 1 + 197
     assert all(row.split(",")[1] in {str(d) for d in range(10)} for row in submission[1:])

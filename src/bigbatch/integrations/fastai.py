@@ -42,6 +42,7 @@ from fastai.callback.core import (  # noqa: E402
     CancelStepException,
 )
 from fastai.callback.fp16 import MixedPrecision  # noqa: E402
+from fastai.callback.training import GradientAccumulation  # noqa: E402
 from fastai.torch_core import find_bs  # noqa: E402
 
 __all__ = ["ExactGradientAccumulation", "plan_learner"]
@@ -72,6 +73,14 @@ class ExactGradientAccumulation(Callback):
     ) -> None:
         if count not in ("samples", "tokens"):
             raise ValueError(f"count must be 'samples' or 'tokens', got {count!r}")
+        if n_acc is not None and (
+            isinstance(n_acc, bool) or not isinstance(n_acc, int | float) or not n_acc > 0
+        ):
+            raise ValueError(
+                f"n_acc is the number of samples (or tokens) per optimizer step, > 0; got "
+                f"{n_acc!r}: e.g. ExactGradientAccumulation(n_acc=64), or micro_batches=4 "
+                "(batches per step)"
+            )
         self.window = ExactWindow(
             micro_batches=micro_batches, target_count=n_acc, reduction=reduction
         )
@@ -82,6 +91,14 @@ class ExactGradientAccumulation(Callback):
         self._settling = False
 
     def before_fit(self) -> None:
+        if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
+            # Both would cancel steps: fastai's until its own count, this one until the window
+            # is full; together no update happens at all.
+            raise RuntimeError(
+                "ExactGradientAccumulation replaces fastai's GradientAccumulation; remove "
+                "GradientAccumulation from the Learner's callbacks (learn.remove_cb"
+                "(GradientAccumulation)) and keep ExactGradientAccumulation(n_acc=...)"
+            )
         self.window.reset()
         self.optimizer_step = 0
         warn_inexact_layers(self.learn.model, stacklevel=2)

@@ -33,7 +33,7 @@ __all__ = ["shift_labels_collator", "token_loss"]
 
 
 def token_loss(
-    *, ignore_index: int = -100, logits_key: str = "logits"
+    *, ignore_index: int = -100, logits_key: str = "logits", labels_shifted: bool = False
 ) -> Callable[[Any, torch.Tensor, Any], torch.Tensor]:
     """A ``compute_loss_func`` for ``Trainer``: token cross-entropy summed over the micro-batch
     and divided by the window's label count (``num_items_in_batch``), so the accumulated gradient
@@ -41,7 +41,11 @@ def token_loss(
 
     Labels are used as they come (no shift): a model of your own that predicts the next token
     should get labels already shifted by its collator, because ``Trainer`` counts shifted labels
-    only for Transformers' own causal-LM losses.
+    only for Transformers' own causal-LM losses. On a Transformers causal LM's output (a
+    ``...CausalLM...`` output class), whose usual labels are the input ids, unshifted labels
+    would train it to predict the current token: that is refused unless you say the collator
+    shifted them (``labels_shifted=True``). Such a model computes the right loss itself: drop
+    ``compute_loss_func`` and see ``shift_labels_collator``.
 
     >>> loss = token_loss()
     >>> logits = torch.zeros(1, 3, 5); labels = torch.tensor([[1, 2, -100]])
@@ -61,6 +65,14 @@ def token_loss(
             raise ValueError(
                 "Trainer passed no num_items_in_batch, so the window's token count is unknown: "
                 "use transformers >= 4.46 and give the batches a 'labels' entry"
+            )
+        if not labels_shifted and "CausalLM" in type(outputs).__name__:
+            raise ValueError(
+                f"token_loss got a causal LM's output ({type(outputs).__name__}) and uses labels "
+                "as they are, so input-id labels would train it to predict the current token. "
+                "Drop compute_loss_func (the model's own loss shifts and counts right; wrap the "
+                "collator with shift_labels_collator for models without a loss_type), or shift "
+                "the labels in your collator and pass token_loss(labels_shifted=True)"
             )
         logits = outputs[logits_key] if isinstance(outputs, dict) else outputs[0]
         if logits.dtype in (torch.float16, torch.bfloat16):

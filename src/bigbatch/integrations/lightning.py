@@ -85,6 +85,11 @@ class ExactAccumulation(Callback):
         self._ddp: torch.nn.Module | None = None
         self._no_sync = contextlib.ExitStack()
         self._stepped_in_batch = False
+        self._micro_step_at_batch_start = 0
+        # Set while this callback steps the optimizer: any other step (an optimizer.step() in
+        # training_step) would update on a partial window.
+        self._stepping = False
+        self._step_hook: Any = None
 
     # ------------------------------------------------------------------ checks and setup
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -107,6 +112,9 @@ class ExactAccumulation(Callback):
                 f"ExactAccumulation supports one process or strategy='ddp'/'ddp_spawn', not "
                 f"{type(trainer.strategy).__name__}"
             )
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._step_hook = trainer.optimizers[0].register_step_pre_hook(self._check_step)
         self.accumulator = Accumulator(
             pl_module.optimizers(),  # Lightning's wrapper: its step() runs the precision plugin
             micro_batches=self.micro_batches,
@@ -118,11 +126,25 @@ class ExactAccumulation(Callback):
             sync="step",
         )
 
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def _check_step(self, *_: Any) -> None:
+        if not self._stepping:
+            raise RuntimeError(
+                "optimizer.step() was called in training_step, but ExactAccumulation steps the "
+                "optimizer itself, once per window: remove optimizer.step() (and zero_grad()) "
+                "from training_step and call only exact_backward(self, loss, count=len(y))"
+            )
+
     # ------------------------------------------------------------------ per micro-batch
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         self._stepped_in_batch = False
+        self._micro_step_at_batch_start = self._acc().micro_step
         if self._ddp is not None:
             # DDP decides at forward time whether the backward all-reduces.
             self._no_sync.enter_context(self._acc().no_sync(self._ddp))
@@ -131,6 +153,12 @@ class ExactAccumulation(Callback):
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._no_sync.close()
+        if self._acc().micro_step == self._micro_step_at_batch_start:
+            raise RuntimeError(
+                "training_step did not call exact_backward(self, loss, count=len(y)): with "
+                "ExactAccumulation nothing else makes gradients or steps the optimizer. Call it "
+                "in training_step instead of `return loss` or self.manual_backward(loss)"
+            )
         if self.log_window_loss and self._stepped_in_batch and self.last_step is not None:
             # The exact window mean loss (count-weighted), as "window_loss"; reading it waits
             # for the device, so it is off unless asked for.
@@ -173,7 +201,11 @@ class ExactAccumulation(Callback):
     def _settle(self, trainer: Any, run: Any) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scale_before = scaler.get_scale() if scaler is not None else None
-        result = run()
+        self._stepping = True
+        try:
+            result = run()
+        finally:
+            self._stepping = False
         if result is None:
             return
         # GradScaler lowers its scale exactly when it found inf/nan and skipped the step.

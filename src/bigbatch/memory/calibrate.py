@@ -20,15 +20,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
-from bigbatch.memory.predict import StepSpec, run_training_step
+from bigbatch.memory.predict import StepSpec, predict_peak, run_training_step
 
-__all__ = ["Calibration", "calibrate", "calibrate_within"]
+__all__ = ["Calibration", "calibrate", "calibrate_within", "calibration_need"]
 
-# Fake tensors miss CPU kernel workspaces: the real step at micro-batch 2 to 4 took 1.5 times
-# the uncalibrated prediction for resnet10t at 32 px (93 -> 139 MiB: oneDNN's convolution
-# backward on an AMD EPYC), the most seen here. A calibration step runs only where the
-# uncalibrated prediction times this fits the budget (2.0 refused the demo's own calibration;
-# resnet10t at 1024 px under 1GB, 496 MiB uncalibrated at micro-batch 1, is refused either way).
+# Fake tensors miss CPU kernel workspaces. They belong to the step's kernels, so they are bounded
+# by the step's working set (activations and temporaries), not by the weights, gradients and
+# optimizer state, which the prediction counts exactly. A calibration step runs only where the
+# uncalibrated prediction, with that working set times this, fits the budget: half as much
+# again, the most seen here at micro-batch 1 to 4 beyond a fixed per-thread reduction buffer
+# (resnet10t at 1024 px under 1GB, 496 MiB uncalibrated at micro-batch 1, is refused).
 WORKSPACE_HEADROOM = 1.5
 
 _MARK = "bigbatch_op_"
@@ -191,19 +192,31 @@ def calibrate(
     return Calibration(a, b, small, large, runs)
 
 
+def calibration_need(spec: StepSpec) -> int:
+    """The usable bytes a calibration step at ``spec``'s micro-batch may need: its uncalibrated
+    peak, with the working set (activations, temporaries) times ``WORKSPACE_HEADROOM``.
+
+    >>> import torch
+    >>> spec = StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4)
+    >>> calibration_need(spec) >= predict_peak(spec).peak_bytes
+    True
+    """
+    p = predict_peak(spec)
+    return int(p.peak_bytes + (WORKSPACE_HEADROOM - 1) * (p.activations + p.temporaries))
+
+
 def calibrate_within(spec: StepSpec, usable_bytes: int) -> tuple[Calibration | None, str]:
     """:func:`calibrate` at the sizes (of 1, 2, 4) whose real step stays inside the budget.
 
     Calibration runs real steps; at a large input even micro-batch 4 can take several times the
-    budget it is meant to plan for. Each size's uncalibrated prediction, times
-    ``WORKSPACE_HEADROOM``, must fit ``usable_bytes`` before it is run. Returns the calibration
+    budget it is meant to plan for. Each size's :func:`calibration_need` must fit
+    ``usable_bytes`` before it is run. Returns the calibration
     (None when not even micro-batch 1 may run) and a note for the plan ('' when all three ran).
     """
-    from bigbatch.memory.predict import predict_peak
 
     def fits(b: int) -> bool:
         try:
-            return predict_peak(spec.with_batch(b)).peak_bytes * WORKSPACE_HEADROOM <= usable_bytes
+            return calibration_need(spec.with_batch(b)) <= usable_bytes
         except ValueError:  # BatchNorm on one sample: not a size to measure
             return False
 
