@@ -161,4 +161,3 @@ def roundoff_tol(rounded: Sequence[torch.Tensor], exact: Sequence[torch.Tensor])
         return {str(i): t.detach() for i, t in enumerate(ts)}
 
     return roundoff_tolerance(named(rounded), named(exact), torch.float32)[0]
-

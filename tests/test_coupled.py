@@ -231,7 +231,7 @@ def test_randomness_outside_torch_is_refused_not_inexact() -> None:
     }
     for encode in noisy.values():
         acc = Accumulator(torch.optim.SGD(models.parameters(), lr=0.1), micro_batches=1)
-        with pytest.raises(RuntimeError, match="randomness is not replayed.*global generator"):
+        with pytest.raises(RuntimeError, match=r"randomness is not replayed.*global generator"):
             cached_backward(acc, encode, loss_fn, batches)
 
 
@@ -276,13 +276,13 @@ def test_encode_misuse_names_encode_or_micro_batches() -> None:
         z1, z2 = encode(b)
         return (z1, z2) if calls["n"] <= len(batches) else (z1[:, :3], z2[:, :3])
 
-    with pytest.raises(ValueError, match="encode returned .* in the second pass"):
+    with pytest.raises(ValueError, match=r"encode returned .* in the second pass"):
         cached_backward(acc(), shrinking, loss_fn, batches)
     frozen, *_ = make("simclr", torch.float64)
     frozen.requires_grad_(False)
     # The optimizer needs a trainable parameter; the encoder itself is frozen.
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    with pytest.raises(RuntimeError, match="does not require grad.*frozen"):
+    with pytest.raises(RuntimeError, match=r"does not require grad.*frozen"):
         cached_backward(
             Accumulator(opt, micro_batches=1),
             lambda b: (frozen["a"](b[0]), frozen["a"](b[1])),

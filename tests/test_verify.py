@@ -26,7 +26,7 @@ def test_bigbatch_passes_every_builtin_case_in_float64_and_float32(builtin: list
         if r.dtype == "float64":
             assert r.max_rel <= 1e-12 and r.tolerance == 1e-12
         else:  # the float32 big batch's own round-off, times 4, never below 1e-6
-            assert 0 < r.roundoff and r.tolerance == max(1e-6, 4 * r.roundoff) <= 1e-4
+            assert r.roundoff > 0 and r.tolerance == max(1e-6, 4 * r.roundoff) <= 1e-4
 
 
 def test_naive_fails_every_builtin_case_except_equal(builtin: list) -> None:

@@ -92,7 +92,9 @@ def _check_replayed(out: tuple[torch.Tensor, ...], cached: list[torch.Tensor], i
     """The second pass must recompute the first pass's representations: randomness that the
     saved torch RNG states do not replay (numpy augmentation, a private torch.Generator) would
     make the gradient silently inexact."""
-    if len(out) != len(cached) or any(o.shape != c.shape for o, c in zip(out, cached, strict=False)):
+    if len(out) != len(cached) or any(
+        o.shape != c.shape for o, c in zip(out, cached, strict=False)
+    ):
         raise ValueError(
             f"encode returned {[tuple(o.shape) for o in out]} for micro-batch {i} in the second "
             f"pass but {[tuple(c.shape) for c in cached]} in the first: encode must return the "

@@ -117,7 +117,12 @@ def test_a_float32_difference_that_vanishes_in_float64_is_called_round_off() -> 
     floors = {**bv.TOLERANCES, torch.float32: 1e-12}
     with mock.patch.dict(bv.ROUNDOFF_CAPS, caps), mock.patch.dict(bv.TOLERANCES, floors):
         (r,) = verify(
-            UNet(3, 1, dims=2, width=4, depth=2), x, y, [1, 3, 2], dice_loss, dtypes=(torch.float32,)
+            UNet(3, 1, dims=2, width=4, depth=2),
+            x,
+            y,
+            [1, 3, 2],
+            dice_loss,
+            dtypes=(torch.float32,),
         )
     assert not r.passed
     assert "round-off" in r.explanation and "couples" not in r.explanation
