@@ -4,7 +4,13 @@ Exact gradient accumulation (the update equals the big-batch update whatever the
 sizes), memory planning and OOM recovery, for plain PyTorch loops.
 """
 
-from bigbatch.accumulate import Accumulator, EmptyWindowWarning, StepResult, scale_grads_
+from bigbatch.accumulate import (
+    Accumulator,
+    EmptyWindowWarning,
+    NonFiniteGradientWarning,
+    StepResult,
+    scale_grads_,
+)
 from bigbatch.counts import MicroBatchCount, count_tokens, resolve_count
 from bigbatch.inexact import (
     InexactAccumulationWarning,
@@ -23,6 +29,7 @@ __all__ = [
     "InexactAccumulationWarning",
     "InexactLayer",
     "MicroBatchCount",
+    "NonFiniteGradientWarning",
     "StepResult",
     "__version__",
     "count_tokens",

@@ -66,20 +66,36 @@ def reference_update(
     windows: list[list[Batch]],
     lr: float,
     clip: float | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain SGD on each window as one big batch, in float64: the update accumulation must equal."""
-    w = weight.detach().double().clone().requires_grad_(True)
-    b = bias.detach().double().clone().requires_grad_(True)
+    """Plain SGD on each window as one big batch, in float64: the update accumulation must equal
+    (``dtype=torch.float32``: the same big batch at float32's round-off)."""
+    w = weight.detach().to(dtype).clone().requires_grad_(True)
+    b = bias.detach().to(dtype).clone().requires_grad_(True)
     for window in windows:
         x, y = cat(window)
-        loss_of(x.double() @ w.T + b, y).backward()
+        loss_of(x.to(dtype) @ w.T + b, y).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([w, b], clip)
         with torch.no_grad():
             w -= lr * w.grad
             b -= lr * b.grad
         w.grad = b.grad = None
-    return w.detach(), b.detach()
+    return w.detach().double(), b.detach().double()
+
+
+def roundoff_tol(
+    init: tuple[torch.Tensor, torch.Tensor], windows: list[list[Batch]], lr: float
+) -> float:
+    """The tolerance of a float32 run: a multiple of the float32 big batch's own distance from
+    the float64 one, on the update, never below 1e-6 (``bigbatch.verify.roundoff_tolerance``)."""
+    from bigbatch.verify import roundoff_tolerance
+
+    def update(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        got = reference_update(*init, windows, lr, dtype=dtype)
+        return {str(i): g - i0.double() for i, (g, i0) in enumerate(zip(got, init, strict=True))}
+
+    return roundoff_tolerance(update(torch.float32), update(torch.float64), torch.float32)[0]
 
 
 def rel_err(

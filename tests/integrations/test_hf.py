@@ -149,3 +149,17 @@ def test_own_model_is_off_under_trainer_and_token_loss_makes_it_exact(tmp_path) 
 def test_token_loss_without_a_count_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="num_items_in_batch"):
         token_loss()({"logits": torch.zeros(1, 2, 3)}, torch.zeros(1, 2, dtype=torch.long), None)
+
+
+def test_token_loss_on_a_causal_lms_output_with_unshifted_labels_is_refused() -> None:
+    """Input-id labels used as they are would train the model to predict the current token."""
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=8, n_layer=1, n_head=2, use_cache=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    batch = collate(sequences()[:2])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    with pytest.raises(ValueError, match=r"causal LM.s output .*labels_shifted=True"):
+        token_loss()(out, batch["labels"], num_items_in_batch=10)
+    # Labels the collator shifted already are accepted when said so.
+    assert torch.isfinite(token_loss(labels_shifted=True)(out, batch["labels"], 10))

@@ -159,6 +159,39 @@ def test_misuse_is_refused_with_the_fix() -> None:
         ExactAccumulation()
 
 
+class StepsItself(Lit):
+    """Manual optimisation misused: no exact_backward, or an optimizer step of its own."""
+
+    def __init__(self, batches: list[Batch], mode: str) -> None:
+        super().__init__(batches, exact=True)
+        self.mode = mode
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = loss_of(self.net(x), y)
+        opt = self.optimizers()
+        if self.mode == "exact_and_step":
+            exact_backward(self, loss, labels=y)
+            opt.step()
+        elif self.mode == "manual_backward":
+            self.manual_backward(loss)
+        else:  # plain manual optimisation, as Lightning's docs show it
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+
+@pytest.mark.parametrize("mode", ["manual_backward", "plain_step", "exact_and_step"])
+def test_manual_optimisation_that_bypasses_the_window_is_refused(mode: str) -> None:
+    """Without exact_backward the fit used to end with global_step 0 and untouched weights; with
+    an optimizer.step() of its own it stepped on partial windows (off by 1.6-2.3)."""
+    batches, n = SCENARIOS["uneven"]
+    fix = "did not call exact_backward" if mode == "manual_backward" else "remove optimizer.step"
+    with pytest.raises(RuntimeError, match=fix):
+        fit(StepsItself(batches, mode), callbacks=[ExactAccumulation(n)])
+
+
 class RankLit(Lit):
     """Each rank trains on its own micro-batches (uneven sizes, a partial last window)."""
 
