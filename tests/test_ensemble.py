@@ -138,3 +138,17 @@ def test_members_share_one_overhead_and_the_log_names_their_model(comp: Path) ->
         json.loads((comp / "out" / m / "config.json").read_text())["overhead"] for m in ("m1", "m2")
     }
     assert len(overheads) == 1 and next(iter(overheads)).isdigit()
+
+
+def test_write_submission_refuses_ids_it_cannot_place(tmp_path: Path) -> None:
+    """Two test images with one name used to raise a bare KeyError (or overwrite one row)."""
+    from bigbatch.ensemble import write_submission
+
+    sample = tmp_path / "sample.csv"
+    sample.write_text("id,label\na.png,\nb.png,\n")
+    with pytest.raises(ValueError, match=r"share the id 'a.png'.*submission_ids"):
+        write_submission(["a.png", "a.png"], ["1", "2"], tmp_path / "s.csv", sample)
+    with pytest.raises(ValueError, match=r"1 id\(s\) of .* have no prediction .*'b.png'"):
+        write_submission(["a.png"], ["1"], tmp_path / "s.csv", sample)
+    out = write_submission(["b.png", "a.png"], ["2", "1"], tmp_path / "s.csv", sample)
+    assert out.read_text().splitlines() == ["id,label", "a.png,1", "b.png,2"]

@@ -233,10 +233,26 @@ def write_submission(
     the images, its second receives the labels), else ``image,label``. ``ids`` are
     :func:`submission_ids`, one per prediction."""
     out = Path(out)
+    if len(ids) != len(labels):
+        raise ValueError(f"{len(ids)} ids but {len(labels)} labels: give one label per id")
     by_id = dict(zip(ids, labels, strict=True))
+    if len(by_id) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(
+            f"two predictions share the id {twice[0]!r} ({len(twice)} such ids): test images in "
+            "different folders with one name? Make the ids with submission_ids(files, folder, "
+            "sample_submission), which uses the relative paths where names repeat"
+        )
     if sample_submission:
         with open(sample_submission, newline="", encoding="utf-8-sig") as handle:
             rows = [r for r in csv.reader(handle) if r]
+        missing = [r[0] for r in rows[1:] if r[0] not in by_id]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} id(s) of {sample_submission} have no prediction (first: "
+                f"{missing[0]!r}): predict every test image the sample lists, with ids from "
+                "submission_ids(files, folder, sample_submission)"
+            )
         atomic_write_csv(out, rows[0], ([r[0], by_id[r[0]], *r[2:]] for r in rows[1:]))
     else:
         atomic_write_csv(out, ["image", "label"], zip(ids, labels, strict=True))

@@ -53,10 +53,31 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        # A writer that replaces the file itself (safetensors does) leaves it 0600.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:  # a write that failed through a file object: name the target
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read without changing it where Linux shows it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write(path: str | Path, mode: str, writer: Callable[[IO[Any]], Any]) -> None:
@@ -119,10 +140,17 @@ def check_writable(path: str | Path, what: str) -> None:
         raise PermissionError(
             f"cannot create the folder for {what} {path}: permission denied"
         ) from exc
-    if not os.access(folder, os.W_OK | os.X_OK):
+    # A real file, not os.access: root passes every access check, and a read-only or special
+    # file system (or a full disk) refuses only the write itself.
+    probe = folder / f".{path.name}.{secrets.token_hex(4)}.probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as exc:
         raise PermissionError(
-            f"cannot write {what} {path}: {folder} is not writable; choose another place"
-        )
+            f"cannot write {what} {path}: {folder} is not writable ({exc.strerror}); choose "
+            "another place"
+        ) from exc
+    probe.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

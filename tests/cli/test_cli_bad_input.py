@@ -125,6 +125,36 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "is a file, not a folder",
     ),
     "verify --micro without --model": (lambda j: ["verify", "--micro", "4,4"], "add --model"),
+    # Root passes every access check: /proc refuses the file itself. Refused before planning.
+    "plan csv where no file can be made": (
+        lambda j: [*PLAN, "--csv", "/proc/bigbatch-plan.csv"],
+        "is not writable",
+    ),
+    "plan arch empty": (lambda j: ["plan", "--arch", "", *PLAN[3:]], "names no arch"),
+    "plan num-classes negative": (
+        lambda j: [*PLAN, "--num-classes", "-3"],
+        "--num-classes must be >= 1",
+    ),
+    "csv columns swapped": (
+        lambda j: (
+            _csv(j, b"red,train/red/red_0.png\ngreen,train/green/green_0.png\n"),
+            [*TRAIN, "data=train.csv"],
+        )[1],
+        "the columns are swapped",
+    ),
+    "a folder where the config goes": (lambda j: ["train", "train"], "data=train"),
+    "resume with another out": (
+        lambda j: ["train", "--resume", "run", "--out", "other"],
+        "drop --out",
+    ),
+    "segmentation folder without the task": (
+        lambda j: (
+            (j / "seg" / "images").mkdir(parents=True),
+            (j / "seg" / "masks").mkdir(),
+            [*TRAIN, "data=seg"],
+        )[2],
+        "task=segmentation",
+    ),
 }
 
 
@@ -195,3 +225,65 @@ def test_cuda_device_name_alone_plans_without_a_gpu(capsys: pytest.CaptureFixtur
         pytest.skip("this checks planning for a GPU on a machine without one")
     argv = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "4GB"]
     assert main([*argv, "--device", "cuda", "--json"]) == 0
+
+
+def test_a_full_disk_inside_torch_save_is_one_line(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save to a path reports a full disk as a RuntimeError; the checkpoint goes through a
+    Python file object, so it is an OSError (ENOSPC) and one line naming the file."""
+    import builtins
+
+    import bigbatch.train.checkpoint as checkpoint
+
+    real_open = builtins.open
+
+    def full_open(file: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if "w" in mode and ".last.pt." in str(file):
+            return real_open("/dev/full", mode, *args, **kwargs)  # type: ignore[call-overload]
+        return real_open(file, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(checkpoint, "open", full_open, raising=False)
+    line = _fails([*TRAIN, "--out", "run"], capsys, "no space left on the device")
+    assert "last.pt" in line and "--resume" in line
+    assert not list((job / "run").glob(".last.pt.*"))  # no temporary file left behind
+
+
+def test_a_read_only_out_folder_is_one_line(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bigbatch.train.loop as loop
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", "run/last.safetensors")
+
+    monkeypatch.setattr(loop, "save_weights", read_only)
+    _fails([*TRAIN, "--out", "run"], capsys, "read-only file system: run/last.safetensors")
+
+
+def test_ctrl_c_is_one_line_that_says_resume(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bigbatch.train.loop as loop
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_loop", interrupted)
+    assert main([*TRAIN, "--out", "run"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "interrupted" in err and "bigbatch train --resume run" in err
+
+
+def test_weights_files_get_the_usual_permissions(job: Path) -> None:
+    """safetensors replaces the file it writes (0600); the run's files follow the umask."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        run = _trained_run(job)
+    finally:
+        os.umask(old)
+    for name in ("best.safetensors", "last.safetensors", "last.pt", "config.json"):
+        assert (run / name).stat().st_mode & 0o777 == 0o644, name

@@ -52,10 +52,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "space, then run the same command again (finished work is kept; bigbatch train "
                 "continues with --resume)"
             )
-        elif isinstance(exc, PermissionError):
-            message = f"permission denied: {exc.filename or exc}; choose a folder you can write"
+        elif isinstance(exc, PermissionError) or exc.errno in (errno.EROFS, errno.EACCES):
+            what = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
+            message = f"{what}: {exc.filename or exc}; choose a folder you can write (--out)"
         else:
             raise
+    except KeyboardInterrupt:
+        # Checkpoints and outputs are written atomically: what was saved is whole.
+        message = "interrupted" + (
+            "; finished work is kept: `bigbatch train --resume RUN_DIR` continues the run from "
+            "its last checkpoint"
+            if args.command in ("train", "ensemble", "demo")
+            else ""
+        )
+        print(f"bigbatch {args.command}: {message}", file=sys.stderr)
+        return 130
     print(f"bigbatch {args.command}: error: {message}", file=sys.stderr)
     return 2
 

@@ -100,8 +100,15 @@ def _targets(args: argparse.Namespace) -> list[Row]:
         return [(args.model, None, factory, tuple(_ints(args.input_shape, "--input-shape")))]
     from bigbatch.models import UnknownArchitectureError, timm_factory
 
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    if not archs:
+        raise UserError(
+            f"--arch {args.arch!r} names no architecture: give timm names, e.g. --arch resnet18"
+        )
+    if args.num_classes < 1:
+        raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
     rows: list[Row] = []
-    for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
+    for arch in archs:
         for size in _ints(args.size, "--size"):
             try:
                 factory = timm_factory(arch, num_classes=args.num_classes, img_size=size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from bigbatch.cli import UserError
@@ -32,9 +33,21 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     config = args.config
+    if args.resume and args.out and args.out.resolve() != args.resume.resolve():
+        raise UserError(
+            f"--resume {args.resume} continues that run in its own folder, but --out {args.out} "
+            f"names another: drop --out (or copy {args.resume} to {args.out} and resume that)"
+        )
+    if config and Path(config).is_dir():
+        raise UserError(
+            f"{config} is a folder, but the first argument is a TOML config file: give the data "
+            f"as a key, `bigbatch train data={config} ...` (an image folder, one sub-folder per "
+            "class, or a CSV)"
+        )
     if config and "=" in config and not config.endswith(".toml"):
         overrides.insert(0, config)  # only overrides were given
         config = None
+    run_dir: Path | None = args.resume or args.out
     try:
         if args.resume and not config and not overrides:
             saved = args.resume / "config.json"
@@ -56,6 +69,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, DataError) as exc:
         raise UserError(str(exc)) from exc
+    except KeyboardInterrupt:
+        # Checkpoints are written atomically: the last one is whole.
+        where = run_dir or "RUN_DIR"
+        print(
+            f"bigbatch train: interrupted; finished work is kept: `bigbatch train --resume "
+            f"{where}` continues from its last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 alone reports
         print(f"\nrun folder: {result.run_dir}  (best {cfg.monitor} {result.best_metric:.4f})")
         print(

@@ -6,6 +6,7 @@ saving leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,13 @@ def save_weights(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import save_model
 
     with atomic_path(path) as tmp:
-        save_model(model, str(tmp))
+        try:
+            save_model(model, str(tmp))
+        except Exception as exc:
+            # safetensors writes from Rust: a full disk comes back as its own error type.
+            if "os error 28" in str(exc) or "No space left" in str(exc):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path)) from exc
+            raise
 
 
 def load_weights_file(model: nn.Module, path: str | Path) -> None:
@@ -31,9 +38,10 @@ def load_weights_file(model: nn.Module, path: str | Path) -> None:
 
 
 def save_state(state: dict[str, Any], path: str | Path) -> None:
-    # Straight to the temporary file: no second copy of the checkpoint in memory.
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    # Straight to the temporary file (no second copy of the checkpoint in memory), through a
+    # Python file object: a full disk is then an OSError (ENOSPC), not torch's RuntimeError.
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
 
 
 def load_state(path: str | Path) -> dict[str, Any]:

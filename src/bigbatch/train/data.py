@@ -136,6 +136,11 @@ def scan_folder(
             f"{root} has no class sub-folders; put each class's images in {root}/<class>/"
         )
     names = [p.name for p in folders]
+    if classes is None and {"images", "masks"} <= set(names):
+        raise DataError(
+            f"{root} holds images/ and masks/: a segmentation data set, not classes. Add "
+            "task=segmentation (or, to classify, put each class's images in its own sub-folder)"
+        )
     if classes is not None:
         unseen = sorted(set(names) - set(classes))
         if unseen:
@@ -220,6 +225,11 @@ def scan_csv(
         body.append((row[0].strip(), row[1].strip()))
     body = _drop_duplicate_rows(path, body)
     missing = [f for f, _ in body if not (root / f).is_file()]
+    if missing and all((root / label).is_file() for _, label in body):
+        raise DataError(
+            f"{path}: the second column holds the image files ({body[0][1]!r}) and the first the "
+            f"labels ({body[0][0]!r}): the columns are swapped; put file first, label second"
+        )
     if missing:
         raise DataError(
             f"{len(missing)} file(s) named in {path} do not exist under {root}, e.g. {missing[0]!r}; "
