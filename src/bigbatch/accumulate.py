@@ -57,6 +57,9 @@ class StepResult:
     # The loss is computed when first read, so a loop that does not log it never waits for
     # the device; under DDP it is all-reduced with the count and stored as a float.
     _loss: float | Callable[[], float] = field(default=math.nan, repr=False, compare=False)
+    # True when the step was skipped because the gradient held inf/nan without a GradScaler to
+    # own it (a diverging run, a bad batch): not the routine skip of fp16 loss scaling.
+    non_finite: bool = False
 
     @property
     def loss(self) -> float:
@@ -569,7 +572,9 @@ class Accumulator:
             # GradScaler skips such a step itself; without one, optimizer.step() would turn
             # every parameter into nan. After the all-reduce, so every rank skips alike.
             self._skip_non_finite()
-            return StepResult(self.optimizer_step, micro_batches, count, None, True, _loss=loss)
+            return StepResult(
+                self.optimizer_step, micro_batches, count, None, True, _loss=loss, non_finite=True
+            )
 
         grad_norm = None
         if self.clip_grad_norm is not None:

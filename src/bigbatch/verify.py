@@ -194,8 +194,9 @@ def roundoff_tolerance(
     (``dtype``-valued) weights and inputs. The tolerance is ``ROUNDOFF_FACTOR`` times that
     round-off, at least ``TOLERANCES[dtype]`` and at most ``ROUNDOFF_CAPS[dtype]``.
 
-    >>> g = {"w": torch.tensor([1.0, 2.0])}
-    >>> roundoff_tolerance(g, {"w": torch.tensor([1.0, 2.0 + 1e-5])}, torch.float32)[0]
+    >>> g = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    >>> exact = {"w": torch.tensor([1.0, 2.0 + 1e-5], dtype=torch.float64)}
+    >>> round(roundoff_tolerance(g, exact, torch.float32)[0], 9)
     2e-05
     """
     floor = TOLERANCES.get(dtype, 1e-6)

@@ -101,12 +101,6 @@ def _targets(args: argparse.Namespace) -> list[Row]:
     from bigbatch.models import UnknownArchitectureError, timm_factory
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
-    if not archs:
-        raise UserError(
-            f"--arch {args.arch!r} names no architecture: give timm names, e.g. --arch resnet18"
-        )
-    if args.num_classes < 1:
-        raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
     rows: list[Row] = []
     for arch in archs:
         for size in _ints(args.size, "--size"):
@@ -133,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch < 1:
         raise UserError(f"--batch must be a positive number of samples, got {args.batch}")
+    if args.arch is not None and not args.arch.replace(",", "").strip():
+        raise UserError(
+            f"--arch {args.arch!r} names no architecture: give timm names, e.g. --arch resnet18"
+        )
+    if args.num_classes < 1:
+        raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
     if args.cache_dim < 0 or args.cache_towers < 1:
         raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
     from bigbatch.coupled import cache_bytes

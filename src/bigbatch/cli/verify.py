@@ -143,7 +143,7 @@ def _print_table(results: list[CaseResult]) -> None:
         verdict = "EXACT" if r.passed else "DIFFERS"
         print(
             f"{r.case[:16]:<16} {r.method:<9} {r.dtype:<8} {counts[:20]:<20} "
-            f"{r.max_abs:9.1e} {r.max_rel:9.1e} {r.tolerance:7.0e}  {verdict}"
+            f"{r.max_abs:9.1e} {r.max_rel:9.1e} {r.tolerance:7.1e}  {verdict}"
         )
     # One paragraph per distinct explanation, naming the rows it explains.
     explained: dict[str, list[str]] = {}

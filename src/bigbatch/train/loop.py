@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from bigbatch.accumulate import Accumulator
+from bigbatch.accumulate import Accumulator, NonFiniteGradientWarning
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.oom import OOMBackoff, run_window
@@ -691,10 +692,13 @@ def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
         return run.task.loss(logits, batch[1].to(device, non_blocking=True))
 
     for x, y in loader:
-        result = run_window(acc, (x, y), loss_fn, backoff, device=device)
-        if result.skipped:
-            continue
-        if not math.isfinite(result.loss):
+        with warnings.catch_warnings():
+            # Said below as TrainingDiverged, with the epoch and what was kept.
+            warnings.simplefilter("ignore", NonFiniteGradientWarning)
+            result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+        if result.skipped and not result.non_finite:
+            continue  # fp16 loss scaling's routine skip, or an all-padding window
+        if result.non_finite or not math.isfinite(result.loss):
             show.close()
             raise TrainingDiverged(
                 f"training diverged: the loss became {result.loss} at epoch {e + 1}, "
