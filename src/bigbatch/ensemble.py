@@ -21,6 +21,7 @@ import numpy as np
 
 from bigbatch.io import atomic_write_csv
 from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
+from bigbatch.user_code import UserCodeError, load_callable
 
 __all__ = [
     "EnsembleResult",
@@ -128,12 +129,9 @@ def load_experiments(
 def _check_model_name(cfg: TrainConfig) -> None:
     """The member's model exists (timm name or module:factory), without building it."""
     if cfg.model:
-        from bigbatch.cli import UserError
-        from bigbatch.cli._load import load_callable
-
         try:
             load_callable(cfg.model, "model")
-        except UserError as exc:
+        except UserCodeError as exc:
             raise ConfigError(str(exc)) from exc
         return
     from bigbatch.models import UnknownArchitectureError, resolve_arch

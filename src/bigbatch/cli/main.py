@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from bigbatch.cli import UserError
+from bigbatch.user_code import UserCodeError
 
 # Subcommand -> module; each module has add_arguments(parser) and run(args) -> int.
 # Imported lazily so `bigbatch verify` does not pay for timm or matplotlib.
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args))
-    except UserError as exc:
+    except (UserError, UserCodeError) as exc:
         message = str(exc)
     except OSError as exc:
         # A full disk or a folder we may not write, found mid-run: one line, no traceback.

@@ -12,7 +12,6 @@ from typing import Any
 from torch import nn
 
 from bigbatch.cli import UserError
-from bigbatch.cli._load import load_callable
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
@@ -23,6 +22,7 @@ from bigbatch.memory.plan import (
     usable_bytes,
 )
 from bigbatch.memory.predict import OPTIMIZERS, PRECISIONS, StepSpec, predict_peak
+from bigbatch.user_code import load_callable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

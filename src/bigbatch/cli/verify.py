@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.cli import UserError
-from bigbatch.cli._load import call_factory, load_object
+from bigbatch.user_code import call_factory, load_object
 from bigbatch.verify import (
     CaseResult,
     LossFn,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from bigbatch.train.tasks import task_entry, task_names
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -29,8 +31,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "mode": ("auto", "fine_tune", "fit"),
     "schedule": ("one_cycle", "cosine", "plateau"),
-    "monitor": ("valid_loss", "accuracy", "error_rate", "dice", "jaccard"),
-    "task": ("classification", "segmentation"),
     "loss": ("bce_dice", "dice", "bce"),
     "bad_images": ("skip", "error"),
     "optimizer": ("adamw", "sgd"),
@@ -88,6 +88,8 @@ class TrainConfig:
             raise ConfigError(
                 "data is not set: give data=path/to/folder (one sub-folder per class) or a CSV"
             )
+        if self.task not in task_names():
+            raise ConfigError(f"task={self.task!r} is not one of {', '.join(task_names())}")
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
@@ -137,14 +139,11 @@ class TrainConfig:
                 f"weights={self.weights!r} does not exist (a local safetensors or state-dict "
                 "file; nothing is downloaded)"
             )
-        task_metrics = {
-            "classification": ("accuracy", "error_rate"),
-            "segmentation": ("dice", "jaccard"),
-        }
-        if self.monitor != "valid_loss" and self.monitor not in task_metrics[self.task]:
+        metrics = task_entry(self.task).metrics
+        if self.monitor != "valid_loss" and self.monitor not in metrics:
             raise ConfigError(
                 f"monitor={self.monitor} is not a {self.task} metric: use valid_loss, "
-                + " or ".join(task_metrics[self.task])
+                + " or ".join(metrics)
             )
         if self.num_classes < 0:
             raise ConfigError(

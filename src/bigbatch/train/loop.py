@@ -32,7 +32,7 @@ from bigbatch.train.checkpoint import load_state, save_state, save_weights
 from bigbatch.train.config import ConfigError, TrainConfig, check_device, config_from_json
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.report import plot_history, write_history
-from bigbatch.train.tasks import Metrics, Task, task_for
+from bigbatch.train.tasks import Metrics, Task, lower_is_better, task_for
 from bigbatch.train.tasks.classification import build_model, prepare_data
 
 __all__ = [
@@ -761,7 +761,7 @@ def _finish_epoch(run: _Run, ph: _Phase, e: int, loss_sum: float, count: float, 
     }
     run.history.append(row)
     value = row[run.monitor]
-    sign = 1.0 if run.monitor in ("valid_loss", "error_rate", "train_loss") else -1.0
+    sign = 1.0 if lower_is_better(run.cfg.task, run.monitor) else -1.0
     improved = sign * value < sign * run.best if math.isfinite(run.best) else True
     if improved:
         run.best = value

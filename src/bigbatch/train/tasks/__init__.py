@@ -1,23 +1,35 @@
 """What a training task owns, apart from the loop: its data, model, loss, metrics and report.
 
 :func:`bigbatch.train.loop.train` is the loop (plan, exact accumulation, OOM back-off,
-checkpoints, history, progress); a task fills in the rest. Two tasks exist, chosen by the
-``task`` key: :class:`~bigbatch.train.tasks.classification.ClassificationTask` and
-:class:`~bigbatch.train.tasks.segmentation.SegmentationTask`. A third implements
-:class:`Task`.
+checkpoints, history, progress); a task fills in the rest, and the loop never asks which task it
+runs. Tasks are chosen by the ``task`` key from a registry: ``classification``
+(:class:`~bigbatch.train.tasks.classification.ClassificationTask`) and ``segmentation``
+(:class:`~bigbatch.train.tasks.segmentation.SegmentationTask`) are registered here; a new task
+is a module implementing :class:`Task` plus one :func:`register_task` call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from bigbatch.train.config import TrainConfig
+if TYPE_CHECKING:  # config imports this registry to check task= and monitor=
+    from bigbatch.train.config import TrainConfig
 
-__all__ = ["Metrics", "Task", "task_for"]
+__all__ = [
+    "Metrics",
+    "Task",
+    "TaskEntry",
+    "lower_is_better",
+    "register_task",
+    "task_entry",
+    "task_for",
+    "task_names",
+]
 
 Log = Callable[[str], None]
 
@@ -61,11 +73,75 @@ class Task(Protocol):
         ...
 
 
-def task_for(cfg: TrainConfig) -> Task:
-    if cfg.task == "segmentation":
-        from bigbatch.train.tasks.segmentation import SegmentationTask
+@dataclass(frozen=True)
+class TaskEntry:
+    """A registered task: how to build it, and the validation metrics ``monitor=`` may name."""
 
-        return SegmentationTask(cfg)
+    build: Callable[[TrainConfig], Task]
+    metrics: tuple[str, ...]
+    lower_is_better: frozenset[str] = frozenset()  # the metrics where less is better
+
+
+_TASKS: dict[str, TaskEntry] = {}
+
+
+def register_task(
+    name: str,
+    build: Callable[[TrainConfig], Task],
+    *,
+    metrics: tuple[str, ...],
+    lower_is_better: tuple[str, ...] = (),
+) -> None:
+    """Make ``task=name`` build ``build(cfg)``; ``metrics`` are the names its
+    :meth:`Metrics.as_dict` returns that ``monitor=`` may choose.
+
+    >>> "classification" in task_names()
+    True
+    """
+    if name in _TASKS:
+        raise ValueError(f"task {name!r} is registered already")
+    unknown = set(lower_is_better) - set(metrics)
+    if unknown:
+        raise ValueError(f"lower_is_better names metrics the task does not have: {sorted(unknown)}")
+    _TASKS[name] = TaskEntry(build, tuple(metrics), frozenset(lower_is_better))
+
+
+def task_names() -> tuple[str, ...]:
+    return tuple(_TASKS)
+
+
+def task_entry(name: str) -> TaskEntry:
+    if name not in _TASKS:
+        raise KeyError(f"task={name!r} is not one of {', '.join(_TASKS)}")
+    return _TASKS[name]
+
+
+def lower_is_better(task: str, metric: str) -> bool:
+    """Whether a smaller ``metric`` is better (losses always are)."""
+    return metric in ("valid_loss", "train_loss") or metric in task_entry(task).lower_is_better
+
+
+def task_for(cfg: TrainConfig) -> Task:
+    return task_entry(cfg.task).build(cfg)
+
+
+# The built-in tasks' modules load timm, PIL and friends: imported when the task is chosen.
+def _classification(cfg: TrainConfig) -> Task:
     from bigbatch.train.tasks.classification import ClassificationTask
 
     return ClassificationTask(cfg)
+
+
+def _segmentation(cfg: TrainConfig) -> Task:
+    from bigbatch.train.tasks.segmentation import SegmentationTask
+
+    return SegmentationTask(cfg)
+
+
+register_task(
+    "classification",
+    _classification,
+    metrics=("accuracy", "error_rate"),
+    lower_is_better=("error_rate",),
+)
+register_task("segmentation", _segmentation, metrics=("dice", "jaccard"))

@@ -20,6 +20,7 @@ from bigbatch.train.data import (
     split_items,
 )
 from bigbatch.train.metrics import ClassificationMetrics
+from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = ["ClassificationTask", "build_model", "prepare_data"]
 
@@ -29,9 +30,7 @@ Log = Callable[[str], None]
 def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
     """A zero-argument factory for the configured model (timm by name, or module:factory)."""
     if cfg.model:
-        from bigbatch.cli._load import load_callable
-
-        user = load_callable(cfg.model, "model")
+        user = load_user_model(cfg.model)
 
         def build_user() -> nn.Module:
             return user(num_classes)

@@ -15,6 +15,7 @@ from bigbatch.segmentation.metrics import SegmentationMetrics
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.segdata import SegDataset, SegItems, scan_segmentation
+from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model"]
 
@@ -30,9 +31,7 @@ def build_seg_model(
     """arch=unet: bigbatch's GroupNorm U-Net (2D or 3D); any other name: a timm encoder under a
     U-Net decoder (2D); model=module:factory(in_channels, num_classes) for your own."""
     if cfg.model:
-        from bigbatch.cli._load import load_callable
-
-        user = load_callable(cfg.model, "model")
+        user = load_user_model(cfg.model)
         return lambda: user(in_channels, num_classes)
     if cfg.arch == "unet":
         from bigbatch.segmentation.models import UNet
