@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PATHS := src tests examples benchmarks
 
-.PHONY: venv test lint typecheck unit demo bench clean
+.PHONY: venv test test-fast lint typecheck unit demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
+
+# The tests that take well under a second each (about a minute in all): while you work.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 test: lint typecheck unit
 

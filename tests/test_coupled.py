@@ -147,7 +147,7 @@ def test_dropout_masks_are_replayed(name: str, monkeypatch: pytest.MonkeyPatch) 
     assert rel(cached(models, encode, loss_fn, batches, targets), want) <= 1e-12
     # Without the replay the second pass draws other masks: the gradient would be wrong, and the
     # check of the recomputed representations refuses it.
-    monkeypatch.setattr(coupled, "_set_rng_state", lambda state: None)
+    monkeypatch.setattr(coupled, "set_rng_state", lambda state: None)
     models.zero_grad()
     with pytest.raises(RuntimeError, match="randomness is not replayed"):
         cached(models, encode, loss_fn, batches, targets)

@@ -14,6 +14,9 @@ from distributed_scenarios import net, oom_on_one_rank, rank_data, sgd, uneven_d
 
 TOL64 = 1e-12
 
+# Every test here starts gloo processes (a few seconds each).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def ddp_rows() -> list:

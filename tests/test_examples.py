@@ -22,6 +22,7 @@ def _run(*args: str) -> str:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.slow
 def test_example_runs(path: Path) -> None:
     out = _run(str(path))
     assert out.strip()
@@ -29,12 +30,14 @@ def test_example_runs(path: Path) -> None:
         assert "bit-identical: True" in out
 
 
+@pytest.mark.slow
 def test_digits_demo_shows_equal_weights() -> None:
     out = _run("examples/demo_digits.py")
     assert "EQUAL (float64 round-off)" in out
     assert "DIFFERENT" in out  # the naive run, side by side
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_json() -> None:
     result = json.loads(
         _run("benchmarks/overhead.py", "--samples", "512", "--rounds", "1", "--json")
@@ -42,6 +45,7 @@ def test_overhead_benchmark_json() -> None:
     assert result["ratio_vs_hand"] > 0
 
 
+@pytest.mark.slow
 def test_ddp_benchmark_json() -> None:
     out = _run("benchmarks/ddp.py", "--width", "256", "--accum", "4", "--rounds", "1", "--json")
     result = json.loads(out[out.index("{") :])
@@ -49,6 +53,7 @@ def test_ddp_benchmark_json() -> None:
     assert counts["bigbatch_sync_step"] < counts["ddp_every_micro_batch"]
 
 
+@pytest.mark.slow
 def test_integrations_benchmark_json() -> None:
     out = _run("benchmarks/integrations.py", "--batches", "8", "--rounds", "1", "--json")
     rows = json.loads(out[out.index("{") :])["rows"]
@@ -56,6 +61,7 @@ def test_integrations_benchmark_json() -> None:
     assert all(row["ratio"] > 0 for row in rows.values())
 
 
+@pytest.mark.slow
 def test_coupled_benchmark_json() -> None:
     # Activations (batch x width x depth) outweigh the weights and the 512 x 512 similarities.
     out = _run(
@@ -67,6 +73,7 @@ def test_coupled_benchmark_json() -> None:
     assert result["time_ratio_vs_plain_accumulation"] > 0
 
 
+@pytest.mark.slow
 def test_memory_accuracy_benchmark_json() -> None:
     # The LSTM is the case fake tensors alone get most wrong (its oneDNN workspace).
     out = _run(
@@ -78,6 +85,7 @@ def test_memory_accuracy_benchmark_json() -> None:
     assert result["max_predict_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_train_throughput_benchmark_json() -> None:
     out = _run(
         "benchmarks/train_throughput.py", "--per-class", "16", "--epochs", "1", "--rounds", "1",

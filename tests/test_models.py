@@ -50,6 +50,7 @@ def _run(tmp_path: Path, cache: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_pretrained_weights_load_offline_from_a_hub_cache(tmp_path: Path) -> None:
     import timm
     from safetensors.torch import save_file
@@ -71,6 +72,7 @@ def test_pretrained_weights_load_offline_from_a_hub_cache(tmp_path: Path) -> Non
     assert "LOADED True 3" in out and "META True" in out, out
 
 
+@pytest.mark.slow
 def test_no_cache_and_no_network_is_one_clear_line(tmp_path: Path) -> None:
     out = _run(tmp_path, tmp_path / "empty-hub")
     assert out.startswith("ERROR pretrained weights for resnet10t (timm/resnet10t.c3_in1k)")

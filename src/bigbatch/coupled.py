@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
+from bigbatch.device import rng_state, set_rng_state
 
 __all__ = ["cache_bytes", "cached_backward", "info_nce", "supervised_contrastive"]
 
@@ -48,17 +49,6 @@ __all__ = ["cache_bytes", "cached_backward", "info_nce", "supervised_contrastive
 _REPLAY_ULPS = 64
 
 Encode = Callable[[Any], "torch.Tensor | tuple[torch.Tensor, ...]"]
-
-
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1]:
-        torch.cuda.set_rng_state_all(state[1])
 
 
 @contextmanager
@@ -180,7 +170,7 @@ def cached_backward(
     parts: list[tuple[torch.Tensor, ...]] = []
     with _batchnorm_stats_kept():  # the second pass updates them, once per micro-batch
         for i, mb in enumerate(micro_batches):
-            states.append(_rng_state())
+            states.append(rng_state())
             with torch.no_grad():
                 parts.append(tuple(t.detach() for t in _towers(encode(mb), f"micro-batch {i}")))
     n_towers = len(parts[0])
@@ -188,7 +178,7 @@ def cached_backward(
         raise ValueError("encode returned a different number of towers for different micro-batches")
     sizes = [len(p[0]) for p in parts]
     local = [torch.cat([p[t] for p in parts]).requires_grad_(True) for t in range(n_towers)]
-    after_first_pass = _rng_state()
+    after_first_pass = rng_state()
     towers = [_gather(t) for t in local] if gather else local
     args: list[Any] = list(towers)
     if targets is not None:
@@ -202,7 +192,7 @@ def cached_backward(
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in local]
         start = 0
         for i, (state, mb, n) in enumerate(zip(states, micro_batches, sizes, strict=True)):
-            _set_rng_state(state)  # the same dropout masks as the first pass
+            set_rng_state(state)  # the same dropout masks as the first pass
             out = _towers(encode(mb), "the second pass")
             cached = [t[start : start + n] for t in local]
             _check_replayed(out, cached, i)
@@ -216,7 +206,7 @@ def cached_backward(
                 )
             torch.autograd.backward([o for o, _ in trainable], [g for _, g in trainable])
             start += n
-        _set_rng_state(after_first_pass)
+        set_rng_state(after_first_pass)
 
     acc.backward(loss, count=count if count is not None else sum(sizes), backward=second_pass)
     return loss.detach()

@@ -24,7 +24,9 @@ def load_object(spec: str, what: str) -> Any:
     True
     """
     if ":" not in spec:
-        raise UserCodeError(f"{what} must look like module:name or path/to/file.py:name, got {spec!r}")
+        raise UserCodeError(
+            f"{what} must look like module:name or path/to/file.py:name, got {spec!r}"
+        )
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py") or "/" in module_name:
@@ -48,7 +50,9 @@ def load_object(spec: str, what: str) -> Any:
         ) from exc
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
-        raise UserCodeError(f"{what}: {module_name!r} has no {attr!r}; it has: {', '.join(names[:15])}")
+        raise UserCodeError(
+            f"{what}: {module_name!r} has no {attr!r}; it has: {', '.join(names[:15])}"
+        )
     return getattr(module, attr)
 
 

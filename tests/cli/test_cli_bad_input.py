@@ -220,6 +220,7 @@ def test_train_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"  {f.name} = " in out and HELP[f.name] in out
 
 
+@pytest.mark.slow
 def test_cuda_device_name_alone_plans_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("this checks planning for a GPU on a machine without one")

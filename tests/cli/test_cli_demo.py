@@ -7,6 +7,7 @@ import pytest
 from bigbatch.cli.main import main
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out
@@ -22,6 +23,7 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert (tmp_path / "runs" / member / "history.png").is_file()
 
 
+@pytest.mark.slow
 def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out

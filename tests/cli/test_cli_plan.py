@@ -40,6 +40,7 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_table_csv_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path, png = tmp_path / "table.csv", tmp_path / "peaks.png"
     common = [
@@ -114,6 +115,7 @@ def test_bad_input_is_one_clear_line(
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's VmHWM")
+@pytest.mark.slow
 def test_planning_stays_inside_the_budget_it_plans_for(tmp_path: Path) -> None:
     """resnet10t at 1024 px under 1GB: the calibration's real steps at micro-batch 2 and 4 used
     to peak at 3.2 GB RSS to report that micro-batch 1 needs 520 MiB. Calibration now runs only
@@ -142,6 +144,7 @@ def test_planning_stays_inside_the_budget_it_plans_for(tmp_path: Path) -> None:
     assert peak < budget, f"the planner peaked at {peak / 2**20:.0f} MiB: {proc.stderr[-700:]}"
 
 
+@pytest.mark.slow
 def test_planning_prints_no_profiler_lines() -> None:
     """Calibration's profiler used to print 'USDT: ... profiler_start' and 'ERROR: ...
     gpuGetDeviceCount failed' at every start and stop; a normal run prints neither."""
@@ -160,6 +163,7 @@ def test_planning_prints_no_profiler_lines() -> None:
     assert "resnet10t" in proc.stdout
 
 
+@pytest.mark.slow
 def test_plan_leaves_room_for_a_gradient_cache(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--model", "bigbatch.segmentation.models:unet2d", "--input-shape", "3,32,32",
             "--batch", "4096", "--budget", "1GB", "--overhead", "0", "--no-calibrate", "--json"]  # fmt: skip

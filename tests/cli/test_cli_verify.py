@@ -116,6 +116,7 @@ def test_bad_input_is_one_clear_line(
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_console_script_runs() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "bigbatch", "verify", "--dtype", "float64", "--json"],

@@ -110,6 +110,7 @@ def update_err(got: nn.Module, want: nn.Module, init: nn.Module) -> float:
     return num / den
 
 
+@pytest.mark.slow
 def test_gpt2_under_trainer_overcounts_and_shift_labels_collator_makes_it_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2,
@@ -131,6 +132,7 @@ def test_gpt2_under_trainer_overcounts_and_shift_labels_collator_makes_it_exact(
     assert update_err(fixed, want, init) < 1e-12
 
 
+@pytest.mark.slow
 def test_own_model_is_off_under_trainer_and_token_loss_makes_it_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
     init = TinyLM().double()
     data = shifted(sequences())

@@ -231,6 +231,7 @@ def ddp_worker(rank: int, world: int, port: int, out: str, exact: bool) -> None:
         torch.save([module.net.weight.detach(), module.net.bias.detach()], out)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equals_the_big_batch_over_both_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from bigbatch.verify_distributed import run_distributed
 

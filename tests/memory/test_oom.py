@@ -60,6 +60,7 @@ def _max_rel(a: torch.nn.Module, b: torch.nn.Module) -> float:
     )
 
 
+@pytest.mark.slow
 def test_injected_oom_backs_off_without_changing_the_weights() -> None:
     start = _model()
     reference = _train(start, OOMBackoff(micro_batch=40))  # no OOM: one micro-batch per window
@@ -90,6 +91,7 @@ def test_naive_resume_after_oom_would_change_the_weights() -> None:
     assert _max_rel(model, reference) > 1e-3
 
 
+@pytest.mark.slow
 def test_grows_back_after_clean_windows_and_waits_longer_after_a_failed_grow() -> None:
     attempts = {"n": 0}
 
@@ -107,6 +109,7 @@ def test_grows_back_after_clean_windows_and_waits_longer_after_a_failed_grow() -
     assert backoff.grow_after == 2
 
 
+@pytest.mark.slow
 def test_clear_error_at_micro_batch_one() -> None:
     def always(size: int) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
@@ -143,6 +146,7 @@ def test_is_oom_by_type_then_message() -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc are Linux's")
+@pytest.mark.slow
 def test_real_cpu_oom_in_a_subprocess(tmp_path: Path) -> None:
     script = Path(__file__).with_name("real_oom_script.py")
     out = tmp_path / "weights.pt"
@@ -184,6 +188,7 @@ def test_split_is_balanced_and_never_leaves_batchnorm_a_lone_sample() -> None:
     assert [p["y"].tolist() for p in parts] == [[0, 10], [20, 30], [40]]
 
 
+@pytest.mark.slow
 def test_real_limit_back_off_of_several_halvings_lands_where_a_clean_start_fits(
     tmp_path: Path,
 ) -> None:

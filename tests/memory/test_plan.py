@@ -31,6 +31,7 @@ def spec_at(b: int) -> StepSpec:
     return StepSpec(cnn, (3, 32, 32), b)
 
 
+@pytest.mark.slow
 def test_chosen_micro_batch_fits_when_really_run() -> None:
     budget = 40 * 2**20
     cal = calibrate(spec_at(2))

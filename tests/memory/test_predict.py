@@ -54,11 +54,13 @@ def test_mlp_prediction_matches_measurement(optimizer: str) -> None:
     assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.005
 
 
+@pytest.mark.slow
 def test_transformer_encoder_built_on_meta_is_predicted() -> None:
     spec = StepSpec(Encoder, (16, 32), 16)
     assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.03
 
 
+@pytest.mark.slow
 def test_calibration_adds_the_cpu_convolution_workspaces() -> None:
     spec = StepSpec(bn_cnn, (3, 32, 32), 16)
     real = measure_step_peak(spec)
@@ -122,6 +124,7 @@ def test_prediction_allocates_nothing() -> None:
     assert p.parameters > 4 * 2**30
 
 
+@pytest.mark.slow
 def test_micro_batch_one_is_calibrated_as_measured() -> None:
     # The planner's floor: kernels often choose differently at one sample, so it is measured.
     spec = StepSpec(bn_cnn, (3, 32, 32), 1)
@@ -143,6 +146,7 @@ class _LSTM(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
+@pytest.mark.slow
 def test_lstm_workspace_saved_for_backward_is_predicted() -> None:
     """oneDNN's fused LSTM returns a workspace saved for backward; its fake kernel returns an
     empty one, so fake tensors alone miss most of the step (-52% at micro-batch 4 here, -86% at
@@ -199,6 +203,7 @@ def test_a_constructor_fake_tensors_cannot_run_is_built_on_the_cpu() -> None:
     assert abs(pred.peak_bytes - real) / real <= 0.05
 
 
+@pytest.mark.slow
 def test_an_op_fake_tensors_cannot_run_falls_back_to_measured_steps() -> None:
     """Within a stated 10% of the measured peak, and the note says it was measured."""
     for b in (8, 64):

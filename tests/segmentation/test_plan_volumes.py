@@ -14,6 +14,7 @@ def spec_at(b: int) -> StepSpec:
     return StepSpec(lambda: unet3d(width=4, depth=2), (4, 32, 32, 32), b)
 
 
+@pytest.mark.slow
 def test_plan_splits_a_batch_of_volumes() -> None:
     floor = plan_micro_batch(spec_at, 8, "4GB", overhead=0).floor_bytes
     plan = plan_micro_batch(spec_at, 8, int(floor * 3.5), overhead=0)

@@ -84,6 +84,7 @@ def test_bad_shapes_are_refused() -> None:
         UNet(3, 1, depth=2)(torch.zeros(1, 3, 10, 10))
 
 
+@pytest.mark.slow
 def test_float32_per_sample_dice_passes_verify_across_seeds_and_naive_does_not() -> None:
     """float32 round-off is not a false alarm: 10 seeds of a small CNN with per-sample Dice."""
     for seed in range(10):

@@ -133,6 +133,7 @@ def test_out_that_is_a_file_fails_before_the_data_is_scanned(
         train(cfg, tmp_path / "taken", log=quiet)
 
 
+@pytest.mark.slow
 def test_fixed_micro_batch_is_checked_against_an_explicit_budget(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import TINY_MODEL, write_images
 from safetensors.torch import load_file
@@ -49,6 +50,7 @@ def _train(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: Path) -> None:
     write_images(tmp_path / "train", n_per_class=10)
     (tmp_path / "tinymodel.py").write_text(TINY_MODEL)

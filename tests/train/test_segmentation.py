@@ -23,6 +23,7 @@ from bigbatch.train.segdata import scan_segmentation
 COMMON = ["task=segmentation", "arch=unet", "num_workers=0", "threads=1", "device=cpu", "lr=3e-3"]
 
 
+@pytest.mark.slow
 def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) -> None:
     data = write_shapes_2d(tmp_path / "shapes", n=20, size=32)
     cfg = load_config(
@@ -49,6 +50,7 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) 
     assert main(["predict", str(tmp_path / "run"), str(test), "--patch", "16"]) == 2
 
 
+@pytest.mark.slow
 def test_3d_volumes_train_and_predict_npy_and_nifti(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -116,6 +118,7 @@ def build(in_channels, num_classes):
 """
 
 
+@pytest.mark.slow
 def test_a_3d_run_out_of_memory_shrinks_its_micro_batch_and_keeps_the_update(
     tmp_path: Path,
 ) -> None:
@@ -199,6 +202,7 @@ def test_bad_input_is_refused_by_name_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "r" / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_segmentation_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: Path) -> None:
     write_shapes_2d(tmp_path / "shapes", n=20, size=16)
     keys = ["data=shapes", *COMMON, "size=16", "batch=4", "micro_batch=2", "epochs=2",
@@ -215,6 +219,7 @@ def test_segmentation_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: 
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_a_timm_encoder_under_the_unet_decoder_trains(tmp_path: Path) -> None:
     data = write_shapes_2d(tmp_path / "shapes", n=8, size=32)
     lines: list[str] = []

@@ -104,7 +104,7 @@ def test_a_task_registered_alone_trains_and_monitors_its_own_metric(
 
 
 def test_unknown_tasks_and_metrics_are_refused(toy_task: None) -> None:
-    with pytest.raises(ConfigError, match="task='detection' is not one of .*toy_regression"):
+    with pytest.raises(ConfigError, match=r"task=.detection. is not one of .*toy_regression"):
         load_config(overrides=["task=detection", "data=x"])
     with pytest.raises(ConfigError, match="monitor=dice is not a toy_regression metric"):
         load_config(overrides=["task=toy_regression", "data=x", "monitor=dice"])

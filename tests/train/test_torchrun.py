@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import TINY_MODEL, write_images
 
 
@@ -18,6 +19,7 @@ def _torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks(tmp_path: Path) -> None:
     write_images(tmp_path / "data")
     (tmp_path / "tinymodel.py").write_text(TINY_MODEL)

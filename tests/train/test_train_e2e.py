@@ -23,6 +23,7 @@ def quiet(_: str) -> None:
     pass
 
 
+@pytest.mark.slow
 def test_train_writes_the_run_folder(image_folder: Path, tiny_model: str, tmp_path: Path) -> None:
     cfg = load_config(overrides=base_overrides(image_folder, tiny_model))
     result = train(cfg, tmp_path / "run", log=quiet)
@@ -44,6 +45,7 @@ def test_train_writes_the_run_folder(image_folder: Path, tiny_model: str, tmp_pa
     assert json.loads((run / "plan.json").read_text())["micro_batch"] == 4
 
 
+@pytest.mark.slow
 def test_timm_model_and_planner(image_folder: Path, tmp_path: Path) -> None:
     cfg = load_config(
         overrides=[
@@ -81,6 +83,7 @@ def test_predict_with_tta_and_files(image_folder: Path, tiny_model: str, tmp_pat
     assert not np.allclose(one.probs, pred.probs)  # the flip and crops changed the average
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_weights(
     image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,6 +150,7 @@ def test_unknown_arch_suggests_names(image_folder: Path, tmp_path: Path) -> None
         train(cfg, tmp_path / "run", log=quiet)
 
 
+@pytest.mark.slow
 def test_ensemble_submission_and_skip_on_rerun(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:
@@ -200,6 +204,7 @@ def test_cli_train_and_predict(
     assert "not a bigbatch run folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_freeze_bn_keeps_running_statistics(image_folder: Path, tmp_path: Path) -> None:
     overrides = [f"data={image_folder}", "arch=resnet10t", "size=32", "batch=12", "micro_batch=4"]
     overrides += ["epochs=1", "mode=fit", "device=cpu", "num_workers=0", "freeze_bn=true"]

@@ -20,6 +20,7 @@ import torch
 
 from bigbatch import distributed as bbdist
 from bigbatch.accumulate import Accumulator, StepResult
+from bigbatch.device import empty_cache
 
 __all__ = [
     "BackoffEvent",
@@ -186,8 +187,7 @@ def _split_into(batch: Any, parts: int) -> list[Any]:
 
 def _free_memory(host_oom: bool) -> None:
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    empty_cache()
     if host_oom:
         _release_cpu_heap()
 

@@ -9,13 +9,13 @@ the plan balances the micro-batches (256 with at most 100 fitting -> 3 x 86, not
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bigbatch.device import free_bytes, process_rss, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.predict import MemoryPrediction, StepSpec, predict_peak
 
@@ -100,53 +100,15 @@ class Plan:
         )
 
 
-def device_free_bytes(device: str | torch.device) -> int:
-    """Free memory on ``device`` now: CUDA's ``mem_get_info``, or the system's MemAvailable."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("budget 'auto' needs a CUDA device; give a size such as 16GB instead")
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise ValueError("cannot read the free memory here; give a size such as 8GB instead of 'auto'")
-
-
-def device_total_bytes(device: str | torch.device) -> int | None:
-    """All the memory of ``device`` (a GPU's, or the machine's RAM); None when unknown."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _process_rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 300 * 2**20  # torch's CPU baseline, measured on Linux
+# Kept under their planning names: the device module owns how they are read.
+device_free_bytes = free_bytes
+device_total_bytes = total_bytes
 
 
 def overhead_bytes(device: str | torch.device) -> int:
     """Memory a training process needs besides the step's tensors: the CUDA context on a GPU;
     on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB)."""
-    return CUDA_CONTEXT_BYTES if torch.device(device).type == "cuda" else _process_rss()
+    return CUDA_CONTEXT_BYTES if torch.device(device).type == "cuda" else process_rss()
 
 
 def resolve_budget(budget: str | int, device: str | torch.device) -> int:
@@ -154,7 +116,7 @@ def resolve_budget(budget: str | int, device: str | torch.device) -> int:
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         # The free memory already excludes what this process holds.
         return device_free_bytes(device) + (
-            0 if torch.device(device).type == "cuda" else _process_rss()
+            0 if torch.device(device).type == "cuda" else process_rss()
         )
     return parse_bytes(budget)
 

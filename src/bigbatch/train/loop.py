@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator, NonFiniteGradientWarning
+from bigbatch.device import auto_device, auto_precision, peak_memory_text, set_rng_state
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.oom import OOMBackoff, run_window
@@ -61,11 +62,7 @@ def resolve_device(name: str, what: str = "device") -> torch.device:
     if name != "auto":
         check_device(name, what)
         return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return auto_device()
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -73,9 +70,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         if precision == "fp16" and device.type == "cpu":
             raise ConfigError("precision=fp16 needs a GPU; on CPU use fp32 or bf16")
         return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"  # CPU bf16 is slow on most CPUs; MPS autocast is young
+    return auto_precision(device)
 
 
 def _check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
@@ -672,9 +667,7 @@ def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
         # Where the checkpoint left the epoch: its windows, sums and random streams.
         windows_done = int(resumed["windows"])
         loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
-        torch.set_rng_state(resumed["rng"])
-        if resumed.get("cuda_rng") and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(resumed["cuda_rng"]))
+        set_rng_state({"cpu": resumed["rng"], "cuda": resumed.get("cuda_rng")})
     show = _progress(
         run.progress and run.main_rank,
         ph.windows,
@@ -902,7 +895,7 @@ class _Progress:
         if self.bar is None and not (self.log_every and now - self.last_line >= self.log_every):
             return
         rate = self.samples / max(now - self.t0, 1e-9)
-        info = f"{rate:.0f} samples/s, {acc_steps} x {micro}{_peak_memory(device)}"
+        info = f"{rate:.0f} samples/s, {acc_steps} x {micro}{peak_memory_text(device)}"
         if self.bar is not None:
             self.bar.update(self.task, advance=1, info=info)
             return
@@ -915,16 +908,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def _peak_memory(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-    if sys.platform == "linux":
-        import resource  # the process's peak resident memory, in KiB on Linux
-
-        return f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
-    return ""
 
 
 def _progress(

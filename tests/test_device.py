@@ -1,0 +1,69 @@
+"""bigbatch.device: the one place that knows about cpu, cuda and mps. The accelerator branches are
+checked by simulation here (no GPU in CI) and for real in tests/gpu/."""
+
+from __future__ import annotations
+
+import builtins
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from bigbatch import device
+
+
+def test_rng_state_round_trip_replays_the_same_draws() -> None:
+    state = device.rng_state()
+    first = torch.rand(3)
+    device.set_rng_state(state)
+    assert torch.equal(torch.rand(3), first)
+
+
+def test_mps_cache_and_generator_are_handled_where_mps_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: torch.tensor([7]))
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: calls.append(f"set {int(s)}"))
+    device.empty_cache()
+    state = device.rng_state()
+    assert int(state["mps"]) == 7
+    device.set_rng_state(state)
+    assert calls == ["empty_cache", "set 7"]
+    assert device.auto_device().type in ("cuda", "mps")
+
+
+def test_free_memory_without_proc_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS has no /proc/meminfo: psutil where installed, else a line naming the fix."""
+    real_open = builtins.open
+
+    def no_proc(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(file).startswith("/proc/"):
+            raise FileNotFoundError(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+
+    class FakePsutil:
+        @staticmethod
+        def virtual_memory() -> Any:
+            return type("VM", (), {"available": 123 * 2**20})()
+
+    monkeypatch.setitem(sys.modules, "psutil", FakePsutil)
+    assert device.free_bytes("cpu") == 123 * 2**20
+    monkeypatch.setitem(sys.modules, "psutil", None)  # not installed
+    with pytest.raises(ValueError, match="give a size such as 8GB.*psutil"):
+        device.free_bytes("cpu")
+    assert (device.total_bytes("cpu") or 0) > 0  # sysconf still knows the RAM
+    assert device.process_rss() > 0
+
+
+def test_a_cuda_budget_without_a_gpu_says_so() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message on a machine without a GPU")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        device.free_bytes("cuda")
+    assert device.total_bytes("cuda") is None
