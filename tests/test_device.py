@@ -55,7 +55,7 @@ def test_free_memory_without_proc_meminfo(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "psutil", FakePsutil)
     assert device.free_bytes("cpu") == 123 * 2**20
     monkeypatch.setitem(sys.modules, "psutil", None)  # not installed
-    with pytest.raises(ValueError, match="give a size such as 8GB.*psutil"):
+    with pytest.raises(ValueError, match=r"give a size such as 8GB.*psutil"):
         device.free_bytes("cpu")
     assert (device.total_bytes("cpu") or 0) > 0  # sysconf still knows the RAM
     assert device.process_rss() > 0
