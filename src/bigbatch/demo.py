@@ -16,6 +16,15 @@ from typing import Any
 import numpy as np
 
 from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
+from bigbatch.memory.calibrate import calibrate, calibration_need
+from bigbatch.memory.plan import DEFAULT_MARGIN
+from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.models import timm_factory
+from bigbatch.segmentation.models import UNet
+from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
+from bigbatch.train.config import load_config
+from bigbatch.train.loop import train
+from bigbatch.train.segpredict import predict_masks
 
 __all__ = ["write_digits_competition"]
 
@@ -68,8 +77,6 @@ def demo_budget(arch: str, size: int, batch: int = 128) -> str:
     on one machine and fail on another. The planner's own calibrated prediction, midway between
     micro-batch ``batch // 2`` and ``batch``, plans 2 x 64 everywhere.
     """
-    from bigbatch.memory.predict import StepSpec
-    from bigbatch.models import timm_factory
 
     spec = StepSpec(timm_factory(arch, num_classes=10, img_size=size), (3, size, size), 2)
     return midway_budget(spec, batch)
@@ -79,9 +86,6 @@ def midway_budget(spec: Any, batch: int) -> str:
     """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` and
     ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
     never below what the planner's own calibration steps need, so the plan is calibrated."""
-    from bigbatch.memory.calibrate import calibrate, calibration_need
-    from bigbatch.memory.plan import DEFAULT_MARGIN
-    from bigbatch.memory.predict import predict_peak
 
     calibration = calibrate(spec)
     half, full = (
@@ -136,12 +140,6 @@ def run_segmentation_demo(out: Path, epochs: int = 3, log: Any = print) -> dict[
     and a 3D U-Net on 12 two-channel volumes with a blob, each planned into a budget that holds
     half its batch, trained with exact accumulation, scored by Dice/Jaccard, and its masks
     predicted for a held-out set. Returns the final validation Dice of each."""
-    from bigbatch.memory.predict import StepSpec
-    from bigbatch.segmentation.models import UNet
-    from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
-    from bigbatch.train.config import load_config
-    from bigbatch.train.loop import train
-    from bigbatch.train.segpredict import predict_masks
 
     scores = {}
     jobs: tuple[tuple[str, Any, dict[str, int], int, int, int, int], ...] = (

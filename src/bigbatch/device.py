@@ -8,6 +8,7 @@ new backend is one module's change.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 __all__ = [
     "auto_device",
     "auto_precision",
+    "autocast_for",
     "empty_cache",
     "free_bytes",
     "peak_memory_text",
@@ -170,3 +172,12 @@ def peak_memory_text(device: torch.device) -> str:
 
         return f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
     return ""
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The autocast context of a precision: bf16/fp16 autocast, or nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(
+        device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16
+    )

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from bigbatch.io import atomic_write_csv
+from bigbatch.memory.plan import overhead_bytes
+from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.models import UnknownArchitectureError, resolve_arch
 from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
+from bigbatch.train.data import DataError, ImageItems, images_to_predict
+from bigbatch.train.loop import PLAN_OPTIMIZER, resolve_device, train
+from bigbatch.train.predict import Predictions, predict_files, save_predictions
+from bigbatch.train.tasks.classification import build_model, prepare_data
 from bigbatch.user_code import UserCodeError, load_callable
 
 __all__ = [
@@ -134,7 +141,6 @@ def _check_model_name(cfg: TrainConfig) -> None:
         except UserCodeError as exc:
             raise ConfigError(str(exc)) from exc
         return
-    from bigbatch.models import UnknownArchitectureError, resolve_arch
 
     try:
         resolve_arch(cfg.arch)
@@ -145,7 +151,6 @@ def _check_model_name(cfg: TrainConfig) -> None:
 def _check_test_options(options: dict[str, Any]) -> None:
     """The test folder's images are readable and the sample submission names each of them
     unambiguously; sets ``options["test_files"]`` and ``options["test_ids"]``."""
-    from bigbatch.train.data import DataError, images_to_predict
 
     test, sample = options.get("test"), options.get("sample_submission")
     if sample and not test:
@@ -268,17 +273,6 @@ def run_ensemble(
 
     Everything that can fail without training fails first: the experiments file, every
     member's config and model, the data sets, the test images and the sample submission."""
-    from bigbatch.memory.plan import overhead_bytes
-    from bigbatch.memory.predict import StepSpec, predict_peak
-    from bigbatch.train.data import ImageItems
-    from bigbatch.train.loop import (
-        PLAN_OPTIMIZER,
-        build_model,
-        prepare_data,
-        resolve_device,
-        train,
-    )
-    from bigbatch.train.predict import Predictions, predict_files, save_predictions
 
     members, options = load_experiments(experiments, overrides)
     out_dir = Path(out_dir)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigbatch.io import load_tensors
+
 __all__ = [
     "UnknownArchitectureError",
     "load_weights",
@@ -131,7 +133,6 @@ def pretrained_state(
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a local weights file (safetensors, a state dict, or a checkpoint with a
     ``"model"`` state dict), without unpickling; ``ValueError`` naming the file otherwise."""
-    from bigbatch.io import load_tensors
 
     state = load_tensors(path, "weights file")
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):

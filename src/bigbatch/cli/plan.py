@@ -21,7 +21,8 @@ from bigbatch.memory.plan import (
     resolve_budget,
     usable_bytes,
 )
-from bigbatch.memory.predict import OPTIMIZERS, PRECISIONS, StepSpec, predict_peak
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import OPTIMIZERS, PRECISIONS, StepSpec
 from bigbatch.user_code import load_callable
 
 

@@ -45,6 +45,9 @@ from fastai.callback.fp16 import MixedPrecision  # noqa: E402
 from fastai.callback.training import GradientAccumulation  # noqa: E402
 from fastai.torch_core import find_bs  # noqa: E402
 
+from bigbatch.memory.plan import plan_micro_batch  # noqa: E402
+from bigbatch.memory.step import StepSpec  # noqa: E402
+
 __all__ = ["ExactGradientAccumulation", "plan_learner"]
 
 
@@ -172,9 +175,6 @@ def plan_learner(
     process holds besides the step (default: measured, as ``bigbatch plan`` does).
     """
     import copy
-
-    from bigbatch.memory.plan import plan_micro_batch
-    from bigbatch.memory.predict import StepSpec
 
     xb = next(iter(learn.dls.train))[0]  # one batch: the sample shape and dtype
     if not isinstance(xb, torch.Tensor):

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
-from bigbatch.memory.predict import StepSpec, predict_peak, run_training_step
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec, run_training_step
 
 __all__ = ["Calibration", "calibrate", "calibrate_within", "calibration_need"]
 

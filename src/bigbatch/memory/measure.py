@@ -16,6 +16,13 @@ from typing import Any
 
 import torch
 
+from bigbatch.memory.step import (
+    make_inputs,
+    make_optimizer,
+    optimizer_state_tensors,
+    run_training_step,
+)
+
 __all__ = ["allocation_events", "measure_peak", "measure_step_peak", "profiled_peak"]
 
 
@@ -100,14 +107,22 @@ def measure_peak(
 ) -> int:
     """Peak bytes of tensor memory on ``device`` while ``step()`` runs.
 
-    ``alive`` lists the tensors already allocated that count (the model's parameters, say):
-    on CPU they are added to what the profiler sees; on CUDA the allocator counts them itself.
+        ``alive`` lists the tensors already allocated that count (the model's parameters, say):
+        on CPU they are added to what the profiler sees; on CUDA the allocator counts them itself.
 
-    >>> import torch
-    >>> m = torch.nn.Linear(256, 256)
-    >>> peak = measure_peak(lambda: m(torch.ones(64, 256)).sum().backward(), alive=m.parameters())
-    >>> peak > 2 * 256 * 256 * 4
-    True
+        >>> import torch
+
+    from bigbatch.memory.step import (
+        StepSpec,
+        make_inputs,
+        make_optimizer,
+        optimizer_state_tensors,
+        run_training_step,
+    )
+        >>> m = torch.nn.Linear(256, 256)
+        >>> peak = measure_peak(lambda: m(torch.ones(64, 256)).sum().backward(), alive=m.parameters())
+        >>> peak > 2 * 256 * 256 * 4
+        True
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -125,7 +140,6 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
     """Really run ``steps`` training steps of a :class:`~bigbatch.memory.predict.StepSpec` on its
     device and return the peak (the number :func:`predict_peak` predicts).
     """
-    from bigbatch.memory.predict import make_inputs, optimizer_state_tensors, run_training_step
 
     device = torch.device(spec.device)
     model, opt, _ = real_step_setup(spec, 0, seed=seed)
@@ -148,7 +162,6 @@ def real_step_setup(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
     """The real model (in train mode), its optimizer and ``steps`` input batches of a
     :class:`~bigbatch.memory.predict.StepSpec`, on its device, from a fixed seed."""
-    from bigbatch.memory.predict import make_inputs, make_optimizer
 
     device = torch.device(spec.device)
     torch.manual_seed(seed)

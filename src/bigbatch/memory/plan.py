@@ -17,7 +17,8 @@ import torch
 
 from bigbatch.device import free_bytes, process_rss, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
-from bigbatch.memory.predict import MemoryPrediction, StepSpec, predict_peak
+from bigbatch.memory.predict import MemoryPrediction, predict_peak
+from bigbatch.memory.step import StepSpec
 
 __all__ = [
     "DoesNotFitError",

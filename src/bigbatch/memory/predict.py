@@ -19,48 +19,37 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bigbatch.device import autocast_for
+from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
+from bigbatch.memory.measure import measure_step_peak
+from bigbatch.memory.step import (
+    PRECISIONS,
+    StepSpec,
+    first_optimizer_step,
+    loss_of,
+    make_inputs,
+    make_optimizer,
+    optimizer_state_tensors,
+    run_training_step,
+)
+
 __all__ = [
     "MemoryPrediction",
-    "StepSpec",
+    "StepSpec",  # defined in bigbatch.memory.step; here too, where planning code looks for it
     "make_optimizer",
     "predict_peak",
     "run_training_step",
 ]
 
-Precision = Literal["fp32", "bf16", "fp16"]
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "rmsprop", "adagrad")
-PRECISIONS = ("fp32", "bf16", "fp16")
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """One training step to predict or measure.
-
-    ``model`` builds the network (it is called under the meta device, so building is free);
-    ``input_shape`` is one sample's shape, e.g. ``(3, 224, 224)``; integer ``input_dtype``
-    (token ids) draws inputs from ``[0, vocab)``.
-    """
-
-    model: Callable[[], nn.Module]
-    input_shape: tuple[int, ...]
-    batch_size: int
-    optimizer: str = "adamw"
-    precision: Precision = "fp32"
-    device: str = "cpu"
-    input_dtype: torch.dtype = torch.float32
-    name: str = ""
-
-    def with_batch(self, batch_size: int) -> StepSpec:
-        return replace(self, batch_size=batch_size)
 
 
 @dataclass
@@ -110,8 +99,6 @@ class MemoryPrediction:
         return parts
 
     def breakdown(self) -> str:
-        from bigbatch.memory.budget import format_bytes
-
         labels = {
             "parameters": "weights",
             "optimizer_state": f"{self.optimizer} state",
@@ -121,82 +108,6 @@ class MemoryPrediction:
         return ", ".join(
             f"{labels.get(kind, kind)} {format_bytes(b)}" for kind, b in self.parts().items() if b
         )
-
-
-def make_optimizer(
-    name: str, params: Any, lr: float = 1e-3, foreach: bool | None = None
-) -> torch.optim.Optimizer:
-    """The optimizers the planner knows, by name (their state is what differs)."""
-    name = name.lower()
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=foreach)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, foreach=foreach)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, foreach=foreach)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    """A loss of the shape training uses: cross-entropy on [B, C] logits, else a mean square."""
-    if isinstance(out, dict):
-        out = next(iter(out.values()))
-    if isinstance(out, tuple | list):
-        out = out[0]
-    if out.dim() == 2:
-        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-        return F.cross_entropy(out.float(), target)
-    return out.float().pow(2).mean()
-
-
-def make_inputs(spec: StepSpec, device: torch.device | str) -> torch.Tensor:
-    shape = (spec.batch_size, *spec.input_shape)
-    if spec.input_dtype.is_floating_point:
-        return torch.randn(shape, dtype=spec.input_dtype, device=device)
-    return torch.randint(0, 2, shape, dtype=spec.input_dtype, device=device)
-
-
-def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """The autocast context of a precision: bf16/fp16 autocast, or nothing for fp32."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(
-        device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16
-    )
-
-
-def run_training_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, precision: str, device_type: str
-) -> None:
-    """One plain training step, the same for prediction and measurement."""
-    with autocast_for(precision, device_type):
-        out = model(x)
-    loss = _loss_of(out)
-    del out
-    loss.backward()
-    del loss
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _first_optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
-    """The optimizer's first step on zero gradients: it creates the state (Adam's two moments)
-    with the same sizes and temporaries as a real first step."""
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor an optimizer keeps as state (Adam's moments, Adagrad's sums, step counts)."""
-    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -446,8 +357,6 @@ def _measured_fallback(spec: StepSpec, op: str) -> MemoryPrediction:
 
 @functools.lru_cache(maxsize=32)
 def _measured_line(spec: StepSpec) -> tuple[tuple[int, int], tuple[int, int]]:
-    from bigbatch.memory.measure import measure_step_peak
-
     points = []
     for b in (1, 2, 4):
         try:
@@ -506,7 +415,7 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
             waiting = torch.empty(batch_bytes, dtype=torch.uint8, device=device)
             built = _state_bytes(opt)  # Adagrad makes its state when it is built
             with tracker.in_phase("optimizer"):
-                _first_optimizer_step(params, opt)
+                first_optimizer_step(params, opt)
             made = _state_bytes(opt) - built
             del waiting
             waiting = torch.empty(max(0, batch_bytes - made), dtype=torch.uint8, device=device)
@@ -516,7 +425,7 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
             with tracker.in_phase("forward"):
                 with autocast_for(spec.precision, device.type):
                     out = model(x)
-                loss = _loss_of(out)
+                loss = loss_of(out)
                 del out
             with tracker.in_phase("backward"):
                 loss.backward()
@@ -558,8 +467,6 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
         )
     reserved = library = 0
     if tracker.events is not None:
-        from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
-
         reserved = simulate(tracker.events).reserved_bytes
         library = cuda_library_workspace_bytes()
     return MemoryPrediction(

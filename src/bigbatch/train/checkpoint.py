@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.io import atomic_path
+from bigbatch.io import atomic_path, load_tensors
 
 __all__ = ["load_state", "load_weights_file", "save_state", "save_weights"]
 
@@ -46,7 +46,6 @@ def save_state(state: dict[str, Any], path: str | Path) -> None:
 
 def load_state(path: str | Path) -> dict[str, Any]:
     """A training state written by :func:`save_state` (never unpickled: ``weights_only``)."""
-    from bigbatch.io import load_tensors
 
     state = load_tensors(path, "checkpoint")
     if not isinstance(state, dict) or "model" not in state:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from bigbatch.memory.budget import parse_bytes
 from bigbatch.train.tasks import task_entry, task_names
 
 if sys.version_info >= (3, 11):
@@ -119,7 +120,6 @@ class TrainConfig:
             raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
         check_device(self.device, "device")
         self.checkpoint_interval()  # raises on a value it cannot read
-        from bigbatch.memory.budget import parse_bytes
 
         for key, allow_zero in (("budget", False), ("overhead", True)):
             value = getattr(self, key)

@@ -24,23 +24,37 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator, NonFiniteGradientWarning
-from bigbatch.device import auto_device, auto_precision, peak_memory_text, set_rng_state
+from bigbatch.device import (
+    auto_device,
+    auto_precision,
+    autocast_for,
+    peak_memory_text,
+    set_rng_state,
+)
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
-from bigbatch.io import atomic_write_text
+from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
+from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.calibrate import calibrate_within
 from bigbatch.memory.oom import OOMBackoff, run_window
-from bigbatch.memory.predict import StepSpec
+from bigbatch.memory.plan import (
+    DoesNotFitError,
+    device_total_bytes,
+    overhead_bytes,
+    plan_micro_batch,
+    resolve_budget,
+    usable_bytes,
+)
+from bigbatch.memory.predict import check_forward, predict_peak
+from bigbatch.memory.step import StepSpec
 from bigbatch.train.checkpoint import load_state, save_state, save_weights
 from bigbatch.train.config import ConfigError, TrainConfig, check_device, config_from_json
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.report import plot_history, write_history
 from bigbatch.train.tasks import Metrics, Task, lower_is_better, task_for
-from bigbatch.train.tasks.classification import build_model, prepare_data
 
 __all__ = [
     "TrainResult",
     "TrainingDiverged",
-    "build_model",
-    "prepare_data",
     "resolve_device",
     "resolve_threads",
     "train",
@@ -164,17 +178,6 @@ def plan_for(
     Either way the model runs once on fake tensors first, so a model that cannot take the input
     size fails here, in a second, not after the data is loaded and an epoch is half done. A fixed
     ``micro_batch`` with an explicit ``budget`` is checked against it."""
-    from bigbatch.memory.budget import format_bytes, parse_bytes
-    from bigbatch.memory.calibrate import calibrate_within
-    from bigbatch.memory.plan import (
-        DoesNotFitError,
-        device_total_bytes,
-        overhead_bytes,
-        plan_micro_batch,
-        resolve_budget,
-        usable_bytes,
-    )
-    from bigbatch.memory.predict import check_forward, predict_peak
 
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
@@ -265,7 +268,6 @@ def evaluate(
     memory_format: torch.memory_format = torch.contiguous_format,
 ) -> Metrics:
     """Run the validation set through ``model`` into ``metrics`` (the task's)."""
-    from bigbatch.memory.predict import autocast_for
 
     model.eval()
     with torch.no_grad():
@@ -303,7 +305,6 @@ def train(
     run_dir = Path(run_dir)
     if rank != 0:  # rank 0 alone logs and writes files
         return _loop(_setup(cfg, run_dir, resume, _silent, False, data, rank, world))
-    from bigbatch.io import FolderBusyError, lock_folder
 
     threads_before = torch.get_num_threads()
     try:
@@ -635,7 +636,6 @@ def _train_phase(run: _Run, phase: str, phase_start: int, end_epoch: int) -> Non
 
 def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
     """One epoch's windows; returns the epoch's loss sum and count (for the exact mean)."""
-    from bigbatch.memory.predict import autocast_for
 
     cfg, device, acc, backoff = run.cfg, run.device, ph.acc, run.backoff
     # Order, augmentation and dropout depend only on (seed, epoch): a resumed run replays

@@ -18,6 +18,8 @@ from bigbatch.io import atomic_path, atomic_write_csv
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import ImageDataset, build_transforms, images_to_predict, make_loader
+from bigbatch.train.loop import resolve_device
+from bigbatch.train.tasks.classification import build_model
 
 __all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
 
@@ -32,7 +34,6 @@ class Predictions:
 
 
 def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str], TrainConfig]:
-    from bigbatch.train.loop import build_model
 
     if not (run_dir / "config.json").is_file():
         raise ConfigError(
@@ -69,7 +70,6 @@ def predict_files(
     seed: int = 0,
 ) -> Predictions:
     """Averaged class probabilities of ``files`` over ``tta`` passes (1 = no augmentation)."""
-    from bigbatch.train.loop import resolve_device
 
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")

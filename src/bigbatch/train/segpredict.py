@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.io import atomic_path
+from bigbatch.memory.oom import is_oom
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict
+from bigbatch.train.loop import resolve_device
 from bigbatch.train.segdata import (
     VOLUME_SUFFIXES as VOLUMES,
 )
@@ -36,6 +38,7 @@ from bigbatch.train.segdata import (
     standardise,
     volume_suffix,
 )
+from bigbatch.train.tasks.segmentation import UNET_DEPTH, build_seg_model
 
 __all__ = ["is_segmentation_run", "predict_masks", "sliding_window"]
 
@@ -78,8 +81,6 @@ def predict_masks(
     overlapping ``patch``^3 windows; a whole volume that runs out of memory is predicted again
     in windows of the training patch size, with a warning.
     """
-    from bigbatch.train.loop import resolve_device
-    from bigbatch.train.tasks.segmentation import UNET_DEPTH, build_seg_model
 
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
@@ -158,8 +159,6 @@ def _volume_probs(
     try:
         return _with_tta(probabilities, x, tta)
     except Exception as exc:
-        from bigbatch.memory.oom import is_oom
-
         if x.dim() != 5 or not is_oom(exc):
             raise
         failure = f"{type(exc).__name__}: {str(exc)[:120]}"
