@@ -23,6 +23,7 @@ from torch import nn
 from bigbatch import distributed as bbdist
 from bigbatch.counts import MicroBatchCount, resolve_count
 from bigbatch.inexact import warn_inexact_layers
+from bigbatch.window import Reduction, Window, mean_loss
 
 __all__ = [
     "Accumulator",
@@ -33,7 +34,6 @@ __all__ = [
 ]
 
 LastWindow = Literal["renorm", "drop", "carry"]
-Reduction = Literal["mean", "sum"]
 _LAST_WINDOW_POLICIES = ("renorm", "drop", "carry")
 
 
@@ -142,56 +142,8 @@ class Accumulator:
         sync: Literal["last", "step", "every"] = "last",
         epoch_length: int | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                "pass the optimizer itself: Accumulator(optimizer, micro_batches=8)"
-            )
-        if type(optimizer).__name__ == "AccumulatingOptimizer":
-            raise TypeError(
-                "this optimizer is an AccumulatingOptimizer, which accumulates already: pass the "
-                "optimizer it wraps (wrapper.optimizer), or use the wrapper alone"
-            )
-        if micro_batches is not None and target_count is not None:
-            raise ValueError(
-                "give one window size: micro_batches=N (micro-batches per optimizer step) or "
-                "target_count=C (samples/tokens per optimizer step), not both (or neither, and "
-                "call step() yourself when a window ends)"
-            )
-        self._schedule = _check_schedule(micro_batches) if micro_batches is not None else None
-        if target_count is not None and not (
-            isinstance(target_count, int | float)
-            and math.isfinite(target_count)
-            and target_count > 0
-        ):
-            raise ValueError(f"target_count must be a positive number, got {target_count!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if last_window not in _LAST_WINDOW_POLICIES:
-            raise ValueError(
-                f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {last_window!r}"
-            )
-        if sync not in ("last", "step", "every"):
-            raise ValueError(f"sync must be 'last', 'step' or 'every', got {sync!r}")
-        if sync == "step" and bbdist.is_fsdp(model):
-            raise ValueError(
-                "sync='step' all-reduces full gradients, which FSDP2 shards: use sync='every' "
-                "(reduce-scatter each micro-batch: least memory) or sync='last' (once per window)"
-            )
-        if epoch_length is not None and (
-            isinstance(epoch_length, bool) or not isinstance(epoch_length, int) or epoch_length < 1
-        ):
-            raise ValueError(
-                f"epoch_length is the number of backward() calls per epoch (an integer >= 1, "
-                f"e.g. len(loader)), got {epoch_length!r}"
-            )
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TypeError(
-                "ReduceLROnPlateau steps on a metric, not per optimizer step: do not pass it as "
-                "scheduler=; call scheduler.step(val_loss) yourself after each epoch"
-            )
+        _check_options(optimizer, last_window, sync, model, epoch_length, clip_grad_norm, scheduler)
+        self.window = Window(micro_batches, target_count, reduction)
         self.optimizer = optimizer
         self.target_count = float(target_count) if target_count is not None else None
         self.reduction: Reduction = reduction
@@ -209,72 +161,53 @@ class Accumulator:
         self.optimizer_step = 0
         self._samples_seen: float | torch.Tensor = 0
         self._tokens_seen: float | torch.Tensor = 0
-        self.epoch = 0
         self._micro_in_epoch = 0  # backward() calls since the last end_epoch()
         self._iterating = False  # inside iterate(): it calls end_epoch() itself
 
         self._checked_model = False
         # Whether DDP will all-reduce the next backward (False inside no_sync()).
         self._pending_sync = True
+        self._guard = GradGuard()
         self._reset_window()
 
     # ----------------------------------------------------------------- window state
     def _reset_window(self) -> None:
         # Counters at the window's start, for discard_window().
         self._window_start = (self.micro_step, self._samples_seen, self._tokens_seen)
-        self._micro_in_window = 0
-        self._window_count: float | torch.Tensor = 0.0
-        # Detached losses and their counts; combined (in float64) only at step time, so a
-        # micro-batch costs no extra kernels.
-        self._losses: list[torch.Tensor] = []
-        self._counts: list[float | torch.Tensor] = []
-        # Losses are weighted by count / ref, with ref the window's expected count (first count x
-        # micro-batches per window): the weights are then ~1/N, as with loss / N, which keeps
-        # fp16 gradients in range, and a full window of equal micro-batches needs no rescaling
-        # pass at step time (ref / count == 1). Under DDP ref must agree across ranks: 1 there.
-        self._ref: float | torch.Tensor | None = None
+        self.window.reset()
         self._last_backward_synced = True
-        # Each gradient as the last backward() left it, and its version counter: a gradient
-        # cleared, replaced or changed in place before the next backward() or step() (a
-        # zero_grad() left in the loop) would silently drop the window's earlier micro-batches.
-        self._grads_after_backward: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._guard.clear()
+
+    @property
+    def epoch(self) -> int:
+        """Epochs settled by :meth:`end_epoch` (a ``micro_batches`` schedule follows it)."""
+        return self.window.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.window.epoch = epoch
 
     @property
     def micro_batches_per_window(self) -> int | None:
         """Micro-batches per window at the current epoch (None with ``target_count``)."""
-        if self._schedule is None:
-            return None
-        return _schedule_at(self._schedule, self.epoch)
+        return self.window.size
 
     @property
     def micro_in_window(self) -> int:
         """Micro-batches accumulated so far in the open window."""
-        return self._micro_in_window
+        return self.window.micro
 
     @property
     def window_full(self) -> bool:
         """True when the open window has reached its size: time to call :meth:`step`."""
-        if self._micro_in_window == 0:
-            return False
-        if self.target_count is not None:
-            return float(self._window_count) >= self.target_count
-        n = self.micro_batches_per_window
-        return n is not None and self._micro_in_window >= n
+        return self.window.full
 
     def is_last_micro_batch(self, count: int | None = None) -> bool:
         """Whether the next micro-batch completes the window (so gradients should sync).
 
         With ``target_count`` windows, pass the next micro-batch's ``count``.
         """
-        if self.target_count is not None:
-            if count is None:
-                raise ValueError(
-                    "with target_count windows, pass the next micro-batch's count: "
-                    "acc.no_sync(model, count=len(batch))"
-                )
-            return float(self._window_count) + count >= self.target_count
-        n = self.micro_batches_per_window
-        return n is not None and self._micro_in_window + 1 >= n
+        return self.window.is_last(count)
 
     @contextmanager
     def no_sync(
@@ -361,7 +294,7 @@ class Accumulator:
                 "loss does not require grad: compute it from the model's output outside "
                 "torch.no_grad(), with the model's parameters requiring grad"
             )
-        self._check_grads_untouched("backward()")
+        self._guard.check("backward()", self.window.micro)
         if self.epoch_length is not None and self._micro_in_epoch >= self.epoch_length:
             raise RuntimeError(
                 f"micro-batch {self._micro_in_epoch + 1} of an epoch of epoch_length="
@@ -389,27 +322,7 @@ class Accumulator:
         self._last_backward_synced = self._pending_sync
         self._pending_sync = True
         self._micro_in_epoch += 1
-        self._grads_after_backward = [
-            (p, p.grad, p.grad._version) for p in _params_of(self.optimizer) if p.grad is not None
-        ]
-
-    def _check_grads_untouched(self, where: str) -> None:
-        for p, grad, version in self._grads_after_backward:
-            if p.grad is grad and grad._version == version:
-                continue
-            what = (
-                "cleared (set to None)"
-                if p.grad is None
-                else "replaced"
-                if p.grad is not grad
-                else "changed in place (zero_grad(set_to_none=False), clipping or unscaling?)"
-            )
-            raise RuntimeError(
-                f"the window's gradients were {what} between backward() and {where}: that drops "
-                f"the {self._micro_in_window} micro-batch(es) already in the window. Do not call "
-                "optimizer.zero_grad() (or clip/unscale) inside a window: acc.step() clips, "
-                "unscales and zeroes them once per window"
-            )
+        self._guard.remember(_params_of(self.optimizer))
 
     def record(self, mb: MicroBatchCount, loss: torch.Tensor | None = None) -> float | torch.Tensor:
         """Account for one micro-batch without running backward; return the factor its loss
@@ -418,45 +331,12 @@ class Accumulator:
         if not self._checked_model and self.model is not None:
             warn_inexact_layers(self.model, stacklevel=4)
             self._checked_model = True
-        self._check_window_open()
-        c = _exact(mb.normaliser)
-        if self._ref is None:
-            self._ref = self._expected_count(c)
-        factor = _ratio(c if self.reduction == "mean" else 1.0, self._ref)
-        if loss is not None:
-            self._losses.append(loss.detach())
-            self._counts.append(c)
-        self._window_count = self._window_count + c
-        self._micro_in_window += 1
+        factor = self.window.add(mb, loss, shared_ref=bbdist.is_distributed(self.process_group))
         self.micro_step += 1
         # Kept as tensors until read, so counting tokens never forces a device sync.
         self._samples_seen = self._samples_seen + mb.samples
         self._tokens_seen = self._tokens_seen + mb.tokens
         return factor
-
-    def _check_window_open(self) -> None:
-        if self.window_full:
-            # Without this, a forgotten step() merges every following window into one update.
-            raise RuntimeError(
-                f"the window is full ({self._micro_in_window} micro-batches"
-                + (
-                    f", count {float(self._window_count):g} >= target_count {self.target_count:g}"
-                    if self.target_count is not None
-                    else ""
-                )
-                + "): call acc.step() when acc.window_full, before the next micro-batch's "
-                "backward()"
-            )
-
-    def _expected_count(self, first: float | torch.Tensor) -> float | torch.Tensor:
-        if bbdist.is_distributed(self.process_group):
-            return 1.0
-        if self.target_count is not None:
-            return self.target_count
-        n = self.micro_batches_per_window or 1
-        if isinstance(first, torch.Tensor):
-            return torch.clamp(first, min=1.0) * n
-        return (first if first > 0 else 1.0) * n
 
     @property
     def samples_seen(self) -> int:
@@ -473,7 +353,7 @@ class Accumulator:
         """Normalise the window's gradient by its true count, unscale and clip it once, step the
         optimizer (and scheduler), then zero the gradients and open a new window.
         """
-        if self._micro_in_window == 0:
+        if self.window.micro == 0:
             raise RuntimeError(
                 "step() was called with no backward() since the last step: call "
                 "acc.backward(loss, count=len(batch)) for each micro-batch, then acc.step() "
@@ -489,59 +369,42 @@ class Accumulator:
         part (possibly none, when it ran out of data); returns None when no rank had anything,
         which is how :meth:`end_epoch` knows every rank is done."""
         params = _params_of(self.optimizer)
-        local = self._micro_in_window > 0
-        self._check_grads_untouched("step()")
+        window = self.window
+        local = window.micro > 0
+        self._guard.check("step()", window.micro)
         if local and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "the window's gradients were cleared before step(): do not call "
                 "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
             )
-        micro_batches = self._micro_in_window
-        self._check_counts_not_negative()
-        ref = float(self._ref) if self._ref is not None else 1.0
-        distributed = bbdist.is_distributed(self.process_group)
+        micro_batches = window.micro
+        window.check_counts_not_negative()
+        ref = float(window.ref) if window.ref is not None else 1.0
         loss: float | Callable[[], float]
-        synced = False
-        if distributed:
-            # One small all-reduce carries every rank's count, loss and sync state.
-            device = _grad_device(params)
-            window_loss = _loss_sum(self._losses, self._counts, self.reduction)
-            synced_here = (
-                local and self._last_backward_synced and bbdist.syncs_gradients(self.model)
+        if bbdist.is_distributed(self.process_group):
+            totals = bbdist.window_totals(
+                window.count,
+                window.loss_sum(),
+                local=local,
+                synced=local and self._last_backward_synced and bbdist.syncs_gradients(self.model),
+                model=self.model,
+                device=_grad_device(params),
+                group=self.process_group,
             )
-            totals = torch.tensor(
-                [
-                    float(self._window_count),
-                    float(window_loss) if window_loss is not None else 0.0,
-                    1.0 if local else 0.0,
-                    1.0 if synced_here else 0.0,
-                ],
-                dtype=torch.float64,
-                device=device,
-            )
-            bbdist.all_reduce_sum(totals, self.process_group)
-            count, loss_total, n_local, n_synced = totals.tolist()
-            if n_local == 0:
+            if totals is None:
                 return None  # no rank had a window: nothing to step
-            world = bbdist.world_size(self.process_group)
-            if 0 < n_synced < world:
-                raise RuntimeError(
-                    "ranks disagree on whether DDP synchronised this window's gradients: they ran "
-                    "different numbers of micro-batches. Use Accumulator(..., sync='step'), which "
-                    "synchronises once at step time and lets ranks run out of data at different times"
-                )
-            synced = n_synced == world
-            if not synced and bbdist.is_fsdp(self.model):
-                raise RuntimeError(
-                    "this window ended before its last micro-batch synchronised FSDP2's sharded "
-                    "gradients (a partial window): use Accumulator(..., sync='every') with FSDP2, "
-                    "or windows that always fill"
-                )
-            loss = loss_total / count if count > 0 else math.nan
+            count, loss, synced = totals
+            if synced:
+                # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over
+                # world size; undo that and divide by the count.
+                ref *= bbdist.world_size(self.process_group)
+            elif count > 0:
+                bbdist.all_reduce_grads(params, self.process_group)
         else:
-            count = float(self._window_count)
-            # The optimizer wrapper is not told the losses: nan then.
-            loss = partial(_mean_loss, self._losses, self._counts, self.reduction, count)
+            count = float(window.count)
+            # Computed when first read: a loop that does not log it never waits for the device
+            # (the window's lists are replaced, not cleared, when it resets).
+            loss = partial(mean_loss, window.losses, window.counts, window.reduction, count)
 
         if count <= 0 or not math.isfinite(count):
             warnings.warn(
@@ -555,15 +418,7 @@ class Accumulator:
             self._reset_window()
             return StepResult(self.optimizer_step, micro_batches, count, None, True)
 
-        if not distributed:
-            factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
-        elif synced:
-            # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over world
-            # size; undo that and divide by the count.
-            factor = bbdist.world_size(self.process_group) * ref / count
-        else:
-            _all_reduce_grads(params, self.process_group)
-            factor = ref / count
+        factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if factor != 1.0:
@@ -571,7 +426,9 @@ class Accumulator:
         if self.scaler is None and not _grads_finite(params):
             # GradScaler skips such a step itself; without one, optimizer.step() would turn
             # every parameter into nan. After the all-reduce, so every rank skips alike.
-            self._skip_non_finite()
+            _warn_non_finite(self.optimizer_step, window)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_window()
             return StepResult(
                 self.optimizer_step, micro_batches, count, None, True, _loss=loss, non_finite=True
             )
@@ -579,7 +436,12 @@ class Accumulator:
         grad_norm = None
         if self.clip_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm))
+        skipped = self._optimizer_step()
+        self._reset_window()
+        return StepResult(self.optimizer_step, micro_batches, count, grad_norm, skipped, _loss=loss)
 
+    def _optimizer_step(self) -> bool:
+        """Step the optimizer (through the scaler) and the scheduler; True when fp16 skipped it."""
         skipped = False
         if self.scaler is not None:
             scale_before = self.scaler.get_scale()
@@ -594,47 +456,7 @@ class Accumulator:
             self.optimizer_step += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        self._reset_window()
-        return StepResult(
-            optimizer_step=self.optimizer_step,
-            micro_batches=micro_batches,
-            count=count,
-            grad_norm=grad_norm,
-            skipped=skipped,
-            _loss=loss,
-        )
-
-    def _check_counts_not_negative(self) -> None:
-        # Tensor counts are checked here, where the step reads them anyway, not per micro-batch
-        # (which would wait for the device each time).
-        first = next((c for c in self._counts if isinstance(c, torch.Tensor)), None)
-        if first is None:
-            return
-        counts = torch.stack(
-            [torch.as_tensor(c, dtype=first.dtype, device=first.device) for c in self._counts]
-        )
-        if bool((counts < 0).any()):
-            raise ValueError(
-                f"micro-batch {int((counts < 0).nonzero()[0]) + 1} of this window has a negative "
-                "count or weight: counts are numbers of samples/tokens and weights are >= 0; "
-                "pass count=len(batch), labels=labels or weight=w.sum() with w >= 0"
-            )
-
-    def _skip_non_finite(self) -> None:
-        where = "a gradient (the losses were finite: an overflow in backward?)"
-        bad = [i + 1 for i, x in enumerate(self._losses) if not bool(torch.isfinite(x).all())]
-        if bad:
-            where = "the loss of micro-batch " + ", ".join(map(str, bad[:5]))
-            where += f" of {self._micro_in_window}"
-        warnings.warn(
-            f"optimizer step {self.optimizer_step} skipped: the window's gradient holds inf or "
-            f"nan, from {where}. The weights are unchanged. Check that batch's inputs and "
-            "labels, lower the learning rate, or use a GradScaler with fp16",
-            NonFiniteGradientWarning,
-            stacklevel=4,
-        )
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_window()
+        return skipped
 
     def discard_window(self) -> None:
         """Throw the open window away: zero its gradients and roll the counters back to its
@@ -650,14 +472,14 @@ class Accumulator:
         Under DDP every rank must call it: a rank that ran out of data joins the others' steps
         (with nothing of its own, and the same update) until every rank has reached its end.
         """
-        if self.last_window == "drop" and self._micro_in_window > 0:
+        if self.last_window == "drop" and self.window.micro > 0:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_window()
         result = None
         if not bbdist.is_distributed(self.process_group):
-            if self._micro_in_window > 0 and self.last_window == "renorm":
+            if self.window.micro > 0 and self.last_window == "renorm":
                 result = self.step()
-        elif self.last_window != "carry" or self._micro_in_window == 0:
+        elif self.last_window != "carry" or self.window.micro == 0:
             while True:
                 step = self._step()
                 if step is None:
@@ -681,8 +503,7 @@ class Accumulator:
         mid-window ends bit-identical to an uninterrupted one. Save the model, optimizer,
         scheduler and scaler beside it as usual. Safe for ``torch.load(weights_only=True)``.
         """
-        params = _params_of(self.optimizer)
-        open_window = self._micro_in_window > 0
+        open_window = self.window.micro > 0
         return {
             "version": 1,
             "micro_step": self.micro_step,
@@ -690,19 +511,11 @@ class Accumulator:
             "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen,
             "epoch": self.epoch,
-            "micro_in_window": self._micro_in_window,
             "window_start": [_as_int(v) for v in self._window_start],
-            "window_count": torch.as_tensor(self._window_count, dtype=torch.float64).cpu(),
-            "window_losses": [loss.cpu() for loss in self._losses],
-            "window_loss_counts": [
-                torch.as_tensor(c, dtype=torch.float64).cpu() for c in self._counts
-            ],
-            "ref": None
-            if self._ref is None
-            else torch.as_tensor(self._ref, dtype=torch.float64).cpu(),
+            **self.window.state_dict(),
             "grads": [
                 None if (p.grad is None or not open_window) else p.grad.detach().cpu().clone()
-                for p in params
+                for p in _params_of(self.optimizer)
             ],
         }
 
@@ -725,80 +538,103 @@ class Accumulator:
         self._reset_window()
         start = state["window_start"]
         self._window_start = (int(start[0]), int(start[1]), int(start[2]))
-        self._micro_in_window = int(state["micro_in_window"])
-        self._window_count = float(state["window_count"])
-        self._losses = [loss.clone() for loss in state["window_losses"]]
-        self._counts = [float(c) for c in state["window_loss_counts"]]
-        self._ref = None if state["ref"] is None else float(state["ref"])
+        self.window.load_state_dict(state)
         for p, g in zip(params, grads, strict=True):
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
 
 
-def _check_schedule(micro_batches: int | Mapping[int, int]) -> dict[int, int]:
-    def check_n(n: object, where: str) -> int:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"micro_batches{where} must be an integer >= 1, got {n!r}")
-        return n
+class GradGuard:
+    """Each gradient as the last backward() left it, and its version counter: a gradient
+    cleared, replaced or changed in place before the next backward() or step() (a zero_grad()
+    left in the loop) would silently drop the window's earlier micro-batches. No copy, no sync."""
 
-    if isinstance(micro_batches, Mapping):
-        if not micro_batches:
-            raise ValueError("micro_batches schedule is empty; give at least {0: N}")
-        schedule = {}
-        for epoch, n in micro_batches.items():
-            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                raise ValueError(f"micro_batches schedule keys are epochs >= 0, got {epoch!r}")
-            schedule[epoch] = check_n(n, f"[{epoch}]")
-        if 0 not in schedule:
-            raise ValueError(
-                f"micro_batches schedule must say what to do from epoch 0, got keys "
-                f"{sorted(schedule)}; add 0: N"
+    def __init__(self) -> None:
+        self._after_backward: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def clear(self) -> None:
+        self._after_backward = []
+
+    def remember(self, params: list[torch.Tensor]) -> None:
+        self._after_backward = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+
+    def check(self, where: str, micro_in_window: int) -> None:
+        for p, grad, version in self._after_backward:
+            if p.grad is grad and grad._version == version:
+                continue
+            what = (
+                "cleared (set to None)"
+                if p.grad is None
+                else "replaced"
+                if p.grad is not grad
+                else "changed in place (zero_grad(set_to_none=False), clipping or unscaling?)"
             )
-        return schedule
-    return {0: check_n(micro_batches, "")}
+            raise RuntimeError(
+                f"the window's gradients were {what} between backward() and {where}: that drops "
+                f"the {micro_in_window} micro-batch(es) already in the window. Do not call "
+                "optimizer.zero_grad() (or clip/unscale) inside a window: acc.step() clips, "
+                "unscales and zeroes them once per window"
+            )
 
 
-def _schedule_at(schedule: Mapping[int, int], epoch: int) -> int:
-    return schedule[max(e for e in schedule if e <= epoch)]
+def _check_options(
+    optimizer: Any,
+    last_window: str,
+    sync: str,
+    model: nn.Module | None,
+    epoch_length: Any,
+    clip_grad_norm: float | None,
+    scheduler: Any,
+) -> None:
+    """The Accumulator's options, refused with the fix before any work."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "pass the optimizer itself: Accumulator(optimizer, micro_batches=8)"
+        )
+    if type(optimizer).__name__ == "AccumulatingOptimizer":
+        raise TypeError(
+            "this optimizer is an AccumulatingOptimizer, which accumulates already: pass the "
+            "optimizer it wraps (wrapper.optimizer), or use the wrapper alone"
+        )
+    if last_window not in _LAST_WINDOW_POLICIES:
+        raise ValueError(f"last_window must be one of {_LAST_WINDOW_POLICIES}, got {last_window!r}")
+    if sync not in ("last", "step", "every"):
+        raise ValueError(f"sync must be 'last', 'step' or 'every', got {sync!r}")
+    if sync == "step" and bbdist.is_fsdp(model):
+        raise ValueError(
+            "sync='step' all-reduces full gradients, which FSDP2 shards: use sync='every' "
+            "(reduce-scatter each micro-batch: least memory) or sync='last' (once per window)"
+        )
+    if epoch_length is not None and (
+        isinstance(epoch_length, bool) or not isinstance(epoch_length, int) or epoch_length < 1
+    ):
+        raise ValueError(
+            f"epoch_length is the number of backward() calls per epoch (an integer >= 1, "
+            f"e.g. len(loader)), got {epoch_length!r}"
+        )
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a metric, not per optimizer step: do not pass it as "
+            "scheduler=; call scheduler.step(val_loss) yourself after each epoch"
+        )
 
 
-def _ratio(c: float | torch.Tensor, ref: float | torch.Tensor) -> float | torch.Tensor:
-    if isinstance(c, torch.Tensor) or isinstance(ref, torch.Tensor):
-        return torch.as_tensor(_exact(c)) / torch.as_tensor(_exact(ref))
-    return float(c) / float(ref)
-
-
-def _exact(x: float | torch.Tensor) -> float | torch.Tensor:
-    """A count in float64 (float32 on MPS, which has no float64), so sums of counts stay exact."""
-    if not isinstance(x, torch.Tensor):
-        return float(x)
-    return x.detach().to(torch.float32 if x.device.type == "mps" else torch.float64)
-
-
-def _loss_sum(
-    losses: list[torch.Tensor], counts: list[float | torch.Tensor], reduction: Reduction
-) -> torch.Tensor | None:
-    """Sum of a window's count-weighted losses, in float64 where the device has it."""
-    if not losses:
-        return None
-    stacked = cast(torch.Tensor, _exact(torch.stack(losses)))
-    if reduction == "sum":
-        return stacked.sum()
-    if all(not isinstance(c, torch.Tensor) for c in counts):
-        weights = torch.tensor(counts, dtype=stacked.dtype, device=stacked.device)
-    else:
-        weights = torch.stack([torch.as_tensor(c).to(stacked) for c in counts])
-    # A micro-batch of count 0 (all padding) has a mean loss of 0/0 = nan but adds nothing.
-    return torch.where(weights == 0, 0.0, stacked * weights).sum()
-
-
-def _mean_loss(
-    losses: list[torch.Tensor],
-    counts: list[float | torch.Tensor],
-    reduction: Reduction,
-    count: float,
-) -> float:
-    total = _loss_sum(losses, counts, reduction)
-    return math.nan if total is None else float(total) / count
+def _warn_non_finite(optimizer_step: int, window: Window) -> None:
+    bad = window.non_finite_losses()
+    where = (
+        f"the loss of micro-batch {', '.join(map(str, bad[:5]))} of {window.micro}"
+        if bad
+        else "a gradient (the losses were finite: an overflow in backward?)"
+    )
+    warnings.warn(
+        f"optimizer step {optimizer_step} skipped: the window's gradient holds inf or nan, from "
+        f"{where}. The weights are unchanged. Check that batch's inputs and labels, lower the "
+        "learning rate, or use a GradScaler with fp16",
+        NonFiniteGradientWarning,
+        stacklevel=4,
+    )
 
 
 def _as_int(x: int | float | torch.Tensor) -> int:
@@ -822,23 +658,3 @@ def _grads_finite(params: list[torch.Tensor]) -> bool:
 
 def _grad_device(params: list[torch.Tensor]) -> torch.device:
     return next((p.grad.device for p in params if p.grad is not None), params[0].device)
-
-
-def _all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
-    """Sum the gradients over ranks in one flat all-reduce. A rank without a gradient for a
-    parameter (it ran out of data, or the parameter was unused) takes part with zeros."""
-    trainable = [p for p in params if p.requires_grad]
-    for p in trainable:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in trainable:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in groups.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        bbdist.all_reduce_sum(flat, group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

@@ -165,7 +165,7 @@ def cached_backward(
     if not micro_batches:
         raise ValueError("micro_batches is empty: give the big batch's micro-batches")
     # Checked before the first pass's work; backward() checks again.
-    acc._check_window_open()
+    acc.window.check_open()
     states = []
     parts: list[tuple[torch.Tensor, ...]] = []
     with _batchnorm_stats_kept():  # the second pass updates them, once per micro-batch

@@ -5,6 +5,7 @@ Nothing here starts a process group: bigbatch uses the one the user (or torchrun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "all_reduce_grads",
     "all_reduce_sum",
     "any_rank",
     "is_ddp",
@@ -21,6 +23,7 @@ __all__ = [
     "is_fsdp",
     "maybe_no_sync",
     "syncs_gradients",
+    "window_totals",
     "world_size",
 ]
 
@@ -78,3 +81,67 @@ def maybe_no_sync(model: nn.Module | None, skip_sync: bool) -> Iterator[None]:
     ctx = model.no_sync() if (skip_sync and is_ddp(model)) else nullcontext()  # type: ignore[operator, union-attr]
     with ctx:
         yield
+
+
+def window_totals(
+    count: float | torch.Tensor,
+    loss_sum: torch.Tensor | None,
+    *,
+    local: bool,
+    synced: bool,
+    model: nn.Module | None,
+    device: torch.device,
+    group: Any = None,
+) -> tuple[float, float, bool] | None:
+    """One small all-reduce of every rank's window count, loss sum and sync state: (the global
+    count, the exact mean loss, whether DDP/FSDP2 synchronised the gradients already), or None
+    when no rank had a window (every rank ran out of data)."""
+    totals = torch.tensor(
+        [
+            float(count),
+            float(loss_sum) if loss_sum is not None else 0.0,
+            1.0 if local else 0.0,
+            1.0 if synced else 0.0,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    all_reduce_sum(totals, group)
+    total, loss_total, n_local, n_synced = totals.tolist()
+    if n_local == 0:
+        return None
+    world = world_size(group)
+    if 0 < n_synced < world:
+        raise RuntimeError(
+            "ranks disagree on whether DDP synchronised this window's gradients: they ran "
+            "different numbers of micro-batches. Use Accumulator(..., sync='step'), which "
+            "synchronises once at step time and lets ranks run out of data at different times"
+        )
+    all_synced = n_synced == world
+    if not all_synced and is_fsdp(model):
+        raise RuntimeError(
+            "this window ended before its last micro-batch synchronised FSDP2's sharded "
+            "gradients (a partial window): use Accumulator(..., sync='every') with FSDP2, "
+            "or windows that always fill"
+        )
+    return total, (loss_total / total if total > 0 else math.nan), all_synced
+
+
+def all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
+    """Sum the gradients over ranks in one flat all-reduce. A rank without a gradient for a
+    parameter (it ran out of data, or the parameter was unused) takes part with zeros."""
+    trainable = [p for p in params if p.requires_grad]
+    for p in trainable:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in trainable:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce_sum(flat, group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -33,7 +33,7 @@ from bigbatch.accumulate import EmptyWindowWarning, Reduction, scale_grads_
 from bigbatch.counts import MicroBatchCount, resolve_count
 from bigbatch.inexact import warn_inexact_layers
 from bigbatch.integrations import require
-from bigbatch.integrations._window import ExactWindow
+from bigbatch.integrations._window import adapter_window
 
 require("fastai", "fastai")
 from fastai.callback.core import (  # noqa: E402
@@ -84,9 +84,7 @@ class ExactGradientAccumulation(Callback):
                 f"{n_acc!r}: e.g. ExactGradientAccumulation(n_acc=64), or micro_batches=4 "
                 "(batches per step)"
             )
-        self.window = ExactWindow(
-            micro_batches=micro_batches, target_count=n_acc, reduction=reduction
-        )
+        self.window = adapter_window(micro_batches, n_acc, reduction)
         self.unit = count
         self.ignore_index = ignore_index
         self.shift = shift
@@ -139,7 +137,7 @@ class ExactGradientAccumulation(Callback):
     def after_train(self) -> None:
         if self.window.micro == 0:
             return
-        if self.window.count <= 0:
+        if float(self.window.count) <= 0:
             self.window.reset()
             self._discard()
             return

@@ -28,7 +28,7 @@ import torch
 
 from bigbatch.counts import resolve_count
 from bigbatch.integrations import require
-from bigbatch.integrations._window import ExactWindow
+from bigbatch.integrations._window import adapter_window
 
 if os.environ.get("KERAS_BACKEND", "torch") != "torch":
     raise ImportError(
@@ -73,7 +73,7 @@ class ExactAccumulation(keras.Model):
         if not isinstance(model, keras.Model):
             raise TypeError(f"wrap a keras.Model, got {type(model).__name__}")
         self.model = model
-        self.window = ExactWindow(micro_batches=micro_batches, target_count=n_acc)
+        self.window = adapter_window(micro_batches, n_acc)
         self.unit = count
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
