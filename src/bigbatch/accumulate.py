@@ -283,32 +283,12 @@ class Accumulator:
         ``backward`` runs the weighted loss's backward where a framework must do it itself
         (Lightning's ``module.manual_backward`` applies its precision plugin's loss scaling).
         """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"loss must be a scalar tensor, got {shape}; reduce it first "
-                "(loss.mean() with reduction='mean', or loss.sum() with reduction='sum')"
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                "loss does not require grad: compute it from the model's output outside "
-                "torch.no_grad(), with the model's parameters requiring grad"
-            )
+        work = _scalar_loss(loss)
         self._guard.check("backward()", self.window.micro)
-        if self.epoch_length is not None and self._micro_in_epoch >= self.epoch_length:
-            raise RuntimeError(
-                f"micro-batch {self._micro_in_epoch + 1} of an epoch of epoch_length="
-                f"{self.epoch_length}: end_epoch() was not called. Call acc.end_epoch() after "
-                "each epoch (it settles the partial window and advances a micro_batches "
-                "schedule), or loop with `for batch in acc.iterate(loader)`"
-            )
+        _check_epoch_length(self._micro_in_epoch, self.epoch_length)
         mb = resolve_count(
             count, labels=labels, ignore_index=ignore_index, shift=shift, weight=weight
         )
-        work = loss if loss.dim() == 0 else loss.reshape(())
-        if work.dtype not in (torch.float32, torch.float64):
-            # Upcast, so multiplying a bf16/fp16 loss by a count does not round it.
-            work = work.float()
         weight_now = self.record(mb, work.detach())
         weighted = work * (
             weight_now.to(work.dtype) if isinstance(weight_now, torch.Tensor) else weight_now
@@ -369,76 +349,80 @@ class Accumulator:
         part (possibly none, when it ran out of data); returns None when no rank had anything,
         which is how :meth:`end_epoch` knows every rank is done."""
         params = _params_of(self.optimizer)
-        window = self.window
-        local = window.micro > 0
-        self._guard.check("step()", window.micro)
-        if local and not any(p.grad is not None for p in params):
+        micro_batches = self.window.micro
+        self._guard.check("step()", micro_batches)
+        if micro_batches and not any(p.grad is not None for p in params):
             raise RuntimeError(
                 "the window's gradients were cleared before step(): do not call "
                 "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
             )
-        micro_batches = window.micro
-        window.check_counts_not_negative()
-        ref = float(window.ref) if window.ref is not None else 1.0
-        loss: float | Callable[[], float]
-        if bbdist.is_distributed(self.process_group):
-            totals = bbdist.window_totals(
-                window.count,
-                window.loss_sum(),
-                local=local,
-                synced=local and self._last_backward_synced and bbdist.syncs_gradients(self.model),
-                model=self.model,
-                device=_grad_device(params),
-                group=self.process_group,
-            )
-            if totals is None:
-                return None  # no rank had a window: nothing to step
-            count, loss, synced = totals
-            if synced:
-                # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over
-                # world size; undo that and divide by the count.
-                ref *= bbdist.world_size(self.process_group)
-            elif count > 0:
-                bbdist.all_reduce_grads(params, self.process_group)
-        else:
-            count = float(window.count)
-            # Computed when first read: a loop that does not log it never waits for the device
-            # (the window's lists are replaced, not cleared, when it resets).
-            loss = partial(mean_loss, window.losses, window.counts, window.reduction, count)
-
+        self.window.check_counts_not_negative()
+        totals = self._totals(params)
+        if totals is None:
+            return None  # no rank had a window: nothing to step
+        count, ref, loss = totals
         if count <= 0 or not math.isfinite(count):
-            warnings.warn(
-                f"optimizer step {self.optimizer_step} skipped: the window's total count is "
-                f"{count:g} (every label was padding/ignore_index, or every weight was zero); "
-                "its gradient is discarded. Check the labels if this happens often.",
-                EmptyWindowWarning,
-                stacklevel=3,
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            self._reset_window()
+            _warn_empty(self.optimizer_step, count)
+            self._discard()
             return StepResult(self.optimizer_step, micro_batches, count, None, True)
-
-        factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
         if factor != 1.0:
             scale_grads_(params, factor)
         if self.scaler is None and not _grads_finite(params):
             # GradScaler skips such a step itself; without one, optimizer.step() would turn
             # every parameter into nan. After the all-reduce, so every rank skips alike.
-            _warn_non_finite(self.optimizer_step, window)
-            self.optimizer.zero_grad(set_to_none=True)
-            self._reset_window()
-            return StepResult(
-                self.optimizer_step, micro_batches, count, None, True, _loss=loss, non_finite=True
-            )
-
+            _warn_non_finite(self.optimizer_step, self.window)
+            self._discard()
+            return StepResult(self.optimizer_step, micro_batches, count, None, True, loss, True)
         grad_norm = None
         if self.clip_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm))
         skipped = self._optimizer_step()
         self._reset_window()
-        return StepResult(self.optimizer_step, micro_batches, count, grad_norm, skipped, _loss=loss)
+        return StepResult(self.optimizer_step, micro_batches, count, grad_norm, skipped, loss)
+
+    def _totals(
+        self, params: list[torch.Tensor]
+    ) -> tuple[float, float, float | Callable[[], float]] | None:
+        """(the window's count over all ranks, the reference its losses were weighted by, its
+        exact mean loss); under DDP the gradients are summed over ranks here if DDP did not."""
+        window = self.window
+        ref = float(window.ref) if window.ref is not None else 1.0
+        if not bbdist.is_distributed(self.process_group):
+            count = float(window.count)
+            # Computed when first read: a loop that does not log it never waits for the device
+            # (the window's lists are replaced, not cleared, when it resets).
+            return (
+                count,
+                ref,
+                partial(mean_loss, window.losses, window.counts, window.reduction, count),
+            )
+        local = window.micro > 0
+        totals = bbdist.window_totals(
+            window.count,
+            window.loss_sum(),
+            local=local,
+            synced=local and self._last_backward_synced and bbdist.syncs_gradients(self.model),
+            model=self.model,
+            device=_grad_device(params),
+            group=self.process_group,
+        )
+        if totals is None:
+            return None
+        count, loss, synced = totals
+        if synced:
+            # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over world
+            # size; undo that and divide by the count.
+            ref *= bbdist.world_size(self.process_group)
+        elif count > 0:
+            bbdist.all_reduce_grads(params, self.process_group)
+        return count, ref, loss
+
+    def _discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
 
     def _optimizer_step(self) -> bool:
         """Step the optimizer (through the scaler) and the scheduler; True when fp16 skipped it."""
@@ -461,9 +445,8 @@ class Accumulator:
     def discard_window(self) -> None:
         """Throw the open window away: zero its gradients and roll the counters back to its
         start (used to re-run the same samples after an out-of-memory error)."""
-        self.optimizer.zero_grad(set_to_none=True)
         self.micro_step, self._samples_seen, self._tokens_seen = self._window_start
-        self._reset_window()
+        self._discard()
 
     def end_epoch(self) -> StepResult | None:
         """Settle the epoch's last, partial window by the ``last_window`` policy, then advance
@@ -473,8 +456,7 @@ class Accumulator:
         (with nothing of its own, and the same update) until every rank has reached its end.
         """
         if self.last_window == "drop" and self.window.micro > 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._reset_window()
+            self._discard()
         result = None
         if not bbdist.is_distributed(self.process_group):
             if self.window.micro > 0 and self.last_window == "renorm":
@@ -619,6 +601,44 @@ def _check_options(
             "ReduceLROnPlateau steps on a metric, not per optimizer step: do not pass it as "
             "scheduler=; call scheduler.step(val_loss) yourself after each epoch"
         )
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """The loss as a 0-d tensor that requires grad, upcast from bf16/fp16 (so multiplying it
+    by a count does not round it); refused with the fix otherwise."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss must be a scalar tensor, got {shape}; reduce it first "
+            "(loss.mean() with reduction='mean', or loss.sum() with reduction='sum')"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss does not require grad: compute it from the model's output outside "
+            "torch.no_grad(), with the model's parameters requiring grad"
+        )
+    work = loss if loss.dim() == 0 else loss.reshape(())
+    return work if work.dtype in (torch.float32, torch.float64) else work.float()
+
+
+def _check_epoch_length(micro_in_epoch: int, epoch_length: int | None) -> None:
+    if epoch_length is not None and micro_in_epoch >= epoch_length:
+        raise RuntimeError(
+            f"micro-batch {micro_in_epoch + 1} of an epoch of epoch_length={epoch_length}: "
+            "end_epoch() was not called. Call acc.end_epoch() after each epoch (it settles the "
+            "partial window and advances a micro_batches schedule), or loop with "
+            "`for batch in acc.iterate(loader)`"
+        )
+
+
+def _warn_empty(optimizer_step: int, count: float) -> None:
+    warnings.warn(
+        f"optimizer step {optimizer_step} skipped: the window's total count is {count:g} (every "
+        "label was padding/ignore_index, or every weight was zero); its gradient is discarded. "
+        "Check the labels if this happens often.",
+        EmptyWindowWarning,
+        stacklevel=4,
+    )
 
 
 def _warn_non_finite(optimizer_step: int, window: Window) -> None:
