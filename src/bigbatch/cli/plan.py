@@ -17,7 +17,7 @@ from bigbatch.memory.plan import (
     DoesNotFitError,
     device_total_bytes,
     overhead_bytes,
-    plan_micro_batch,
+    plan_under_budget,
     resolve_budget,
     usable_bytes,
 )
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             if args.overhead
             else overhead_bytes(args.device)
         )
-        usable = usable_bytes(budget, overhead, args.device, args.margin)
+        usable_bytes(budget, overhead, args.device, args.margin)  # refuses a budget too small
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     notes = []
@@ -173,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
             f"({format_bytes(total)}): fine for planning another machine, not for training here"
         )
     rows = _targets(args)
-    calibrate_cpu = args.device == "cpu" and not args.no_calibrate
     plans: list[dict[str, Any]] = []
     curves: list[tuple[str, list[tuple[int, int]], int]] = []
     for name, size, factory, shape in rows:
@@ -181,23 +180,18 @@ def run(args: argparse.Namespace) -> int:
 
         label = name if size is None else f"{name} @ {size}"
         try:
-            calibration = None
-            if calibrate_cpu:
-                from bigbatch.memory.calibrate import calibrate_within
-
-                calibration, note = calibrate_within(spec_at(2), usable)
-                if note:
-                    notes.append(f"{label}: {note}")
-            plan = plan_micro_batch(
+            plan = plan_under_budget(
                 spec_at,
                 args.batch,
                 budget,
                 device=args.device,
-                margin=args.margin,
                 overhead=overhead,
-                calibration=calibration,
+                margin=args.margin,
+                calibrate=not args.no_calibrate,
                 extra_bytes=cache,
             )
+            if plan.calibration_note:
+                notes.append(f"{label}: {plan.calibration_note}")
         except DoesNotFitError as exc:
             if len(rows) == 1:
                 raise UserError("; ".join([str(exc), *notes])) from exc
@@ -233,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             plan.curve = sorted(
                 plan.curve
                 + [
-                    (b, predict_peak(spec_at(b), calibration=calibration).planning_bytes)
+                    (b, predict_peak(spec_at(b), calibration=plan.calibration).planning_bytes)
                     for b in extra
                 ]
             )

@@ -45,7 +45,7 @@ from fastai.callback.fp16 import MixedPrecision  # noqa: E402
 from fastai.callback.training import GradientAccumulation  # noqa: E402
 from fastai.torch_core import find_bs  # noqa: E402
 
-from bigbatch.memory.plan import plan_micro_batch  # noqa: E402
+from bigbatch.memory.plan import plan_under_budget  # noqa: E402
 from bigbatch.memory.step import StepSpec  # noqa: E402
 
 __all__ = ["ExactGradientAccumulation", "plan_learner"]
@@ -193,4 +193,7 @@ def plan_learner(
             input_dtype=xb.dtype,
         )
 
-    return plan_micro_batch(spec_at, target_batch, budget, device=device, overhead=overhead)
+    # By prediction alone, as documented: no real calibration steps on the user's Learner.
+    return plan_under_budget(
+        spec_at, target_batch, budget, device=device, overhead=overhead, calibrate=False
+    )

@@ -17,6 +17,7 @@ import torch
 
 from bigbatch.device import free_bytes, process_rss, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.calibrate import calibrate_within
 from bigbatch.memory.predict import MemoryPrediction, predict_peak
 from bigbatch.memory.step import StepSpec
 
@@ -27,6 +28,7 @@ __all__ = [
     "device_total_bytes",
     "overhead_bytes",
     "plan_micro_batch",
+    "plan_under_budget",
     "resolve_budget",
     "usable_bytes",
 ]
@@ -64,6 +66,10 @@ class Plan:
     confirmed_peak_bytes: int | None = None
     curve: list[tuple[int, int]] = field(default_factory=list)  # (micro-batch, predicted peak)
     predictions: int = 0  # predictions the search made (the floor's included)
+    # CPU workspace calibration behind the predictions (plan_under_budget), for predicting
+    # other micro-batches the same way, and what it could not measure.
+    calibration: Any = field(default=None, repr=False)
+    calibration_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -296,3 +302,53 @@ def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
     if peak_b <= peak_a:
         return b
     return int(a + (usable - peak_a) * (b - a) / (peak_b - peak_a))
+
+
+def plan_under_budget(
+    spec_at: Callable[[int], StepSpec],
+    target_batch: int,
+    budget: str | int,
+    *,
+    device: str = "cpu",
+    overhead: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    calibrate: bool = True,
+    max_micro_batch: int | None = None,
+    extra_bytes: int = 0,
+) -> Plan:
+    """The planning path every caller takes (``bigbatch plan``, ``bigbatch train``, the
+    ensemble, fastai's ``plan_learner``): the budget and the process overhead (read here, before
+    calibration's real steps grow this process: memory they leave behind is reused by training,
+    not spent besides it), CPU workspace calibration at the micro-batch sizes whose real step
+    fits the budget, then :func:`plan_micro_batch`. What calibration could not measure is in
+    ``plan.calibration_note`` (and in a :class:`DoesNotFitError`'s message).
+
+    >>> import torch
+    >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
+    >>> plan_under_budget(spec, 64, "1GB", overhead=0).micro_batch
+    64
+    """
+    budget_bytes = resolve_budget(budget, device)
+    overhead = overhead_bytes(device) if overhead is None else overhead
+    calibration, note = None, ""
+    if calibrate and torch.device(device).type == "cpu":
+        usable = usable_bytes(budget_bytes, overhead, device, margin)
+        calibration, note = calibrate_within(spec_at(2), usable)
+    try:
+        plan = plan_micro_batch(
+            spec_at,
+            target_batch,
+            budget_bytes,
+            device=device,
+            margin=margin,
+            overhead=overhead,
+            calibration=calibration,
+            max_micro_batch=max_micro_batch,
+            extra_bytes=extra_bytes,
+        )
+    except DoesNotFitError as exc:
+        if not note:
+            raise
+        raise DoesNotFitError(f"{exc}; {note}", exc.floor) from exc
+    plan.calibration, plan.calibration_note = calibration, note
+    return plan

@@ -34,15 +34,12 @@ from bigbatch.device import (
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.memory.budget import format_bytes, parse_bytes
-from bigbatch.memory.calibrate import calibrate_within
 from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.memory.plan import (
     DoesNotFitError,
     device_total_bytes,
-    overhead_bytes,
-    plan_micro_batch,
+    plan_under_budget,
     resolve_budget,
-    usable_bytes,
 )
 from bigbatch.memory.predict import check_forward, predict_peak
 from bigbatch.memory.step import StepSpec
@@ -203,27 +200,16 @@ def plan_for(
                 f"({format_bytes(total)}): a plan for it would run out of memory; use "
                 f"budget=auto (the free memory now) or at most {format_bytes(total)}"
             )
-        # The overhead is read before calibration's real steps grow this process (as `bigbatch
-        # plan` does): memory they leave behind is reused by training, not spent besides it.
-        overhead = (
-            overhead_bytes(device)
-            if cfg.overhead == "auto"
-            else parse_bytes(cfg.overhead, allow_zero=True)
-        )
-        calibration = None
-        if device.type == "cpu":
-            calibration, note = calibrate_within(spec_at(2), usable_bytes(budget, overhead, device))
-            if note:
-                log(f"plan: {note}")
-        plan = plan_micro_batch(
+        plan = plan_under_budget(
             spec_at,
             target or cfg.batch,
             budget,
             device=device.type,
-            calibration=calibration,
-            overhead=overhead,
+            overhead=None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True),
             max_micro_batch=cfg.micro_batch or None,
         )
+        if plan.calibration_note:
+            log(f"plan: {plan.calibration_note}")
     except DoesNotFitError as exc:
         raise ConfigError(str(exc)) from exc
     except ConfigError:
@@ -241,7 +227,7 @@ def plan_for(
         # The plan predicted the fixed micro-batch already (its cap, tried first), unless a
         # rank's share of the batch under torchrun is smaller.
         needed = dict(plan.curve).get(cfg.micro_batch) or (
-            predict_peak(spec_at(cfg.micro_batch), calibration=calibration).planning_bytes
+            predict_peak(spec_at(cfg.micro_batch), calibration=plan.calibration).planning_bytes
         )
         if plan.max_micro_batch < cfg.micro_batch:
             raise ConfigError(
