@@ -8,21 +8,19 @@ is resumable: finished epochs are never redone, and the resumed run ends with th
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from bigbatch.accumulate import Accumulator, NonFiniteGradientWarning
+from bigbatch.accumulate import NonFiniteGradientWarning
 from bigbatch.device import (
     autocast_for,
     set_rng_state,
@@ -31,24 +29,26 @@ from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.data import make_loader, windows_per_epoch
-from bigbatch.train.optim import PLAN_OPTIMIZER, make_optimizer, phases
+from bigbatch.train.data import make_loader
+from bigbatch.train.optim import PLAN_OPTIMIZER, mode_line, phases
 from bigbatch.train.planning import plan_for
 from bigbatch.train.progress import progress
 from bigbatch.train.report import plot_history, write_history
-from bigbatch.train.run_dir import check_run_dir, save_checkpoint
+from bigbatch.train.run_dir import check_run_dir, write_run_files
 from bigbatch.train.runtime import (
     check_no_lone_sample,
+    device_for_rank,
     init_distributed,
     note_inexact,
+    place_model,
     resolve_device,
     resolve_precision,
     resolve_threads,
     threads_for_run,
     train_mode,
-    wrap_ddp,
 )
-from bigbatch.train.tasks import Metrics, Task, lower_is_better, task_for
+from bigbatch.train.state import Phase, Run, build_phase, epoch_loader, restore
+from bigbatch.train.tasks import Metrics, lower_is_better, task_for
 
 __all__ = [
     "PLAN_OPTIMIZER",  # from bigbatch.train.optim, and the three below from .runtime: where
@@ -127,45 +127,7 @@ def train(
         torch.set_num_threads(threads_before)  # the caller's process keeps its own setting
 
 
-@dataclass
-class _Run:
-    """What the loop shares between its steps: set up once by :func:`_setup`."""
-
-    cfg: TrainConfig
-    run_dir: Path
-    log: Log
-    progress: bool | None
-    task: Task
-    rank: int
-    world: int
-    device: torch.device
-    precision: str
-    workers: int
-    core: nn.Module
-    memory_format: torch.memory_format
-    pin: bool
-    lone_ok: bool
-    rank_batch: int
-    train_ds: Any
-    valid_loader: Any
-    has_valid: bool
-    monitor: str
-    sampler: Any
-    scaler: Any
-    backoff: OOMBackoff
-    state: dict[str, Any] | None
-    history: list[dict[str, Any]] = field(default_factory=list)
-    best: float = math.inf
-    start_epoch: int = 0
-    mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
-    last_checkpoint: float = 0.0
-
-    @property
-    def main_rank(self) -> bool:
-        return self.rank == 0
-
-
-def _loop(run: _Run) -> TrainResult:
+def _loop(run: Run) -> TrainResult:
     """The loop, after :func:`_setup`: each phase's epochs, each epoch's windows through
     :func:`~bigbatch.memory.oom.run_window`, and after each epoch validation, the history and
     atomic checkpoints."""
@@ -189,12 +151,10 @@ def _setup(
     data: tuple[Any, Any] | None,
     rank: int,
     world: int,
-) -> _Run:
+) -> Run:
     """Every check that needs no training, the plan, the model, the data and the saved state."""
     state = check_run_dir(run_dir, cfg, resume)
-    device = resolve_device(cfg.device)
-    if world > 1 and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    device = device_for_rank(cfg.device, rank, world)
     precision = resolve_precision(cfg.precision, device)
     threads, workers = threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)
@@ -210,12 +170,7 @@ def _setup(
             f"distributed: {world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
         )
     if cfg.mode == "auto":
-        log(
-            f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
-            "starting from " + ("pretrained weights)" if cfg.pretrained else "weights=)")
-            if cfg.fine_tunes
-            else "mode: fit (random weights: every layer trains from the start)"
-        )
+        log(mode_line(cfg))
     if rank == 0:
         plan_info = {
             "micro_batch": micro,
@@ -228,20 +183,9 @@ def _setup(
             "threads": threads,
             "num_workers": workers,
         }
-        atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
-        atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
-        atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
-        atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
-
+        write_run_files(run_dir, cfg, task, plan_info)
     torch.manual_seed(cfg.seed)
-    core = factory().to(device)
-    # NHWC where it helps: convolutions on a GPU (tensor cores want it); opt-in elsewhere.
-    has_conv = any(isinstance(m, nn.Conv2d) for m in core.modules())
-    use_nhwc = cfg.channels_last == "true" or (
-        cfg.channels_last == "auto" and device.type == "cuda" and has_conv
-    )
-    if use_nhwc:
-        core = core.to(memory_format=torch.channels_last)
+    core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = device.type == "cuda"  # page-locked batches: copies to a GPU that overlap compute
     train_mode(core, cfg)
     lone_ok = note_inexact(core, cfg, log)
@@ -256,7 +200,7 @@ def _setup(
             train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
         )
     has_valid = len(valid_ds) > 0
-    run = _Run(
+    run = Run(
         cfg=cfg,
         run_dir=run_dir,
         log=log,
@@ -268,7 +212,7 @@ def _setup(
         precision=precision,
         workers=workers,
         core=core,
-        memory_format=torch.channels_last if use_nhwc else torch.contiguous_format,
+        memory_format=memory_format,
         pin=pin,
         lone_ok=lone_ok,
         rank_batch=rank_batch,
@@ -295,97 +239,19 @@ def _setup(
         last_checkpoint=time.perf_counter(),
     )
     if state is not None:
-        _restore(run, state)
+        restore(run, state)
     return run
 
 
-def _restore(run: _Run, state: dict[str, Any]) -> None:
-    run.core.load_state_dict(state["model"])
-    run.history = json.loads(state["history"])
-    run.best = float(state["best"])
-    run.start_epoch = int(state["epoch"]) + 1
-    run.backoff.micro_batch = int(state["micro_batch"])
-    run.backoff.clean_windows = int(state.get("clean_windows", 0))
-    run.backoff.grow_after = int(state.get("grow_after", run.backoff.grow_after))
-    run.mid = state.get("mid") or None
-    total = sum(n for _, n in phases(run.cfg))
-    run.log(
-        f"resuming {run.run_dir} in epoch {run.start_epoch + 1} of {total}, after window "
-        f"{run.mid['windows']}"
-        if run.mid
-        else f"resuming {run.run_dir} after epoch {run.start_epoch} of {total}"
-    )
-    if run.mid and run.workers > 0:
-        run.log(
-            "note: resuming mid-epoch with num_workers > 0: the rest of this epoch's "
-            "augmentation is drawn by other worker streams (bit-identical with num_workers=0)"
-        )
-
-
-@dataclass
-class _Phase:
-    """One phase's optimizer, schedule and accumulator (the head-only epochs of fine_tune get
-    their own)."""
-
-    name: str
-    end_epoch: int
-    windows: int  # per epoch
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    sched: Any
-    plateau: bool
-    acc: Accumulator
-    checkpoint: Callable[..., None]
-
-
-def _train_phase(run: _Run, phase: str, phase_start: int, end_epoch: int) -> None:
-    cfg = run.cfg
-    windows = (
-        math.ceil(len(run.sampler) / run.rank_batch)
-        if run.sampler is not None
-        else windows_per_epoch(len(run.train_ds), cfg.batch, 1 if run.lone_ok else 2)
-    )
-    opt, sched = make_optimizer(cfg, run.core, phase, (end_epoch - phase_start) * windows)
-    plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    model: nn.Module = run.core
-    if run.world > 1:
-        # Re-wrapped per phase: DDP fixes the trainable parameters when it is built.
-        # No buffer broadcast in forward, so no collective runs inside a micro-batch.
-        model = wrap_ddp(run.core)
-    if cfg.compile:
-        # After DDP, as torch's docs say; the weights stay `core`'s (checkpoints unchanged).
-        model = cast(nn.Module, torch.compile(model))
-    # On one process model= is not passed: the BatchNorm note replaces the warning.
-    acc = Accumulator(
-        opt,
-        scheduler=None if plateau else sched,
-        scaler=run.scaler,
-        model=model if run.world > 1 else None,
-        sync="step",
-    )
-    checkpoint = functools.partial(
-        save_checkpoint, run.run_dir, run.core, opt, sched, acc, run.scaler, run.backoff,
-        phase=phase,
-    )  # fmt: skip
-    state = run.state
-    if (
-        state is not None
-        and state["phase"] == phase
-        and (run.start_epoch > phase_start or run.mid is not None)
-    ):
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        acc.load_state_dict(state["accumulator"])
-        if run.scaler is not None and state.get("scaler"):
-            run.scaler.load_state_dict(state["scaler"])
-    ph = _Phase(phase, end_epoch, windows, model, opt, sched, plateau, acc, checkpoint)
+def _train_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> None:
+    ph = build_phase(run, phase, phase_start, end_epoch)
     for e in range(max(phase_start, run.start_epoch), end_epoch):
         t0 = time.perf_counter()
         loss_sum, count = _train_epoch(run, ph, e)
         _finish_epoch(run, ph, e, loss_sum, count, t0)
 
 
-def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
+def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     """One epoch's windows; returns the epoch's loss sum and count (for the exact mean)."""
 
     cfg, device, acc, backoff = run.cfg, run.device, ph.acc, run.backoff
@@ -395,23 +261,7 @@ def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
     train_mode(run.core, cfg)  # evaluation left the model in train mode, BatchNorm too
     resumed = run.mid if run.mid is not None and e == run.start_epoch else None
     run.mid = None
-    loader: Any
-    if run.sampler is not None:
-        run.sampler.set_epoch(e)
-        loader = torch.utils.data.DataLoader(
-            run.train_ds, batch_size=run.rank_batch, sampler=run.sampler, num_workers=run.workers
-        )
-    else:
-        loader = make_loader(
-            run.train_ds,
-            cfg.batch,
-            shuffle=True,
-            seed=cfg.seed * 1000 + e,
-            num_workers=run.workers,
-            min_last=1 if run.lone_ok else 2,
-            skip=int(resumed["windows"]) if resumed else 0,
-            pin_memory=run.pin,
-        )
+    loader = epoch_loader(run, e, skip=int(resumed["windows"]) if resumed else 0)
     loss_sum = count = 0.0
     windows_done = 0
     if resumed:
@@ -444,14 +294,7 @@ def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         if result.non_finite or not math.isfinite(result.loss):
             show.close()
-            raise TrainingDiverged(
-                f"training diverged: the loss became {result.loss} at epoch {e + 1}, "
-                f"optimizer step {acc.optimizer_step} (lr {ph.opt.param_groups[0]['lr']:.3g}). "
-                f"Nothing of epoch {e + 1} was saved"
-                + (f"; {run.run_dir / 'last.pt'} holds epoch {e}" if run.history else "")
-                + ". Lower lr (e.g. lr="
-                + f"{cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
-            )
+            raise _diverged(run, ph, e, result.loss)
         loss_sum += result.loss * result.count
         count += result.count
         windows_done += 1
@@ -485,7 +328,17 @@ def _train_epoch(run: _Run, ph: _Phase, e: int) -> tuple[float, float]:
     return loss_sum, count
 
 
-def _finish_epoch(run: _Run, ph: _Phase, e: int, loss_sum: float, count: float, t0: float) -> None:
+def _diverged(run: Run, ph: Phase, e: int, loss: float) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"training diverged: the loss became {loss} at epoch {e + 1}, optimizer step "
+        f"{ph.acc.optimizer_step} (lr {ph.opt.param_groups[0]['lr']:.3g}). Nothing of epoch "
+        f"{e + 1} was saved"
+        + (f"; {run.run_dir / 'last.pt'} holds epoch {e}" if run.history else "")
+        + f". Lower lr (e.g. lr={run.cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
+    )
+
+
+def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0: float) -> None:
     """Validation, the plateau schedule, the history, the best and last checkpoints, the log."""
     row: dict[str, Any] = {"epoch": e + 1, "phase": ph.name, "train_loss": loss_sum / max(count, 1)}
     if run.has_valid:

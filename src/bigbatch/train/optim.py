@@ -9,7 +9,7 @@ from torch import nn
 
 from bigbatch.train.config import TrainConfig
 
-__all__ = ["PLAN_OPTIMIZER", "head_parameters", "make_optimizer", "phases"]
+__all__ = ["PLAN_OPTIMIZER", "head_parameters", "make_optimizer", "mode_line", "phases"]
 
 
 # The planner's name for each training optimizer (their state is what differs).
@@ -52,3 +52,12 @@ def make_optimizer(
     else:
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
     return opt, sched
+
+
+def mode_line(cfg: TrainConfig) -> str:
+    if cfg.fine_tunes:
+        return (
+            f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
+            "starting from " + ("pretrained weights)" if cfg.pretrained else "weights=)")
+        )
+    return "mode: fit (random weights: every layer trains from the start)"

@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
+from bigbatch.io import atomic_write_text
 from bigbatch.memory.oom import OOMBackoff
 from bigbatch.train.checkpoint import load_state, save_state
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 
-__all__ = ["check_run_dir", "save_checkpoint"]
+__all__ = ["check_run_dir", "save_checkpoint", "write_run_files"]
 
 
 def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
@@ -89,3 +90,10 @@ def save_checkpoint(
         },
         run_dir / "last.pt",
     )
+
+
+def write_run_files(run_dir: Path, cfg: TrainConfig, task: Any, plan_info: dict[str, Any]) -> None:
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
+    atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
+    atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))

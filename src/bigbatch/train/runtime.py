@@ -18,8 +18,10 @@ from bigbatch.train.config import ConfigError, TrainConfig, check_device
 
 __all__ = [
     "check_no_lone_sample",
+    "device_for_rank",
     "init_distributed",
     "note_inexact",
+    "place_model",
     "resolve_device",
     "resolve_precision",
     "resolve_threads",
@@ -149,3 +151,23 @@ def train_mode(model: nn.Module, cfg: TrainConfig) -> None:
     model.train()
     if cfg.freeze_bn:
         freeze_batchnorm(model)
+
+
+def device_for_rank(name: str, rank: int, world: int) -> torch.device:
+    """The configured device; under torchrun on GPUs, this rank's own (``LOCAL_RANK``)."""
+    device = resolve_device(name)
+    if world > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return device
+
+
+def place_model(
+    model: nn.Module, channels_last: str, device: torch.device
+) -> tuple[nn.Module, torch.memory_format]:
+    """The model on ``device``, NHWC where it helps (convolutions on a GPU: tensor cores want
+    it; opt-in elsewhere with channels_last=true); returns the memory format inputs take."""
+    model = model.to(device)
+    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    if channels_last == "true" or (channels_last == "auto" and device.type == "cuda" and has_conv):
+        return model.to(memory_format=torch.channels_last), torch.channels_last
+    return model, torch.contiguous_format
