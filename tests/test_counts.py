@@ -96,3 +96,31 @@ def test_shift_needs_labels() -> None:
         resolve_count(4, shift=True)
     with pytest.raises(ValueError, match="at least 2"):
         resolve_count(labels=torch.tensor([[1]]), shift=True)
+
+
+def test_count_objects_equal_the_keyword_forms() -> None:
+    """count= takes samples(n), tokens(labels, shift=...) or weights(w, n): the same windows as
+    count=n, labels=..., weight=..., so a new kind of count is one function."""
+    from bigbatch import Accumulator
+    from bigbatch.counts import samples, tokens, weights
+
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    pairs = [
+        (samples(3), {"count": 3}),
+        (tokens(labels, shift=True), {"labels": labels, "shift": True}),
+        (weights(torch.tensor(2.5), 4), {"weight": torch.tensor(2.5), "count": 4}),
+    ]
+    for obj, keywords in pairs:
+        seen = []
+        for kwargs in ({"count": obj}, keywords):
+            w = torch.nn.Parameter(torch.ones(2))
+            acc = Accumulator(torch.optim.SGD([w], lr=1.0), micro_batches=2)
+            for scale in (1.0, 3.0):
+                acc.backward((w * scale).sum(), **kwargs)
+            result = acc.step()
+            seen.append((w.detach().clone(), result.count, acc.samples_seen, acc.tokens_seen))
+        assert torch.equal(seen[0][0], seen[1][0]) and seen[0][1:] == seen[1][1:]
+    with pytest.raises(ValueError, match="count object already"):
+        Accumulator(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)).backward(
+            torch.ones(1, requires_grad=True).sum(), count=samples(1), weight=1.0
+        )

@@ -264,7 +264,7 @@ class Accumulator:
     def backward(
         self,
         loss: torch.Tensor,
-        count: int | torch.Tensor | None = None,
+        count: int | torch.Tensor | MicroBatchCount | None = None,
         *,
         labels: torch.Tensor | None = None,
         ignore_index: int = -100,

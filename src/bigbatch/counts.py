@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MicroBatchCount", "count_tokens", "resolve_count"]
+__all__ = ["MicroBatchCount", "count_tokens", "resolve_count", "samples", "tokens", "weights"]
 
 Number = int | float | torch.Tensor
 
@@ -48,6 +48,38 @@ class MicroBatchCount:
     normaliser: Number  # what the loss is weighted by: samples, tokens or weight
     samples: Number  # added to ``samples_seen``
     tokens: Number  # added to ``tokens_seen`` (0 unless counted from labels)
+
+
+def samples(n: int | torch.Tensor) -> MicroBatchCount:
+    """A loss that is a mean over ``n`` samples: ``acc.backward(loss, count=samples(len(y)))``
+    (the same as ``count=len(y)``).
+
+    >>> samples(8).normaliser
+    8
+    """
+    return resolve_count(n)
+
+
+def tokens(
+    labels: torch.Tensor, *, ignore_index: int = -100, shift: bool = False
+) -> MicroBatchCount:
+    """A loss that is a mean over the tokens ``labels != ignore_index`` (``shift=True``: of
+    ``labels[..., 1:]``, for a causal LM that shifts inside): ``count=tokens(labels)``.
+
+    >>> int(tokens(torch.tensor([[1, 2, -100]]), shift=True).normaliser)
+    1
+    """
+    return resolve_count(labels=labels, ignore_index=ignore_index, shift=shift)
+
+
+def weights(total: float | torch.Tensor, n: int | torch.Tensor | None = None) -> MicroBatchCount:
+    """A weighted mean ``sum(w * l) / sum(w)``: ``count=weights(w.sum(), len(y))`` (``n``, the
+    samples, keeps ``samples_seen``).
+
+    >>> weights(2.5, 4).normaliser, weights(2.5, 4).samples
+    (2.5, 4)
+    """
+    return resolve_count(n, weight=total)
 
 
 def _check_integer_count(count: object) -> Number:
@@ -115,11 +147,21 @@ def resolve_count(
     - ``count=len(batch)``: the loss is normalised per sample (the default meaning);
     - ``labels=labels``: the loss is normalised per token, counting labels != ``ignore_index``
       (``shift=True``: of ``labels[..., 1:]``, for causal LMs that shift labels inside);
-    - ``weight=w.sum()``: the loss is a weighted mean with these total weights.
+    - ``weight=w.sum()``: the loss is a weighted mean with these total weights;
+    - ``count=`` a count object, :func:`samples`, :func:`tokens` or :func:`weights`, the same
+      three as values (a new kind of count is a new function returning a MicroBatchCount).
 
     >>> resolve_count(8).normaliser
     8
     """
+    if isinstance(count, MicroBatchCount):
+        # A count object (samples(n), tokens(labels), weights(w)): complete as it is.
+        if labels is not None or weight is not None:
+            raise ValueError(
+                "count= is a count object already (samples/tokens/weights): do not pass "
+                "labels= or weight= beside it"
+            )
+        return count
     if shift and labels is None:
         raise ValueError("shift=True shifts the labels: pass labels=labels with it")
     if type(count) is int and count >= 0 and labels is None and weight is None:

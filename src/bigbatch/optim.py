@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from bigbatch.accumulate import Accumulator, LastWindow, Reduction, StepResult, _params_of
-from bigbatch.counts import resolve_count
+from bigbatch.counts import MicroBatchCount, resolve_count
 
 __all__ = ["AccumulatingOptimizer"]
 
@@ -107,7 +107,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self,
         closure: Callable[[], Any] | None = None,
         *,
-        count: int | torch.Tensor | None = None,
+        count: int | torch.Tensor | MicroBatchCount | None = None,
         labels: torch.Tensor | None = None,
         ignore_index: int = -100,
         shift: bool = False,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
+from bigbatch.batching import even_sizes, split_by_sizes
 from bigbatch.inexact import describe_inexact_layers, find_inexact_layers
 
 __all__ = [
@@ -92,10 +93,6 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )
-
-
-def _split(t: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    return list(torch.split(t, list(sizes)))
 
 
 def window_gradients(
@@ -252,7 +249,7 @@ def verify(
     if sum(sizes) != n:
         raise ValueError(
             f"micro_batch_sizes add up to {sum(sizes)} but the batch has {n} samples; "
-            f"give sizes that split the batch, e.g. {_even_split(n, len(sizes))}"
+            f"give sizes that split the batch, e.g. {even_sizes(n, len(sizes))}"
         )
     results = []
     for dtype in dtypes:
@@ -274,7 +271,7 @@ def verify(
                 ),
             )
             tol, roundoff = roundoff_tolerance(ref, exact, dtype)
-        batches = list(zip(_split_any(x, sizes), _split(targets, sizes), strict=True))
+        batches = list(zip(split_by_sizes(x, sizes), split_by_sizes(targets, sizes), strict=True))
         counts = [int((y != -100).sum()) if count_by == "tokens" else len(y) for _, y in batches]
         for method in methods:
             run = partial(
@@ -335,7 +332,7 @@ def _explain(
         wide = copy.deepcopy(model).double()
         x64 = _cast_floats(x, torch.float64)
         ref = _seeded(seed, lambda: big_batch_gradients(wide, x64, y, loss_fn))
-        batches = list(zip(_split_any(x64, sizes), _split(y, sizes), strict=True))
+        batches = list(zip(split_by_sizes(x64, sizes), split_by_sizes(y, sizes), strict=True))
         got = _seeded(
             seed,
             lambda: window_gradients(wide, batches, loss_fn, method=method, count_by=count_by),
@@ -364,7 +361,7 @@ def _explain(
             if any(layer.name == name for layer in layers):
                 module.eval()
         ref = _seeded(seed, lambda: big_batch_gradients(quiet, x, y, loss_fn))
-        batches = list(zip(_split_any(x, sizes), _split(y, sizes), strict=True))
+        batches = list(zip(split_by_sizes(x, sizes), split_by_sizes(y, sizes), strict=True))
         got = _seeded(seed, lambda: window_gradients(quiet, batches, loss_fn, count_by=count_by))
         _, rel, _ = compare_gradients(got, ref)
         verdict = "so they explain the difference" if rel <= tol else "but a difference remains"
@@ -377,27 +374,10 @@ def _explain(
     )
 
 
-def _split_any(x: Any, sizes: list[int]) -> list[Any]:
-    if isinstance(x, torch.Tensor):
-        return _split(x, sizes)
-    if isinstance(x, tuple | list):
-        parts = [_split_any(v, sizes) for v in x]
-        return [type(x)(p[i] for p in parts) for i in range(len(sizes))]
-    if isinstance(x, dict):
-        split = {k: _split_any(v, sizes) for k, v in x.items()}
-        return [{k: v[i] for k, v in split.items()} for i in range(len(sizes))]
-    raise TypeError(f"cannot split inputs of type {type(x).__name__} into micro-batches")
-
-
 def _seeded(seed: int, fn: Callable[[], Any]) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return fn()
-
-
-def _even_split(n: int, k: int) -> list[int]:
-    k = max(1, min(k, n))
-    return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
 # ----------------------------------------------------------------- built-in cases

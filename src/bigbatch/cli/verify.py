@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bigbatch.batching import even_sizes
 from bigbatch.cli import UserError
 from bigbatch.user_code import call_factory, load_object
 from bigbatch.verify import (
@@ -80,8 +81,7 @@ def _dtypes(text: str) -> list[torch.dtype]:
 
 def _sizes(text: str, n: int) -> list[int]:
     if not text:
-        k = min(4, n)
-        return [n // k + (1 if i < n % k else 0) for i in range(k)]
+        return even_sizes(n, 4)
     try:
         sizes = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as exc:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from bigbatch.accumulate import Accumulator, LastWindow, Reduction, StepResult
+from bigbatch.counts import MicroBatchCount
 from bigbatch.integrations import require
 
 require("lightning.pytorch", "lightning")
@@ -237,7 +238,7 @@ class ExactAccumulation(Callback):
 def exact_backward(
     module: Any,
     loss: torch.Tensor,
-    count: int | torch.Tensor | None = None,
+    count: int | torch.Tensor | MicroBatchCount | None = None,
     *,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,

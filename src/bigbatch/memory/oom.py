@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,13 +20,14 @@ import torch
 
 from bigbatch import distributed as bbdist
 from bigbatch.accumulate import Accumulator, StepResult
+from bigbatch.batching import batch_len, split_batch
 from bigbatch.device import empty_cache
 
 __all__ = [
     "BackoffEvent",
     "OOMBackoff",
     "OutOfMemoryAtMinimumError",
-    "batch_len",
+    "batch_len",  # from bigbatch.batching (split_batch too), where the back-off uses them
     "is_oom",
     "run_window",
     "split_batch",
@@ -141,48 +142,6 @@ class OOMBackoff:
         )
         self.micro_batch = new
         self.clean_windows = 0
-
-
-def batch_len(batch: Any) -> int:
-    """Number of samples in a batch: a tensor, or a tuple/list/dict of tensors (first one)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, Mapping):
-        return batch_len(next(iter(batch.values())))
-    if isinstance(batch, Sequence) and batch:
-        return batch_len(batch[0])
-    raise TypeError(f"cannot tell the number of samples of a {type(batch).__name__}")
-
-
-def split_batch(batch: Any, size: int, *, min_size: int = 1) -> list[Any]:
-    """Split a batch (tensor, tuple/list or dict of tensors) into as few micro-batches of at
-    most ``size`` as possible, balanced (20 by 8: 7, 7, 6, not 8, 8, 4: a lower peak, the same
-    update). With ``min_size``, no part is smaller: BatchNorm models pass 2, so a window of 17
-    at micro-batch 8 is not split into 8, 8, 1 (a lone sample BatchNorm cannot normalise) but
-    6, 6, 5, and a window of 3 at 2 runs whole.
-
-    >>> [len(p) for p in split_batch(torch.arange(20), 8)]
-    [7, 7, 6]
-    >>> [len(p) for p in split_batch(torch.arange(3), 2, min_size=2)]
-    [3]
-    """
-    n = batch_len(batch)
-    parts = max(1, min(-(-n // size), n // max(1, min_size)))
-    return _split_into(batch, parts)
-
-
-def _split_into(batch: Any, parts: int) -> list[Any]:
-    if isinstance(batch, torch.Tensor):
-        return list(batch.tensor_split(parts))
-    if isinstance(batch, Mapping):
-        split = {k: _split_into(v, parts) for k, v in batch.items()}
-        return [
-            dict(zip(split, values, strict=True)) for values in zip(*split.values(), strict=True)
-        ]
-    if isinstance(batch, Sequence):
-        columns = [_split_into(v, parts) for v in batch]
-        return [type(batch)(values) for values in zip(*columns, strict=True)]  # type: ignore[call-arg]
-    raise TypeError(f"cannot split a {type(batch).__name__} into micro-batches")
 
 
 def _free_memory(host_oom: bool) -> None:
