@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch import Accumulator
-from bigbatch.verify_distributed import (
+from bigbatch.verify.distributed import (
     count_bigbatch_allreduces,
     count_ddp_allreduces,
     run_distributed,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bigbatch.verify_distributed import run_distributed, verify_distributed
+from bigbatch.verify.distributed import run_distributed, verify_distributed
 from distributed_scenarios import net, oom_on_one_rank, rank_data, sgd, uneven_data
 
 TOL64 = 1e-12

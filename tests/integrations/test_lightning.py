@@ -233,7 +233,7 @@ def ddp_worker(rank: int, world: int, port: int, out: str, exact: bool) -> None:
 
 @pytest.mark.slow
 def test_ddp_two_processes_equals_the_big_batch_over_both_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from bigbatch.verify_distributed import run_distributed
+    from bigbatch.verify.distributed import run_distributed
 
     rank0, rank1 = rank_batches(0), rank_batches(1)
     # window 1: both ranks' first two micro-batches; window 2 (at the epoch's end): the rest

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 "(the built-in cases have their own sizes)"
             )
     if args.distributed:
-        from bigbatch.verify_distributed import verify_distributed
+        from bigbatch.verify.distributed import verify_distributed
 
         try:
             results = verify_distributed(args.distributed)
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         methods: list[Method] = ["bigbatch", "naive"] if args.naive else ["bigbatch"]
         results = _user_results(args, methods, dtypes)
     else:
-        from bigbatch.verify_coupled import run_coupled_cases
+        from bigbatch.verify.coupled import run_coupled_cases
 
         results = run_builtin_cases(methods=("bigbatch", "naive"), dtypes=dtypes, seed=args.seed)
         # Losses that couple the samples: plain accumulation against gradient caching.
