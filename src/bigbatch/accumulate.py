@@ -14,7 +14,6 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal, cast
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from bigbatch import distributed as bbdist
 from bigbatch.counts import MicroBatchCount, resolve_count
 from bigbatch.inexact import warn_inexact_layers
-from bigbatch.window import Reduction, Window, mean_loss
+from bigbatch.window import Reduction, Window
 
 __all__ = [
     "Accumulator",
@@ -165,8 +164,7 @@ class Accumulator:
         self._iterating = False  # inside iterate(): it calls end_epoch() itself
 
         self._checked_model = False
-        # Whether DDP will all-reduce the next backward (False inside no_sync()).
-        self._pending_sync = True
+        self._sync = bbdist.SyncControl(model, sync, process_group)
         self._guard = GradGuard()
         self._reset_window()
 
@@ -175,7 +173,7 @@ class Accumulator:
         # Counters at the window's start, for discard_window().
         self._window_start = (self.micro_step, self._samples_seen, self._tokens_seen)
         self.window.reset()
-        self._last_backward_synced = True
+        self._sync.last_synced = True
         self._guard.clear()
 
     @property
@@ -219,18 +217,8 @@ class Accumulator:
         A window that ends early (the last partial window of an epoch) is still exact: step()
         then all-reduces the unsynchronised gradients itself.
         """
-        model = model if model is not None else self.model
-        skip = (
-            bbdist.syncs_gradients(model)
-            and self.sync != "every"
-            and (self.sync == "step" or not self.is_last_micro_batch(count))
-        )
-        self._pending_sync = not skip
-        try:
-            with bbdist.maybe_no_sync(model, skip):
-                yield
-        finally:
-            self._pending_sync = True
+        with self._sync.micro_batch(model, lambda: self.window.is_last(count)):
+            yield
 
     def iterate(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate over one epoch of ``loader`` and call :meth:`end_epoch` when it is exhausted,
@@ -299,8 +287,7 @@ class Accumulator:
             backward(weighted)
         else:
             weighted.backward()
-        self._last_backward_synced = self._pending_sync
-        self._pending_sync = True
+        self._sync.after_backward()
         self._micro_in_epoch += 1
         self._guard.remember(_params_of(self.optimizer))
 
@@ -311,7 +298,7 @@ class Accumulator:
         if not self._checked_model and self.model is not None:
             warn_inexact_layers(self.model, stacklevel=4)
             self._checked_model = True
-        factor = self.window.add(mb, loss, shared_ref=bbdist.is_distributed(self.process_group))
+        factor = self.window.add(mb, loss, shared_ref=self._sync.distributed)
         self.micro_step += 1
         # Kept as tensors until read, so counting tokens never forces a device sync.
         self._samples_seen = self._samples_seen + mb.samples
@@ -357,7 +344,7 @@ class Accumulator:
                 "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
             )
         self.window.check_counts_not_negative()
-        totals = self._totals(params)
+        totals = self._sync.totals(self.window, params)
         if totals is None:
             return None  # no rank had a window: nothing to step
         count, ref, loss = totals
@@ -382,43 +369,6 @@ class Accumulator:
         skipped = self._optimizer_step()
         self._reset_window()
         return StepResult(self.optimizer_step, micro_batches, count, grad_norm, skipped, loss)
-
-    def _totals(
-        self, params: list[torch.Tensor]
-    ) -> tuple[float, float, float | Callable[[], float]] | None:
-        """(the window's count over all ranks, the reference its losses were weighted by, its
-        exact mean loss); under DDP the gradients are summed over ranks here if DDP did not."""
-        window = self.window
-        ref = float(window.ref) if window.ref is not None else 1.0
-        if not bbdist.is_distributed(self.process_group):
-            count = float(window.count)
-            # Computed when first read: a loop that does not log it never waits for the device
-            # (the window's lists are replaced, not cleared, when it resets).
-            return (
-                count,
-                ref,
-                partial(mean_loss, window.losses, window.counts, window.reduction, count),
-            )
-        local = window.micro > 0
-        totals = bbdist.window_totals(
-            window.count,
-            window.loss_sum(),
-            local=local,
-            synced=local and self._last_backward_synced and bbdist.syncs_gradients(self.model),
-            model=self.model,
-            device=_grad_device(params),
-            group=self.process_group,
-        )
-        if totals is None:
-            return None
-        count, loss, synced = totals
-        if synced:
-            # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over world
-            # size; undo that and divide by the count.
-            ref *= bbdist.world_size(self.process_group)
-        elif count > 0:
-            bbdist.all_reduce_grads(params, self.process_group)
-        return count, ref, loss
 
     def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -458,7 +408,7 @@ class Accumulator:
         if self.last_window == "drop" and self.window.micro > 0:
             self._discard()
         result = None
-        if not bbdist.is_distributed(self.process_group):
+        if not self._sync.distributed:
             if self.window.micro > 0 and self.last_window == "renorm":
                 result = self.step()
         elif self.last_window != "carry" or self.window.micro == 0:
@@ -674,7 +624,3 @@ def _grads_finite(params: list[torch.Tensor]) -> bool:
         for grads in groups.values()
     ]
     return all(bool(f) for f in finite)
-
-
-def _grad_device(params: list[torch.Tensor]) -> torch.device:
-    return next((p.grad.device for p in params if p.grad is not None), params[0].device)

@@ -6,15 +6,19 @@ Nothing here starts a process group: bigbatch uses the one the user (or torchrun
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from bigbatch.window import Window, mean_loss
+
 __all__ = [
+    "SyncControl",
     "all_reduce_grads",
     "all_reduce_sum",
     "any_rank",
@@ -145,3 +149,79 @@ def all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class SyncControl:
+    """How a window's gradients meet across ranks, chosen once from the model and ``sync``: by
+    DDP/FSDP2 itself during the window's last backward (``"last"``), during every backward
+    (``"every"``, FSDP2: less memory), or by one flat all-reduce at step time (``"step"``). It
+    also sums the window's count and loss over ranks. On one process everything is a no-op.
+
+    >>> control = SyncControl(None, "last")
+    >>> control.distributed, control.totals(Window(), [])[0]
+    (False, 0.0)
+    """
+
+    def __init__(self, model: nn.Module | None, sync: str, group: Any = None) -> None:
+        self.model, self.sync, self.group = model, sync, group
+        self.pending = True  # whether DDP will all-reduce the next backward (not in no_sync)
+        self.last_synced = True  # whether the window's last backward did
+
+    @property
+    def distributed(self) -> bool:
+        return is_distributed(self.group)
+
+    @contextmanager
+    def micro_batch(self, model: nn.Module | None, is_last: Callable[[], bool]) -> Iterator[None]:
+        """Run one micro-batch's forward and backward; ``is_last()``: whether it ends the window
+        (asked only where the answer matters)."""
+        model = model if model is not None else self.model
+        skip = (
+            syncs_gradients(model)
+            and self.sync != "every"
+            and (self.sync == "step" or not is_last())
+        )
+        self.pending = not skip
+        try:
+            with maybe_no_sync(model, skip):
+                yield
+        finally:
+            self.pending = True
+
+    def after_backward(self) -> None:
+        self.last_synced, self.pending = self.pending, True
+
+    def totals(
+        self, window: Window, params: list[torch.Tensor]
+    ) -> tuple[float, float, float | Callable[[], float]] | None:
+        """(the window's count over all ranks, the reference its gradient is scaled against,
+        its exact mean loss), or None when no rank had a window; under DDP the gradients are
+        summed over ranks here where DDP did not do it during backward."""
+        ref = float(window.ref) if window.ref is not None else 1.0
+        if not self.distributed:
+            count = float(window.count)
+            # Computed when first read: a loop that does not log it never waits for the device
+            # (the window's lists are replaced, not cleared, when it resets).
+            loss = partial(mean_loss, window.losses, window.counts, window.reduction, count)
+            return count, ref, loss
+        local = window.micro > 0
+        device = next((p.grad.device for p in params if p.grad is not None), params[0].device)
+        totals = window_totals(
+            window.count,
+            window.loss_sum(),
+            local=local,
+            synced=local and self.last_synced and syncs_gradients(self.model),
+            model=self.model,
+            device=device,
+            group=self.group,
+        )
+        if totals is None:
+            return None
+        count, mean, synced = totals
+        if synced:
+            # DDP (all-reduce) and FSDP2 (reduce-scatter) averaged the per-rank sums over world
+            # size; undo that and divide by the count.
+            ref *= world_size(self.group)
+        elif count > 0:
+            all_reduce_grads(params, self.group)
+        return count, ref, mean
