@@ -262,6 +262,28 @@ def write_submission(
     return out
 
 
+def _scan_and_check(
+    members: list[Member], log: Any
+) -> dict[tuple[Any, ...], tuple[ImageItems, ImageItems]]:
+    """Every member's data set, scanned once per distinct split (scanning opens every image),
+    and every member's model built and run on the input size (one step on fake tensors)."""
+    scans: dict[tuple[Any, ...], tuple[ImageItems, ImageItems]] = {}
+    for m in members:
+        key = tuple(getattr(m.config, k) for k in SPLIT_KEYS)
+        if key not in scans:
+            scans[key] = prepare_data(m.config, log=log)
+        c = m.config
+        try:
+            factory = build_model(c, len(scans[key][0].classes))
+            predict_peak(StepSpec(factory, (3, c.size, c.size), 2, PLAN_OPTIMIZER[c.optimizer]))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"member {m.name}: {c.model_name} cannot train at size {c.size}: "
+                f"{type(exc).__name__}: {str(exc)[:300]}"
+            ) from exc
+    return scans
+
+
 def run_ensemble(
     experiments: str | Path,
     out_dir: str | Path,
@@ -288,24 +310,7 @@ def run_ensemble(
     def indented(line: str) -> None:
         log(f"   {line}")
 
-    # Scanning opens every image: once per distinct data set (members share the split).
-    scans: dict[tuple[Any, ...], tuple[ImageItems, ImageItems]] = {}
-    for m in members:
-        key = tuple(getattr(m.config, k) for k in SPLIT_KEYS)
-        if key not in scans:
-            scans[key] = prepare_data(m.config, log=indented)
-        m_data = scans[key]
-        # The model builds and takes the input size (one step on fake tensors, a second).
-        c = m.config
-        try:
-            factory = build_model(c, len(m_data[0].classes))
-            predict_peak(StepSpec(factory, (3, c.size, c.size), 2, PLAN_OPTIMIZER[c.optimizer]))
-        except (RuntimeError, TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"member {m.name}: {c.model_name} cannot train at size {c.size}: "
-                f"{type(exc).__name__}: {str(exc)[:300]}"
-            ) from exc
-
+    scans = _scan_and_check(members, indented)
     result = EnsembleResult()
     valid_probs: list[tuple[float, np.ndarray]] = []
     test_probs: list[tuple[float, Predictions]] = []
@@ -341,13 +346,28 @@ def run_ensemble(
             tp = predict_files(run_dir, test_files, tta=tta)
             save_predictions(tp, out_dir / m.name / "test_predictions")
             test_probs.append((m.weight, tp))
-    total = sum(w for w, _ in valid_probs)
-    ens_valid = np.sum([w * p for w, p in valid_probs], axis=0) / total
     if classes is None:
         raise ConfigError("no member was trained")
     valid_labels = np.array(
         scans[tuple(getattr(members[0].config, k) for k in SPLIT_KEYS)][1].labels
     )
+    _write_ensemble(result, valid_probs, valid_labels, test_probs, classes, options, out_dir)
+    return result
+
+
+def _write_ensemble(
+    result: EnsembleResult,
+    valid_probs: list[tuple[float, np.ndarray]],
+    valid_labels: np.ndarray,
+    test_probs: list[tuple[float, Predictions]],
+    classes: list[str],
+    options: dict[str, Any],
+    out_dir: Path,
+) -> None:
+    """The weighted average: its validation score beside the members', its test predictions
+    and the submission."""
+    total = sum(w for w, _ in valid_probs)
+    ens_valid = np.sum([w * p for w, p in valid_probs], axis=0) / total
     result.scores.append(
         {
             "member": "ensemble",
@@ -367,4 +387,3 @@ def run_ensemble(
             out_dir / "submission.csv",
             options.get("sample_submission"),
         )
-    return result

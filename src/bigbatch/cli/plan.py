@@ -122,7 +122,8 @@ def _spec_maker(
     return spec_at
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> None:
+    """Everything about the arguments that can be refused before any planning."""
     from bigbatch.io import check_writable
     from bigbatch.train.config import ConfigError, check_device
 
@@ -136,7 +137,20 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
     if args.cache_dim < 0 or args.cache_towers < 1:
         raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
+    try:
+        # Planning for a GPU needs none; measuring on one (--confirm) does.
+        check_device(args.device, "--device", here=args.confirm)
+        for path, what in ((args.csv, "--csv"), (args.plot, "--plot")):
+            if path is not None:
+                check_writable(path, what)
+    except (ConfigError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
     from bigbatch.coupled import cache_bytes
+
+    _check_args(args)
 
     cache = (
         cache_bytes(args.batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
@@ -146,14 +160,6 @@ def run(args: argparse.Namespace) -> int:
             f"gradient cache for batch {args.batch}: {format_bytes(cache)} held besides each step",
             file=sys.stderr,  # stdout stays the plan (JSON with --json)
         )
-    try:
-        # Planning for a GPU needs none; measuring on one (--confirm) does.
-        check_device(args.device, "--device", here=args.confirm)
-        for path, what in ((args.csv, "--csv"), (args.plot, "--plot")):
-            if path is not None:
-                check_writable(path, what)
-    except (ConfigError, OSError) as exc:
-        raise UserError(str(exc)) from exc
     try:
         budget = resolve_budget(args.budget, args.device)
         # Measured once, before calibration runs grow this process.
@@ -214,23 +220,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{label}: building or running the model failed: {type(exc).__name__}: {exc}"
             ) from exc
         plan.arch, plan.size = name, size
-        if args.confirm:
-            from bigbatch.memory.measure import measure_step_peak
-
-            plan.confirmed_peak_bytes = measure_step_peak(spec_at(plan.micro_batch))
-        if args.plot:  # a smooth curve: the powers of two the search did not visit
-            seen = {b for b, _ in plan.curve}
-            smallest = min(seen)  # 2 where BatchNorm cannot train on one sample
-            extra = [
-                2**k for k in range(args.batch.bit_length()) if 2**k not in seen and 2**k > smallest
-            ]
-            plan.curve = sorted(
-                plan.curve
-                + [
-                    (b, predict_peak(spec_at(b), calibration=plan.calibration).planning_bytes)
-                    for b in extra
-                ]
-            )
+        _confirm_and_curve(args, plan, spec_at)
         row = plan.to_dict() | {"fits": True}
         plans.append(row)
         curves.append((label, plan.curve, plan.usable_bytes))
@@ -248,6 +238,28 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> None:
+    """--confirm: the chosen micro-batch measured; --plot: a smooth curve (the powers of two the
+    search did not visit, predicted the same way)."""
+    if args.confirm:
+        from bigbatch.memory.measure import measure_step_peak
+
+        plan.confirmed_peak_bytes = measure_step_peak(spec_at(plan.micro_batch))
+    if args.plot:
+        seen = {b for b, _ in plan.curve}
+        smallest = min(seen)  # 2 where BatchNorm cannot train on one sample
+        extra = [
+            2**k for k in range(args.batch.bit_length()) if 2**k not in seen and 2**k > smallest
+        ]
+        plan.curve = sorted(
+            plan.curve
+            + [
+                (b, predict_peak(spec_at(b), calibration=plan.calibration).planning_bytes)
+                for b in extra
+            ]
+        )
 
 
 COLUMNS = [
