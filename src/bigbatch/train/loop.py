@@ -23,6 +23,7 @@ from torch import nn
 from bigbatch.accumulate import NonFiniteGradientWarning
 from bigbatch.device import (
     autocast_for,
+    rng_state,
     set_rng_state,
 )
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
@@ -38,6 +39,7 @@ from bigbatch.train.run_dir import check_run_dir, write_run_files
 from bigbatch.train.runtime import (
     check_no_lone_sample,
     device_for_rank,
+    distributed_sampler,
     init_distributed,
     note_inexact,
     place_model,
@@ -172,17 +174,10 @@ def _setup(
     if cfg.mode == "auto":
         log(mode_line(cfg))
     if rank == 0:
-        plan_info = {
-            "micro_batch": micro,
-            "max_micro_batch": max_micro,
-            "target_batch": cfg.batch,
-            "precision": precision,
-            "device": str(device),
-            "seed": cfg.seed,
-            "world_size": world,
-            "threads": threads,
-            "num_workers": workers,
-        }
+        plan_info: dict[str, Any] = {"micro_batch": micro, "max_micro_batch": max_micro}
+        plan_info["target_batch"] = cfg.batch
+        plan_info |= {"precision": precision, "device": str(device), "seed": cfg.seed}
+        plan_info |= {"world_size": world, "threads": threads, "num_workers": workers}
         write_run_files(run_dir, cfg, task, plan_info)
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
@@ -192,52 +187,25 @@ def _setup(
     if not lone_ok:
         check_no_lone_sample(len(train_items), rank_batch, world, log)
     train_ds, valid_ds = task.datasets(train_items, valid_items)
-    sampler: Any = None
-    if world > 1:
-        from torch.utils.data.distributed import DistributedSampler
-
-        sampler = DistributedSampler(
-            train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
-        )
+    sampler = distributed_sampler(train_ds, rank, world, cfg.seed)
     has_valid = len(valid_ds) > 0
     run = Run(
-        cfg=cfg,
-        run_dir=run_dir,
-        log=log,
-        progress=progress,
-        task=task,
-        rank=rank,
-        world=world,
-        device=device,
-        precision=precision,
-        workers=workers,
-        core=core,
-        memory_format=memory_format,
-        pin=pin,
-        lone_ok=lone_ok,
-        rank_batch=rank_batch,
+        cfg=cfg, run_dir=run_dir, log=log, progress=progress, task=task, rank=rank, world=world,
+        device=device, precision=precision, workers=workers, core=core,
+        memory_format=memory_format, pin=pin, lone_ok=lone_ok, rank_batch=rank_batch,
         train_ds=train_ds,
-        valid_loader=make_loader(
-            valid_ds,
-            max(1, 2 * micro),
-            shuffle=False,
-            seed=cfg.seed,
-            num_workers=workers,
-            pin_memory=pin,
-        ),
+        # No gradients in validation: twice the micro-batch fits.
+        valid_loader=make_loader(valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed,
+                                 num_workers=workers, pin_memory=pin),
         has_valid=has_valid,
         monitor=cfg.monitor if has_valid else "train_loss",
         sampler=sampler,
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
-        backoff=OOMBackoff(
-            micro_batch=micro,
-            max_micro_batch=max_micro,
-            grow_after=cfg.grow_after,
-            min_micro_batch=1 if lone_ok else min(2, micro),
-        ),
+        backoff=OOMBackoff(micro_batch=micro, max_micro_batch=max_micro, grow_after=cfg.grow_after,
+                           min_micro_batch=1 if lone_ok else min(2, micro)),
         state=state,
         last_checkpoint=time.perf_counter(),
-    )
+    )  # fmt: skip
     if state is not None:
         restore(run, state)
     return run
@@ -305,24 +273,12 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         # One process only: a DistributedSampler cannot skip the windows already done.
         if due and run.world == 1 and windows_done < ph.windows:
             run.last_checkpoint = now
-            ph.checkpoint(
-                epoch=e - 1,
-                best=run.best,
-                history=run.history,
-                mid={
-                    "windows": windows_done,
-                    "loss_sum": loss_sum,
-                    "count": count,
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                },
-            )
-        show.advance(
-            len(y),
-            backoff.micro_batch,
-            acc_steps=math.ceil(len(y) / backoff.micro_batch),
-            device=device,
-        )
+            rng = rng_state()
+            mid = {"windows": windows_done, "loss_sum": loss_sum, "count": count}
+            mid |= {"rng": rng["cpu"], "cuda_rng": rng.get("cuda", [])}
+            ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
+        acc_steps = math.ceil(len(y) / backoff.micro_batch)
+        show.advance(len(y), backoff.micro_batch, acc_steps=acc_steps, device=device)
     acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
     show.close()
     return loss_sum, count

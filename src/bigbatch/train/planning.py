@@ -5,6 +5,7 @@ second)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,22 +90,27 @@ def plan_for(
             f"{cfg.model_name} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc
     if cfg.micro_batch:
-        # The plan predicted the fixed micro-batch already (its cap, tried first), unless a
-        # rank's share of the batch under torchrun is smaller.
-        needed = dict(plan.curve).get(cfg.micro_batch) or (
-            predict_peak(spec_at(cfg.micro_batch), calibration=plan.calibration).planning_bytes
-        )
-        if plan.max_micro_batch < cfg.micro_batch:
-            raise ConfigError(
-                f"micro_batch={cfg.micro_batch} does not fit budget={cfg.budget}: it needs "
-                f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable; "
-                f"the largest micro-batch that fits is {plan.max_micro_batch}: set "
-                f"micro_batch={plan.max_micro_batch}, or micro_batch=0 to let the planner choose"
-            )
-        log(
-            f"micro-batch {cfg.micro_batch} (fixed) fits budget {cfg.budget}: "
-            f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable"
-        )
+        _check_fixed(cfg, plan, spec_at, log)
         return cfg.micro_batch, cfg.micro_batch
     log(f"plan: {plan.summary()}")
     return plan.micro_batch, plan.max_micro_batch
+
+
+def _check_fixed(cfg: TrainConfig, plan: Any, spec_at: Callable[[int], StepSpec], log: Log) -> None:
+    """A fixed ``micro_batch`` with an explicit ``budget``: refused with the largest that fits."""
+    # The plan predicted the fixed micro-batch already (its cap, tried first), unless a rank's
+    # share of the batch under torchrun is smaller.
+    needed = dict(plan.curve).get(cfg.micro_batch) or (
+        predict_peak(spec_at(cfg.micro_batch), calibration=plan.calibration).planning_bytes
+    )
+    if plan.max_micro_batch < cfg.micro_batch:
+        raise ConfigError(
+            f"micro_batch={cfg.micro_batch} does not fit budget={cfg.budget}: it needs "
+            f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable; "
+            f"the largest micro-batch that fits is {plan.max_micro_batch}: set "
+            f"micro_batch={plan.max_micro_batch}, or micro_batch=0 to let the planner choose"
+        )
+    log(
+        f"micro-batch {cfg.micro_batch} (fixed) fits budget {cfg.budget}: "
+        f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable"
+    )

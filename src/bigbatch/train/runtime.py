@@ -19,6 +19,7 @@ from bigbatch.train.config import ConfigError, TrainConfig, check_device
 __all__ = [
     "check_no_lone_sample",
     "device_for_rank",
+    "distributed_sampler",
     "init_distributed",
     "note_inexact",
     "place_model",
@@ -171,3 +172,12 @@ def place_model(
     if channels_last == "true" or (channels_last == "auto" and device.type == "cuda" and has_conv):
         return model.to(memory_format=torch.channels_last), torch.channels_last
     return model, torch.contiguous_format
+
+
+def distributed_sampler(dataset: Any, rank: int, world: int, seed: int) -> Any:
+    """This rank's share of each epoch under torchrun (None on one process)."""
+    if world <= 1:
+        return None
+    from torch.utils.data.distributed import DistributedSampler
+
+    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)

@@ -256,21 +256,7 @@ def verify(
         base = copy.deepcopy(model).to(dtype)
         x = _cast_floats(inputs, dtype)
         ref = _seeded(seed, partial(big_batch_gradients, base, x, targets, loss_fn))
-        tol, roundoff = TOLERANCES.get(dtype, 1e-6), 0.0
-        if dtype != torch.float64:
-            # The same big batch in float64, from the same rounded weights and inputs: how far
-            # this precision itself is from exact, which bounds what accumulation can reach.
-            exact = _seeded(
-                seed,
-                partial(
-                    big_batch_gradients,
-                    copy.deepcopy(base).double(),
-                    _cast_floats(x, torch.float64),
-                    targets,
-                    loss_fn,
-                ),
-            )
-            tol, roundoff = roundoff_tolerance(ref, exact, dtype)
+        tol, roundoff = _tolerance(base, x, targets, loss_fn, ref, seed)
         batches = list(zip(split_by_sizes(x, sizes), split_by_sizes(targets, sizes), strict=True))
         counts = [int((y != -100).sum()) if count_by == "tokens" else len(y) for _, y in batches]
         for method in methods:
@@ -307,6 +293,25 @@ def verify(
                 )
             )
     return results
+
+
+def _tolerance(
+    model: nn.Module,
+    x: Any,
+    y: torch.Tensor,
+    loss_fn: LossFn,
+    ref: dict[str, torch.Tensor],
+    seed: int,
+) -> tuple[float, float]:
+    """(tolerance, round-off) at the model's precision: below float64, the same big batch in
+    float64 from the same rounded weights and inputs says how far this precision itself is from
+    exact, which bounds what accumulation can reach."""
+    dtype = next((p.dtype for p in model.parameters()), torch.float64)
+    if dtype == torch.float64:
+        return TOLERANCES[torch.float64], 0.0
+    wide, x64 = copy.deepcopy(model).double(), _cast_floats(x, torch.float64)
+    exact = _seeded(seed, partial(big_batch_gradients, wide, x64, y, loss_fn))
+    return roundoff_tolerance(ref, exact, dtype)
 
 
 def _explain(
