@@ -178,7 +178,31 @@ def run(args: argparse.Namespace) -> int:
             f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "
             f"({format_bytes(total)}): fine for planning another machine, not for training here"
         )
-    rows = _targets(args)
+    plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
+    if args.csv:
+        _write_csv(args.csv, plans)
+    if args.plot:
+        _plot(args.plot, curves, budget)
+    if args.json:
+        for p in plans:
+            p["notes"] = notes
+        print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
+    else:
+        _print(plans, args, budget)
+        for note in notes:
+            print(f"note: {note}")
+    return 0
+
+
+def _plan_rows(
+    args: argparse.Namespace,
+    rows: list[Row],
+    budget: int,
+    overhead: int,
+    cache: int,
+    notes: list[str],
+) -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[int, int]], int]]]:
+    """Each row's plan (or why it does not fit, when several rows are planned), and its curve."""
     plans: list[dict[str, Any]] = []
     curves: list[tuple[str, list[tuple[int, int]], int]] = []
     for name, size, factory, shape in rows:
@@ -225,19 +249,7 @@ def run(args: argparse.Namespace) -> int:
         plans.append(row)
         curves.append((label, plan.curve, plan.usable_bytes))
 
-    if args.csv:
-        _write_csv(args.csv, plans)
-    if args.plot:
-        _plot(args.plot, curves, budget)
-    if args.json:
-        for p in plans:
-            p["notes"] = notes
-        print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
-    else:
-        _print(plans, args, budget)
-        for note in notes:
-            print(f"note: {note}")
-    return 0
+    return plans, curves
 
 
 def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> None:

@@ -212,26 +212,14 @@ def plan_micro_batch(
             cache[b] = predict_peak(spec_at(b), calibration=calibration)
         return cache[b].planning_bytes
 
-    smallest = 1
-    try:
-        floor = peak(1)
-    except ValueError as exc:
-        # BatchNorm cannot train on one sample when it normalises a 1x1 feature map.
-        if "more than 1 value per channel" not in str(exc):
-            raise
-        smallest = 2
-        floor = peak(2)
+    smallest, floor = _floor(peak)
     if floor > usable:
-        f = cache[smallest]
-        raise DoesNotFitError(
-            f"even micro-batch {smallest} does not fit: it needs {format_bytes(floor)} "
-            f"({f.breakdown()}) but {format_bytes(usable)} is usable "
-            f"(budget {format_bytes(budget_bytes)} less {margin:.0%} margin and "
+        where = (
+            f"budget {format_bytes(budget_bytes)} less {margin:.0%} margin and "
             f"{format_bytes(overhead)} overhead"
             + (f" and {format_bytes(extra_bytes)} of gradient cache" if extra_bytes else "")
-            + f"); {_suggestions(spec_at(1))}",
-            f,
         )
+        raise _does_not_fit(smallest, cache[smallest], usable, where, spec_at(1))
     cap = min(target_batch, max_micro_batch or target_batch)
     if cap < smallest:
         raise ValueError(
@@ -255,6 +243,28 @@ def plan_micro_batch(
         curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
         predictions=len(cache),
     )
+
+
+def _does_not_fit(
+    smallest: int, floor: MemoryPrediction, usable: int, where: str, spec: StepSpec
+) -> DoesNotFitError:
+    return DoesNotFitError(
+        f"even micro-batch {smallest} does not fit: it needs "
+        f"{format_bytes(floor.planning_bytes)} ({floor.breakdown()}) but {format_bytes(usable)} "
+        f"is usable ({where}); {_suggestions(spec)}",
+        floor,
+    )
+
+
+def _floor(peak: Callable[[int], int]) -> tuple[int, int]:
+    """(the smallest micro-batch, its peak): 1, or 2 where BatchNorm cannot train on one sample
+    (it normalises a 1x1 feature map)."""
+    try:
+        return 1, peak(1)
+    except ValueError as exc:
+        if "more than 1 value per channel" not in str(exc):
+            raise
+        return 2, peak(2)
 
 
 def _balanced(target: int, largest: int) -> int:

@@ -368,6 +368,31 @@ def _measured_line(spec: StepSpec) -> tuple[tuple[int, int], tuple[int, int]]:
     raise ValueError(f"{spec.name or 'the model'} cannot run a real step at micro-batch 1, 2 or 4")
 
 
+def _peak_parts(
+    tracker: _StorageTracker, param_uids: set[int], grads_uids: set[int], state_uids: set[int]
+) -> dict[str, int]:
+    """What was alive at the peak, by kind."""
+    parts = dict.fromkeys(
+        ("parameters", "gradients", "optimizer_state", "activations", "temporaries"), 0
+    )
+    for uid, (size, phase) in tracker.peak_snapshot.items():
+        if uid in param_uids:
+            parts["parameters"] += size
+        elif uid in grads_uids:
+            parts["gradients"] += size
+        elif uid in state_uids:
+            parts["optimizer_state"] += size
+        elif phase == "forward":
+            parts["activations"] += size
+        else:
+            parts["temporaries"] += size
+    return parts
+
+
+# One function on purpose (over 80 lines): the traced step's tensors are locals whose lifetimes
+# are the prediction (``del x`` where a loop frees its batch, ``waiting`` for the next batch);
+# split across helpers, a frame or a return value would keep them alive longer than the real
+# step does and move the peak.
 def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -441,25 +466,8 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
                     state_uids.add(uid)
             opt.zero_grad(set_to_none=True)
             del x  # a training loop's batch lives until its optimizer step is done
-    parts = {
-        "parameters": 0,
-        "gradients": 0,
-        "optimizer_state": 0,
-        "activations": 0,
-        "temporaries": 0,
-    }
-    for uid, (size, phase) in tracker.peak_snapshot.items():
-        if uid in param_uids:
-            parts["parameters"] += size
-        elif uid in grads_uids:
-            parts["gradients"] += size
-        elif uid in state_uids:
-            parts["optimizer_state"] += size
-        elif phase == "forward":
-            parts["activations"] += size
-        else:
-            parts["temporaries"] += size
     del model, opt
+    parts = _peak_parts(tracker, param_uids, grads_uids, state_uids)
     notes = []
     if calibration is not None and not tracker.aligned:
         notes.append(
