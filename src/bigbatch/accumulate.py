@@ -435,44 +435,52 @@ class Accumulator:
         mid-window ends bit-identical to an uninterrupted one. Save the model, optimizer,
         scheduler and scaler beside it as usual. Safe for ``torch.load(weights_only=True)``.
         """
-        open_window = self.window.micro > 0
-        return {
-            "version": 1,
-            "micro_step": self.micro_step,
-            "optimizer_step": self.optimizer_step,
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.tokens_seen,
-            "epoch": self.epoch,
-            "window_start": [_as_int(v) for v in self._window_start],
-            **self.window.state_dict(),
-            "grads": [
-                None if (p.grad is None or not open_window) else p.grad.detach().cpu().clone()
-                for p in _params_of(self.optimizer)
-            ],
-        }
+        return _state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (after loading the model and optimizer)."""
-        if state.get("version") != 1:
-            raise ValueError(f"unknown bigbatch Accumulator state version {state.get('version')!r}")
-        params = _params_of(self.optimizer)
-        grads = state["grads"]
-        if len(grads) != len(params):
-            raise ValueError(
-                f"the saved window holds gradients for {len(grads)} parameters but the optimizer "
-                f"has {len(params)}: load the state into an Accumulator built on the same optimizer"
-            )
-        self.micro_step = int(state["micro_step"])
-        self.optimizer_step = int(state["optimizer_step"])
-        self._samples_seen = int(state["samples_seen"])
-        self._tokens_seen = int(state["tokens_seen"])
-        self.epoch = int(state["epoch"])
-        self._reset_window()
-        start = state["window_start"]
-        self._window_start = (int(start[0]), int(start[1]), int(start[2]))
-        self.window.load_state_dict(state)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
+        _load_state_dict(self, state)
+
+
+def _state_dict(acc: Accumulator) -> dict[str, Any]:
+    open_window = acc.window.micro > 0
+    return {
+        "version": 1,
+        "micro_step": acc.micro_step,
+        "optimizer_step": acc.optimizer_step,
+        "samples_seen": acc.samples_seen,
+        "tokens_seen": acc.tokens_seen,
+        "epoch": acc.epoch,
+        "window_start": [_as_int(v) for v in acc._window_start],
+        **acc.window.state_dict(),
+        "grads": [
+            None if (p.grad is None or not open_window) else p.grad.detach().cpu().clone()
+            for p in _params_of(acc.optimizer)
+        ],
+    }
+
+
+def _load_state_dict(acc: Accumulator, state: Mapping[str, Any]) -> None:
+    if state.get("version") != 1:
+        raise ValueError(f"unknown bigbatch Accumulator state version {state.get('version')!r}")
+    params = _params_of(acc.optimizer)
+    grads = state["grads"]
+    if len(grads) != len(params):
+        raise ValueError(
+            f"the saved window holds gradients for {len(grads)} parameters but the optimizer "
+            f"has {len(params)}: load the state into an Accumulator built on the same optimizer"
+        )
+    acc.micro_step = int(state["micro_step"])
+    acc.optimizer_step = int(state["optimizer_step"])
+    acc._samples_seen = int(state["samples_seen"])
+    acc._tokens_seen = int(state["tokens_seen"])
+    acc.epoch = int(state["epoch"])
+    acc._reset_window()
+    start = state["window_start"]
+    acc._window_start = (int(start[0]), int(start[1]), int(start[2]))
+    acc.window.load_state_dict(state)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
 
 
 class GradGuard:

@@ -107,22 +107,14 @@ def measure_peak(
 ) -> int:
     """Peak bytes of tensor memory on ``device`` while ``step()`` runs.
 
-        ``alive`` lists the tensors already allocated that count (the model's parameters, say):
-        on CPU they are added to what the profiler sees; on CUDA the allocator counts them itself.
+    ``alive`` lists the tensors already allocated that count (the model's parameters, say):
+    on CPU they are added to what the profiler sees; on CUDA the allocator counts them itself.
 
-        >>> import torch
-
-    from bigbatch.memory.step import (
-        StepSpec,
-        make_inputs,
-        make_optimizer,
-        optimizer_state_tensors,
-        run_training_step,
-    )
-        >>> m = torch.nn.Linear(256, 256)
-        >>> peak = measure_peak(lambda: m(torch.ones(64, 256)).sum().backward(), alive=m.parameters())
-        >>> peak > 2 * 256 * 256 * 4
-        True
+    >>> import torch
+    >>> m = torch.nn.Linear(256, 256)
+    >>> peak = measure_peak(lambda: m(torch.ones(64, 256)).sum().backward(), alive=m.parameters())
+    >>> peak > 2 * 256 * 256 * 4
+    True
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bigbatch.models import UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import (
     ImageDataset,
@@ -36,7 +37,6 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
             return user(num_classes)
 
         return build_user
-    from bigbatch.models import UnknownArchitectureError, timm_factory
 
     try:
         return timm_factory(

@@ -12,6 +12,7 @@ from torch import nn
 
 from bigbatch.segmentation.losses import bce_dice_loss, dice_loss, seg_bce_loss
 from bigbatch.segmentation.metrics import SegmentationMetrics
+from bigbatch.segmentation.models import UNet, timm_unet
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.segdata import SegDataset, SegItems, scan_segmentation
@@ -34,15 +35,12 @@ def build_seg_model(
         user = load_user_model(cfg.model)
         return lambda: user(in_channels, num_classes)
     if cfg.arch == "unet":
-        from bigbatch.segmentation.models import UNet
-
         return lambda: UNet(in_channels, num_classes, dims=dims, depth=UNET_DEPTH)  # type: ignore[arg-type]
     if dims == 3:
         raise ConfigError(
             f"arch={cfg.arch}: timm encoders are 2D; train volumes with arch=unet (bigbatch's 3D "
             "U-Net) or model=module:factory"
         )
-    from bigbatch.segmentation.models import timm_unet
 
     return lambda: timm_unet(
         cfg.arch, in_channels=in_channels, num_classes=num_classes, pretrained=cfg.pretrained
