@@ -76,6 +76,7 @@ class Window:
         self.losses: list[torch.Tensor] = []
         self.counts: list[Count] = []
         self.ref: Count | None = None
+        self._full_at: tuple[Count, bool] = (self.count, False)
 
     # ------------------------------------------------------------------ size
     @property
@@ -85,12 +86,22 @@ class Window:
 
     @property
     def full(self) -> bool:
-        """The window has reached its size."""
+        """The window has reached its size (with ``target_count`` and counts on a device, this
+        reads the count: one sync, which the loop asking pays anyway)."""
         if self.micro == 0:
             return False
         if self.target_count is not None:
-            return float(self.count) >= self.target_count
+            full = float(self.count) >= self.target_count
+            self._full_at = (self.count, full)
+            return full
         return self.size is not None and self.micro >= self.size
+
+    def _known_full(self) -> bool:
+        """:attr:`full`, without reading a device count again when the loop just asked for it
+        (counting tokens must not cost a sync per micro-batch)."""
+        if self.target_count is not None and self._full_at[0] is self.count:
+            return self._full_at[1]
+        return self.full
 
     def is_last(self, next_count: int | None = None) -> bool:
         """Whether the next micro-batch completes the window (``next_count``: its count, for
@@ -105,7 +116,7 @@ class Window:
         return self.size is not None and self.micro + 1 >= self.size
 
     def check_open(self) -> None:
-        if self.full:
+        if self._known_full():
             # Without this, a forgotten step() merges every following window into one update.
             raise RuntimeError(
                 f"the window is full ({self.micro} micro-batches"
