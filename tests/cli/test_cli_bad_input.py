@@ -288,3 +288,25 @@ def test_weights_files_get_the_usual_permissions(job: Path) -> None:
         os.umask(old)
     for name in ("best.safetensors", "last.safetensors", "last.pt", "config.json"):
         assert (run / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_key_values_may_follow_the_flags(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bigbatch train ... --out run epochs=1` used to fail with "unrecognized arguments"."""
+    import json
+
+    base = [a for a in TRAIN if not a.startswith("epochs=")]
+    assert main([*base, "--out", "run", "--no-progress", "epochs=1", "lr=0.01"]) == 0
+    saved = json.loads((job / "run" / "config.json").read_text())
+    assert saved["epochs"] == 1 and saved["lr"] == 0.01
+    # Other subcommands take --flags only: a key=value there is still refused.
+    with pytest.raises(SystemExit):
+        main([*PLAN, "epochs=1"])
+    assert "unrecognized arguments: epochs=1" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import bigbatch
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"bigbatch {bigbatch.__version__}"

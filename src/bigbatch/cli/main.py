@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from bigbatch import __version__
 from bigbatch.cli import UserError
 from bigbatch.user_code import UserCodeError
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bigbatch",
         description="Train with the batch size you want on the memory you have.",
     )
+    parser.add_argument("--version", action="version", version=f"bigbatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
@@ -37,8 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands whose settings are key=value pairs: they may follow the flags too
+# (`bigbatch train cfg.toml --out runs/y epochs=1`).
+_KEY_VALUE = ("train", "ensemble")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command not in _KEY_VALUE or not all(
+            "=" in e and not e.startswith("-") for e in extra
+        ):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args))

@@ -1,0 +1,79 @@
+"""bigbatch: train with the batch size you want on the memory you have.
+
+Exact gradient accumulation (the update equals the big-batch update whatever the micro-batch
+sizes), memory planning and OOM recovery, for plain PyTorch loops. The headline features are
+importable from here: :class:`Accumulator` and :class:`AccumulatingOptimizer`, the count objects
+(:func:`samples`, :func:`tokens`, :func:`weights`), :func:`cached_backward` for losses that
+couple the samples, :class:`OOMBackoff` with :func:`run_window`, and planning
+(:func:`plan_under_budget`, :func:`plan_micro_batch`, :class:`StepSpec`, loaded on first use).
+``bigbatch.verify.verify`` proves accumulation exact on your model.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from bigbatch.accumulate import (
+    Accumulator,
+    EmptyWindowWarning,
+    NonFiniteGradientWarning,
+    StepResult,
+    scale_grads_,
+)
+from bigbatch.counts import MicroBatchCount, count_tokens, resolve_count, samples, tokens, weights
+from bigbatch.coupled import cached_backward
+from bigbatch.inexact import (
+    InexactAccumulationWarning,
+    InexactLayer,
+    find_inexact_layers,
+    freeze_batchnorm,
+)
+from bigbatch.memory.oom import OOMBackoff, run_window
+from bigbatch.optim import AccumulatingOptimizer
+
+if TYPE_CHECKING:
+    from bigbatch.memory.plan import Plan, plan_micro_batch, plan_under_budget
+    from bigbatch.memory.step import StepSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulatingOptimizer",
+    "Accumulator",
+    "EmptyWindowWarning",
+    "InexactAccumulationWarning",
+    "InexactLayer",
+    "MicroBatchCount",
+    "NonFiniteGradientWarning",
+    "OOMBackoff",
+    "Plan",
+    "StepResult",
+    "StepSpec",
+    "__version__",
+    "cached_backward",
+    "count_tokens",
+    "find_inexact_layers",
+    "freeze_batchnorm",
+    "plan_micro_batch",
+    "plan_under_budget",
+    "resolve_count",
+    "run_window",
+    "samples",
+    "scale_grads_",
+    "tokens",
+    "weights",
+]
+
+# Planning pulls in the profiler and fake tensors: loaded when first asked for.
+_LAZY = {
+    "Plan": "bigbatch.memory.plan",
+    "plan_micro_batch": "bigbatch.memory.plan",
+    "plan_under_budget": "bigbatch.memory.plan",
+    "StepSpec": "bigbatch.memory.step",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")

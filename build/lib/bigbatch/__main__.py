@@ -1,0 +1,3 @@
+from bigbatch.cli.main import console
+
+console()

@@ -1,0 +1,56 @@
+"""``bigbatch demo``: the main job end to end on scikit-learn's bundled digits."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("demo_output"))
+    p.add_argument(
+        "--task",
+        default="classification",
+        choices=("classification", "segmentation"),
+        help="classification: the digits competition and an ensemble; segmentation: 2D shapes "
+        "and 3D blobs (generated), U-Nets, Dice/Jaccard, predicted masks",
+    )
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument(
+        "--budget",
+        default="auto",
+        help="memory for each member's training step; auto: half the batch fits, not all of it",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.cli import ensemble as ensemble_cli
+    from bigbatch.demo import write_digits_competition
+
+    t0 = time.perf_counter()
+    if args.task == "segmentation":
+        from bigbatch.demo import run_segmentation_demo
+
+        scores = run_segmentation_demo(args.out, epochs=args.epochs)
+        print(
+            "\nvalidation Dice: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+            + f"; runs in {args.out / 'runs'}/unet2d and unet3d (history.png: losses, Dice, Jaccard)"
+        )
+        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+        return 0
+    data = args.out / "data"
+    print(
+        f"writing scikit-learn's digits as an image competition under {data}/ (train/, test/, sample_submission.csv)"
+    )
+    experiments = write_digits_competition(data, budget=args.budget, epochs=args.epochs)
+    print(f"experiments: {experiments}\n")
+    code = ensemble_cli.run(
+        argparse.Namespace(experiments=experiments, out=args.out / "runs", overrides=[])
+    )
+    print(
+        f"\nper-member runs (checkpoints, history.csv, history.png, plan.json): {args.out / 'runs'}/<member>/"
+    )
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    return code

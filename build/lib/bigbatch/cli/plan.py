@@ -1,0 +1,354 @@
+"""``bigbatch plan``: the micro-batch and accumulation that fit a budget, and the memory table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from bigbatch.cli import UserError
+from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.plan import (
+    DoesNotFitError,
+    device_total_bytes,
+    overhead_bytes,
+    plan_under_budget,
+    resolve_budget,
+    usable_bytes,
+)
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import OPTIMIZERS, PRECISIONS, StepSpec
+from bigbatch.user_code import load_callable
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--arch", help="timm architecture(s), comma-separated: resnet18,convnext_tiny")
+    src.add_argument(
+        "--model", help="module:factory returning your nn.Module (built on the meta device)"
+    )
+    p.add_argument(
+        "--size", default="224", help="input size(s) for --arch, comma-separated: 128,224"
+    )
+    p.add_argument("--input-shape", help="one sample's shape for --model, e.g. 3,224,224 or 512")
+    p.add_argument(
+        "--batch", type=int, required=True, help="target batch (samples per optimizer step)"
+    )
+    p.add_argument("--budget", required=True, help="memory budget: 8GB, 16GiB, 512MiB, or auto")
+    p.add_argument(
+        "--device", default="cpu", help="the device to plan for: cpu or cuda (no GPU needed)"
+    )
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument(
+        "--margin", type=float, default=0.10, help="safety margin, a fraction of the budget"
+    )
+    p.add_argument(
+        "--overhead",
+        help="memory outside the step's tensors (default: this process on cpu, 500MiB CUDA context)",
+    )
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip the CPU workspace calibration (small real steps at micro-batch 1, 2 and 4)",
+    )
+    p.add_argument(
+        "--confirm", action="store_true", help="run one real step at the plan on the device"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print JSON (an object, or a list for a table)"
+    )
+    p.add_argument(
+        "--cache-dim",
+        type=int,
+        default=0,
+        help="plan for gradient caching (bigbatch.coupled): the representation size; the cache "
+        "(representations, their gradients, a pairwise loss's batch x batch similarities) is "
+        "held besides each micro-batch's step",
+    )
+    p.add_argument(
+        "--cache-towers", type=int, default=2, help="representations per sample (two views: 2)"
+    )
+    p.add_argument("--csv", type=Path, help="also write the table as CSV to this file")
+    p.add_argument("--plot", type=Path, help="also write a PNG plot of peak vs micro-batch")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
+Row = tuple[str, int | None, Callable[[], nn.Module], tuple[int, ...]]
+
+
+def _targets(args: argparse.Namespace) -> list[Row]:
+    """(name, size, factory, per-sample input shape) for every row to plan."""
+    if args.model:
+        factory = load_callable(args.model, "--model")
+        if not args.input_shape:
+            raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
+        return [(args.model, None, factory, tuple(_ints(args.input_shape, "--input-shape")))]
+    from bigbatch.models import UnknownArchitectureError, timm_factory
+
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    rows: list[Row] = []
+    for arch in archs:
+        for size in _ints(args.size, "--size"):
+            try:
+                factory = timm_factory(arch, num_classes=args.num_classes, img_size=size)
+            except UnknownArchitectureError as exc:
+                raise UserError(str(exc)) from exc
+            rows.append((arch, size, factory, (3, size, size)))
+    return rows
+
+
+def _spec_maker(
+    args: argparse.Namespace, factory: Callable[[], nn.Module], shape: tuple[int, ...], name: str
+) -> Callable[[int], StepSpec]:
+    def spec_at(b: int) -> StepSpec:
+        return StepSpec(factory, shape, b, args.optimizer, args.precision, args.device, name=name)
+
+    return spec_at
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Everything about the arguments that can be refused before any planning."""
+    from bigbatch.io import check_writable
+    from bigbatch.train.config import ConfigError, check_device
+
+    if args.batch < 1:
+        raise UserError(f"--batch must be a positive number of samples, got {args.batch}")
+    if args.arch is not None and not args.arch.replace(",", "").strip():
+        raise UserError(
+            f"--arch {args.arch!r} names no architecture: give timm names, e.g. --arch resnet18"
+        )
+    if args.num_classes < 1:
+        raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
+    if args.cache_dim < 0 or args.cache_towers < 1:
+        raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
+    try:
+        # Planning for a GPU needs none; measuring on one (--confirm) does.
+        check_device(args.device, "--device", here=args.confirm)
+        for path, what in ((args.csv, "--csv"), (args.plot, "--plot")):
+            if path is not None:
+                check_writable(path, what)
+    except (ConfigError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.coupled import cache_bytes
+
+    _check_args(args)
+
+    cache = (
+        cache_bytes(args.batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
+    )
+    if cache:
+        print(
+            f"gradient cache for batch {args.batch}: {format_bytes(cache)} held besides each step",
+            file=sys.stderr,  # stdout stays the plan (JSON with --json)
+        )
+    try:
+        budget = resolve_budget(args.budget, args.device)
+        # Measured once, before calibration runs grow this process.
+        overhead = (
+            parse_bytes(args.overhead, allow_zero=True)
+            if args.overhead
+            else overhead_bytes(args.device)
+        )
+        usable_bytes(budget, overhead, args.device, args.margin)  # refuses a budget too small
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    notes = []
+    total = device_total_bytes(args.device)
+    if total is not None and budget > total:
+        notes.append(
+            f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "
+            f"({format_bytes(total)}): fine for planning another machine, not for training here"
+        )
+    plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
+    if args.csv:
+        _write_csv(args.csv, plans)
+    if args.plot:
+        _plot(args.plot, curves, budget)
+    if args.json:
+        for p in plans:
+            p["notes"] = notes
+        print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
+    else:
+        _print(plans, args, budget)
+        for note in notes:
+            print(f"note: {note}")
+    return 0
+
+
+def _plan_rows(
+    args: argparse.Namespace,
+    rows: list[Row],
+    budget: int,
+    overhead: int,
+    cache: int,
+    notes: list[str],
+) -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[int, int]], int]]]:
+    """Each row's plan (or why it does not fit, when several rows are planned), and its curve."""
+    plans: list[dict[str, Any]] = []
+    curves: list[tuple[str, list[tuple[int, int]], int]] = []
+    for name, size, factory, shape in rows:
+        spec_at = _spec_maker(args, factory, shape, name)
+
+        label = name if size is None else f"{name} @ {size}"
+        try:
+            plan = plan_under_budget(
+                spec_at,
+                args.batch,
+                budget,
+                device=args.device,
+                overhead=overhead,
+                margin=args.margin,
+                calibrate=not args.no_calibrate,
+                extra_bytes=cache,
+            )
+            if plan.calibration_note:
+                notes.append(f"{label}: {plan.calibration_note}")
+        except DoesNotFitError as exc:
+            if len(rows) == 1:
+                raise UserError("; ".join([str(exc), *notes])) from exc
+            plans.append(
+                {
+                    "arch": name,
+                    "size": size,
+                    "fits": False,
+                    "floor_bytes": exc.floor.planning_bytes,
+                    "error": str(exc),
+                }
+            )
+            continue
+        except UserError:
+            raise
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+        except Exception as exc:  # the model or its forward failed: say which, without a traceback
+            raise UserError(
+                f"{label}: building or running the model failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        plan.arch, plan.size = name, size
+        _confirm_and_curve(args, plan, spec_at)
+        row = plan.to_dict() | {"fits": True}
+        plans.append(row)
+        curves.append((label, plan.curve, plan.usable_bytes))
+
+    return plans, curves
+
+
+def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> None:
+    """--confirm: the chosen micro-batch measured; --plot: a smooth curve (the powers of two the
+    search did not visit, predicted the same way)."""
+    if args.confirm:
+        from bigbatch.memory.measure import measure_step_peak
+
+        plan.confirmed_peak_bytes = measure_step_peak(spec_at(plan.micro_batch))
+    if args.plot:
+        seen = {b for b, _ in plan.curve}
+        smallest = min(seen)  # 2 where BatchNorm cannot train on one sample
+        extra = [
+            2**k for k in range(args.batch.bit_length()) if 2**k not in seen and 2**k > smallest
+        ]
+        plan.curve = sorted(
+            plan.curve
+            + [
+                (b, predict_peak(spec_at(b), calibration=plan.calibration).planning_bytes)
+                for b in extra
+            ]
+        )
+
+
+COLUMNS = [
+    "arch",
+    "size",
+    "fits",
+    "floor_bytes",
+    "max_micro_batch",
+    "micro_batch",
+    "accum_steps",
+    "predicted_peak_bytes",
+    "budget_bytes",
+    "confirmed_peak_bytes",
+]
+
+
+def _write_csv(path: Path, plans: list[dict[str, Any]]) -> None:
+    from bigbatch.io import atomic_write_csv
+
+    atomic_write_csv(path, COLUMNS, plans)
+
+
+def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budget: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bigbatch.io import atomic_write_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, curve, _ in curves:
+        xs, ys = zip(*curve, strict=True)
+        ax.plot(xs, [y / 2**30 for y in ys], marker="o", label=label)
+    ax.axhline(budget / 2**30, color="red", linestyle="--", label=f"budget {format_bytes(budget)}")
+    if curves:
+        ax.axhline(
+            curves[0][2] / 2**30,
+            color="orange",
+            linestyle=":",
+            label="usable (less margin, overhead)",
+        )
+    ax.set_xlabel("micro-batch (samples)")
+    ax.set_ylabel("predicted peak (GiB)")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Predicted peak memory of one training step")
+    fig.tight_layout()
+    atomic_write_figure(fig, path, dpi=110)
+
+
+def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:
+    print(
+        f"budget {format_bytes(budget)} on {args.device}, target batch {args.batch}, "
+        f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}",
+    )
+    header = f"{'model':<28} {'size':>5} {'floor (mb 1)':>13} {'max mb':>7} {'plan':>12} {'predicted peak':>15}"
+    print(header)
+    print("-" * len(header))
+    for p in plans:
+        size = "" if p["size"] is None else str(p["size"])
+        if not p["fits"]:
+            print(
+                f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {'does not fit even micro-batch 1':>36}",
+            )
+            continue
+        split = f"{p['accum_steps']} x {p['micro_batch']}"
+        line = (
+            f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {p['max_micro_batch']:>7} "
+            f"{split:>12} {format_bytes(p['predicted_peak_bytes']):>15}"
+        )
+        if p.get("confirmed_peak_bytes"):
+            line += f"   measured {format_bytes(p['confirmed_peak_bytes'])}"
+        print(line)
+    if any(not p["fits"] for p in plans):
+        print("\nrows that do not fit:")
+        for p in plans:
+            if not p["fits"]:
+                print(f"  {p['arch']} @ {p['size']}: {p['error']}")

@@ -1,0 +1,191 @@
+"""``bigbatch verify``: accumulated vs big-batch gradients, on built-in cases or your model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bigbatch.batching import even_sizes
+from bigbatch.cli import UserError
+from bigbatch.user_code import call_factory, load_object
+from bigbatch.verify import (
+    CaseResult,
+    LossFn,
+    Method,
+    run_builtin_cases,
+    token_cross_entropy,
+    verify,
+)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+LOSSES: dict[str, LossFn] = {
+    "cross_entropy": F.cross_entropy,
+    "mse": F.mse_loss,
+    "token_cross_entropy": token_cross_entropy,
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", help="module:factory returning your nn.Module (default: built-in cases)"
+    )
+    p.add_argument("--data", help="module:factory returning (inputs, targets) for one whole window")
+    p.add_argument(
+        "--micro",
+        default="",
+        help="micro-batch sizes splitting the window, e.g. 16,16,4 (default: 4 near-equal parts)",
+    )
+    p.add_argument(
+        "--loss",
+        default="cross_entropy",
+        help=f"{', '.join(LOSSES)}, or module:function(output, target) -> mean loss",
+    )
+    p.add_argument(
+        "--tokens", action="store_true", help="count tokens (targets != -100), not samples"
+    )
+    p.add_argument(
+        "--dtype", default="float64,float32", help="comma-separated: float64,float32,bfloat16"
+    )
+    p.add_argument(
+        "--naive", action="store_true", help="also run the naive loss / N for comparison"
+    )
+    p.add_argument(
+        "--eval", action="store_true", help="put the model in eval mode (BatchNorm, dropout off)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--distributed",
+        type=int,
+        metavar="N",
+        help="run the distributed cases on N CPU processes (gloo on 127.0.0.1; N=2)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print a JSON list, one object per case/method/dtype"
+    )
+
+
+def _dtypes(text: str) -> list[torch.dtype]:
+    out = []
+    for name in filter(None, (t.strip() for t in text.split(","))):
+        if name not in DTYPES:
+            raise UserError(f"--dtype: unknown {name!r}; choose from {', '.join(DTYPES)}")
+        out.append(DTYPES[name])
+    if not out:
+        raise UserError("--dtype: give at least one of " + ", ".join(DTYPES))
+    return out
+
+
+def _sizes(text: str, n: int) -> list[int]:
+    if not text:
+        return even_sizes(n, 4)
+    try:
+        sizes = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise UserError(
+            f"--micro must be comma-separated integers, e.g. 16,16,4; got {text!r}"
+        ) from exc
+    if not sizes or any(s < 1 for s in sizes):
+        raise UserError(f"--micro sizes must be >= 1, got {text!r}")
+    if sum(sizes) != n:
+        raise UserError(f"--micro sizes add up to {sum(sizes)} but --data returned {n} samples")
+    return sizes
+
+
+def _user_results(
+    args: argparse.Namespace, methods: list[Method], dtypes: list[torch.dtype]
+) -> list[CaseResult]:
+    if not args.data:
+        raise UserError(
+            "--model needs --data module:factory returning (inputs, targets) for one window"
+        )
+    model = call_factory(args.model, "--model")
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(
+            f"--model: {args.model}() returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    data = call_factory(args.data, "--data")
+    if not (
+        isinstance(data, tuple | list) and len(data) == 2 and isinstance(data[1], torch.Tensor)
+    ):
+        raise UserError(
+            f"--data: {args.data}() must return (inputs, targets) with targets a tensor"
+        )
+    inputs, targets = data
+    loss_fn: LossFn = LOSSES.get(args.loss) or load_object(args.loss, "--loss")
+    model.eval() if args.eval else model.train()
+    try:
+        return verify(
+            model,
+            inputs,
+            targets,
+            _sizes(args.micro, int(targets.shape[0])),
+            loss_fn,
+            case=args.model,
+            methods=methods,
+            dtypes=dtypes,
+            count_by="tokens" if args.tokens else "samples",
+            seed=args.seed,
+        )
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UserError(f"running your model failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _print_table(results: list[CaseResult]) -> None:
+    header = f"{'case':<16} {'method':<9} {'dtype':<8} {'counts':<20} {'max_abs':>9} {'max_rel':>9} {'tol':>7}  verdict"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        counts = ",".join(str(c) for c in r.micro_batch_counts)
+        verdict = "EXACT" if r.passed else "DIFFERS"
+        print(
+            f"{r.case[:16]:<16} {r.method:<9} {r.dtype:<8} {counts[:20]:<20} "
+            f"{r.max_abs:9.1e} {r.max_rel:9.1e} {r.tolerance:7.1e}  {verdict}"
+        )
+    # One paragraph per distinct explanation, naming the rows it explains.
+    explained: dict[str, list[str]] = {}
+    for r in results:
+        if r.explanation and f"{r.case}/{r.method}" not in explained.get(r.explanation, []):
+            explained.setdefault(r.explanation, []).append(f"{r.case}/{r.method}")
+    for text, rows in explained.items():
+        print(f"\n{', '.join(rows)}: {text}")
+
+
+# Options that only describe a user model: given without --model they would be ignored.
+_MODEL_ONLY = ("micro", "data", "eval")
+
+
+def run(args: argparse.Namespace) -> int:
+    dtypes = _dtypes(args.dtype)
+    if not args.model:
+        given = [f"--{name}" for name in _MODEL_ONLY if getattr(args, name, None)]
+        if given:
+            raise UserError(
+                f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
+                "(the built-in cases have their own sizes)"
+            )
+    if args.distributed:
+        from bigbatch.verify.distributed import verify_distributed
+
+        try:
+            results = verify_distributed(args.distributed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+    elif args.model:
+        methods: list[Method] = ["bigbatch", "naive"] if args.naive else ["bigbatch"]
+        results = _user_results(args, methods, dtypes)
+    else:
+        from bigbatch.verify.coupled import run_coupled_cases
+
+        results = run_builtin_cases(methods=("bigbatch", "naive"), dtypes=dtypes, seed=args.seed)
+        # Losses that couple the samples: plain accumulation against gradient caching.
+        results += run_coupled_cases([d for d in dtypes if d != torch.bfloat16])
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+    else:
+        _print_table(results)
+    ours: list[Any] = [r for r in results if r.method in ("bigbatch", "cached")]
+    return 0 if all(r.passed for r in ours) else 1

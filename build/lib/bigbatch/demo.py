@@ -1,0 +1,186 @@
+"""The demo's data: scikit-learn's bundled digits, written out as a small image competition.
+
+``train/<digit>/*.png`` (1,600 images), ``test/*.png`` (197, unlabelled), a
+``sample_submission.csv`` in Kaggle's layout, and ``experiments.toml``: two small timm models,
+each planned into a small memory budget, TTA, a weighted ensemble. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
+from bigbatch.memory.calibrate import calibrate, calibration_need
+from bigbatch.memory.plan import DEFAULT_MARGIN
+from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.models import timm_factory
+from bigbatch.segmentation.models import UNet
+from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
+from bigbatch.train.config import load_config
+from bigbatch.train.loop import train
+from bigbatch.train.segpredict import predict_masks
+
+__all__ = ["write_digits_competition"]
+
+EXPERIMENTS = """\
+# The demo ensemble: two small timm models (random init: no download), each planned into the
+# same memory budget for the training step's tensors, trained, predicted with TTA and averaged.
+[common]
+data = "train"
+valid_pct = 0.2
+size = {size}
+batch = 128          # target batch: samples per optimizer step
+overhead = "0"       # each member's budget is for its training step's tensors alone
+epochs = {epochs}
+freeze_epochs = 0
+mode = "fit"
+lr = 0.004
+device = "cpu"
+num_workers = 0
+seed = 42
+
+[ensemble]
+test = "test"
+sample_submission = "sample_submission.csv"
+tta = 2
+
+[[member]]
+name = "resnet10t"
+arch = "resnet10t"
+item_transform = "squish"
+weight = 1.0
+budget = "{budget_resnet10t}"
+
+[[member]]
+name = "convnext"     # LayerNorm, no BatchNorm: its accumulation is exact
+arch = "convnext_atto"
+item_transform = "crop"
+weight = 0.5
+budget = "{budget_convnext_atto}"
+"""
+
+
+MEMBERS = ("resnet10t", "convnext_atto")
+
+
+def demo_budget(arch: str, size: int, batch: int = 128) -> str:
+    """A budget that holds half the target batch but not all of it, on this machine.
+
+    CPU kernels' workspaces differ between CPUs (oneDNN's convolution backward takes 72 MiB for
+    resnet10t at 32 px on one AMD EPYC, far less elsewhere), so a fixed budget would plan 1 x 128
+    on one machine and fail on another. The planner's own calibrated prediction, midway between
+    micro-batch ``batch // 2`` and ``batch``, plans 2 x 64 everywhere.
+    """
+
+    spec = StepSpec(timm_factory(arch, num_classes=10, img_size=size), (3, size, size), 2)
+    return midway_budget(spec, batch)
+
+
+def midway_budget(spec: Any, batch: int) -> str:
+    """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` and
+    ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
+    never below what the planner's own calibration steps need, so the plan is calibrated."""
+
+    calibration = calibrate(spec)
+    half, full = (
+        predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
+        for b in (batch // 2, batch)
+    )
+    usable = max((half + full) / 2, calibration_need(spec.with_batch(4)))
+    return f"{math.ceil(usable / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
+
+
+def write_digits_competition(
+    out: str | Path, *, size: int = 32, budget: str = "auto", epochs: int = 4
+) -> Path:
+    """Write the digits competition under ``out``; returns the experiments file.
+
+    ``budget="auto"`` gives each member :func:`demo_budget`; a size gives both that budget."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    out = Path(out)
+    digits = load_digits()
+    images = (digits.images / 16.0 * 255).astype(np.uint8)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(images))
+    n_train = 1600
+    for rank, i in enumerate(order):
+        if rank < n_train:
+            path = out / "train" / str(digits.target[i]) / f"digit_{i:04d}.png"
+        else:
+            path = out / "test" / f"digit_{i:04d}.png"
+        if path.exists():
+            continue  # a rerun; each file was written atomically, so it is whole
+        im = Image.fromarray(images[i]).resize((size, size), Image.Resampling.BILINEAR)
+        with atomic_path(path) as tmp:
+            im.convert("RGB").save(tmp, format="PNG")
+    atomic_write_csv(
+        out / "sample_submission.csv",
+        ["image_id", "label"],
+        ([f"digit_{i:04d}.png", ""] for i in sorted(order[n_train:])),
+    )
+    experiments = out / "experiments.toml"
+    budgets = {
+        f"budget_{arch}": demo_budget(arch, size) if budget == "auto" else budget
+        for arch in MEMBERS
+    }
+    atomic_write_text(experiments, EXPERIMENTS.format(size=size, epochs=epochs, **budgets))
+    return experiments
+
+
+def run_segmentation_demo(out: Path, epochs: int = 3, log: Any = print) -> dict[str, float]:
+    """Segmentation end to end on generated data: a 2D U-Net on 96 images of shapes (3 classes)
+    and a 3D U-Net on 12 two-channel volumes with a blob, each planned into a budget that holds
+    half its batch, trained with exact accumulation, scored by Dice/Jaccard, and its masks
+    predicted for a held-out set. Returns the final validation Dice of each."""
+
+    scores = {}
+    jobs: tuple[tuple[str, Any, dict[str, int], int, int, int, int], ...] = (
+        ("2d", write_shapes_2d, {"n": 96, "size": 64}, 64, 32, 3, 2),
+        ("3d", write_blobs_3d, {"n": 12, "size": 32, "channels": 2}, 32, 4, 2, 3),
+    )
+    for name, write, kwargs, size, batch, channels, dims in jobs:
+        data = write(out / f"seg{name}", **kwargs)
+        test = write(out / f"seg{name}_test", seed=1, **{**kwargs, "n": 4})
+        classes = 3 if dims == 2 else 1
+        spec = StepSpec(
+            functools.partial(UNet, channels, classes, dims=dims, depth=3),  # type: ignore[arg-type]
+            (channels, *[size] * dims),
+            2,
+        )
+        budget = midway_budget(spec, batch)
+        log(
+            f"\n== segmentation {name}: {data} (budget {budget}: less than a batch of {batch} needs)"
+        )
+        cfg = load_config(
+            overrides=[
+                f"data={data}",
+                "task=segmentation",
+                "arch=unet",
+                f"size={size}",
+                f"batch={batch}",
+                f"budget={budget}",
+                "overhead=0",
+                f"epochs={epochs if dims == 2 else max(1, epochs - 1)}",
+                "lr=3e-3",
+                "monitor=dice",
+                "schedule=plateau",
+            ]
+        )
+        run_dir = out / "runs" / f"unet{name}"
+        if (run_dir / "done.json").exists():  # a rerun keeps the finished run
+            log(f"{run_dir} is finished already: kept")
+        else:
+            train(cfg, run_dir, resume=(run_dir / "last.pt").exists(), log=log)
+        masks = predict_masks(run_dir, test / "images", run_dir / "masks", tta=2)
+        with open(run_dir / "history.csv", newline="") as f:
+            scores[name] = float(list(csv.DictReader(f))[-1]["dice"])
+        log(f"{len(masks)} predicted masks in {run_dir / 'masks'}; history in {run_dir}")
+    return scores

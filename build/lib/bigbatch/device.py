@@ -1,0 +1,183 @@
+"""What bigbatch knows about devices, in one place: which device and precision ``auto`` means,
+free and total memory, the process's size and peak, cache release and random-number state, for
+cpu, cuda and mps.
+
+Everything else asks here instead of testing ``torch.cuda``/``torch.backends.mps`` itself, so a
+new backend is one module's change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any
+
+import torch
+
+__all__ = [
+    "auto_device",
+    "auto_precision",
+    "autocast_for",
+    "empty_cache",
+    "free_bytes",
+    "peak_memory_text",
+    "process_rss",
+    "rng_state",
+    "set_rng_state",
+    "synchronize",
+    "total_bytes",
+]
+
+# torch's CPU process baseline on Linux, for a platform that does not say its resident size.
+_RSS_FALLBACK = 300 * 2**20
+
+
+def auto_device() -> torch.device:
+    """The best device here: cuda, then mps, then cpu.
+
+    >>> auto_device().type in ("cuda", "mps", "cpu")
+    True
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def auto_precision(device: torch.device) -> str:
+    """``precision=auto``: bf16 on a GPU that has it (else fp16), fp32 elsewhere (CPU bf16 is slow
+    on most CPUs; MPS autocast is young)."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def empty_cache() -> None:
+    """Return the caching allocators' unused blocks (CUDA, MPS) to the driver."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator torch draws from here: the CPU's and each accelerator's."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state` (the parts this machine has)."""
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+    if state.get("mps") is not None and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["mps"])
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def free_bytes(device: str | torch.device) -> int:
+    """Free memory on ``device`` now: CUDA's ``mem_get_info``; for the CPU and MPS (which shares
+    the system's memory) what the system can still give (Linux's MemAvailable, else psutil).
+
+    >>> free_bytes("cpu") > 0
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("budget 'auto' needs a CUDA device; give a size such as 16GB instead")
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    available = _meminfo("MemAvailable")
+    if available is None:
+        try:
+            import psutil  # macOS, Windows: not a dependency, used where installed
+
+            available = int(psutil.virtual_memory().available)
+        except ImportError:
+            pass
+    if available is None:
+        raise ValueError(
+            "cannot read the free memory here (no /proc/meminfo, no psutil): give a size such as "
+            "8GB instead of 'auto', or pip install psutil"
+        )
+    return available
+
+
+def total_bytes(device: str | torch.device) -> int | None:
+    """All the memory of ``device`` (a GPU's, or the machine's RAM); None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = _meminfo("MemTotal")
+    if total is not None:
+        return total
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def process_rss() -> int:
+    """This process's resident memory now (Linux's statm, else psutil, else torch's baseline)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return _RSS_FALLBACK
+
+
+def peak_memory_text(device: torch.device) -> str:
+    """``", peak 1.23 GiB"`` for a progress line: the allocator's peak on a GPU, the process's
+    peak resident memory on the CPU; empty where unknown."""
+    if device.type == "cuda":
+        return f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    if device.type == "mps":
+        return f", MPS {torch.mps.driver_allocated_memory() / 2**30:.2f} GiB"
+    if sys.platform == "linux":
+        import resource  # the process's peak resident memory, in KiB on Linux
+
+        return f", peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    return ""
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The autocast context of a precision: bf16/fp16 autocast, or nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(
+        device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16
+    )

@@ -1,0 +1,115 @@
+"""Hugging Face Transformers: the right count for token losses in ``Trainer`` and your own loop.
+
+- **Your own loop**: a causal LM called with ``labels=`` shifts them inside and predicts
+  ``labels[..., 1:]``: ``acc.backward(out.loss, labels=labels, shift=True)``.
+- **``Trainer`` with a Transformers causal LM**: transformers >= 4.46 passes the window's token
+  count (``num_items_in_batch``) to the model's loss, but counts ``labels[..., 1:]`` only when
+  the model declares a causal-LM ``loss_type``. GPT-2 (``GPT2LMHeadModel``) and other models
+  whose class name does not end in ``ForCausalLM`` leave it unset (transformers warns
+  "loss_type=None ... unrecognized"): Trainer then counts one label per sequence too many and
+  every update is scaled down (by 12.8 % in ``tests/integrations/test_hf.py``). Wrap the
+  collator: ``Trainer(..., data_collator=shift_labels_collator(collator))`` adds the shifted
+  labels as ``shift_labels``, which Trainer counts and the model's loss uses as they are.
+- **``Trainer`` with a model of your own** whose forward returns a mean loss: ``Trainer`` cannot
+  pass it the window's count, so it divides each micro-batch's mean by
+  ``gradient_accumulation_steps``, which is wrong as soon as micro-batches hold different numbers
+  of tokens. Give ``Trainer`` the loss instead: ``Trainer(..., compute_loss_func=token_loss())``
+  sums the token losses and divides by the window's count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bigbatch.integrations import require
+
+require("transformers", "hf")
+
+__all__ = ["shift_labels_collator", "token_loss"]
+
+
+def token_loss(
+    *, ignore_index: int = -100, logits_key: str = "logits", labels_shifted: bool = False
+) -> Callable[[Any, torch.Tensor, Any], torch.Tensor]:
+    """A ``compute_loss_func`` for ``Trainer``: token cross-entropy summed over the micro-batch
+    and divided by the window's label count (``num_items_in_batch``), so the accumulated gradient
+    equals the big batch's whatever the padding.
+
+    Labels are used as they come (no shift): a model of your own that predicts the next token
+    should get labels already shifted by its collator, because ``Trainer`` counts shifted labels
+    only for Transformers' own causal-LM losses. On a Transformers causal LM's output (a
+    ``...CausalLM...`` output class), whose usual labels are the input ids, unshifted labels
+    would train it to predict the current token: that is refused unless you say the collator
+    shifted them (``labels_shifted=True``). Such a model computes the right loss itself: drop
+    ``compute_loss_func`` and see ``shift_labels_collator``.
+
+    >>> loss = token_loss()
+    >>> logits = torch.zeros(1, 3, 5); labels = torch.tensor([[1, 2, -100]])
+    >>> round(float(loss({"logits": logits}, labels, num_items_in_batch=4)), 4)  # 2 of 4 tokens
+    0.8047
+    """
+
+    def compute_loss(
+        outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        if labels is None:
+            raise ValueError(
+                "token_loss got no labels: the batches need a 'labels' entry (ignore_index for "
+                "padding)"
+            )
+        if num_items_in_batch is None:
+            raise ValueError(
+                "Trainer passed no num_items_in_batch, so the window's token count is unknown: "
+                "use transformers >= 4.46 and give the batches a 'labels' entry"
+            )
+        if not labels_shifted and "CausalLM" in type(outputs).__name__:
+            raise ValueError(
+                f"token_loss got a causal LM's output ({type(outputs).__name__}) and uses labels "
+                "as they are, so input-id labels would train it to predict the current token. "
+                "Drop compute_loss_func (the model's own loss shifts and counts right; wrap the "
+                "collator with shift_labels_collator for models without a loss_type), or shift "
+                "the labels in your collator and pass token_loss(labels_shifted=True)"
+            )
+        logits = outputs[logits_key] if isinstance(outputs, dict) else outputs[0]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # a sum over many tokens: not in half precision
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1).to(logits.device),
+            ignore_index=ignore_index,
+            reduction="sum",
+        )
+        return total / num_items_in_batch
+
+    return compute_loss
+
+
+def shift_labels_collator(
+    collator: Callable[[list[Any]], dict[str, Any]], *, ignore_index: int = -100
+) -> Callable[[list[Any]], dict[str, Any]]:
+    """Wrap a ``Trainer`` collator so each batch also carries ``shift_labels``: the labels a
+    causal LM predicts (``labels[..., 1:]``, padded with ``ignore_index``). Trainer counts them
+    for ``num_items_in_batch`` and Transformers' causal-LM loss uses them instead of shifting.
+
+    >>> collate = shift_labels_collator(lambda items: {"labels": torch.tensor(items)})
+    >>> collate([[5, 6, 7]])["shift_labels"].tolist()
+    [[6, 7, -100]]
+    """
+
+    def collate(items: list[Any]) -> dict[str, Any]:
+        batch = collator(items)
+        labels = batch.get("labels")
+        if not isinstance(labels, torch.Tensor):
+            raise ValueError(
+                "shift_labels_collator needs batches with a 'labels' tensor (the collator "
+                f"returned {sorted(batch)})"
+            )
+        pad = torch.full_like(labels[..., :1], ignore_index)
+        batch["shift_labels"] = torch.cat([labels[..., 1:], pad], dim=-1)
+        return batch
+
+    return collate

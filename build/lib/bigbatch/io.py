@@ -1,0 +1,252 @@
+"""Atomic file writes: a crash or a full disk never leaves a half-written file behind.
+
+Each write goes to a temporary file in the same folder, is flushed to disk, then renamed over
+the target in one step; on any error the temporary file is removed and the previous version of
+the target stays as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import secrets
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "FolderBusyError",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_csv",
+    "atomic_write_figure",
+    "atomic_write_text",
+    "check_writable",
+    "load_tensors",
+    "lock_folder",
+]
+
+
+class FolderBusyError(RuntimeError):
+    """Another process holds the folder's lock."""
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "x.txt"
+    >>> with atomic_path(target) as tmp:
+    ...     _ = tmp.write_text("done")
+    >>> target.read_text()
+    'done'
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkstemp, which creates 0600: the umask decides, as for any file the user writes.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        # A writer that replaces the file itself (safetensors does) leaves it 0600.
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:  # a write that failed through a file object: name the target
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    """The process's umask (read without changing it where Linux shows it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write(path: str | Path, mode: str, writer: Callable[[IO[Any]], Any]) -> None:
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        writer(f)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    _write(path, "wb", lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    _write(path, "w", lambda f: f.write(text))
+
+
+def atomic_write_csv(
+    path: str | Path, header: Sequence[str], rows: Iterable[Sequence[Any] | Mapping[str, Any]]
+) -> None:
+    """A CSV file: the header, then the rows (a mapping row is read by the header's names;
+    missing names are left empty, other keys ignored).
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "t.csv"
+    >>> atomic_write_csv(target, ["a", "b"], [[1, 2], {"b": 4, "c": 5}])
+    >>> target.read_text().splitlines()
+    ['a,b', '1,2', ',4']
+    """
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    for row in rows:
+        writer.writerow([row.get(name) for name in header] if isinstance(row, Mapping) else row)
+    atomic_write_text(path, buf.getvalue())
+
+
+def atomic_write_figure(fig: Any, path: str | Path, *, dpi: int = 100) -> None:
+    """A matplotlib figure as a PNG file; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """Raise ``PermissionError``/``NotADirectoryError`` with the fix unless a file can be
+    written at ``path`` (its folder is created): checked before long work, not after it."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {path} is a folder; give a file name")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise NotADirectoryError(
+            f"cannot write {what} {path}: part of {folder} is a file, not a folder"
+        ) from exc
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot create the folder for {what} {path}: permission denied"
+        ) from exc
+    # A real file, not os.access: root passes every access check, and a read-only or special
+    # file system (or a full disk) refuses only the write itself.
+    probe = folder / f".{path.name}.{secrets.token_hex(4)}.probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as exc:
+        raise PermissionError(
+            f"cannot write {what} {path}: {folder} is not writable ({exc.strerror}); choose "
+            "another place"
+        ) from exc
+    probe.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def lock_folder(folder: str | Path, what: str = "folder") -> Iterator[Path]:
+    """Create ``folder`` (if needed) and hold an exclusive lock on it while the block runs.
+
+    A second process that tries the same folder gets :class:`FolderBusyError` at once; the lock
+    goes with the process, so a killed run leaves nothing to clean up. A folder that cannot be
+    created or written raises here, before any work.
+
+    >>> import tempfile
+    >>> with lock_folder(tempfile.mkdtemp()) as folder:
+    ...     (folder / ".lock").exists()
+    True
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{what} {folder} is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".lock", "a+")  # noqa: SIM115 - held for the whole block
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise NotADirectoryError(f"cannot create {what} {folder}: a part of it is a file") from exc
+    except PermissionError as exc:
+        raise PermissionError(
+            f"cannot write to {what} {folder}: permission denied; choose another folder"
+        ) from exc
+    try:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no lock, as before
+            fcntl = None  # type: ignore[assignment]
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise FolderBusyError(
+                    f"{what} {folder} is in use by {holder}: wait for it to finish, or choose "
+                    "another folder"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()}")
+            handle.flush()
+        yield folder
+    finally:
+        handle.close()  # releases the lock
+
+
+def load_tensors(path: str | Path, what: str) -> Any:
+    """``torch.load(path, weights_only=True)`` (or safetensors by suffix), with one-line errors:
+    a missing, damaged or truncated file, or one holding pickled objects, raises ``ValueError``
+    naming the file and what to do. Nothing is ever unpickled.
+
+    >>> import tempfile, torch, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "w.pt"
+    >>> torch.save({"w": torch.ones(2)}, f)
+    >>> load_tensors(f, "weights")["w"].tolist()
+    [1.0, 1.0]
+    """
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        # A torch zip archive or a raw pickle (both refused by weights_only) holds objects; any
+        # other bytes are not a torch file at all.
+        if head in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):
+            # torch's own message suggests weights_only=False: never do that with a file you
+            # were handed (it runs arbitrary code). Say which object it is, not that.
+            found = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), "")
+            raise ValueError(
+                f"{what} {path} holds pickled Python objects besides tensors"
+                + (f" ({found[:160]})" if found else "")
+                + "; bigbatch loads tensors only and will not unpickle it: save a plain state "
+                "dict (torch.save(model.state_dict(), path)) or a .safetensors file"
+            ) from None
+        raise ValueError(
+            f"cannot read {what} {path}: it is damaged or truncated, or not a torch/safetensors "
+            f"file (UnpicklingError: {str(exc).strip()[:120]})"
+        ) from None
+    except Exception as exc:
+        raise ValueError(
+            f"cannot read {what} {path}: it is damaged or truncated, or not a torch/safetensors "
+            f"file ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})"
+        ) from None

@@ -1,0 +1,206 @@
+"""What PyTorch's CUDA caching allocator reserves for a sequence of allocations, without a GPU.
+
+A CUDA OOM happens when the allocator cannot reserve a new segment, not when the bytes tensors
+hold reach the card's size: rounding, the two pools and fragmentation make ``reserved`` larger
+than ``allocated``. This replays a traced allocation sequence (from the fake-tensor prediction)
+through a model of ``c10/cuda/CUDACachingAllocator.cpp``'s rules (defaults: no
+``max_split_size_mb``, no expandable segments):
+
+- every request is rounded up to a multiple of 512 bytes;
+- requests up to 1 MiB come from the small pool, whose segments are 2 MiB; larger ones from the
+  large pool, whose segments are 20 MiB for requests under 10 MiB, else the request rounded up
+  to 2 MiB;
+- a request takes the smallest cached free block of its pool that holds it (best fit), and the
+  block is split when what remains is at least 512 bytes (small pool) or more than 1 MiB (large);
+- a freed block merges with free neighbours of its segment and stays cached (reserved).
+
+Checked against allocation sequences whose layout PyTorch documents or users recorded with
+``torch.cuda.memory_snapshot()`` (``tests/memory/test_cuda_allocator.py``); never against a live
+GPU here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "AllocatorPeak",
+    "CachingAllocatorModel",
+    "cuda_library_workspace_bytes",
+    "simulate",
+]
+
+MIN_BLOCK = 512
+SMALL_SIZE = 2**20  # requests up to this come from the small pool
+SMALL_BUFFER = 2 * 2**20  # small pool segment
+LARGE_BUFFER = 20 * 2**20  # large pool segment for requests under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 * 2**20
+ROUND_LARGE = 2 * 2**20
+
+
+def round_size(n: int) -> int:
+    """The block size a request of ``n`` bytes takes."""
+    return MIN_BLOCK if n < MIN_BLOCK else MIN_BLOCK * math.ceil(n / MIN_BLOCK)
+
+
+def segment_size(n: int) -> int:
+    """The segment (cudaMalloc) the allocator reserves when no cached block holds ``n``."""
+    if n <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if n < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * math.ceil(n / ROUND_LARGE)
+
+
+@dataclass(eq=False)
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    small: bool
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+@dataclass
+class AllocatorPeak:
+    """Peaks of one replayed sequence."""
+
+    reserved_bytes: int  # segments held (what nvidia-smi shows, less the CUDA context)
+    allocated_bytes: int  # rounded blocks in use at their peak
+    segments: int
+
+
+@dataclass
+class CachingAllocatorModel:
+    """Replay allocations and frees; read ``reserved``/``allocated`` and their peaks.
+
+    >>> m = CachingAllocatorModel()
+    >>> m.malloc("w", 40_000); m.reserved, m.allocated
+    (2097152, 40448)
+    """
+
+    reserved: int = 0
+    allocated: int = 0
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    _free: dict[bool, list[tuple[tuple[int, int, int], _Block]]] = field(
+        default_factory=lambda: {True: [], False: []}
+    )
+    _live: dict[object, _Block] = field(default_factory=dict)
+    _segments: list[int] = field(default_factory=list)  # sizes
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        if nbytes <= 0:
+            return  # an empty storage holds no memory
+        if key in self._live:
+            raise ValueError(f"allocation {key!r} is already live")
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._best_fit(small, size)
+        if block is None:
+            seg = segment_size(size)
+            self._segments.append(seg)
+            self.reserved += seg
+            block = _Block(len(self._segments) - 1, 0, seg, small)
+        else:
+            self._remove_free(block)
+        remaining = block.size - size
+        if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
+            rest = _Block(
+                block.segment, block.offset + size, remaining, small, True, block, block.next
+            )
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._add_free(rest)
+        block.free = False
+        self._live[key] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, key: object) -> None:
+        block = self._live.pop(key, None)
+        if block is None:
+            return  # an empty storage, or one allocated before the replay began
+        self.allocated -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove_free(neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        self._add_free(block)
+
+    def segment_layout(self, segment: int) -> list[tuple[int, bool]]:
+        """(size, in use) of each block of a segment, in address order (as a snapshot lists)."""
+        blocks = [b for _, b in self._free[True] + self._free[False] if b.segment == segment]
+        blocks += [b for b in self._live.values() if b.segment == segment]
+        return [(b.size, not b.free) for b in sorted(blocks, key=lambda b: b.offset)]
+
+    def _best_fit(self, small: bool, size: int) -> _Block | None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, ((size, -1, -1),))
+        return pool[i][1] if i < len(pool) else None
+
+    def _add_free(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], (block.key(), block), key=lambda e: e[0])
+
+    def _remove_free(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        i = bisect.bisect_left(pool, (block.key(),), key=lambda e: e[0:1])
+        if i >= len(pool) or pool[i][1] is not block:
+            raise RuntimeError("allocator model: free block not found")  # a bug, not input
+        del pool[i]
+
+
+def simulate(events: Iterable[tuple[str, object, int]]) -> AllocatorPeak:
+    """Replay ``("malloc", key, bytes)`` and ``("free", key, 0)`` events; return the peaks.
+
+    >>> simulate([("malloc", "a", 6 * 2**20), ("malloc", "b", 6 * 2**20), ("free", "a", 0),
+    ...           ("malloc", "c", 7 * 2**20), ("malloc", "d", 7 * 2**20)]).reserved_bytes // 2**20
+    40
+    """
+    model = CachingAllocatorModel()
+    for op, key, nbytes in events:
+        if op == "malloc":
+            model.malloc(key, nbytes)
+        else:
+            model.free(key)
+    return AllocatorPeak(model.peak_reserved, model.peak_allocated, len(model._segments))
+
+
+def cuda_library_workspace_bytes() -> int:
+    """The cuBLAS and cuBLASLt workspaces PyTorch allocates per handle and stream (documented
+    defaults; ``CUBLAS_WORKSPACE_CONFIG`` and ``CUBLASLT_WORKSPACE_SIZE`` override them).
+
+    cuBLAS: ``:4096:2:16:8`` (2 x 4096 KiB + 8 x 16 KiB = 8,519,680 bytes), the block users see
+    in ``memory_snapshot()`` after their first matmul. cuBLASLt: 1 MiB, 4 MiB on Ampere cards
+    with 24 GB or more, 32 MiB on Hopper; with no GPU to ask, the largest is assumed. cuDNN's
+    convolution workspaces are chosen at run time from the free memory and are not included.
+    """
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    parts = [int(p) for p in config.split(":") if p.strip().isdigit()]
+    cublas = sum(a * b * 1024 for a, b in zip(parts[::2], parts[1::2], strict=False))
+    lt_kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
+    cublaslt = int(lt_kib) * 1024 if lt_kib.isdigit() else 32 * 2**20
+    return cublas + cublaslt

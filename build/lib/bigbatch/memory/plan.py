@@ -1,0 +1,364 @@
+"""Choose micro-batch x accumulation for a target batch under a memory budget, by prediction.
+
+The largest micro-batch whose predicted peak stays under the usable budget (the budget less a
+safety margin and the process/device overhead) is found with a few predictions, no OOM. The
+target need not divide evenly: exact normalisation makes an uneven last micro-batch harmless, so
+the plan balances the micro-batches (256 with at most 100 fitting -> 3 x 86, not 100+100+56).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bigbatch.device import free_bytes, process_rss, total_bytes
+from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.calibrate import calibrate_within
+from bigbatch.memory.predict import MemoryPrediction, predict_peak
+from bigbatch.memory.step import StepSpec
+
+__all__ = [
+    "DoesNotFitError",
+    "Plan",
+    "device_free_bytes",
+    "device_total_bytes",
+    "overhead_bytes",
+    "plan_micro_batch",
+    "plan_under_budget",
+    "resolve_budget",
+    "usable_bytes",
+]
+
+# Not tensor memory, but it counts against a GPU's capacity: the CUDA context and kernels
+# (typically 300-600 MiB; varies with the driver, not measured here: no GPU).
+CUDA_CONTEXT_BYTES = 500 * 2**20
+DEFAULT_MARGIN = 0.10
+
+
+class DoesNotFitError(ValueError):
+    """Even micro-batch 1 does not fit the budget; the message has the floor's breakdown."""
+
+    def __init__(self, message: str, floor: MemoryPrediction) -> None:
+        super().__init__(message)
+        self.floor = floor
+
+
+@dataclass
+class Plan:
+    """The chosen micro-batch and accumulation, with the prediction behind them."""
+
+    micro_batch: int
+    accum_steps: int
+    target_batch: int
+    predicted_peak_bytes: int
+    budget_bytes: int
+    usable_bytes: int  # budget less margin and overhead: what the step's tensors may use
+    overhead_bytes: int
+    floor_bytes: int  # predicted peak at micro-batch 1
+    max_micro_batch: int  # the largest micro-batch that fits (before balancing)
+    prediction: MemoryPrediction
+    arch: str = ""
+    size: int | None = None
+    confirmed_peak_bytes: int | None = None
+    curve: list[tuple[int, int]] = field(default_factory=list)  # (micro-batch, predicted peak)
+    predictions: int = 0  # predictions the search made (the floor's included)
+    # CPU workspace calibration behind the predictions (plan_under_budget), for predicting
+    # other micro-batches the same way, and what it could not measure.
+    calibration: Any = field(default=None, repr=False)
+    calibration_note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "size": self.size,
+            "micro_batch": self.micro_batch,
+            "accum_steps": self.accum_steps,
+            "target_batch": self.target_batch,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "floor_bytes": self.floor_bytes,
+            "max_micro_batch": self.max_micro_batch,
+            "confirmed_peak_bytes": self.confirmed_peak_bytes,
+            # On CUDA the plan fits this: the allocator's reserved peak and the BLAS workspaces.
+            "predicted_allocated_peak_bytes": self.prediction.peak_bytes,
+            "predicted_reserved_bytes": self.prediction.reserved_bytes or None,
+            "breakdown": self.prediction.parts(),
+            "curve": self.curve,
+            "predictions": self.predictions,
+            "notes": self.prediction.notes,
+        }
+
+    def summary(self) -> str:
+        last = self.target_batch - self.micro_batch * (self.accum_steps - 1)
+        split = f"{self.accum_steps} x {self.micro_batch}" + (
+            f" (last {last})" if last != self.micro_batch else ""
+        )
+        return (
+            f"target batch {self.target_batch} = {split}; predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
+            f"(budget {format_bytes(self.budget_bytes)}); {self.prediction.breakdown()}"
+            + "".join(f"; note: {n}" for n in self.prediction.notes)
+        )
+
+
+# Kept under their planning names: the device module owns how they are read.
+device_free_bytes = free_bytes
+device_total_bytes = total_bytes
+
+
+def overhead_bytes(device: str | torch.device) -> int:
+    """Memory a training process needs besides the step's tensors: the CUDA context on a GPU;
+    on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB)."""
+    return CUDA_CONTEXT_BYTES if torch.device(device).type == "cuda" else process_rss()
+
+
+def resolve_budget(budget: str | int, device: str | torch.device) -> int:
+    """``"8GB"``, ``"16GiB"``, bytes, or ``"auto"`` (the device's free memory now)."""
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        # The free memory already excludes what this process holds.
+        return device_free_bytes(device) + (
+            0 if torch.device(device).type == "cuda" else process_rss()
+        )
+    return parse_bytes(budget)
+
+
+def usable_bytes(
+    budget_bytes: int, overhead: int, device: str | torch.device, margin: float = DEFAULT_MARGIN
+) -> int:
+    """What a step's tensors may use: the budget less the margin and the overhead."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    usable = int(budget_bytes * (1 - margin)) - overhead
+    if usable <= 0:
+        raise ValueError(
+            f"the budget {format_bytes(budget_bytes)} leaves nothing for training after the "
+            f"{margin:.0%} margin and {format_bytes(overhead)} of overhead "
+            f"({'CUDA context' if torch.device(device).type == 'cuda' else 'this process: Python, torch, libraries'}); "
+            "raise the budget, or set the overhead you expect (--overhead / overhead=)"
+        )
+    return usable
+
+
+def _suggestions(spec: StepSpec) -> str:
+    tips = []
+    if spec.precision == "fp32":
+        tips.append("precision bf16 (halves activations)")
+    if spec.optimizer.lower() in ("adamw", "adam"):
+        # bigbatch train and bigbatch plan both take it (train's sgd has momentum: one copy).
+        tips.append(
+            "SGD (optimizer=sgd in bigbatch train, --optimizer sgd in bigbatch plan: one state "
+            "copy of the weights or none, instead of Adam's two)"
+        )
+    if len(spec.input_shape) >= 4:  # channels + 3 spatial dims: a volume
+        tips.append(
+            "activation checkpointing, or smaller patches (train on crops of the volume, e.g. "
+            "--input-shape with half the side: an eighth of the activations)"
+        )
+    else:
+        tips.append("activation checkpointing, or a smaller input size")
+    return "try " + ", ".join(tips)
+
+
+def plan_micro_batch(
+    spec_at: Callable[[int], StepSpec],
+    target_batch: int,
+    budget: str | int,
+    *,
+    device: str = "cpu",
+    margin: float = DEFAULT_MARGIN,
+    overhead: int | None = None,
+    calibration: Any = None,
+    max_micro_batch: int | None = None,
+    extra_bytes: int = 0,
+) -> Plan:
+    """Choose the largest micro-batch that fits ``budget`` and the accumulation for ``target_batch``.
+
+    ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``. ``extra_bytes`` is memory
+    held besides one micro-batch's step for the whole window: a gradient cache
+    (:func:`bigbatch.coupled.cache_bytes`) for a loss that couples the samples. Raises
+    :class:`DoesNotFitError` (with the floor's breakdown and what to try) when even micro-batch 1
+    does not fit.
+
+    >>> import torch
+    >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
+    >>> p = plan_micro_batch(spec, 64, "1GB", overhead=0)
+    >>> (p.micro_batch, p.accum_steps)
+    (64, 1)
+    """
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
+        raise ValueError(
+            f"the target batch must be a positive number of samples, got {target_batch!r}"
+        )
+    budget_bytes = resolve_budget(budget, device)
+    overhead = overhead_bytes(device) if overhead is None else overhead
+    usable = usable_bytes(budget_bytes, overhead, device, margin) - extra_bytes
+    if usable <= 0:
+        raise DoesNotFitError(
+            f"the {format_bytes(extra_bytes)} held across the window (extra_bytes: a gradient "
+            f"cache?) leave nothing of budget {format_bytes(budget_bytes)} for the step; raise "
+            "the budget or shrink the cache (a smaller target batch or representation)",
+            predict_peak(spec_at(1), calibration=calibration),
+        )
+    cache: dict[int, MemoryPrediction] = {}
+
+    def peak(b: int) -> int:
+        if b not in cache:
+            cache[b] = predict_peak(spec_at(b), calibration=calibration)
+        return cache[b].planning_bytes
+
+    smallest, floor = _floor(peak)
+    if floor > usable:
+        where = (
+            f"budget {format_bytes(budget_bytes)} less {margin:.0%} margin and "
+            f"{format_bytes(overhead)} overhead"
+            + (f" and {format_bytes(extra_bytes)} of gradient cache" if extra_bytes else "")
+        )
+        raise _does_not_fit(smallest, cache[smallest], usable, where, spec_at(1))
+    cap = min(target_batch, max_micro_batch or target_batch)
+    if cap < smallest:
+        raise ValueError(
+            f"the target batch {target_batch} is below the smallest micro-batch {smallest}"
+        )
+    micro = _affine_plan(peak, smallest, floor, cap, target_batch, usable)
+    if micro is None:  # not affine enough: search below the size that did not fit
+        micro = _search(peak, smallest, cap, target_batch, usable)
+    chosen = peak(micro)
+    return Plan(
+        micro_batch=micro,
+        accum_steps=math.ceil(target_batch / micro),
+        target_batch=target_batch,
+        predicted_peak_bytes=chosen,
+        budget_bytes=budget_bytes,
+        usable_bytes=usable,
+        overhead_bytes=overhead,
+        floor_bytes=floor,
+        max_micro_batch=max(b for b, p in cache.items() if p.planning_bytes <= usable),
+        prediction=cache[micro],
+        curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
+        predictions=len(cache),
+    )
+
+
+def _does_not_fit(
+    smallest: int, floor: MemoryPrediction, usable: int, where: str, spec: StepSpec
+) -> DoesNotFitError:
+    return DoesNotFitError(
+        f"even micro-batch {smallest} does not fit: it needs "
+        f"{format_bytes(floor.planning_bytes)} ({floor.breakdown()}) but {format_bytes(usable)} "
+        f"is usable ({where}); {_suggestions(spec)}",
+        floor,
+    )
+
+
+def _floor(peak: Callable[[int], int]) -> tuple[int, int]:
+    """(the smallest micro-batch, its peak): 1, or 2 where BatchNorm cannot train on one sample
+    (it normalises a 1x1 feature map)."""
+    try:
+        return 1, peak(1)
+    except ValueError as exc:
+        if "more than 1 value per channel" not in str(exc):
+            raise
+        return 2, peak(2)
+
+
+def _balanced(target: int, largest: int) -> int:
+    """The micro-batch of the fewest steps of at most ``largest``, split evenly (256 with at
+    most 100 fitting: 3 x 86): the same number of steps, a lower peak."""
+    return math.ceil(target / math.ceil(target / largest))
+
+
+def _affine_plan(
+    peak: Callable[[int], int], smallest: int, floor: int, cap: int, target: int, usable: int
+) -> int | None:
+    """Peak memory is close to affine in the micro-batch: the whole target at once if it fits
+    (the second prediction), else where the line through the floor and the target meets the
+    budget, balanced and confirmed (the third). None when the confirmation does not fit."""
+    if cap == smallest or peak(cap) <= usable:
+        return cap if cap in (target, smallest) else _balanced(target, cap)
+    guess = min(max(_interpolate(smallest, floor, cap, peak(cap), usable), smallest), cap - 1)
+    micro = max(_balanced(target, guess), smallest)
+    return micro if peak(micro) <= usable else None
+
+
+def _search(peak: Callable[[int], int], smallest: int, cap: int, target: int, usable: int) -> int:
+    """The largest micro-batch that fits, by interpolation guarded by bisection (where the
+    peak is not affine: allocator segments, kernel choices), then balanced."""
+    lo, hi = smallest, cap + 1  # lo fits; hi does not (or is past the cap)
+    bisect = False
+    while hi - lo > 1:
+        guess = (
+            (lo + hi) // 2
+            if bisect or hi > cap
+            else _interpolate(lo, peak(lo), hi, peak(hi), usable)
+        )
+        guess = min(max(guess, lo + 1), hi - 1)
+        width = hi - lo
+        if peak(guess) <= usable:
+            lo = guess
+        else:
+            hi = guess
+        bisect = (hi - lo) * 2 > width
+    return _balanced(target, lo)
+
+
+def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
+    """Where the line through (a, peak_a) and (b, peak_b) reaches ``usable``."""
+    if peak_b <= peak_a:
+        return b
+    return int(a + (usable - peak_a) * (b - a) / (peak_b - peak_a))
+
+
+def plan_under_budget(
+    spec_at: Callable[[int], StepSpec],
+    target_batch: int,
+    budget: str | int,
+    *,
+    device: str = "cpu",
+    overhead: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    calibrate: bool = True,
+    max_micro_batch: int | None = None,
+    extra_bytes: int = 0,
+) -> Plan:
+    """The planning path every caller takes (``bigbatch plan``, ``bigbatch train``, the
+    ensemble, fastai's ``plan_learner``): the budget and the process overhead (read here, before
+    calibration's real steps grow this process: memory they leave behind is reused by training,
+    not spent besides it), CPU workspace calibration at the micro-batch sizes whose real step
+    fits the budget, then :func:`plan_micro_batch`. What calibration could not measure is in
+    ``plan.calibration_note`` (and in a :class:`DoesNotFitError`'s message).
+
+    >>> import torch
+    >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
+    >>> plan_under_budget(spec, 64, "1GB", overhead=0).micro_batch
+    64
+    """
+    budget_bytes = resolve_budget(budget, device)
+    overhead = overhead_bytes(device) if overhead is None else overhead
+    calibration, note = None, ""
+    if calibrate and torch.device(device).type == "cpu":
+        usable = usable_bytes(budget_bytes, overhead, device, margin)
+        calibration, note = calibrate_within(spec_at(2), usable)
+    try:
+        plan = plan_micro_batch(
+            spec_at,
+            target_batch,
+            budget_bytes,
+            device=device,
+            margin=margin,
+            overhead=overhead,
+            calibration=calibration,
+            max_micro_batch=max_micro_batch,
+            extra_bytes=extra_bytes,
+        )
+    except DoesNotFitError as exc:
+        if not note:
+            raise
+        raise DoesNotFitError(f"{exc}; {note}", exc.floor) from exc
+    plan.calibration, plan.calibration_note = calibration, note
+    return plan

@@ -1,0 +1,492 @@
+"""Predict the peak memory of a training step without allocating it (and without a GPU).
+
+The model is built on the ``meta`` device and materialised inside ``FakeTensorMode``, where a
+dispatch mode tracks every live tensor storage. A training step (forward, loss, backward,
+optimizer step, zero_grad) runs on fake tensors twice in effect: the first, which creates the
+optimizer state, and a steady one with the state alive; the peak is the larger. Nothing is
+allocated: a ViT-Large at micro-batch 256 is predicted on a laptop in seconds.
+
+What fake tensors cannot see, CPU kernels' private workspaces (oneDNN convolution backward,
+im2col), is added by :mod:`bigbatch.memory.calibrate` from small real steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from bigbatch.device import autocast_for
+from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
+from bigbatch.memory.measure import measure_step_peak
+from bigbatch.memory.step import (
+    PRECISIONS,
+    StepSpec,
+    first_optimizer_step,
+    loss_of,
+    make_inputs,
+    make_optimizer,
+    optimizer_state_tensors,
+    run_training_step,
+)
+
+__all__ = [
+    "MemoryPrediction",
+    "StepSpec",  # defined in bigbatch.memory.step; here too, where planning code looks for it
+    "make_optimizer",
+    "predict_peak",
+    "run_training_step",
+]
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+
+
+@dataclass
+class MemoryPrediction:
+    """Predicted peak of a training step, and what it is made of at that moment."""
+
+    peak_bytes: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int  # saved by the forward pass for backward, alive at the peak
+    temporaries: int  # everything else alive at the peak (backward buffers, workspaces)
+    batch_size: int
+    device: str
+    precision: str
+    optimizer: str
+    workspace_bytes: int = 0  # added by CPU calibration (kernel workspaces fake tensors miss)
+    # CUDA only: what the caching allocator reserves for the traced allocations (rounding, pools,
+    # fragmentation; see bigbatch.memory.cuda_allocator), and cuBLAS/cuBLASLt's workspaces.
+    reserved_bytes: int = 0
+    library_workspace_bytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def planning_bytes(self) -> int:
+        """What a plan must fit: the peak, or on CUDA what the allocator reserves for it plus
+        the BLAS libraries' workspaces (a CUDA OOM is a segment that cannot be reserved)."""
+        return max(self.peak_bytes, self.reserved_bytes) + self.library_workspace_bytes
+
+    def parts(self) -> dict[str, int]:
+        """Bytes at the peak, by kind (kernel workspaces count as temporaries); on CUDA also
+        what the allocator holds beyond them and the BLAS workspaces."""
+        parts = {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "activations": self.activations,
+            "temporaries": self.temporaries + self.workspace_bytes,
+        }
+        if self.reserved_bytes:
+            parts["allocator_cache"] = max(0, self.reserved_bytes - self.peak_bytes)
+            parts["blas_workspaces"] = self.library_workspace_bytes
+        return parts
+
+    def breakdown(self) -> str:
+        labels = {
+            "parameters": "weights",
+            "optimizer_state": f"{self.optimizer} state",
+            "allocator_cache": "CUDA allocator rounding and cache",
+            "blas_workspaces": "cuBLAS/cuBLASLt workspaces",
+        }
+        return ", ".join(
+            f"{labels.get(kind, kind)} {format_bytes(b)}" for kind, b in self.parts().items() if b
+        )
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
+
+
+_LOOKAHEAD = 4  # calibration ops a fake op may skip when aligning
+# Fake-only ops in a row before the sequences count as parted (convnext's LayerNorm dispatches
+# 5 in fake mode: squeeze twice, new_zeros, as_strided, copy_).
+_MAX_MISSES = 16
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Live tensor storages by creation phase, with the peak and who was alive at it."""
+
+    def __init__(self, round_to: int = 1, calibration: Any = None, batch_size: int = 1) -> None:
+        super().__init__()
+        self.round_to = round_to
+        self.calibration = calibration
+        self.batch_size = batch_size
+        self.op_index = 0  # fake ops dispatched in the counted steps
+        self.cal_index = 0  # the next calibration op to match
+        self.misses = 0  # fake ops in a row that matched none
+        self.left_at = 0  # the fake op where the sequences parted
+        self.counting = False  # ops are numbered from the first training step on
+        self.aligned = calibration is not None
+        self.peak_workspace = 0
+        self.phase = "setup"
+        self.live: dict[int, tuple[int, str]] = {}  # uid -> (bytes, phase)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_snapshot: dict[int, tuple[int, str]] = {}
+        self._refs: dict[int, list[tuple[weakref.ref[Any], int]]] = {}
+        self._next_uid = 0
+        # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model.
+        self.events: list[tuple[str, int, int]] | None = None
+
+    def uid_of(self, t: torch.Tensor) -> int | None:
+        st = t.untyped_storage()
+        for ref, uid in self._refs.get(id(st), []):
+            if ref() is st:
+                return uid
+        return None
+
+    def track(self, t: torch.Tensor, real_bytes: int = 0) -> None:
+        if self.uid_of(t) is not None:
+            return
+        st = t.untyped_storage()
+        n = max(st.nbytes(), real_bytes)
+        if self.round_to > 1:
+            n = max(self.round_to, math.ceil(n / self.round_to) * self.round_to) if n else 0
+        uid = self._next_uid
+        self._next_uid += 1
+        key = id(st)
+
+        def release(ref: weakref.ref[Any], uid: int = uid, key: int = key) -> None:
+            size, _ = self.live.pop(uid, (0, ""))
+            self.live_bytes -= size
+            if self.events is not None:
+                self.events.append(("free", uid, 0))
+            refs = self._refs.get(key, [])
+            refs[:] = [(r, u) for r, u in refs if u != uid]
+            if not refs:
+                self._refs.pop(key, None)
+
+        self._refs.setdefault(key, []).append((weakref.ref(st, release), uid))
+        self.live[uid] = (n, self.phase)
+        self.live_bytes += n
+        if self.events is not None:
+            self.events.append(("malloc", uid, n))
+        self._observe(0)
+
+    def _observe(self, workspace: int) -> None:
+        if self.live_bytes + workspace > self.peak_bytes:
+            self.peak_bytes = self.live_bytes + workspace
+            self.peak_workspace = workspace
+            self.peak_snapshot = dict(self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "prim":
+            # Fake mode's own metadata queries (prim.device, two per aten op): a real run has
+            # none and they allocate nothing.
+            return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        counted = self.counting
+        real: tuple[int, ...] = ()
+        matched = self._match(str(func)) if counted and self.aligned else None
+        if matched is not None:
+            real = self.calibration.output_sizes(matched, self.batch_size)
+        if len(real) != len(tensors):
+            real = (0,) * len(tensors)
+        for t, n in zip(tensors, real, strict=True):
+            # Where a fake kernel under-reports an output (an empty workspace), the real size.
+            self.track(t, n)
+        if matched is not None:
+            # The kernel's scratch memory was alive together with its outputs.
+            self._observe(self.calibration.workspace(matched, self.batch_size))
+        if counted:
+            self.op_index += 1
+        return out
+
+    def _match(self, name: str) -> int | None:
+        """The calibration op this fake op is, or None. Fake mode dispatches a few ops the real
+        run does not (a real ``detach`` may become ``new_empty_strided`` + ``copy_``), and the
+        reverse: look a few ops ahead, count unmatched fake ops as extra, and stop adding only
+        after a run of misses, when the sequences have really parted."""
+        ops = self.calibration.ops_for(self.batch_size)
+        for j in range(self.cal_index, min(len(ops), self.cal_index + _LOOKAHEAD)):
+            if ops[j] == name:
+                self.cal_index, self.misses = j + 1, 0
+                return j
+        if self.cal_index >= len(ops):
+            return None  # past the calibrated steps: nothing left to add, nothing to warn about
+        self.misses += 1
+        if self.misses > _MAX_MISSES:
+            self.aligned = False
+            self.left_at = self.op_index
+        return None
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+
+def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:
+        if _unfakeable_op(exc) is None:
+            raise
+        # The constructor itself computes with an op meta tensors lack (timm's RegNets size
+        # their stages with torch.unique): build on the CPU, then keep only the shapes.
+        model = factory()
+        if isinstance(model, nn.Module):
+            model = model.to(device="meta")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"the model has lazy parameters ({', '.join(lazy[:3])}): their sizes are unknown "
+            "until a forward pass. Run one in the factory, e.g. `model(torch.zeros(1, "
+            "*input_shape)); return model` (free on the meta device), or give the layers "
+            "their input sizes"
+        )
+    return model
+
+
+def predict_peak(spec: StepSpec, *, calibration: Any = None) -> MemoryPrediction:
+    """Predict the peak memory of training ``spec`` on fake tensors: the larger of the first
+    step (which creates the optimizer state) and a steady step (with the state alive).
+
+    A model with an op fake tensors cannot run (no meta kernel, or an output shape that depends
+    on the data: ``torch.unique``, ``nonzero``) is measured instead: real CPU steps at two small
+    micro-batch sizes, extrapolated linearly, with a note saying so (:func:`_measured_fallback`).
+
+    >>> import torch
+    >>> spec = StepSpec(lambda: torch.nn.Linear(1024, 1024), (1024,), batch_size=32, optimizer="adamw")
+    >>> p = predict_peak(spec)
+    >>> p.parameters, p.optimizer_state >= 2 * p.parameters
+    (4198400, True)
+    """
+    if spec.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {spec.batch_size}")
+    if spec.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
+    try:
+        return _predict_on_fake(spec, calibration)
+    except Exception as exc:
+        op = _unfakeable_op(exc)
+        if op is None:
+            raise
+    return _measured_fallback(spec, op)
+
+
+def check_forward(spec: StepSpec) -> None:
+    """Run one forward pass of ``spec`` on fake tensors: a model that cannot take the input
+    (a wrong size, a bad factory) raises here in a fraction of a second, allocating nothing.
+    Cheaper than :func:`predict_peak` when only that is wanted (a fixed micro-batch).
+
+    >>> check_forward(StepSpec(lambda: torch.nn.Linear(4, 2), (4,), 2))
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _build_on_meta(spec.model)
+    device = "cpu" if torch.device(spec.device).type == "cuda" else spec.device
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = model.to_empty(device=device).train()
+            with torch.no_grad(), autocast_for(spec.precision, torch.device(device).type):
+                model(make_inputs(spec, device))
+    except Exception as exc:
+        if _unfakeable_op(exc) is None:
+            raise  # an op without a fake kernel is not the model's fault: training will tell
+
+
+def _unfakeable_op(exc: BaseException) -> str | None:
+    """The op fake tensors could not run, when that is what ``exc`` says; else None."""
+    from torch._subclasses.fake_tensor import (
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    if isinstance(exc, DynamicOutputShapeException | UnsupportedOperatorException):
+        return str(exc.func)
+    text = str(exc)
+    if isinstance(exc, NotImplementedError) and "Meta" in text:
+        return text.split(":", 1)[0]  # "aten::_unique2: attempted to run this operator ..."
+    return None
+
+
+def _measured_fallback(spec: StepSpec, op: str) -> MemoryPrediction:
+    """Real CPU steps at two small micro-batch sizes, extrapolated linearly in the micro-batch
+    (peak memory is close to affine in it; see the planner). Measured once per model and input,
+    so a plan's several predictions cost two real steps. CPU kernels' memory stands in for a
+    CUDA target's, which is not the same: the note says so."""
+    t0 = time.perf_counter()
+    (a, peak_a), (b, peak_b) = _measured_line(replace(spec, batch_size=1, device="cpu"))
+    slope = (peak_b - peak_a) / (b - a)
+    peak = max(peak_a, round(peak_a + slope * (spec.batch_size - a)))
+    params = sum(p.numel() * p.element_size() for p in _build_on_meta(spec.model).parameters())
+    where = "" if spec.device == "cpu" else f" on the CPU, standing in for {spec.device}"
+    return MemoryPrediction(
+        peak_bytes=peak,
+        parameters=params,
+        gradients=0,
+        optimizer_state=0,
+        activations=0,
+        temporaries=max(0, peak - params),
+        batch_size=spec.batch_size,
+        device=torch.device(spec.device).type,
+        precision=spec.precision,
+        optimizer=spec.optimizer,
+        seconds=time.perf_counter() - t0,
+        notes=[
+            f"measured, not predicted: fake tensors cannot run {op}, so real steps at "
+            f"micro-batch {a} and {b}{where} were measured and extrapolated linearly"
+        ],
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _measured_line(spec: StepSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    points = []
+    for b in (1, 2, 4):
+        try:
+            points.append((b, measure_step_peak(spec.with_batch(b))))
+        except ValueError:  # BatchNorm cannot train on one sample: start at 2
+            continue
+        if len(points) == 2:
+            return points[0], points[1]
+    raise ValueError(f"{spec.name or 'the model'} cannot run a real step at micro-batch 1, 2 or 4")
+
+
+def _peak_parts(
+    tracker: _StorageTracker, param_uids: set[int], grads_uids: set[int], state_uids: set[int]
+) -> dict[str, int]:
+    """What was alive at the peak, by kind."""
+    parts = dict.fromkeys(
+        ("parameters", "gradients", "optimizer_state", "activations", "temporaries"), 0
+    )
+    for uid, (size, phase) in tracker.peak_snapshot.items():
+        if uid in param_uids:
+            parts["parameters"] += size
+        elif uid in grads_uids:
+            parts["gradients"] += size
+        elif uid in state_uids:
+            parts["optimizer_state"] += size
+        elif phase == "forward":
+            parts["activations"] += size
+        else:
+            parts["temporaries"] += size
+    return parts
+
+
+# One function on purpose (over 80 lines): the traced step's tensors are locals whose lifetimes
+# are the prediction (``del x`` where a loop frees its batch, ``waiting`` for the next batch);
+# split across helpers, a frame or a return value would keep them alive longer than the real
+# step does and move the peak.
+def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t0 = time.perf_counter()
+    target = torch.device(spec.device)
+    # The autograd engine wants a real CUDA context for CUDA tensors, even fake ones, so a CUDA
+    # step is traced on CPU-placed fake tensors with what differs on CUDA: 512-byte allocator
+    # blocks and the multi-tensor (foreach) optimizers CUDA defaults to.
+    device = torch.device("cpu") if target.type == "cuda" else target
+    model = _build_on_meta(spec.model)
+    tracker = _StorageTracker(
+        round_to=CUDA_BLOCK if target.type == "cuda" else 1,
+        calibration=calibration,
+        batch_size=spec.batch_size,
+    )
+    if target.type == "cuda":
+        tracker.events = []
+    grads_uids: set[int] = set()
+    state_uids: set[int] = set()
+    # CPU: the optimizer's first step (which creates its state) runs on zero gradients, then one
+    # steady step is traced; a GRU step is ~6k fake ops, so this halves the time. CUDA
+    # traces both real steps: the allocator model needs the first step's segments.
+    steady = target.type != "cuda"
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        model = model.to_empty(device=device)
+        model.train()
+        param_uids = set()
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.track(t)
+            uid = tracker.uid_of(t)
+            if uid is not None:
+                param_uids.add(uid)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(
+            spec.optimizer, params, foreach=True if target.type == "cuda" else None
+        )
+        # Inputs exist before the step, as a DataLoader's batch would (and as measured).
+        inputs = [make_inputs(spec, device) for _ in range(1 if steady else 2)]
+        waiting = None
+        if steady:
+            # The real first step has the next batch waiting beside its own: ``waiting`` stands
+            # for it, while the state is created and then, in the forward and backward, for
+            # whatever of it the state does not already outweigh.
+            batch_bytes = inputs[0].untyped_storage().nbytes()
+            waiting = torch.empty(batch_bytes, dtype=torch.uint8, device=device)
+            built = _state_bytes(opt)  # Adagrad makes its state when it is built
+            with tracker.in_phase("optimizer"):
+                first_optimizer_step(params, opt)
+            made = _state_bytes(opt) - built
+            del waiting
+            waiting = torch.empty(max(0, batch_bytes - made), dtype=torch.uint8, device=device)
+        tracker.counting = True
+        while inputs:
+            x = inputs.pop(0)
+            with tracker.in_phase("forward"):
+                with autocast_for(spec.precision, device.type):
+                    out = model(x)
+                loss = loss_of(out)
+                del out
+            with tracker.in_phase("backward"):
+                loss.backward()
+                del loss
+            waiting = None  # the real first step's optimizer peak is the one traced above
+            for p in params:
+                if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
+                    grads_uids.add(uid)
+            with tracker.in_phase("optimizer"):
+                opt.step()
+            for v in optimizer_state_tensors(opt):
+                if (uid := tracker.uid_of(v)) is not None:
+                    state_uids.add(uid)
+            opt.zero_grad(set_to_none=True)
+            del x  # a training loop's batch lives until its optimizer step is done
+    del model, opt
+    parts = _peak_parts(tracker, param_uids, grads_uids, state_uids)
+    notes = []
+    if calibration is not None and not tracker.aligned:
+        notes.append(
+            f"op sequence left the calibration at op {tracker.left_at}: workspaces after it are not counted"
+        )
+    reserved = library = 0
+    if tracker.events is not None:
+        reserved = simulate(tracker.events).reserved_bytes
+        library = cuda_library_workspace_bytes()
+    return MemoryPrediction(
+        peak_bytes=tracker.peak_bytes,
+        workspace_bytes=tracker.peak_workspace,
+        reserved_bytes=reserved,
+        library_workspace_bytes=library,
+        notes=notes,
+        batch_size=spec.batch_size,
+        device=target.type,
+        precision=spec.precision,
+        optimizer=spec.optimizer,
+        seconds=time.perf_counter() - t0,
+        **parts,
+    )

@@ -1,0 +1,122 @@
+"""One training step, as the planner predicts it and the measurements run it: the step's
+description (:class:`StepSpec`), its inputs, its optimizer and the step itself. Prediction
+(:mod:`.predict`), measurement (:mod:`.measure`) and calibration (:mod:`.calibrate`) share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigbatch.device import autocast_for
+
+__all__ = [
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "Precision",
+    "StepSpec",
+    "first_optimizer_step",
+    "loss_of",
+    "make_inputs",
+    "make_optimizer",
+    "optimizer_state_tensors",
+    "run_training_step",
+]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "rmsprop", "adagrad")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training step to predict or measure.
+
+    ``model`` builds the network (it is called under the meta device, so building is free);
+    ``input_shape`` is one sample's shape, e.g. ``(3, 224, 224)``; integer ``input_dtype``
+    (token ids) draws inputs from ``[0, vocab)``.
+    """
+
+    model: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    batch_size: int
+    optimizer: str = "adamw"
+    precision: Precision = "fp32"
+    device: str = "cpu"
+    input_dtype: torch.dtype = torch.float32
+    name: str = ""
+
+    def with_batch(self, batch_size: int) -> StepSpec:
+        return replace(self, batch_size=batch_size)
+
+
+def make_optimizer(
+    name: str, params: Any, lr: float = 1e-3, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """The optimizers the planner knows, by name (their state is what differs)."""
+    name = name.lower()
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, foreach=foreach)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, foreach=foreach)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A loss of the shape training uses: cross-entropy on [B, C] logits, else a mean square."""
+    if isinstance(out, dict):
+        out = next(iter(out.values()))
+    if isinstance(out, tuple | list):
+        out = out[0]
+    if out.dim() == 2:
+        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+        return F.cross_entropy(out.float(), target)
+    return out.float().pow(2).mean()
+
+
+def make_inputs(spec: StepSpec, device: torch.device | str) -> torch.Tensor:
+    shape = (spec.batch_size, *spec.input_shape)
+    if spec.input_dtype.is_floating_point:
+        return torch.randn(shape, dtype=spec.input_dtype, device=device)
+    return torch.randint(0, 2, shape, dtype=spec.input_dtype, device=device)
+
+
+def run_training_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, precision: str, device_type: str
+) -> None:
+    """One plain training step, the same for prediction and measurement."""
+    with autocast_for(precision, device_type):
+        out = model(x)
+    loss = loss_of(out)
+    del out
+    loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def first_optimizer_step(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
+    """The optimizer's first step on zero gradients: it creates the state (Adam's two moments)
+    with the same sizes and temporaries as a real first step."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor an optimizer keeps as state (Adam's moments, Adagrad's sums, step counts)."""
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

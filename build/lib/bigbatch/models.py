@@ -1,0 +1,163 @@
+"""Models by name: any timm architecture (never downloaded), or the user's own factory."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.io import load_tensors
+
+__all__ = [
+    "UnknownArchitectureError",
+    "load_weights",
+    "pretrained_state",
+    "read_weights",
+    "resolve_arch",
+    "timm_factory",
+]
+
+
+class UnknownArchitectureError(ValueError):
+    """An architecture name timm does not know; the message lists close names."""
+
+
+@functools.cache
+def _timm_names() -> tuple[str, ...]:
+    import timm
+
+    return tuple(timm.list_models())
+
+
+def resolve_arch(name: str) -> str:
+    """Check ``name`` is a timm architecture; otherwise raise with the closest names.
+
+    >>> resolve_arch("resnet18")
+    'resnet18'
+    """
+    names = _timm_names()
+    if name in names:
+        return name
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
+    raise UnknownArchitectureError(f"unknown architecture {name!r}: {hint}")
+
+
+def _create(
+    arch: str, num_classes: int, img_size: int | None, in_chans: int, pretrained: bool = False
+) -> nn.Module:
+    import timm
+
+    kwargs: dict[str, Any] = {
+        "pretrained": pretrained,
+        "num_classes": num_classes,
+        "in_chans": in_chans,
+    }
+    if img_size is not None:
+        try:
+            # Vision transformers fix their input size at build time; convnets take any.
+            return timm.create_model(arch, img_size=img_size, **kwargs)
+        except TypeError:
+            pass
+    return timm.create_model(arch, **kwargs)
+
+
+def timm_factory(
+    arch: str,
+    *,
+    num_classes: int = 1000,
+    img_size: int | None = None,
+    in_chans: int = 3,
+    weights: str | Path | None = None,
+    pretrained: bool = False,
+) -> Callable[[], nn.Module]:
+    """A zero-argument factory building ``arch`` with random weights, a local ``weights`` file
+    (safetensors, or a torch state dict read with ``weights_only=True``), or timm's
+    ``pretrained`` weights: through the Hugging Face hub cache, downloaded when there is a
+    network, offline when cached; resolved once, here, so a missing file fails before any work
+    (:func:`pretrained_state`). A head of another size is left as timm makes it.
+
+    >>> model = timm_factory("resnet18", num_classes=10)()
+    >>> model.fc.out_features
+    10
+    """
+    arch = resolve_arch(arch)
+    if weights is not None:
+        read_weights(weights)  # a missing or unreadable file fails now, not inside training
+    state = pretrained_state(arch, num_classes, img_size, in_chans) if pretrained else None
+
+    def build() -> nn.Module:
+        model = _create(arch, num_classes, img_size, in_chans)
+        on_meta = any(p.is_meta for p in model.parameters())  # a plan's shapes-only build
+        if state is not None and not on_meta:
+            model.load_state_dict(state)
+        if weights is not None and not on_meta:
+            load_weights(model, weights)
+        return model
+
+    build.__name__ = f"timm:{arch}"
+    return build
+
+
+def pretrained_state(
+    arch: str, num_classes: int, img_size: int | None = None, in_chans: int = 3
+) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights for ``arch`` with this head, as a state dict.
+
+    timm fetches them from the Hugging Face hub into its cache (``HF_HUB_CACHE``, by default
+    ``~/.cache/huggingface/hub``) the first time, and reads the cache after that, offline too
+    (``HF_HUB_OFFLINE=1``). With neither a network nor the files cached it raises ValueError
+    naming the model, the cache and what to do."""
+    try:
+        model = _create(arch, num_classes, img_size, in_chans, pretrained=True)
+    except Exception as exc:
+        import timm
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        cfg = timm.models.get_pretrained_cfg(arch)
+        source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or arch
+        raise ValueError(
+            f"pretrained weights for {arch} ({source}) are not in the Hugging Face cache "
+            f"{HF_HUB_CACHE} and could not be downloaded ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}); run once "
+            "with a network, point HF_HUB_CACHE at a cache that has them, or give weights=FILE"
+        ) from None
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a local weights file (safetensors, a state dict, or a checkpoint with a
+    ``"model"`` state dict), without unpickling; ``ValueError`` naming the file otherwise."""
+
+    state = load_tensors(path, "weights file")
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"weights file {path} is not a state dict (names to tensors): save one with "
+            "torch.save(model.state_dict(), path)"
+        )
+    return state
+
+
+def load_weights(model: nn.Module, path: str | Path, *, strict: bool = False) -> list[str]:
+    """Load a local weights file into ``model`` without unpickling anything.
+
+    A classifier head whose shape differs (another number of classes) is skipped; returns the
+    names of the tensors that were not loaded.
+    """
+    state = read_weights(path)
+    own = model.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    skipped = sorted(set(state) - set(usable))
+    model.load_state_dict(usable, strict=False)
+    if strict and (skipped or set(own) - set(usable)):
+        raise ValueError(f"weights in {path} do not match the model: {skipped[:5]}")
+    return skipped

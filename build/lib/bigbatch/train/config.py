@@ -1,0 +1,370 @@
+"""The training configuration: a TOML file plus ``key=value`` overrides, checked before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from bigbatch.memory.budget import parse_bytes
+from bigbatch.train.tasks import task_entry, task_names
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "TrainConfig", "load_config", "read_toml"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the fix in the message."""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "item_transform": ("squish", "crop"),
+    "precision": ("auto", "fp32", "bf16", "fp16"),
+    "mode": ("auto", "fine_tune", "fit"),
+    "schedule": ("one_cycle", "cosine", "plateau"),
+    "loss": ("bce_dice", "dice", "bce"),
+    "bad_images": ("skip", "error"),
+    "optimizer": ("adamw", "sgd"),
+    "channels_last": ("auto", "true", "false"),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``bigbatch train`` needs; every field can be set in the file or as key=value.
+    What each key means is in :data:`HELP` (and ``bigbatch train --help``)."""
+
+    task: str = "classification"
+    data: str = ""
+    image_root: str = ""
+    valid: str = ""
+    valid_pct: float = 0.2
+    arch: str = "resnet18"
+    model: str = ""
+    weights: str = ""
+    pretrained: bool = False
+    size: int = 224
+    item_transform: str = "squish"
+    augment: bool = True
+    freeze_bn: bool = False
+    batch: int = 64
+    budget: str = "auto"
+    overhead: str = "auto"
+    micro_batch: int = 0
+    device: str = "auto"
+    precision: str = "auto"
+    optimizer: str = "adamw"
+    mode: str = "auto"
+    epochs: int = 5
+    freeze_epochs: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    schedule: str = "one_cycle"
+    monitor: str = "valid_loss"
+    loss: str = "bce_dice"
+    num_classes: int = 0
+    seed: int = 42
+    num_workers: int = -1
+    threads: int = 0
+    bad_images: str = "skip"
+    grow_after: int = 100
+    log_every: float = 30.0
+    checkpoint_every: str = ""
+    channels_last: str = "auto"
+    compile: bool = False
+
+    def validate(self) -> None:
+        """Every check that needs no data and no model: before any work starts."""
+        if not self.data:
+            raise ConfigError(
+                "data is not set: give data=path/to/folder (one sub-folder per class) or a CSV"
+            )
+        if self.task not in task_names():
+            raise ConfigError(f"task={self.task!r} is not one of {', '.join(task_names())}")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(
+                    f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}"
+                )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+        for key in ("size", "batch", "epochs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.valid_pct < 1:
+            raise ConfigError(f"valid_pct must be in [0, 1), got {self.valid_pct}")
+        if self.num_workers < -1:
+            raise ConfigError(f"num_workers must be >= 0, or -1 for auto; got {self.num_workers}")
+        for key in ("micro_batch", "freeze_epochs", "threads", "grow_after", "seed"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(
+                f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}"
+            )
+        if self.log_every < 0:
+            raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
+        check_device(self.device, "device")
+        self.checkpoint_interval()  # raises on a value it cannot read
+
+        for key, allow_zero in (("budget", False), ("overhead", True)):
+            value = getattr(self, key)
+            if value.strip().lower() != "auto":
+                try:
+                    parse_bytes(value, allow_zero=allow_zero)
+                except ValueError as exc:
+                    raise ConfigError(f"{key}={value!r}: {exc}") from exc
+        if self.weights and self.pretrained:
+            raise ConfigError("weights= and pretrained=true both give starting weights: choose one")
+        if self.pretrained and self.model:
+            raise ConfigError(
+                "pretrained=true loads timm's weights for arch=; your model= factory loads its own"
+            )
+        if self.weights and not Path(self.weights).is_file():
+            raise ConfigError(
+                f"weights={self.weights!r} does not exist (a local safetensors or state-dict "
+                "file; nothing is downloaded)"
+            )
+        metrics = task_entry(self.task).metrics
+        if self.monitor != "valid_loss" and self.monitor not in metrics:
+            raise ConfigError(
+                f"monitor={self.monitor} is not a {self.task} metric: use valid_loss, "
+                + " or ".join(metrics)
+            )
+        if self.num_classes < 0:
+            raise ConfigError(
+                f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
+            )
+        if self.micro_batch > self.batch:
+            raise ConfigError(
+                f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
+                "is a part of the batch; lower it, or raise batch"
+            )
+
+    def checkpoint_interval(self) -> tuple[int, float]:
+        """(optimizer steps, seconds) between mid-epoch checkpoints; (0, 0) for none."""
+        text = self.checkpoint_every.strip().lower().replace(" ", "")
+        if not text:
+            return 0, 0.0
+        try:
+            if text.endswith(("min", "m")):
+                minutes = float(text.rstrip("min") or "x")
+                if math.isfinite(minutes) and minutes > 0:
+                    return 0, 60.0 * minutes
+            elif int(text) > 0:
+                return int(text), 0.0
+        except ValueError:
+            pass
+        raise ConfigError(
+            f"checkpoint_every={self.checkpoint_every!r}: give optimizer steps (e.g. 200) or "
+            "minutes (e.g. 10min)"
+        )
+
+    @property
+    def model_name(self) -> str:
+        """What the run trains, for logs and folder names: the factory or the timm name."""
+        return self.model or self.arch
+
+    @property
+    def fine_tunes(self) -> bool:
+        """Whether the head trains alone first: mode=fine_tune, or auto with starting weights
+        (random weights have no features worth keeping, so auto trains everything)."""
+        return self.mode == "fine_tune" or (
+            self.mode == "auto" and (bool(self.weights) or self.pretrained)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def training_keys(self) -> dict[str, Any]:
+        """What decides the trained weights (a resumed run must match these)."""
+        ignore = {
+            "num_workers",
+            "threads",
+            "device",
+            "budget",
+            "overhead",
+            "micro_batch",
+            "grow_after",
+            "bad_images",
+            "log_every",
+            "checkpoint_every",
+            "compile",
+        }
+        return {k: v for k, v in self.to_dict().items() if k not in ignore}
+
+
+HELP: dict[str, str] = {
+    "task": "classification (image -> class) or segmentation (image/volume -> mask)",
+    "data": "classification: a folder with one sub-folder per class, or a CSV of file,label; segmentation: a folder with images/ and masks/, or a CSV of image,mask (required)",
+    "image_root": "where the CSV's files are (default: the CSV's folder)",
+    "valid": "a validation folder or CSV; empty: a seeded split of data",
+    "valid_pct": "the share of data held out for validation; 0: none (best checkpoint by train_loss)",
+    "arch": "any timm architecture (random init; weights= for your own starting weights); segmentation: unet (2D/3D, GroupNorm) or a timm encoder name (2D)",
+    "model": "module:factory(num_classes) building your own model, instead of arch",
+    "weights": "a local weights file (safetensors or a state dict; never unpickled, never downloaded)",
+    "pretrained": "timm's pretrained weights, through the Hugging Face cache (downloaded once, then offline)",
+    "size": "input size: images are resized to size x size; volumes are cropped to size^3 patches",
+    "item_transform": "squish: resize to size x size; crop: resize, then centre crop",
+    "augment": "random flips and crops while training",
+    "freeze_bn": "BatchNorm uses its running statistics: accumulation becomes exact",
+    "batch": "the target batch: samples per optimizer step",
+    "budget": "memory budget for training (8GB, 16GiB, 512MiB) or auto: the free memory now",
+    "overhead": "memory besides the step's tensors: auto (this process / the CUDA context) or a size",
+    "micro_batch": "0: the planner chooses under budget; else fixed (checked against an explicit budget)",
+    "device": "auto, cpu, cuda, cuda:N or mps",
+    "precision": "auto (bf16 or fp16 on CUDA, fp32 elsewhere), fp32, bf16, fp16",
+    "optimizer": "adamw, or sgd (momentum 0.9: one state copy instead of two)",
+    "mode": "fine_tune: the head alone for freeze_epochs, then all; fit: all; auto: fine_tune with weights= or pretrained, else fit",
+    "epochs": "epochs (after the head-only ones of fine_tune)",
+    "freeze_epochs": "head-only epochs of fine_tune",
+    "lr": "learning rate (the head-only epochs use twice this)",
+    "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
+    "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
+    "monitor": "what picks best.safetensors: valid_loss; accuracy or error_rate (classification); dice or jaccard (segmentation)",
+    "loss": "segmentation loss: bce_dice, dice (per sample, exact under accumulation) or bce",
+    "num_classes": "segmentation classes: 0 infers them from the masks (0/1 or 0/255: binary)",
+    "seed": "seeds the split, the order, augmentation and initialisation",
+    "num_workers": "data-loading processes (0: in the training process; -1: auto, 0 on a CPU run with 2 cores or fewer)",
+    "threads": "torch's CPU threads (0: auto, the cores the data loaders leave); kept on resume",
+    "bad_images": "unreadable images: skip (and count them) or error",
+    "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",
+    "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
+    "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
+    "channels_last": "NHWC memory format for convolutional models: auto (on CUDA), true, false",
+    "compile": "torch.compile the model for training (opt-in: the first steps compile)",
+}
+
+
+def keys_help() -> str:
+    """Every config key with its default and meaning: the epilog of ``bigbatch train --help``."""
+    defaults = TrainConfig()
+    lines = ["config keys (in the TOML file, or key=value):"]
+    for f in fields(TrainConfig):
+        default = getattr(defaults, f.name)
+        shown = json.dumps(default) if isinstance(default, str) else str(default).lower()
+        lines.append(f"  {f.name} = {shown}\n      {HELP[f.name]}")
+    return "\n".join(lines)
+
+
+def check_device(name: str, what: str, *, here: bool = True) -> None:
+    """A device name torch knows and (with ``here``) this machine has; ``auto`` always passes.
+    ``here=False`` only checks the name: a plan for a GPU needs no GPU."""
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"{what}={name!r} is not a device: use auto, cpu, cuda, cuda:N or mps"
+        ) from exc
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{what}={name!r}: bigbatch trains on cpu, cuda or mps")
+    if not here:
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{what}={name} but no CUDA device is available; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{what}={name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{what}={name} but MPS is not available here; use cpu or auto")
+
+
+def _coerce(name: str, raw: Any, annotation: Any) -> Any:
+    kind = {"str": str, "int": int, "float": float, "bool": bool}.get(str(annotation), annotation)
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} takes true or false, got {raw!r}")
+    try:
+        if kind is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        noun = {"int": "an integer", "float": "a number", "str": "a string"}[kind.__name__]
+        raise ConfigError(f"{name} takes {noun}, got {raw!r}") from exc
+
+
+def _apply(cfg: TrainConfig, values: dict[str, Any], where: str) -> None:
+    known = {f.name: f for f in fields(TrainConfig)}
+    for key, raw in values.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = (
+                f"; did you mean {', '.join(close)}?"
+                if close
+                else f"; known keys: {', '.join(known)}"
+            )
+            raise ConfigError(f"unknown key {key!r} in {where}{hint}")
+        setattr(cfg, key, _coerce(key, raw, known[key].type))
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file's tables; a missing or malformed file is a ConfigError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Defaults, then the TOML file (if any), then ``key=value`` overrides; validated.
+
+    >>> load_config(overrides=["data=images", "epochs=3", "augment=false"]).epochs
+    3
+    """
+    cfg = TrainConfig()
+    if path is not None:
+        _apply(cfg, read_toml(path, "config file"), str(path))
+    pairs = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"overrides look like key=value, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    _apply(cfg, pairs, "the overrides")
+    cfg.validate()
+    return cfg
+
+
+def config_from_json(text: str, where: str = "the saved config") -> TrainConfig:
+    """A run folder's ``config.json``; anything else is a ConfigError naming it."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{where} is not a bigbatch config (not JSON: {exc}); restore it, or start a new run "
+            "in another folder"
+        ) from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} is not a bigbatch config (a JSON {type(values).__name__})")
+    cfg = TrainConfig()
+    _apply(cfg, values, where)
+    return cfg

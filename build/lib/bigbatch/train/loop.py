@@ -1,0 +1,341 @@
+"""``bigbatch train``: data -> model -> plan -> exact accumulation with OOM back-off -> checkpoints.
+
+A thin composition of the library: the planner picks micro-batch x accumulation for the target
+batch, each window (one target batch) goes through :func:`~bigbatch.memory.oom.run_window`, and
+every epoch ends with validation, atomic checkpoints, ``history.csv`` and a plot. A run folder
+is resumable: finished epochs are never redone, and the resumed run ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.accumulate import NonFiniteGradientWarning
+from bigbatch.device import (
+    autocast_for,
+    rng_state,
+    set_rng_state,
+)
+from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
+from bigbatch.memory.oom import OOMBackoff, run_window
+from bigbatch.train.checkpoint import save_weights
+from bigbatch.train.config import ConfigError, TrainConfig
+from bigbatch.train.data import make_loader
+from bigbatch.train.optim import PLAN_OPTIMIZER, mode_line, phases
+from bigbatch.train.planning import plan_for
+from bigbatch.train.progress import progress
+from bigbatch.train.report import plot_history, write_history
+from bigbatch.train.run_dir import check_run_dir, write_run_files
+from bigbatch.train.runtime import (
+    check_no_lone_sample,
+    device_for_rank,
+    distributed_sampler,
+    init_distributed,
+    note_inexact,
+    place_model,
+    resolve_device,
+    resolve_precision,
+    resolve_threads,
+    threads_for_run,
+    train_mode,
+)
+from bigbatch.train.state import Phase, Run, build_phase, epoch_loader, restore
+from bigbatch.train.tasks import Metrics, lower_is_better, task_for
+
+__all__ = [
+    "PLAN_OPTIMIZER",  # from bigbatch.train.optim, and the three below from .runtime: where
+    "TrainResult",  # callers of the training command look for them
+    "TrainingDiverged",
+    "resolve_device",
+    "resolve_threads",
+    "train",
+]
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    best_metric: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+
+
+def evaluate(
+    model: nn.Module,
+    loader: Any,
+    device: torch.device,
+    precision: str,
+    metrics: Metrics,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> Metrics:
+    """Run the validation set through ``model`` into ``metrics`` (the task's)."""
+
+    model.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            with autocast_for(precision, device.type):
+                logits = model(x.to(device, non_blocking=True, memory_format=memory_format))
+            metrics.update(logits, y.to(device))
+    model.train()
+    return metrics
+
+
+class TrainingDiverged(ConfigError):
+    """The training loss became inf or nan; the last good checkpoint is kept."""
+
+
+def train(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    log: Log = print,
+    progress: bool | None = None,
+    data: tuple[Any, Any] | None = None,
+) -> TrainResult:
+    """Train ``cfg`` into ``run_dir`` (resuming it when ``resume``); see the module docstring.
+    ``data`` is the task's scanned (train, valid) items when the caller has them already.
+
+    The run folder is locked for the whole run (a second ``train`` on it fails at once), and
+    every check that needs no training (config, folder, data, model, plan) runs first.
+
+    Under torchrun it joins the process group (when the caller has not) and leaves it open, so
+    one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
+    cfg.validate()
+    rank, world = init_distributed(cfg)
+    run_dir = Path(run_dir)
+    if rank != 0:  # rank 0 alone logs and writes files
+        return _loop(_setup(cfg, run_dir, resume, _silent, False, data, rank, world))
+
+    threads_before = torch.get_num_threads()
+    try:
+        with lock_folder(run_dir, "run folder"):
+            return _loop(_setup(cfg, run_dir, resume, log, progress, data, rank, world))
+    except (FolderBusyError, NotADirectoryError, PermissionError) as exc:
+        raise ConfigError(str(exc)) from exc
+    finally:
+        torch.set_num_threads(threads_before)  # the caller's process keeps its own setting
+
+
+def _loop(run: Run) -> TrainResult:
+    """The loop, after :func:`_setup`: each phase's epochs, each epoch's windows through
+    :func:`~bigbatch.memory.oom.run_window`, and after each epoch validation, the history and
+    atomic checkpoints."""
+    epoch = 0
+    for phase, n_epochs in phases(run.cfg):
+        phase_start, epoch = epoch, epoch + n_epochs
+        if run.start_epoch < epoch:  # else a finished phase
+            _train_phase(run, phase, phase_start, epoch)
+    if run.main_rank:
+        summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
+        atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
+    return TrainResult(run.run_dir, run.best, run.history, run.task.classes)
+
+
+def _setup(
+    cfg: TrainConfig,
+    run_dir: Path,
+    resume: bool,
+    log: Log,
+    progress: bool | None,
+    data: tuple[Any, Any] | None,
+    rank: int,
+    world: int,
+) -> Run:
+    """Every check that needs no training, the plan, the model, the data and the saved state."""
+    state = check_run_dir(run_dir, cfg, resume)
+    device = device_for_rank(cfg.device, rank, world)
+    precision = resolve_precision(cfg.precision, device)
+    threads, workers = threads_for_run(cfg, device, run_dir, state, log)
+    task = task_for(cfg)
+    train_items, valid_items = task.prepare(log, data)
+    factory = task.model_factory()
+    # Every rank holds 1/world of each window: the union over ranks is the target batch.
+    rank_batch = math.ceil(cfg.batch / world)
+    micro, max_micro = plan_for(
+        cfg, factory, device, precision, log, target=rank_batch, input_shape=task.input_shape()
+    )
+    if world > 1:
+        log(
+            f"distributed: {world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
+        )
+    if cfg.mode == "auto":
+        log(mode_line(cfg))
+    if rank == 0:
+        plan_info: dict[str, Any] = {"micro_batch": micro, "max_micro_batch": max_micro}
+        plan_info["target_batch"] = cfg.batch
+        plan_info |= {"precision": precision, "device": str(device), "seed": cfg.seed}
+        plan_info |= {"world_size": world, "threads": threads, "num_workers": workers}
+        write_run_files(run_dir, cfg, task, plan_info)
+    torch.manual_seed(cfg.seed)
+    core, memory_format = place_model(factory(), cfg.channels_last, device)
+    pin = device.type == "cuda"  # page-locked batches: copies to a GPU that overlap compute
+    train_mode(core, cfg)
+    lone_ok = note_inexact(core, cfg, log)
+    if not lone_ok:
+        check_no_lone_sample(len(train_items), rank_batch, world, log)
+    train_ds, valid_ds = task.datasets(train_items, valid_items)
+    sampler = distributed_sampler(train_ds, rank, world, cfg.seed)
+    has_valid = len(valid_ds) > 0
+    run = Run(
+        cfg=cfg, run_dir=run_dir, log=log, progress=progress, task=task, rank=rank, world=world,
+        device=device, precision=precision, workers=workers, core=core,
+        memory_format=memory_format, pin=pin, lone_ok=lone_ok, rank_batch=rank_batch,
+        train_ds=train_ds,
+        # No gradients in validation: twice the micro-batch fits.
+        valid_loader=make_loader(valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed,
+                                 num_workers=workers, pin_memory=pin),
+        has_valid=has_valid,
+        monitor=cfg.monitor if has_valid else "train_loss",
+        sampler=sampler,
+        scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
+        backoff=OOMBackoff(micro_batch=micro, max_micro_batch=max_micro, grow_after=cfg.grow_after,
+                           min_micro_batch=1 if lone_ok else min(2, micro)),
+        state=state,
+        last_checkpoint=time.perf_counter(),
+    )  # fmt: skip
+    if state is not None:
+        restore(run, state)
+    return run
+
+
+def _train_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> None:
+    ph = build_phase(run, phase, phase_start, end_epoch)
+    for e in range(max(phase_start, run.start_epoch), end_epoch):
+        t0 = time.perf_counter()
+        loss_sum, count = _train_epoch(run, ph, e)
+        _finish_epoch(run, ph, e, loss_sum, count, t0)
+
+
+def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
+    """One epoch's windows; returns the epoch's loss sum and count (for the exact mean)."""
+
+    cfg, device, acc, backoff = run.cfg, run.device, ph.acc, run.backoff
+    # Order, augmentation and dropout depend only on (seed, epoch): a resumed run replays
+    # exactly what the uninterrupted run would have done.
+    torch.manual_seed(cfg.seed + e)
+    train_mode(run.core, cfg)  # evaluation left the model in train mode, BatchNorm too
+    resumed = run.mid if run.mid is not None and e == run.start_epoch else None
+    run.mid = None
+    loader = epoch_loader(run, e, skip=int(resumed["windows"]) if resumed else 0)
+    loss_sum = count = 0.0
+    windows_done = 0
+    if resumed:
+        # Where the checkpoint left the epoch: its windows, sums and random streams.
+        windows_done = int(resumed["windows"])
+        loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
+        set_rng_state({"cpu": resumed["rng"], "cuda": resumed.get("cuda_rng")})
+    show = progress(
+        run.progress and run.main_rank,
+        ph.windows,
+        f"epoch {e + 1}/{ph.end_epoch} ({ph.name})",
+        log=run.log,
+        log_every=cfg.log_every,
+    )
+    every_steps, every_seconds = cfg.checkpoint_interval()
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with autocast_for(run.precision, device.type):
+            logits = ph.model(
+                batch[0].to(device, non_blocking=True, memory_format=run.memory_format)
+            )
+        return run.task.loss(logits, batch[1].to(device, non_blocking=True))
+
+    for x, y in loader:
+        with warnings.catch_warnings():
+            # Said below as TrainingDiverged, with the epoch and what was kept.
+            warnings.simplefilter("ignore", NonFiniteGradientWarning)
+            result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+        if result.skipped and not result.non_finite:
+            continue  # fp16 loss scaling's routine skip, or an all-padding window
+        if result.non_finite or not math.isfinite(result.loss):
+            show.close()
+            raise _diverged(run, ph, e, result.loss)
+        loss_sum += result.loss * result.count
+        count += result.count
+        windows_done += 1
+        now = time.perf_counter()
+        due = (every_steps and acc.optimizer_step % every_steps == 0) or (
+            every_seconds and now - run.last_checkpoint >= every_seconds
+        )
+        # One process only: a DistributedSampler cannot skip the windows already done.
+        if due and run.world == 1 and windows_done < ph.windows:
+            run.last_checkpoint = now
+            rng = rng_state()
+            mid = {"windows": windows_done, "loss_sum": loss_sum, "count": count}
+            mid |= {"rng": rng["cpu"], "cuda_rng": rng.get("cuda", [])}
+            ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
+        acc_steps = math.ceil(len(y) / backoff.micro_batch)
+        show.advance(len(y), backoff.micro_batch, acc_steps=acc_steps, device=device)
+    acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
+    show.close()
+    return loss_sum, count
+
+
+def _diverged(run: Run, ph: Phase, e: int, loss: float) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"training diverged: the loss became {loss} at epoch {e + 1}, optimizer step "
+        f"{ph.acc.optimizer_step} (lr {ph.opt.param_groups[0]['lr']:.3g}). Nothing of epoch "
+        f"{e + 1} was saved"
+        + (f"; {run.run_dir / 'last.pt'} holds epoch {e}" if run.history else "")
+        + f". Lower lr (e.g. lr={run.cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
+    )
+
+
+def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0: float) -> None:
+    """Validation, the plateau schedule, the history, the best and last checkpoints, the log."""
+    row: dict[str, Any] = {"epoch": e + 1, "phase": ph.name, "train_loss": loss_sum / max(count, 1)}
+    if run.has_valid:
+        # Every rank evaluates the whole validation set: identical metrics everywhere.
+        metrics = evaluate(
+            run.core, run.valid_loader, run.device, run.precision, run.task.metrics(),
+            run.memory_format,
+        )  # fmt: skip
+        row |= metrics.as_dict()  # valid_loss, then the task's scores
+    if ph.plateau:
+        ph.sched.step(row["valid_loss" if run.has_valid else "train_loss"])
+    row |= {
+        "lr": ph.opt.param_groups[0]["lr"],
+        "micro_batch": run.backoff.micro_batch,
+        "optimizer_steps": ph.acc.optimizer_step,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    run.history.append(row)
+    value = row[run.monitor]
+    sign = 1.0 if lower_is_better(run.cfg.task, run.monitor) else -1.0
+    improved = sign * value < sign * run.best if math.isfinite(run.best) else True
+    if improved:
+        run.best = value
+    if not run.main_rank:
+        return
+    run_dir, cfg = run.run_dir, run.cfg
+    if improved:
+        save_weights(run.core, run_dir / "best.safetensors")
+        atomic_write_text(run_dir / "best.json", json.dumps({"epoch": e + 1, run.monitor: value}))
+    save_weights(run.core, run_dir / "last.safetensors")
+    ph.checkpoint(epoch=e, best=run.best, history=run.history)
+    run.last_checkpoint = time.perf_counter()
+    write_history(run.history, run_dir / "history.csv")
+    plot_history(run.history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
+    scores = run.task.scores(row) if run.has_valid else ""
+    run.log(
+        f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"
+        f"({row['seconds']} s, micro-batch {run.backoff.micro_batch})"
+        + ("  * best" if improved else "")
+    )
+
+
+def _silent(_: str) -> None:
+    pass

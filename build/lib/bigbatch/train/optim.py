@@ -1,0 +1,63 @@
+"""The training command's optimizer, schedule and phases (fine_tune: the head alone, then all)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.train.config import TrainConfig
+
+__all__ = ["PLAN_OPTIMIZER", "head_parameters", "make_optimizer", "mode_line", "phases"]
+
+
+# The planner's name for each training optimizer (their state is what differs).
+PLAN_OPTIMIZER = {"adamw": "adamw", "sgd": "sgd_momentum"}
+
+
+def head_parameters(model: nn.Module) -> set[int]:
+    getter = getattr(model, "get_classifier", None)
+    head = getter() if callable(getter) else None
+    if not isinstance(head, nn.Module) or not list(head.parameters()):
+        # Not a timm model: the last module with parameters is the head.
+        head = [m for m in model.modules() if list(m.parameters(recurse=False))][-1]
+    return {id(p) for p in head.parameters()}
+
+
+def phases(cfg: TrainConfig) -> list[tuple[str, int]]:
+    if cfg.fine_tunes and cfg.freeze_epochs > 0:
+        return [("frozen", cfg.freeze_epochs), ("unfrozen", cfg.epochs)]
+    return [("all", cfg.epochs)]
+
+
+def make_optimizer(
+    cfg: TrainConfig, model: nn.Module, phase: str, steps: int
+) -> tuple[torch.optim.Optimizer, Any]:
+    head = head_parameters(model)
+    for p in model.parameters():
+        p.requires_grad_(phase != "frozen" or id(p) in head)
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = cfg.lr * (2.0 if phase == "frozen" else 1.0)  # the head alone takes a larger rate
+    opt: torch.optim.Optimizer
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    sched: Any
+    if cfg.schedule == "one_cycle":
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, steps))
+    elif cfg.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps))
+    else:
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
+    return opt, sched
+
+
+def mode_line(cfg: TrainConfig) -> str:
+    if cfg.fine_tunes:
+        return (
+            f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
+            "starting from " + ("pretrained weights)" if cfg.pretrained else "weights=)")
+        )
+    return "mode: fit (random weights: every layer trains from the start)"

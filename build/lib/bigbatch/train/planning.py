@@ -1,0 +1,116 @@
+"""The training command's micro-batch: fixed, or planned under ``budget=`` before any data is
+loaded (the model runs once on fake tensors, so a model that cannot take the size fails in a
+second)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.plan import (
+    DoesNotFitError,
+    device_total_bytes,
+    plan_under_budget,
+    resolve_budget,
+)
+from bigbatch.memory.predict import check_forward, predict_peak
+from bigbatch.memory.step import StepSpec
+from bigbatch.train.config import ConfigError, TrainConfig
+from bigbatch.train.optim import PLAN_OPTIMIZER
+
+__all__ = ["plan_for"]
+
+Log = Callable[[str], None]
+
+
+def plan_for(
+    cfg: TrainConfig,
+    factory: Callable[[], nn.Module],
+    device: torch.device,
+    precision: str,
+    log: Log,
+    *,
+    target: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> tuple[int, int]:
+    """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
+    Either way the model runs once on fake tensors first, so a model that cannot take the input
+    size fails here, in a second, not after the data is loaded and an epoch is half done. A fixed
+    ``micro_batch`` with an explicit ``budget`` is checked against it."""
+
+    def spec_at(b: int) -> StepSpec:
+        return StepSpec(
+            factory,
+            input_shape or (3, cfg.size, cfg.size),
+            b,
+            PLAN_OPTIMIZER[cfg.optimizer],
+            precision,  # type: ignore[arg-type]
+            device.type,
+        )
+
+    explicit_budget = cfg.budget.strip().lower() != "auto"
+    try:
+        if cfg.micro_batch and not explicit_budget:
+            check_forward(spec_at(min(2, cfg.micro_batch)))
+            log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
+            return cfg.micro_batch, cfg.micro_batch
+        budget = resolve_budget(cfg.budget, device)
+        total = device_total_bytes(device)
+        if explicit_budget and total is not None and budget > total:
+            raise ConfigError(
+                f"budget={cfg.budget} is more than all the memory this {device.type} has "
+                f"({format_bytes(total)}): a plan for it would run out of memory; use "
+                f"budget=auto (the free memory now) or at most {format_bytes(total)}"
+            )
+        plan = plan_under_budget(
+            spec_at,
+            target or cfg.batch,
+            budget,
+            device=device.type,
+            overhead=None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True),
+            max_micro_batch=cfg.micro_batch or None,
+        )
+        if plan.calibration_note:
+            log(f"plan: {plan.calibration_note}")
+    except DoesNotFitError as exc:
+        raise ConfigError(str(exc)) from exc
+    except ConfigError:
+        raise
+    except (RuntimeError, TypeError, ValueError) as exc:
+        if "more than 1 value per channel" in str(exc):
+            raise ConfigError(
+                f"BatchNorm cannot train on micro-batch 1 ({cfg.model_name} normalises a 1x1 "
+                "feature map): set micro_batch >= 2, or freeze_bn=true"
+            ) from exc
+        raise ConfigError(
+            f"{cfg.model_name} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
+    if cfg.micro_batch:
+        _check_fixed(cfg, plan, spec_at, log)
+        return cfg.micro_batch, cfg.micro_batch
+    log(f"plan: {plan.summary()}")
+    return plan.micro_batch, plan.max_micro_batch
+
+
+def _check_fixed(cfg: TrainConfig, plan: Any, spec_at: Callable[[int], StepSpec], log: Log) -> None:
+    """A fixed ``micro_batch`` with an explicit ``budget``: refused with the largest that fits."""
+    # The plan predicted the fixed micro-batch already (its cap, tried first), unless a rank's
+    # share of the batch under torchrun is smaller.
+    needed = dict(plan.curve).get(cfg.micro_batch) or (
+        predict_peak(spec_at(cfg.micro_batch), calibration=plan.calibration).planning_bytes
+    )
+    if plan.max_micro_batch < cfg.micro_batch:
+        raise ConfigError(
+            f"micro_batch={cfg.micro_batch} does not fit budget={cfg.budget}: it needs "
+            f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable; "
+            f"the largest micro-batch that fits is {plan.max_micro_batch}: set "
+            f"micro_batch={plan.max_micro_batch}, or micro_batch=0 to let the planner choose"
+        )
+    log(
+        f"micro-batch {cfg.micro_batch} (fixed) fits budget {cfg.budget}: "
+        f"{format_bytes(needed)} predicted of {format_bytes(plan.usable_bytes)} usable"
+    )

@@ -1,0 +1,137 @@
+"""Class probabilities from a trained run, with test-time augmentation (TTA).
+
+Pass 0 is the validation transform; pass 1 its horizontal flip; further passes use the training
+augmentation with a fixed seed. Probabilities are averaged over passes. Saved as ``.npz`` (plain
+arrays, read back with ``allow_pickle=False``) and a CSV of labels, both written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bigbatch.io import atomic_path, atomic_write_csv
+from bigbatch.train.checkpoint import load_weights_file
+from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+from bigbatch.train.data import ImageDataset, build_transforms, images_to_predict, make_loader
+from bigbatch.train.loop import resolve_device
+from bigbatch.train.tasks.classification import build_model
+
+__all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
+
+
+class Predictions:
+    def __init__(self, files: list[str], probs: np.ndarray, classes: list[str]) -> None:
+        self.files, self.probs, self.classes = files, probs, classes
+
+    @property
+    def labels(self) -> list[str]:
+        return [self.classes[i] for i in self.probs.argmax(axis=1)]
+
+
+def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str], TrainConfig]:
+
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{run_dir} is not a bigbatch run folder (no config.json); train one first"
+        )
+    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
+    try:
+        classes = json.loads((run_dir / "classes.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{run_dir}/classes.json is missing or damaged: {exc}") from exc
+    weights = run_dir / f"{checkpoint}.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
+    cfg.weights, cfg.pretrained = "", False  # the run's own weights replace the starting ones
+    model = build_model(cfg, len(classes))()
+    try:
+        load_weights_file(model, weights)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot load {weights}: {type(exc).__name__}: {str(exc)[:200]}; it is damaged, or the "
+            "run's config.json names another model"
+        ) from exc
+    return model, classes, cfg
+
+
+def predict_files(
+    run_dir: str | Path,
+    files: Sequence[Path],
+    *,
+    tta: int = 2,
+    checkpoint: str = "best",
+    device: str = "cpu",
+    batch_size: int = 64,
+    seed: int = 0,
+) -> Predictions:
+    """Averaged class probabilities of ``files`` over ``tta`` passes (1 = no augmentation)."""
+
+    if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
+        raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
+    dev = resolve_device(device, "--device")
+    run_dir = Path(run_dir)
+    model, classes, cfg = _load_run(run_dir, checkpoint)
+    model.to(dev).eval()
+    total = np.zeros((len(files), len(classes)), dtype=np.float64)
+    for k in range(tta):
+        transform = build_transforms(
+            cfg.size,
+            cfg.item_transform,
+            train=k >= 2,
+            augment=k >= 2,
+            flip=k == 1,
+        )
+        torch.manual_seed(seed + k)
+        loader = make_loader(
+            ImageDataset(files, None, transform),
+            batch_size,
+            shuffle=False,
+            seed=seed,
+            num_workers=0,
+        )
+        out = []
+        with torch.no_grad():
+            for x, _ in loader:
+                out.append(torch.softmax(model(x.to(dev)).float(), dim=1).cpu().double().numpy())
+        total += np.concatenate(out) if out else 0
+    return Predictions([str(f) for f in files], total / tta, classes)
+
+
+def predict_folder(run_dir: str | Path, folder: str | Path, **kwargs: object) -> Predictions:
+    """:func:`predict_files` on every image under ``folder``; the folder, the run and the
+    images are checked before the model runs."""
+    return predict_files(run_dir, images_to_predict(folder), **kwargs)  # type: ignore[arg-type]
+
+
+def save_predictions(pred: Predictions, out: str | Path) -> tuple[Path, Path]:
+    """``out.npz`` (probs, files, classes) and ``out.csv`` (file, label, confidence)."""
+    out = Path(out)
+    npz, csv_path = out.with_suffix(".npz"), out.with_suffix(".csv")
+    with atomic_path(npz) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
+        np.savez(
+            f,
+            probs=pred.probs,
+            files=np.array(pred.files, dtype=str),
+            classes=np.array(pred.classes, dtype=str),
+        )
+    atomic_write_csv(
+        csv_path,
+        ["file", "label", "confidence"],
+        (
+            [f, label, f"{p:.6f}"]
+            for f, label, p in zip(pred.files, pred.labels, pred.probs.max(axis=1), strict=True)
+        ),
+    )
+    return npz, csv_path
+
+
+def load_predictions(path: str | Path) -> Predictions:
+    with np.load(Path(path).with_suffix(".npz"), allow_pickle=False) as data:
+        return Predictions(
+            [str(f) for f in data["files"]], data["probs"], [str(c) for c in data["classes"]]
+        )

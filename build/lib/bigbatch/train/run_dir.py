@@ -1,0 +1,99 @@
+"""The run folder: what a fresh run or a resumed one finds there, and ``last.pt``, everything a
+resumed run needs to end bit-identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.accumulate import Accumulator
+from bigbatch.io import atomic_write_text
+from bigbatch.memory.oom import OOMBackoff
+from bigbatch.train.checkpoint import load_state, save_state
+from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+
+__all__ = ["check_run_dir", "save_checkpoint", "write_run_files"]
+
+
+def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
+    """The saved state to resume from, or None for a fresh run; refuses to mix two configs."""
+    saved_cfg = run_dir / "config.json"
+    state_path = run_dir / "last.pt"
+    if saved_cfg.exists():
+        old = config_from_json(saved_cfg.read_text(), str(saved_cfg))
+        diff = sorted(k for k, v in cfg.training_keys().items() if old.training_keys().get(k) != v)
+        if diff:
+            raise ConfigError(
+                f"run folder {run_dir} already holds a run with a different config "
+                f"({', '.join(f'{k}: {old.to_dict()[k]!r} -> {cfg.to_dict()[k]!r}' for k in diff[:5])}); "
+                "choose another --out folder, or pass the same config to resume"
+            )
+        if not resume and state_path.exists():
+            raise ConfigError(
+                f"run folder {run_dir} already holds this run; pass --resume {run_dir} to continue it "
+                "(finished epochs are kept), or choose another --out folder"
+            )
+    elif resume:
+        raise ConfigError(f"--resume {run_dir}: no run there (config.json is missing)")
+    if resume:
+        # A kill during an atomic write leaves its temporary file (up to a checkpoint's size).
+        for tmp in run_dir.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+    if not (resume and state_path.exists()):
+        return None
+    try:
+        return load_state(state_path)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{exc}. To start this run again from epoch 1, delete {state_path} (best and last "
+            ".safetensors stay); to keep it, restore the file"
+        ) from exc
+
+
+def save_checkpoint(
+    run_dir: Path,
+    core: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    acc: Accumulator,
+    scaler: Any,
+    backoff: OOMBackoff,
+    *,
+    epoch: int,
+    phase: str,
+    best: float,
+    history: list[dict[str, Any]],
+    mid: dict[str, Any] | None = None,
+) -> None:
+    """``last.pt``: everything a resumed run needs to end bit-identical. ``epoch`` is the last
+    finished epoch; ``mid`` where the epoch in flight stands (windows done, the epoch's loss
+    sums, the random streams), for a checkpoint between windows."""
+    save_state(
+        {
+            "model": core.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "accumulator": acc.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else {},
+            "epoch": epoch,
+            "phase": phase,
+            "best": best,
+            "micro_batch": backoff.micro_batch,
+            "clean_windows": backoff.clean_windows,
+            "grow_after": backoff.grow_after,
+            "history": json.dumps(history),
+            "mid": mid or {},
+        },
+        run_dir / "last.pt",
+    )
+
+
+def write_run_files(run_dir: Path, cfg: TrainConfig, task: Any, plan_info: dict[str, Any]) -> None:
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
+    atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
+    atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))

@@ -1,0 +1,170 @@
+"""What the training loop shares between its steps: the run (set up once) and each phase (the
+head-only epochs of fine_tune get their own optimizer, schedule and accumulator)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from bigbatch.accumulate import Accumulator
+from bigbatch.memory.oom import OOMBackoff
+from bigbatch.train.config import TrainConfig
+from bigbatch.train.data import make_loader, windows_per_epoch
+from bigbatch.train.optim import make_optimizer, phases
+from bigbatch.train.run_dir import save_checkpoint
+from bigbatch.train.runtime import wrap_ddp
+from bigbatch.train.tasks import Task
+
+__all__ = ["Phase", "Run", "build_phase", "epoch_loader", "restore"]
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Run:
+    """What the loop shares between its steps: set up once by :func:`_setup`."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    log: Log
+    progress: bool | None
+    task: Task
+    rank: int
+    world: int
+    device: torch.device
+    precision: str
+    workers: int
+    core: nn.Module
+    memory_format: torch.memory_format
+    pin: bool
+    lone_ok: bool
+    rank_batch: int
+    train_ds: Any
+    valid_loader: Any
+    has_valid: bool
+    monitor: str
+    sampler: Any
+    scaler: Any
+    backoff: OOMBackoff
+    state: dict[str, Any] | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: float = math.inf
+    start_epoch: int = 0
+    mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
+    last_checkpoint: float = 0.0
+
+    @property
+    def main_rank(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Phase:
+    """One phase's optimizer, schedule and accumulator (the head-only epochs of fine_tune get
+    their own)."""
+
+    name: str
+    end_epoch: int
+    windows: int  # per epoch
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    plateau: bool
+    acc: Accumulator
+    checkpoint: Callable[..., None]
+
+
+def restore(run: Run, state: dict[str, Any]) -> None:
+    run.core.load_state_dict(state["model"])
+    run.history = json.loads(state["history"])
+    run.best = float(state["best"])
+    run.start_epoch = int(state["epoch"]) + 1
+    run.backoff.micro_batch = int(state["micro_batch"])
+    run.backoff.clean_windows = int(state.get("clean_windows", 0))
+    run.backoff.grow_after = int(state.get("grow_after", run.backoff.grow_after))
+    run.mid = state.get("mid") or None
+    total = sum(n for _, n in phases(run.cfg))
+    run.log(
+        f"resuming {run.run_dir} in epoch {run.start_epoch + 1} of {total}, after window "
+        f"{run.mid['windows']}"
+        if run.mid
+        else f"resuming {run.run_dir} after epoch {run.start_epoch} of {total}"
+    )
+    if run.mid and run.workers > 0:
+        run.log(
+            "note: resuming mid-epoch with num_workers > 0: the rest of this epoch's "
+            "augmentation is drawn by other worker streams (bit-identical with num_workers=0)"
+        )
+
+
+def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase:
+    """The phase's optimizer, schedule and accumulator, the model wrapped for it (DDP, compile),
+    restored from ``last.pt`` when the run resumes inside this phase."""
+    cfg = run.cfg
+    windows = (
+        math.ceil(len(run.sampler) / run.rank_batch)
+        if run.sampler is not None
+        else windows_per_epoch(len(run.train_ds), cfg.batch, 1 if run.lone_ok else 2)
+    )
+    opt, sched = make_optimizer(cfg, run.core, phase, (end_epoch - phase_start) * windows)
+    plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    model: nn.Module = run.core
+    if run.world > 1:
+        # Re-wrapped per phase: DDP fixes the trainable parameters when it is built.
+        # No buffer broadcast in forward, so no collective runs inside a micro-batch.
+        model = wrap_ddp(run.core)
+    if cfg.compile:
+        # After DDP, as torch's docs say; the weights stay `core`'s (checkpoints unchanged).
+        model = cast(nn.Module, torch.compile(model))
+    # On one process model= is not passed: the BatchNorm note replaces the warning.
+    acc = Accumulator(
+        opt,
+        scheduler=None if plateau else sched,
+        scaler=run.scaler,
+        model=model if run.world > 1 else None,
+        sync="step",
+    )
+    checkpoint = functools.partial(
+        save_checkpoint, run.run_dir, run.core, opt, sched, acc, run.scaler, run.backoff,
+        phase=phase,
+    )  # fmt: skip
+    state = run.state
+    if (
+        state is not None
+        and state["phase"] == phase
+        and (run.start_epoch > phase_start or run.mid is not None)
+    ):
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        acc.load_state_dict(state["accumulator"])
+        if run.scaler is not None and state.get("scaler"):
+            run.scaler.load_state_dict(state["scaler"])
+    return Phase(phase, end_epoch, windows, model, opt, sched, plateau, acc, checkpoint)
+
+
+def epoch_loader(run: Run, e: int, skip: int) -> Any:
+    """Epoch ``e``'s windows, in an order that depends only on (seed, epoch); ``skip``: the
+    windows a mid-epoch checkpoint had done."""
+    if run.sampler is not None:
+        run.sampler.set_epoch(e)
+        return torch.utils.data.DataLoader(
+            run.train_ds, batch_size=run.rank_batch, sampler=run.sampler, num_workers=run.workers
+        )
+    return make_loader(
+        run.train_ds,
+        run.cfg.batch,
+        shuffle=True,
+        seed=run.cfg.seed * 1000 + e,
+        num_workers=run.workers,
+        min_last=1 if run.lone_ok else 2,
+        skip=skip,
+        pin_memory=run.pin,
+    )
