@@ -310,3 +310,12 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.strip() == f"bigbatch {bigbatch.__version__}"
+
+
+def test_a_missing_extra_is_one_line_naming_it(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A core install (no [train]) gave a 25-38 line ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
+    line = _fails(PLAN, capsys, "pip install 'bigbatch[train]'")
+    assert "timm is not installed" in line

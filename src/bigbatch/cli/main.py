@@ -39,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The optional libraries behind the commands, and the extra that installs each.
+_EXTRAS = {
+    "timm": "train",
+    "PIL": "train",
+    "safetensors": "train",
+    "matplotlib": "train",
+    "rich": "train",
+    "sklearn": "train",
+    "pandas": "train",
+    "nibabel": "seg",
+}
+
 # Subcommands whose settings are key=value pairs: they may follow the flags too
 # (`bigbatch train cfg.toml --out runs/y epochs=1`).
 _KEY_VALUE = ("train", "ensemble")
@@ -58,6 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(args))
     except (UserError, UserCodeError) as exc:
         message = str(exc)
+    except ModuleNotFoundError as exc:
+        needed = _EXTRAS.get((exc.name or "").split(".")[0])
+        if needed is None:
+            raise
+        message = (
+            f"{exc.name} is not installed: bigbatch {args.command} needs the {needed!r} extra: "
+            f"pip install 'bigbatch[{needed}]'"
+        )
     except OSError as exc:
         # A full disk or a folder we may not write, found mid-run: one line, no traceback.
         # Files are written atomically, so what was saved before is whole.
