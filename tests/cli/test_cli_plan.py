@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from bigbatch.cli.main import main
 
@@ -175,3 +177,44 @@ def test_plan_leaves_room_for_a_gradient_cache(capsys: pytest.CaptureFixture[str
     assert "gradient cache for batch 4096: 392.0 MiB" in captured.err
     assert cached["micro_batch"] < plain["micro_batch"]
     assert plain["usable_bytes"] - cached["usable_bytes"] == 392 * 2**20
+
+
+def test_a_token_model_is_planned_with_integer_inputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model with float inputs failed inside the embedding ("Expected tensor for argument #1
+    'indices' to have one of the following scalar types: Long, Int")."""
+    (tmp_path / "lm.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+            class TinyLM(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.embed, self.head = nn.Embedding(1000, 32), nn.Linear(32, 1000)
+                def forward(self, ids):
+                    return self.head(self.embed(ids))
+            def build():
+                return TinyLM()
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "lm:build", "--input-shape", "64", "--batch", "16"]
+    args += ["--budget", "256MiB", "--overhead", "0", "--no-calibrate", "--json"]
+    assert main([*args, "--input-dtype", "long", "--vocab", "1000"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["micro_batch"] >= 1 and plan["predicted_peak_bytes"] > 0
+    assert main(args) == 2  # float inputs into an embedding: one line, with the cause
+    assert "Traceback" not in capsys.readouterr().err
+    assert main([*args, "--input-dtype", "long", "--vocab", "0"]) == 2
+    assert "--vocab must be >= 1" in capsys.readouterr().err
+
+
+def test_integer_inputs_are_drawn_from_the_vocabulary() -> None:
+    from bigbatch.memory.step import StepSpec, make_inputs
+
+    spec = StepSpec(lambda: torch.nn.Embedding(1000, 4), (512,), 8, input_dtype=torch.long)
+    ids = make_inputs(replace(spec, vocab=1000), "cpu")
+    assert ids.dtype == torch.long and int(ids.min()) >= 0 and 500 < int(ids.max()) < 1000

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from bigbatch.cli import UserError
@@ -36,6 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--size", default="224", help="input size(s) for --arch, comma-separated: 128,224"
     )
     p.add_argument("--input-shape", help="one sample's shape for --model, e.g. 3,224,224 or 512")
+    p.add_argument(
+        "--input-dtype",
+        default="float32",
+        choices=sorted(INPUT_DTYPES),
+        help="the inputs' dtype for --model: long for token ids (default float32)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=2,
+        help="with --input-dtype long: token ids are drawn from [0, vocab) (the embedding's size)",
+    )
     p.add_argument(
         "--batch", type=int, required=True, help="target batch (samples per optimizer step)"
     )
@@ -113,11 +126,30 @@ def _targets(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+INPUT_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "long": torch.long,
+    "int": torch.int32,
+}
+
+
 def _spec_maker(
     args: argparse.Namespace, factory: Callable[[], nn.Module], shape: tuple[int, ...], name: str
 ) -> Callable[[int], StepSpec]:
     def spec_at(b: int) -> StepSpec:
-        return StepSpec(factory, shape, b, args.optimizer, args.precision, args.device, name=name)
+        return StepSpec(
+            factory,
+            shape,
+            b,
+            args.optimizer,
+            args.precision,
+            args.device,
+            input_dtype=INPUT_DTYPES[args.input_dtype],
+            name=name,
+            vocab=args.vocab,
+        )
 
     return spec_at
 
@@ -135,6 +167,10 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if args.num_classes < 1:
         raise UserError(f"--num-classes must be >= 1, got {args.num_classes}")
+    if args.vocab < 1:
+        raise UserError(
+            f"--vocab must be >= 1 (the embedding's number of tokens), got {args.vocab}"
+        )
     if args.cache_dim < 0 or args.cache_towers < 1:
         raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
     try:

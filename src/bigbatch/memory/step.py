@@ -50,6 +50,7 @@ class StepSpec:
     device: str = "cpu"
     input_dtype: torch.dtype = torch.float32
     name: str = ""
+    vocab: int = 2  # integer inputs are drawn from [0, vocab): give an embedding's size
 
     def with_batch(self, batch_size: int) -> StepSpec:
         return replace(self, batch_size=batch_size)
@@ -91,7 +92,7 @@ def make_inputs(spec: StepSpec, device: torch.device | str) -> torch.Tensor:
     shape = (spec.batch_size, *spec.input_shape)
     if spec.input_dtype.is_floating_point:
         return torch.randn(shape, dtype=spec.input_dtype, device=device)
-    return torch.randint(0, 2, shape, dtype=spec.input_dtype, device=device)
+    return torch.randint(0, spec.vocab, shape, dtype=spec.input_dtype, device=device)
 
 
 def run_training_step(
