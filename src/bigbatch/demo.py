@@ -85,14 +85,16 @@ def demo_budget(arch: str, size: int, batch: int = 128) -> str:
 def midway_budget(spec: Any, batch: int) -> str:
     """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` and
     ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
-    never below what the planner's own calibration steps need, so the plan is calibrated."""
+    never below what the planner's calibration steps up to half the batch need, so the plan is
+    calibrated there."""
 
     calibration = calibrate(spec)
     half, full = (
         predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
         for b in (batch // 2, batch)
     )
-    usable = max((half + full) / 2, calibration_need(spec.with_batch(4)))
+    # Calibration's real steps run at micro-batch 1, 2 and 4, those below half the batch here.
+    usable = max((half + full) / 2, calibration_need(spec.with_batch(min(4, batch // 2))))
     return f"{math.ceil(usable / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
 
 

@@ -28,6 +28,8 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out
     assert "validation Dice: 2d" in out and "3d" in out
+    # Each budget holds half the batch, not all of it (budgets derived here, as for the digits).
+    assert "plan: target batch 32 = 2 x 16" in out and "plan: target batch 4 = 2 x 2" in out
     for run in ("unet2d", "unet3d"):
         assert (tmp_path / "runs" / run / "history.png").is_file()
         assert len(list((tmp_path / "runs" / run / "masks").iterdir())) == 4
