@@ -1,5 +1,6 @@
 """`bigbatch demo`: the whole job on the bundled digits (one epoch here, to stay fast)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,11 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out
     assert "validation Dice: 2d" in out and "3d" in out
-    # Each budget holds half the batch, not all of it (budgets derived here, as for the digits).
-    assert "plan: target batch 32 = 2 x 16" in out and "plan: target batch 4 = 2 x 2" in out
+    # Each budget is less than the whole batch needs (derived here, as for the digits): the plan
+    # splits the batch. Into how many parts depends on this CPU's kernel workspaces.
+    for batch in (32, 4):
+        steps = re.search(rf"plan: target batch {batch} = (\d+) x", out)
+        assert steps is not None and int(steps.group(1)) >= 2, out
     for run in ("unet2d", "unet3d"):
         assert (tmp_path / "runs" / run / "history.png").is_file()
         assert len(list((tmp_path / "runs" / run / "masks").iterdir())) == 4
