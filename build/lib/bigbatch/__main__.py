@@ -1,3 +1,0 @@
-from bigbatch.cli.main import console
-
-console()
