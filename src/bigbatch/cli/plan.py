@@ -271,8 +271,8 @@ def _plan_rows(
                 }
             )
             continue
-        except UserError:
-            raise
+        except (UserError, ModuleNotFoundError):
+            raise  # already one line; a missing extra is named by bigbatch.cli.main
         except ValueError as exc:
             raise UserError(str(exc)) from exc
         except Exception as exc:  # the model or its forward failed: say which, without a traceback
