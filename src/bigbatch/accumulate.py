@@ -144,8 +144,6 @@ class Accumulator:
         _check_options(optimizer, last_window, sync, model, epoch_length, clip_grad_norm, scheduler)
         self.window = Window(micro_batches, target_count, reduction)
         self.optimizer = optimizer
-        self.target_count = float(target_count) if target_count is not None else None
-        self.reduction: Reduction = reduction
         self.last_window: LastWindow = last_window
         self.scheduler = scheduler
         self.scaler = scaler
@@ -184,6 +182,15 @@ class Accumulator:
     @epoch.setter
     def epoch(self, epoch: int) -> None:
         self.window.epoch = epoch
+
+    @property
+    def target_count(self) -> float | None:
+        """Samples/tokens per window, when windows are sized by count (the window's own)."""
+        return None if self.window.target_count is None else float(self.window.target_count)
+
+    @property
+    def reduction(self) -> Reduction:
+        return self.window.reduction
 
     @property
     def micro_batches_per_window(self) -> int | None:
