@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from bigbatch.train.config import load_config
-from bigbatch.train.data import ImageDataset, build_transforms, load_items, split_items
+from bigbatch.train.data import split_items
 from bigbatch.train.loop import train
+from bigbatch.train.tasks.classification.data import ImageDataset, build_transforms, load_items
 
 
 def write_images(root: Path, per_class: int, size: int) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import bigbatch
-from bigbatch.memory.oom import OOMBackoff, run_window
+from bigbatch.backoff import OOMBackoff, run_window
 
 torch.manual_seed(0)
 start = torch.nn.Sequential(

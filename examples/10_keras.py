@@ -11,7 +11,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 
-from bigbatch.integrations.keras import ExactAccumulation
+from bigbatch.integrations.keras import AccumulatingModel
 
 keras.utils.set_random_seed(0)
 x = np.random.randn(100, 20).astype("float32")
@@ -19,7 +19,7 @@ y = np.random.randint(0, 3, 100)
 model = keras.Sequential(
     [keras.Input((20,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)]
 )
-model = ExactAccumulation(model, micro_batches=4)  # bigbatch: the one changed line
+model = AccumulatingModel(model, micro_batches=4)  # bigbatch: the one changed line
 model.compile(
     optimizer=keras.optimizers.Adam(1e-3),
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch import Accumulator
-from bigbatch.memory.oom import OOMBackoff, run_window
+from bigbatch.backoff import OOMBackoff, run_window
 
 
 def net() -> nn.Module:

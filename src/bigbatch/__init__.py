@@ -18,6 +18,7 @@ from bigbatch.accumulate import (
     StepResult,
     scale_grads_,
 )
+from bigbatch.backoff import OOMBackoff, run_window
 from bigbatch.counts import MicroBatchCount, count_tokens, resolve_count, samples, tokens, weights
 from bigbatch.coupled import cached_backward
 from bigbatch.inexact import (
@@ -26,7 +27,6 @@ from bigbatch.inexact import (
     find_inexact_layers,
     freeze_batchnorm,
 )
-from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.optim import AccumulatingOptimizer
 
 if TYPE_CHECKING:

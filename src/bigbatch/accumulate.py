@@ -5,13 +5,22 @@ is divided by the window's true total count once, at step time (over all ranks u
 The update then equals the big-batch update whatever the micro-batch sizes, token counts,
 partial last window or number of processes: the usual ``loss / N`` is right only when every
 micro-batch has the same count.
+
+Under DDP (``model=`` the DDP module, micro-batches run inside :meth:`Accumulator.no_sync`) the window's
+count is summed over ranks and the gradients are synchronised once per window: with
+``sync="last"`` by DDP itself during the last micro-batch's backward (overlapping
+communication with compute; every rank must run the same number of micro-batches, as a
+``DistributedSampler`` ensures), with ``sync="step"`` by one flat all-reduce at step time
+(ranks may run out of data at different times, and OOM back-off cannot deadlock). FSDP2
+(``fully_shard``) takes ``sync="last"`` (one reduce-scatter per window; unsharded gradients
+are kept in between) or ``sync="every"`` (a reduce-scatter per micro-batch: less memory).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -31,6 +40,19 @@ __all__ = [
     "StepResult",
     "scale_grads_",
 ]
+
+_MID_EPOCH = (
+    "{} micro-batch(es) ran since the last end_epoch(): call acc.end_epoch() after a loop that "
+    "does not use acc.iterate(loader)"
+)
+_CARRY_UNDER_DDP = (
+    "last_window='carry' cannot be used under DDP, where ranks must settle their windows "
+    "together at the epoch's end: use 'renorm' or 'drop'"
+)
+_EMPTY_STEP = (
+    "step() was called with no backward() since the last step: call acc.backward(loss, "
+    "count=len(batch)) for each micro-batch, then acc.step() when acc.window_full"
+)
 
 LastWindow = Literal["renorm", "drop", "carry"]
 _LAST_WINDOW_POLICIES = ("renorm", "drop", "carry")
@@ -99,30 +121,24 @@ class Accumulator:
     A window is ``micro_batches`` micro-batches (an int, or a schedule by epoch such as
     ``{0: 8, 4: 2}``), or, with ``target_count``, however many micro-batches it takes to reach
     that many samples/tokens; with neither, :attr:`window_full` stays False and you call
-    :meth:`step` when your window ends (as :func:`bigbatch.memory.oom.run_window` does).
-    ``reduction`` says whether your loss is a mean (default) or a sum over its count. ``scheduler`` is stepped once per optimizer step (never on a skipped fp16
-    step); ``scaler`` is a ``torch.amp.GradScaler`` for fp16; ``clip_grad_norm`` clips the
-    accumulated, unscaled, normalised gradient once per window.
+    :meth:`step` when your window ends (as :func:`bigbatch.run_window` does). ``reduction``
+    says whether your loss is a mean (default) or a sum over its count. ``scheduler`` is stepped
+    once per optimizer step (never on a skipped fp16 step); ``scaler`` is a
+    ``torch.amp.GradScaler`` for fp16; ``clip_grad_norm`` clips the accumulated, unscaled,
+    normalised gradient once per window.
 
-    Under DDP (``model=`` the DDP module, micro-batches run inside :meth:`no_sync`) the window's
-    count is summed over ranks and the gradients are synchronised once per window: with
-    ``sync="last"`` by DDP itself during the last micro-batch's backward (overlapping
-    communication with compute; every rank must run the same number of micro-batches, as a
-    ``DistributedSampler`` ensures), with ``sync="step"`` by one flat all-reduce at step time
-    (ranks may run out of data at different times, and OOM back-off cannot deadlock). FSDP2
-    (``fully_shard``) takes ``sync="last"`` (one reduce-scatter per window; unsharded gradients
-    are kept in between) or ``sync="every"`` (a reduce-scatter per micro-batch: less memory).
+    Under DDP and FSDP2 pass ``model=`` and ``sync=``: see the module's documentation.
 
     >>> import torch, torch.nn.functional as F
     >>> model = torch.nn.Linear(4, 2)
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> acc = Accumulator(opt, micro_batches=2)
-    >>> for x, y in [(torch.randn(3, 4), torch.tensor([0, 1, 0])), (torch.randn(1, 4), torch.tensor([1]))]:
+    >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=2)
+    >>> loader = [(torch.randn(3, 4), torch.tensor([0, 1, 0])), (torch.randn(1, 4), torch.tensor([1]))] * 2
+    >>> for x, y in acc.iterate(loader):  # end_epoch() when the loader is exhausted
     ...     acc.backward(F.cross_entropy(model(x), y), count=len(y))
     ...     if acc.window_full:
-    ...         result = acc.step()
-    >>> acc.optimizer_step, acc.samples_seen
-    (1, 4)
+    ...         _ = acc.step()
+    >>> acc.optimizer_step, acc.samples_seen, acc.epoch
+    (2, 8, 1)
     """
 
     def __init__(
@@ -193,11 +209,6 @@ class Accumulator:
         return self.window.reduction
 
     @property
-    def micro_batches_per_window(self) -> int | None:
-        """Micro-batches per window at the current epoch (None with ``target_count``)."""
-        return self.window.size
-
-    @property
     def micro_in_window(self) -> int:
         """Micro-batches accumulated so far in the open window."""
         return self.window.micro
@@ -206,13 +217,6 @@ class Accumulator:
     def window_full(self) -> bool:
         """True when the open window has reached its size: time to call :meth:`step`."""
         return self.window.full
-
-    def is_last_micro_batch(self, count: int | None = None) -> bool:
-        """Whether the next micro-batch completes the window (so gradients should sync).
-
-        With ``target_count`` windows, pass the next micro-batch's ``count``.
-        """
-        return self.window.is_last(count)
 
     @contextmanager
     def no_sync(
@@ -229,24 +233,10 @@ class Accumulator:
 
     def iterate(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate over one epoch of ``loader`` and call :meth:`end_epoch` when it is exhausted,
-        so the epoch's partial window is settled and a ``micro_batches`` schedule advances.
-
-        >>> import torch, torch.nn.functional as F
-        >>> model = torch.nn.Linear(4, 2)
-        >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=2)
-        >>> loader = [(torch.randn(3, 4), torch.tensor([0, 1, 0]))] * 3
-        >>> for x, y in acc.iterate(loader):
-        ...     acc.backward(F.cross_entropy(model(x), y), count=len(y))
-        ...     if acc.window_full:
-        ...         _ = acc.step()
-        >>> acc.optimizer_step, acc.epoch   # 2 windows: [3+3], then the partial [3]
-        (2, 1)
-        """
+        so the epoch's partial window is settled and a ``micro_batches`` schedule advances
+        (the class's example uses it)."""
         if self._micro_in_epoch and not self._iterating:
-            raise RuntimeError(
-                f"{self._micro_in_epoch} micro-batch(es) ran since the last end_epoch(): call "
-                "acc.end_epoch() after a loop that does not use acc.iterate(loader)"
-            )
+            raise RuntimeError(_MID_EPOCH.format(self._micro_in_epoch))
         self._iterating = True
         try:
             yield from loader
@@ -284,7 +274,7 @@ class Accumulator:
         mb = resolve_count(
             count, labels=labels, ignore_index=ignore_index, shift=shift, weight=weight
         )
-        weight_now = self.record(mb, work.detach())
+        weight_now = self.add_micro_batch(mb, work.detach())
         weighted = work * (
             weight_now.to(work.dtype) if isinstance(weight_now, torch.Tensor) else weight_now
         )
@@ -298,9 +288,12 @@ class Accumulator:
         self._micro_in_epoch += 1
         self._guard.remember(_params_of(self.optimizer))
 
-    def record(self, mb: MicroBatchCount, loss: torch.Tensor | None = None) -> float | torch.Tensor:
-        """Account for one micro-batch without running backward; return the factor its loss
-        must be multiplied by before backward. :meth:`backward` and the optimizer wrapper use it.
+    def add_micro_batch(
+        self, mb: MicroBatchCount, loss: torch.Tensor | None = None
+    ) -> float | torch.Tensor:
+        """Add one micro-batch's count (and detached loss) to the window without running
+        backward, and return the factor its loss must be multiplied by before backward.
+        :meth:`backward` and :class:`~bigbatch.optim.AccumulatingOptimizer` use it.
         """
         if not self._checked_model and self.model is not None:
             warn_inexact_layers(self.model, stacklevel=4)
@@ -311,6 +304,8 @@ class Accumulator:
         self._samples_seen = self._samples_seen + mb.samples
         self._tokens_seen = self._tokens_seen + mb.tokens
         return factor
+
+    record = add_micro_batch  # the name before 0.2; kept as an alias
 
     @property
     def samples_seen(self) -> int:
@@ -328,11 +323,7 @@ class Accumulator:
         optimizer (and scheduler), then zero the gradients and open a new window.
         """
         if self.window.micro == 0:
-            raise RuntimeError(
-                "step() was called with no backward() since the last step: call "
-                "acc.backward(loss, count=len(batch)) for each micro-batch, then acc.step() "
-                "when acc.window_full"
-            )
+            raise RuntimeError(_EMPTY_STEP)
         result = self._step()
         if result is None:  # cannot happen: this rank has a window
             raise RuntimeError("internal error: a window with micro-batches did not step")
@@ -344,12 +335,7 @@ class Accumulator:
         which is how :meth:`end_epoch` knows every rank is done."""
         params = _params_of(self.optimizer)
         micro_batches = self.window.micro
-        self._guard.check("step()", micro_batches)
-        if micro_batches and not any(p.grad is not None for p in params):
-            raise RuntimeError(
-                "the window's gradients were cleared before step(): do not call "
-                "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
-            )
+        self._guard.check("step()", micro_batches, params)
         self.window.check_counts_not_negative()
         totals = self._sync.totals(self.window, params)
         if totals is None:
@@ -359,45 +345,24 @@ class Accumulator:
             _warn_empty(self.optimizer_step, count)
             self._discard()
             return StepResult(self.optimizer_step, micro_batches, count, None, True)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        factor = ref / count  # exactly 1.0 for a full window of equal micro-batches
-        if factor != 1.0:
-            scale_grads_(params, factor)
-        if self.scaler is None and not _grads_finite(params):
-            # GradScaler skips such a step itself; without one, optimizer.step() would turn
-            # every parameter into nan. After the all-reduce, so every rank skips alike.
+        finite, grad_norm = _finish_gradient(
+            self.optimizer, params, self.scaler, ref / count, self.clip_grad_norm
+        )
+        if not finite:
             _warn_non_finite(self.optimizer_step, self.window)
             self._discard()
             return StepResult(self.optimizer_step, micro_batches, count, None, True, loss, True)
-        grad_norm = None
-        if self.clip_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm))
-        skipped = self._optimizer_step()
+        skipped = _step_optimizer(self.optimizer, self.scaler)
+        if not skipped:
+            self.optimizer_step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
         self._reset_window()
         return StepResult(self.optimizer_step, micro_batches, count, grad_norm, skipped, loss)
 
     def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
-
-    def _optimizer_step(self) -> bool:
-        """Step the optimizer (through the scaler) and the scheduler; True when fp16 skipped it."""
-        skipped = False
-        if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            # GradScaler lowers its scale exactly when it found inf/nan and skipped the step.
-            skipped = self.scaler.get_scale() < scale_before
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if not skipped:
-            self.optimizer_step += 1
-            if self.scheduler is not None:
-                self.scheduler.step()
-        return skipped
 
     def discard_window(self) -> None:
         """Throw the open window away: zero its gradients and roll the counters back to its
@@ -425,10 +390,7 @@ class Accumulator:
                     break
                 result = step
         else:
-            raise RuntimeError(
-                "last_window='carry' cannot be used under DDP, where ranks must settle their "
-                "windows together at the epoch's end: use 'renorm' or 'drop'"
-            )
+            raise RuntimeError(_CARRY_UNDER_DDP)
         self.epoch += 1
         self._micro_in_epoch = 0
         if self.window_full:
@@ -447,6 +409,43 @@ class Accumulator:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (after loading the model and optimizer)."""
         _load_state_dict(self, state)
+
+
+def _finish_gradient(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    scaler: Any,
+    factor: float,
+    clip_grad_norm: float | None,
+) -> tuple[bool, float | None]:
+    """Unscale (fp16), divide the window's summed gradient by its true count (``factor`` =
+    the reference count the losses were weighted by / the true count) and clip it once.
+    Returns (finite, the norm before clipping); a non-finite gradient is left unclipped."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if factor != 1.0:  # exactly 1.0 for a full window of equal micro-batches
+        scale_grads_(params, factor)
+    if scaler is None and not _grads_finite(params):
+        # GradScaler skips such a step itself; without one, optimizer.step() would turn every
+        # parameter into nan. After the all-reduce, so every rank skips alike.
+        return False, None
+    if clip_grad_norm is None:
+        return True, None
+    return True, float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
+
+
+def _step_optimizer(optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
+    """Step the optimizer (through the scaler) and zero its gradients; True when fp16 skipped it."""
+    if scaler is None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    scale_before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    # GradScaler lowers its scale exactly when it found inf/nan and skipped the step.
+    return bool(scaler.get_scale() < scale_before)
 
 
 def _state_dict(acc: Accumulator) -> dict[str, Any]:
@@ -504,7 +503,12 @@ class GradGuard:
     def remember(self, params: list[torch.Tensor]) -> None:
         self._after_backward = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
 
-    def check(self, where: str, micro_in_window: int) -> None:
+    def check(self, where: str, micro_in_window: int, params: Sequence[torch.Tensor] = ()) -> None:
+        if micro_in_window and params and not any(p.grad is not None for p in params):
+            raise RuntimeError(
+                "the window's gradients were cleared before step(): do not call "
+                "optimizer.zero_grad() inside a window; acc.step() zeroes them after stepping"
+            )
         for p, grad, version in self._after_backward:
             if p.grad is grad and grad._version == version:
                 continue

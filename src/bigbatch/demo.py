@@ -24,7 +24,7 @@ from bigbatch.segmentation.models import UNet
 from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
 from bigbatch.train.config import load_config
 from bigbatch.train.loop import train
-from bigbatch.train.segpredict import predict_masks
+from bigbatch.train.tasks.segmentation.predict import predict_masks
 
 __all__ = ["write_digits_competition"]
 

@@ -24,10 +24,13 @@ from bigbatch.memory.plan import overhead_bytes
 from bigbatch.memory.predict import StepSpec, predict_peak
 from bigbatch.models import UnknownArchitectureError, resolve_arch
 from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
-from bigbatch.train.data import DataError, ImageItems, images_to_predict
-from bigbatch.train.loop import PLAN_OPTIMIZER, resolve_device, train
-from bigbatch.train.predict import Predictions, predict_files, save_predictions
+from bigbatch.train.data import DataError, images_to_predict
+from bigbatch.train.loop import train
+from bigbatch.train.optim import PLAN_OPTIMIZER
+from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks.classification import build_model, prepare_data
+from bigbatch.train.tasks.classification.data import ImageItems
+from bigbatch.train.tasks.classification.predict import Predictions, predict_files, save_predictions
 from bigbatch.user_code import UserCodeError, load_callable
 
 __all__ = [

@@ -22,6 +22,9 @@ __all__ = [
     "timm_factory",
 ]
 
+# ImageNet's channel statistics, which torchvision/timm ImageNet weights were trained with.
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
 
 class UnknownArchitectureError(ValueError):
     """An architecture name timm does not know; the message lists close names."""

@@ -144,7 +144,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "step() found no gradients: call loss.backward() before optimizer.step(count=...)"
             )
-        factor = self.accumulator.record(mb, loss)
+        factor = self.accumulator.add_micro_batch(mb, loss)
         for p in grads:
             g = cast(torch.Tensor, p.grad)  # grads holds only parameters with a gradient
             if p in self._stash:

@@ -107,3 +107,9 @@ def test_misuse_is_refused() -> None:
         ExactAccumulation(inner, micro_batches=2, count="tokens")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"wrap a keras\.Model"):
         ExactAccumulation(torch.nn.Linear(2, 2), micro_batches=2)
+
+
+def test_keras_wrapper_is_accumulating_model_and_keeps_its_old_name() -> None:
+    from bigbatch.integrations.keras import AccumulatingModel
+
+    assert ExactAccumulation is AccumulatingModel

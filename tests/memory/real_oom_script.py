@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch import Accumulator
-from bigbatch.memory.oom import OOMBackoff, run_window
+from bigbatch.backoff import OOMBackoff, run_window
 
 
 def build() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch import Accumulator
-from bigbatch.memory.oom import OOMBackoff, OutOfMemoryAtMinimumError, run_window
+from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
 
 
 def build() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:

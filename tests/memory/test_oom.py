@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from real_oom_script import build
 
 from bigbatch import Accumulator
-from bigbatch.memory.oom import OOMBackoff, OutOfMemoryAtMinimumError, is_oom, run_window
+from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
+from bigbatch.memory.oom import is_oom
 
 TOL64 = 1e-12
 
@@ -173,7 +174,7 @@ def test_real_cpu_oom_in_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_split_is_balanced_and_never_leaves_batchnorm_a_lone_sample() -> None:
-    from bigbatch.memory.oom import split_batch
+    from bigbatch.batching import split_batch
 
     def sizes(n: int, size: int, min_size: int = 1) -> list[int]:
         return [len(p) for p in split_batch(torch.arange(n), size, min_size=min_size)]
@@ -238,3 +239,13 @@ def test_real_limit_back_off_of_several_halvings_lands_where_a_clean_start_fits(
             continue
         update = (p - p0).abs().max()
         assert float((got[name] - p).abs().max()) <= 1e-4 * float(update) + 1e-7, name
+
+
+def test_old_import_path_of_the_back_off_still_works_with_a_deprecation_warning() -> None:
+    import bigbatch
+    from bigbatch.memory import oom
+
+    with pytest.warns(DeprecationWarning, match="import it from bigbatch"):
+        assert oom.run_window is bigbatch.run_window
+    with pytest.raises(AttributeError):
+        _ = oom.no_such_name

@@ -4,15 +4,12 @@ import pytest
 import torch
 from conftest import write_images
 
-from bigbatch.train.data import (
-    DataError,
+from bigbatch.train.data import DataError, make_loader, split_items, windows_per_epoch
+from bigbatch.train.tasks.classification.data import (
     DuplicateRowsWarning,
     ImageDataset,
-    make_loader,
     scan_csv,
     scan_folder,
-    split_items,
-    windows_per_epoch,
 )
 
 

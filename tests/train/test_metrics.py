@@ -3,7 +3,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bigbatch.train.metrics import ClassificationMetrics
+from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
 
 
 def test_metrics_over_batches_equal_metrics_over_the_whole_set() -> None:

@@ -18,7 +18,7 @@ from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
 from bigbatch.train.config import load_config
 from bigbatch.train.data import DataError
 from bigbatch.train.loop import train
-from bigbatch.train.segdata import scan_segmentation
+from bigbatch.train.tasks.segmentation.data import scan_segmentation
 
 COMMON = ["task=segmentation", "arch=unet", "num_workers=0", "threads=1", "device=cpu", "lr=3e-3"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigbatch.train.segpredict import _volume_probs, sliding_window
+from bigbatch.train.tasks.segmentation.predict import _volume_probs, sliding_window
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.25, 0.5])

@@ -16,7 +16,11 @@ from bigbatch.cli.main import main
 from bigbatch.ensemble import run_ensemble
 from bigbatch.train.config import ConfigError, load_config
 from bigbatch.train.loop import train
-from bigbatch.train.predict import load_predictions, predict_folder, save_predictions
+from bigbatch.train.tasks.classification.predict import (
+    load_predictions,
+    predict_folder,
+    save_predictions,
+)
 
 
 def quiet(_: str) -> None:

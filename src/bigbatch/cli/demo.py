@@ -25,11 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.cli import ensemble as ensemble_cli
     from bigbatch.demo import write_digits_competition
 
     t0 = time.perf_counter()
     if args.task == "segmentation":
+        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.demo import run_segmentation_demo
 
         scores = run_segmentation_demo(args.out, epochs=args.epochs)

@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.ensemble import run_ensemble
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError

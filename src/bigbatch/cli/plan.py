@@ -112,6 +112,7 @@ def _targets(args: argparse.Namespace) -> list[Row]:
         if not args.input_shape:
             raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
         return [(args.model, None, factory, tuple(_ints(args.input_shape, "--input-shape")))]
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.models import UnknownArchitectureError, timm_factory
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
@@ -156,6 +157,7 @@ def _spec_maker(
 
 def _check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be refused before any planning."""
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.io import check_writable
     from bigbatch.train.config import ConfigError, check_device
 
@@ -184,6 +186,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.coupled import cache_bytes
 
     _check_args(args)
@@ -292,6 +295,7 @@ def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> Non
     """--confirm: the chosen micro-batch measured; --plot: a smooth curve (the powers of two the
     search did not visit, predicted the same way)."""
     if args.confirm:
+        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.memory.measure import measure_step_peak
 
         plan.confirmed_peak_bytes = measure_step_peak(spec_at(plan.micro_batch))
@@ -325,6 +329,7 @@ COLUMNS = [
 
 
 def _write_csv(path: Path, plans: list[dict[str, Any]]) -> None:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.io import atomic_write_csv
 
     atomic_write_csv(path, COLUMNS, plans)
@@ -336,6 +341,7 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.io import atomic_write_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))

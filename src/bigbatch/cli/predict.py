@@ -38,11 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.io import check_writable
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
-    from bigbatch.train.predict import predict_folder, save_predictions
-    from bigbatch.train.segpredict import is_segmentation_run, predict_masks
+    from bigbatch.train.tasks.classification.predict import predict_folder, save_predictions
+    from bigbatch.train.tasks.segmentation.predict import is_segmentation_run, predict_masks
 
     if is_segmentation_run(args.run):
         out = args.out or args.run / "masks"

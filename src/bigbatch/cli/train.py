@@ -11,6 +11,7 @@ from bigbatch.cli import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.train.config import keys_help
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.train.config import ConfigError, config_from_json, load_config
     from bigbatch.train.data import DataError
     from bigbatch.train.loop import train

@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 "(the built-in cases have their own sizes)"
             )
     if args.distributed:
+        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.verify.distributed import verify_distributed
 
         try:
@@ -178,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         methods: list[Method] = ["bigbatch", "naive"] if args.naive else ["bigbatch"]
         results = _user_results(args, methods, dtypes)
     else:
+        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.verify.coupled import run_coupled_cases
 
         results = run_builtin_cases(methods=("bigbatch", "naive"), dtypes=dtypes, seed=args.seed)

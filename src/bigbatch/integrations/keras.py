@@ -6,7 +6,7 @@ a window never applies it. Wrap the model instead; its own code stays as it is:
 
 .. code-block:: python
 
-    model = ExactAccumulation(model, micro_batches=4)     # the one changed line
+    model = AccumulatingModel(model, micro_batches=4)     # the one changed line
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=32, epochs=5)
 
@@ -44,17 +44,17 @@ if keras.backend.backend() != "torch":
     )
 from keras.src.trainers.data_adapters import data_adapter_utils  # noqa: E402
 
-__all__ = ["ExactAccumulation"]
+__all__ = ["AccumulatingModel", "ExactAccumulation"]
 
 
-class ExactAccumulation(keras.Model):
+class AccumulatingModel(keras.Model):
     """Wrap a Keras model so that ``fit`` accumulates ``micro_batches`` batches (or
     ``n_acc`` samples/weight) per optimizer step, exactly. Predicting, evaluating and saving
     go to the wrapped ``model`` as usual (``wrapper.model``).
 
     >>> import keras
     >>> inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> ExactAccumulation(inner, micro_batches=4).window.micro_batches
+    >>> AccumulatingModel(inner, micro_batches=4).window.micro_batches
     4
     """
 
@@ -85,7 +85,7 @@ class ExactAccumulation(keras.Model):
             raise ValueError(
                 "the optimizer accumulates already (gradient_accumulation_steps="
                 f"{self.optimizer.gradient_accumulation_steps}), with equal weights: remove it; "
-                "ExactAccumulation(model, micro_batches=N) accumulates exactly"
+                "AccumulatingModel(model, micro_batches=N) accumulates exactly"
             )
 
     def train_step(self, data: Any) -> Any:
@@ -134,7 +134,7 @@ class _SettleWindow(keras.callbacks.Callback):
     (Keras calls ``on_epoch_end`` after validation: the fallback when the step count is
     unknown)."""
 
-    def __init__(self, wrapper: ExactAccumulation) -> None:
+    def __init__(self, wrapper: AccumulatingModel) -> None:
         super().__init__()
         self.wrapper = wrapper
 
@@ -150,3 +150,7 @@ class _SettleWindow(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.wrapper.apply_window()
+
+
+# The name before 0.2, shared with the Lightning callback; kept as an alias for one release.
+ExactAccumulation = AccumulatingModel

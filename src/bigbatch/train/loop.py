@@ -1,7 +1,7 @@
 """``bigbatch train``: data -> model -> plan -> exact accumulation with OOM back-off -> checkpoints.
 
 A thin composition of the library: the planner picks micro-batch x accumulation for the target
-batch, each window (one target batch) goes through :func:`~bigbatch.memory.oom.run_window`, and
+batch, each window (one target batch) goes through :func:`~bigbatch.backoff.run_window`, and
 every epoch ends with validation, atomic checkpoints, ``history.csv`` and a plot. A run folder
 is resumable: finished epochs are never redone, and the resumed run ends with the same weights.
 """
@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import NonFiniteGradientWarning
+from bigbatch.backoff import OOMBackoff, run_window
 from bigbatch.device import (
     autocast_for,
     rng_state,
     set_rng_state,
 )
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
-from bigbatch.memory.oom import OOMBackoff, run_window
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader
@@ -131,7 +131,7 @@ def train(
 
 def _loop(run: Run) -> TrainResult:
     """The loop, after :func:`_setup`: each phase's epochs, each epoch's windows through
-    :func:`~bigbatch.memory.oom.run_window`, and after each epoch validation, the history and
+    :func:`~bigbatch.backoff.run_window`, and after each epoch validation, the history and
     atomic checkpoints."""
     epoch = 0
     for phase, n_epochs in phases(run.cfg):

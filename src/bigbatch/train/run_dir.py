@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
+from bigbatch.backoff import OOMBackoff
 from bigbatch.io import atomic_write_text
-from bigbatch.memory.oom import OOMBackoff
 from bigbatch.train.checkpoint import load_state, save_state
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
-from bigbatch.memory.oom import OOMBackoff
+from bigbatch.backoff import OOMBackoff
 from bigbatch.train.config import TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases

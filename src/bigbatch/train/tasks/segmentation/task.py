@@ -15,7 +15,7 @@ from bigbatch.segmentation.metrics import SegmentationMetrics
 from bigbatch.segmentation.models import UNet, timm_unet
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
-from bigbatch.train.segdata import SegDataset, SegItems, scan_segmentation
+from bigbatch.train.tasks.segmentation.data import SegDataset, SegItems, scan_segmentation
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model"]
@@ -96,7 +96,7 @@ class SegmentationTask:
                 valid_items = scan_segmentation(cfg.valid, cfg.image_root, items.num_classes)
                 train_items = items
             else:
-                train_items, valid_items = split_items(items, cfg.valid_pct, cfg.seed)  # type: ignore[arg-type]
+                train_items, valid_items = split_items(items, cfg.valid_pct, cfg.seed)
         self.num_classes, self.dims = train_items.num_classes, train_items.dims
         self.channels, self.classes = train_items.channels, train_items.classes
         factor = 2**UNET_DEPTH

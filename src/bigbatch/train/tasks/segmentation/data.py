@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from bigbatch.train.data import IMAGE_SUFFIXES, MEAN, STD, DataError
+from bigbatch.models import MEAN, STD
+from bigbatch.train.data import IMAGE_SUFFIXES, DataError
 
 __all__ = [
     "SegDataset",

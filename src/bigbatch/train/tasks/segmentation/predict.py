@@ -28,17 +28,17 @@ from bigbatch.memory.oom import is_oom
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict
-from bigbatch.train.loop import resolve_device
-from bigbatch.train.segdata import (
+from bigbatch.train.runtime import resolve_device
+from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES as VOLUMES,
 )
-from bigbatch.train.segdata import (
+from bigbatch.train.tasks.segmentation.data import (
     image_input,
     read_image,
     standardise,
     volume_suffix,
 )
-from bigbatch.train.tasks.segmentation import UNET_DEPTH, build_seg_model
+from bigbatch.train.tasks.segmentation.task import UNET_DEPTH, build_seg_model
 
 __all__ = ["is_segmentation_run", "predict_masks", "sliding_window"]
 

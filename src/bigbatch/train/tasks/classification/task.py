@@ -12,15 +12,15 @@ from torch import nn
 
 from bigbatch.models import UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.data import (
+from bigbatch.train.data import split_items
+from bigbatch.train.tasks.classification.data import (
     ImageDataset,
     ImageItems,
     build_transforms,
     class_counts,
     load_items,
-    split_items,
 )
-from bigbatch.train.metrics import ClassificationMetrics
+from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = ["ClassificationTask", "build_model", "prepare_data"]

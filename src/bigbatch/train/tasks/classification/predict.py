@@ -17,9 +17,10 @@ import torch
 from bigbatch.io import atomic_path, atomic_write_csv
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
-from bigbatch.train.data import ImageDataset, build_transforms, images_to_predict, make_loader
-from bigbatch.train.loop import resolve_device
-from bigbatch.train.tasks.classification import build_model
+from bigbatch.train.data import images_to_predict, make_loader
+from bigbatch.train.runtime import resolve_device
+from bigbatch.train.tasks.classification.data import ImageDataset, build_transforms
+from bigbatch.train.tasks.classification.task import build_model
 
 __all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
 

@@ -1,0 +1,157 @@
+"""Recover from out-of-memory at run time without changing the update.
+
+A window is the batch you hand to :func:`run_window`. It is split into micro-batches of the
+current size; on OOM the partial window is discarded, memory freed, the micro-batch halved and
+the *same samples* re-run from the window's start. Because the Accumulator normalises by the true
+count, the update is the same whatever the split: backing off is free. After ``grow_after``
+clean windows it tries to grow back. Every change is logged (logger ``bigbatch``) and kept in
+``OOMBackoff.events``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bigbatch import distributed as bbdist
+from bigbatch.accumulate import Accumulator, StepResult
+from bigbatch.batching import batch_len, split_batch
+from bigbatch.device import free_memory
+from bigbatch.memory.oom import HOST_OOM_MESSAGES, is_oom
+
+__all__ = [
+    "BackoffEvent",
+    "OOMBackoff",
+    "OutOfMemoryAtMinimumError",
+    "run_window",
+]
+
+log = logging.getLogger("bigbatch")
+
+
+class OutOfMemoryAtMinimumError(RuntimeError):
+    """Out of memory even at the smallest micro-batch."""
+
+
+@dataclass(frozen=True)
+class BackoffEvent:
+    optimizer_step: int  # the window (optimizer step about to be taken) where it happened
+    old: int
+    new: int
+    reason: str  # "oom" or "grow"
+
+
+@dataclass
+class OOMBackoff:
+    """The current micro-batch size and the rules for changing it.
+
+    ``micro_batch`` starts at your (or the planner's) choice; ``max_micro_batch`` caps growing
+    back (default: the starting size); ``grow_after`` clean windows trigger a try at double the
+    size (0 disables growing); each OOM after a grow doubles the wait, so it cannot flap.
+    """
+
+    micro_batch: int
+    max_micro_batch: int | None = None
+    grow_after: int = 100
+    min_micro_batch: int = 1
+    events: list[BackoffEvent] = field(default_factory=list)
+    clean_windows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1 or self.min_micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.max_micro_batch is None:
+            self.max_micro_batch = self.micro_batch
+
+    def shrink(self, optimizer_step: int, detail: str) -> int:
+        if self.micro_batch <= self.min_micro_batch:
+            raise OutOfMemoryAtMinimumError(
+                f"out of memory even at micro-batch {self.micro_batch}: one step of "
+                f"{self.micro_batch} sample(s) does not fit ({detail.strip()[:300]}). Try bf16, an "
+                "optimizer without state (SGD), activation checkpointing or a smaller input; "
+                "`bigbatch plan` shows what the floor is made of"
+            )
+        new = max(self.min_micro_batch, self.micro_batch // 2)
+        self._change(optimizer_step, new, "oom")
+        if self.events[-2:-1] and self.events[-2].reason == "grow":
+            self.grow_after *= 2  # the last grow did not fit: wait longer before the next
+        return new
+
+    def window_done(self, optimizer_step: int) -> None:
+        self.clean_windows += 1
+        cap = self.max_micro_batch or self.micro_batch
+        if self.grow_after and self.clean_windows >= self.grow_after and self.micro_batch < cap:
+            self._change(optimizer_step, min(cap, self.micro_batch * 2), "grow")
+
+    def _change(self, optimizer_step: int, new: int, reason: str) -> None:
+        event = BackoffEvent(optimizer_step, self.micro_batch, new, reason)
+        self.events.append(event)
+        log.warning(
+            "bigbatch: micro-batch %d -> %d (%s) at optimizer step %d; the update is unchanged",
+            event.old,
+            event.new,
+            "out of memory" if reason == "oom" else f"{self.clean_windows} clean windows",
+            optimizer_step,
+        )
+        self.micro_batch = new
+        self.clean_windows = 0
+
+
+def run_window(
+    acc: Accumulator,
+    batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    backoff: OOMBackoff,
+    *,
+    count_fn: Callable[[Any], dict[str, Any]] | None = None,
+    device: torch.device | str = "cpu",
+) -> StepResult:
+    """Train one window on ``batch`` (all its samples), in micro-batches that fit, then step.
+
+    ``loss_fn(micro_batch)`` runs the forward pass and returns the loss (a mean by default);
+    ``count_fn(micro_batch)`` returns the count keywords for :meth:`Accumulator.backward`
+    (default ``{"count": len(micro_batch)}``; ``{"labels": ...}`` for tokens).
+
+    >>> import torch, torch.nn.functional as F
+    >>> model = torch.nn.Linear(4, 2)
+    >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> backoff = OOMBackoff(micro_batch=8)
+    >>> window = (torch.randn(20, 4), torch.randint(0, 2, (20,)))
+    >>> run_window(acc, window, lambda b: F.cross_entropy(model(b[0]), b[1]), backoff).count
+    20.0
+    """
+    counts = count_fn or (lambda micro: {"count": batch_len(micro)})
+    if bbdist.is_ddp(acc.model) and acc.sync != "step":
+        raise ValueError(
+            "under DDP run_window needs Accumulator(..., model=ddp_model, sync='step'): with "
+            "DDP syncing inside backward, a rank that runs out of memory would leave the others "
+            "waiting in that all-reduce forever"
+        )
+    while True:
+        failure = ""
+        host_oom = False  # the CPU allocator (not CUDA's or MPS's) ran out
+        try:
+            for micro in split_batch(batch, backoff.micro_batch, min_size=backoff.min_micro_batch):
+                # No collective runs inside a micro-batch (sync='step'), so ranks can fail apart.
+                with acc.no_sync():
+                    acc.backward(loss_fn(micro), **counts(micro))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failure = f"{type(exc).__name__}: {exc}"
+            host_oom = any(m in failure for m in HOST_OOM_MESSAGES)
+        # Every rank must agree, or one would wait forever in the others' all-reduce.
+        if not bbdist.any_rank(bool(failure), device, acc.process_group):
+            break
+        # Leaving the except block dropped the exception and its traceback, which held the
+        # failed micro-batch's activations; now they can be freed.
+        acc.discard_window()
+        free_memory(host_oom)
+        backoff.shrink(acc.optimizer_step, failure or "another rank ran out of memory")
+    result = acc.step()
+    backoff.window_done(acc.optimizer_step)
+    return result
