@@ -20,7 +20,7 @@ from bigbatch.memory.calibrate import calibrate, calibration_need
 from bigbatch.memory.plan import DEFAULT_MARGIN
 from bigbatch.memory.predict import StepSpec, predict_peak
 from bigbatch.models import timm_factory
-from bigbatch.segmentation.models import UNet
+from bigbatch.segmentation.networks import build_network
 from bigbatch.segmentation.synthetic import write_blobs_3d, write_shapes_2d
 from bigbatch.train.config import load_config
 from bigbatch.train.loop import train
@@ -137,9 +137,12 @@ def write_digits_competition(
     return experiments
 
 
+WIDTHS = (16, 32, 64)  # MONAI's U-Net, three levels: small data, small network
+
+
 def run_segmentation_demo(out: Path, epochs: int = 3, log: Any = print) -> dict[str, float]:
-    """Segmentation end to end on generated data: a 2D U-Net on 96 images of shapes (3 classes)
-    and a 3D U-Net on 12 two-channel volumes with a blob, each planned into a budget that holds
+    """Segmentation end to end on generated data: MONAI's 2D U-Net on 96 images of shapes (3
+    classes) and its 3D U-Net on 12 two-channel volumes with a blob, each planned into a budget that holds
     half its batch, trained with exact accumulation, scored by Dice/Jaccard, and its masks
     predicted for a held-out set. Returns the final validation Dice of each."""
 
@@ -153,7 +156,9 @@ def run_segmentation_demo(out: Path, epochs: int = 3, log: Any = print) -> dict[
         test = write(out / f"seg{name}_test", seed=1, **{**kwargs, "n": 4})
         classes = 3 if dims == 2 else 1
         spec = StepSpec(
-            functools.partial(UNet, channels, classes, dims=dims, depth=3),  # type: ignore[arg-type]
+            functools.partial(
+                build_network, "unet", channels, classes, dims=dims, size=size, widths=WIDTHS
+            ),
             (channels, *[size] * dims),
             2,
         )
@@ -166,6 +171,7 @@ def run_segmentation_demo(out: Path, epochs: int = 3, log: Any = print) -> dict[
                 f"data={data}",
                 "task=segmentation",
                 "arch=unet",
+                "widths=" + ",".join(map(str, WIDTHS)),
                 f"size={size}",
                 f"batch={batch}",
                 f"budget={budget}",

@@ -33,7 +33,7 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) 
     result = train(cfg, tmp_path / "run", progress=False, log=lambda _: None)
     with open(tmp_path / "run" / "history.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {"valid_loss", "dice", "jaccard", "dice_0", "dice_1", "dice_2"} <= set(rows[0])
+    assert {"valid_loss", "dice", "jaccard", "hd95", "dice_1", "dice_2"} <= set(rows[0])
     assert result.best_metric == max(float(r["dice"]) for r in rows)  # best by dice
     assert (tmp_path / "run" / "history.png").stat().st_size > 0
     assert json.loads((tmp_path / "run" / "task.json").read_text())["num_classes"] == 3
@@ -88,16 +88,16 @@ def test_3d_volumes_train_and_predict_npy_and_nifti(
         assert nifti.shape == (12, 20, 10) and np.allclose(nifti.affine, affine)  # same geometry
         assert np.array_equal(np.asarray(nifti.dataobj), mask)  # the channels read as in a.npy
 
-    # In overlapping 8^3 windows (for volumes too large to predict whole): the same geometry.
+    # In overlapping 24^3 windows (another size than training's): the same geometry.
     windows = tmp_path / "windows"
     assert (
-        main(["predict", str(tmp_path / "run"), str(test), "--patch", "8", "--out", str(windows)])
+        main(["predict", str(tmp_path / "run"), str(test), "--patch", "24", "--out", str(windows)])
         == 0
     )
     assert np.load(windows / "a.npy").shape == (12, 20, 10)
     assert nib.load(str(windows / "c.nii.gz")).shape == (12, 20, 10)
     assert main(["predict", str(tmp_path / "run"), str(test), "--patch", "12"]) == 2
-    assert "positive multiple of 8; try 8" in capsys.readouterr().err
+    assert "a multiple of 8, at least 16; try 16" in capsys.readouterr().err
 
 
 TIGHT_UNET = """

@@ -24,9 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--patch",
         type=int,
         default=0,
-        help="segmentation volumes: predict in overlapping PATCH^3 windows (a multiple of 8), "
-        "for volumes too large to predict whole; default: whole, falling back to windows of "
-        "the training size on an out-of-memory error",
+        help="segmentation volumes: the edge of the overlapping windows (a multiple of the "
+        "network's stride); default: the training patch size",
+    )
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=0.5,
+        help="segmentation volumes: how much neighbouring windows overlap (0 to <1)",
     )
     p.add_argument(
         "--out",
@@ -45,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.train.tasks.classification.predict import predict_folder, save_predictions
     from bigbatch.train.tasks.segmentation.predict import is_segmentation_run, predict_masks
 
-    if is_segmentation_run(args.run):
+    try:
+        segmentation = is_segmentation_run(args.run)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from exc
+    if segmentation:
         out = args.out or args.run / "masks"
         try:
             check_writable(out / "probe", "--out")
@@ -57,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 checkpoint=args.checkpoint,
                 device=args.device,
                 patch=args.patch,
+                overlap=args.overlap,
             )
         except (ConfigError, DataError, ValueError, OSError) as exc:
             raise UserError(str(exc)) from exc
@@ -64,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.patch:
         raise UserError("--patch is for segmentation runs; this run classifies images")
+    if args.overlap != 0.5:
+        raise UserError("--overlap is for segmentation runs; this run classifies images")
     try:
         check_writable((args.out or args.run / "predictions").with_suffix(".npz"), "--out")
         pred = predict_folder(

@@ -262,6 +262,28 @@ def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
+def to_empty_shared(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to_empty(device)`` that keeps shared parameters shared and converts each once.
+
+    ``Module.to_empty`` converts a module once per parent, so a module held by two parents
+    (MONAI's DynUNet keeps its output block in its skip list too; tied embeddings) is converted
+    twice, and under fake tensors the second conversion fails ("Couldn't swap").
+    """
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():  # each module once
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    new = torch.empty_like(t, device=device)
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    done[id(t)] = new
+                table[name] = done[id(t)]  # type: ignore[assignment]
+    return model
+
+
 def predict_peak(spec: StepSpec, *, calibration: Any = None) -> MemoryPrediction:
     """Predict the peak memory of training ``spec`` on fake tensors: the larger of the first
     step (which creates the optimizer state) and a steady step (with the state alive).
@@ -302,7 +324,7 @@ def check_forward(spec: StepSpec) -> None:
     device = "cpu" if torch.device(spec.device).type == "cuda" else spec.device
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = model.to_empty(device=device).train()
+            model = to_empty_shared(model, device).train()
             with torch.no_grad(), autocast_for(spec.precision, torch.device(device).type):
                 model(make_inputs(spec, device))
     except Exception as exc:
@@ -417,7 +439,7 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
     # traces both real steps: the allocator model needs the first step's segments.
     steady = target.type != "cuda"
     with FakeTensorMode(allow_non_fake_inputs=True), tracker:
-        model = model.to_empty(device=device)
+        model = to_empty_shared(model, device)
         model.train()
         param_uids = set()
         for t in [*model.parameters(), *model.buffers()]:

@@ -14,10 +14,19 @@ Shapes: logits ``(N, C, *spatial)``. Binary (C == 1): target ``(N, 1, *spatial)`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["batch_dice_loss", "bce_dice_loss", "dice_loss", "seg_bce_loss"]
+__all__ = [
+    "MONAI_LOSSES",
+    "batch_dice_loss",
+    "bce_dice_loss",
+    "dice_loss",
+    "per_sample_loss",
+    "seg_bce_loss",
+]
 
 
 def _probs_and_onehot(
@@ -103,3 +112,74 @@ def bce_dice_loss(
     torch.Size([])
     """
     return seg_bce_loss(logits, target) + dice_weight * dice_loss(logits, target)
+
+
+MONAI_LOSSES = ("dice", "dice_ce", "dice_focal", "ce")
+
+
+def per_sample_loss(
+    name: str, *, num_classes: int, ignore_index: int | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """MONAI's Dice, Dice + cross-entropy, Dice + focal (or cross-entropy alone) as the mean over
+    samples of each sample's own loss, so that accumulating micro-batches with
+    ``count=len(batch)`` is exact. Each sample's Dice is MONAI's (per class, averaged over the
+    classes); its cross-entropy and focal terms are averaged over its own labelled voxels, so
+    voxels labelled ``ignore_index`` (a void label) count nowhere.
+
+    ``num_classes`` 1 is binary (a sigmoid output, masks of 0/1); K > 1 a softmax over K classes
+    (masks of class indices). The returned function takes logits ``(N, C, *spatial)`` and masks
+    ``(N, *spatial)``.
+
+    >>> loss = per_sample_loss("dice_ce", num_classes=3, ignore_index=255)
+    >>> mask = torch.zeros(2, 4, 4, dtype=torch.long); mask[0, 0, 0] = 255
+    >>> bool(loss(torch.zeros(2, 3, 4, 4, requires_grad=True), mask) > 0)
+    True
+    """
+    if name not in MONAI_LOSSES:
+        raise ValueError(f"loss={name!r} is not one of {', '.join(MONAI_LOSSES)}")
+    # MONAI is the segmentation extra; the rest of this module needs only torch.
+    from monai.losses import MaskedDiceLoss
+    from monai.losses.focal_loss import sigmoid_focal_loss, softmax_focal_loss
+
+    binary = num_classes == 1
+    dice = MaskedDiceLoss(
+        sigmoid=binary, softmax=not binary, to_onehot_y=not binary, reduction="none"
+    )
+
+    def focal(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # MONAI's functions, not its FocalLoss class: the class computes in float32 whatever the
+        # input, which float64 equivalence checks (and float64 users) would not expect.
+        if binary:
+            return sigmoid_focal_loss(logits, labels.to(logits.dtype), gamma=2.0)
+        onehot = F.one_hot(labels[:, 0], logits.shape[1]).movedim(-1, 1).to(logits.dtype)
+        return softmax_focal_loss(logits, onehot, gamma=2.0)
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.dim() == logits.dim():  # (N, 1, *spatial)
+            target = target[:, 0]
+        valid = (
+            torch.ones_like(target, dtype=torch.bool)
+            if ignore_index is None
+            else target != ignore_index
+        )
+        labels = torch.where(valid, target, torch.zeros_like(target)).long()[:, None]
+        mask = valid[:, None].to(logits.dtype)
+        voxels = mask.flatten(1).sum(1).clamp(min=1)  # each sample's labelled voxels
+        terms = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+        if name != "ce":
+            d = dice(logits, labels.to(logits.dtype) if binary else labels, mask)
+            terms = terms + d.flatten(1).mean(1)
+        if name in ("dice_ce", "ce"):
+            if binary:
+                ce = F.binary_cross_entropy_with_logits(
+                    logits, labels.to(logits.dtype), reduction="none"
+                )
+            else:
+                ce = F.cross_entropy(logits, labels[:, 0], reduction="none")[:, None]
+            terms = terms + (ce * mask).flatten(1).sum(1) / voxels
+        if name == "dice_focal":
+            fl = focal(logits, labels)
+            terms = terms + (fl * mask).flatten(1).sum(1) / (voxels * fl.shape[1])
+        return terms.mean()
+
+    return loss

@@ -1,12 +1,14 @@
-"""Dice and Jaccard (IoU) over a whole set, from summed intersections and areas."""
+"""Segmentation scores: per case (the challenge metrics, from MONAI) and over a whole set."""
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SegmentationMetrics"]
+__all__ = ["CaseScores", "SegmentationMetrics", "parse_regions"]
 
 
 @dataclass
@@ -74,3 +76,121 @@ class SegmentationMetrics:
             "dice_per_class": dice.tolist(),
             "jaccard_per_class": jaccard.tolist(),
         }
+
+
+def parse_regions(text: str) -> dict[str, tuple[int, ...]]:
+    """``regions=wt:1,2,3;tc:1,3;et:3``: named unions of labels, scored as one structure each
+    (BraTS's whole tumour, tumour core and enhancing tumour are nested unions of its labels).
+
+    >>> parse_regions("wt:1,2,3; tc:1,3; et:3")
+    {'wt': (1, 2, 3), 'tc': (1, 3), 'et': (3,)}
+    """
+    regions: dict[str, tuple[int, ...]] = {}
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        name, sep, labels = part.partition(":")
+        try:
+            values = tuple(int(v) for v in labels.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not sep or not name.strip().isidentifier() or not values or min(values) < 1:
+            raise ValueError(
+                f"regions={text!r}: give name:labels groups separated by ';', each a name and "
+                "the foreground labels (>= 1) it unites, e.g. regions=wt:1,2,3;tc:1,3;et:3"
+            )
+        regions[name.strip()] = values
+    return regions
+
+
+@dataclass
+class CaseScores:
+    """The challenge metrics: each case (one validation image or volume) scored on its own,
+    then averaged over cases. Dice and Jaccard come from MONAI's ``compute_dice``; the 95 %
+    Hausdorff distance (``hd95``, in voxels, or in mm with ``spacing``) from MONAI's
+    ``compute_hausdorff_distance``. Structures are the classes but the background, the
+    foreground of a binary task, or the ``regions`` (unions of labels). A structure absent from
+    both prediction and truth scores Dice 1 and hd95 0; present in only one, Dice 0 and hd95 the
+    image's diagonal. Pixels labelled ``void`` count nowhere.
+
+    >>> s = CaseScores(num_classes=1)
+    >>> s.update(torch.tensor([[[[5.0, -5.0]]]]), torch.tensor([[[1, 1]]]))
+    >>> round(s.compute()["dice"], 4), round(s.compute()["jaccard"], 4)
+    (0.6667, 0.5)
+    """
+
+    num_classes: int
+    names: list[str] = field(default_factory=list)
+    regions: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    void: int | None = None
+    spacing: tuple[float, ...] = ()
+    hd95: bool = True
+    dice: list[torch.Tensor] = field(default_factory=list, init=False)
+    distance: list[torch.Tensor] = field(default_factory=list, init=False)
+
+    def structures(self) -> list[str]:
+        if self.regions:
+            return list(self.regions)
+        if self.num_classes == 1:
+            return ["foreground"]
+        names = self.names or [str(c) for c in range(self.num_classes)]
+        return names[1:]
+
+    def _one_hot(self, labels: torch.Tensor) -> torch.Tensor:
+        """(N, S, *spatial) of 0/1, one channel per structure."""
+        if self.regions:
+            groups = list(self.regions.values())
+        elif self.num_classes == 1:
+            groups = [(1,)]
+        else:
+            groups = [(c,) for c in range(1, self.num_classes)]
+        return torch.stack(
+            [torch.isin(labels, torch.tensor(g, device=labels.device)) for g in groups], 1
+        ).float()
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        from monai.metrics import compute_dice, compute_hausdorff_distance
+
+        logits = logits.float().cpu()
+        target = target.reshape(logits.shape[0], *logits.shape[2:]).long().cpu()
+        pred = (logits[:, 0] > 0).long() if logits.shape[1] == 1 else logits.argmax(1)
+        if self.void is not None:  # void pixels: background in both, so they count nowhere
+            keep = target != self.void
+            pred, target = pred * keep, target * keep
+        p, t = self._one_hot(pred), self._one_hot(target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # MONAI warns on every empty structure
+            self.dice.append(compute_dice(p, t, include_background=True, ignore_empty=False))
+            if self.hd95:
+                hd = compute_hausdorff_distance(
+                    p, t, include_background=True, percentile=95,
+                    spacing=list(self.spacing) or None,
+                )  # fmt: skip
+                self.distance.append(self._conventions(hd, p, t))
+
+    def _conventions(self, hd: torch.Tensor, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        spatial = tuple(range(2, p.dim()))
+        in_p, in_t = p.sum(spatial) > 0, t.sum(spatial) > 0
+        scale = torch.tensor(self.spacing or [1.0] * len(spatial))
+        diagonal = float((torch.tensor(p.shape[2:]) * scale).norm())
+        hd = torch.where(in_p & in_t, hd, torch.full_like(hd, diagonal))
+        return torch.where(~in_p & ~in_t, torch.zeros_like(hd), hd)
+
+    def compute(self) -> dict[str, float]:
+        """``dice``, ``jaccard`` (and ``hd95``): the mean over cases of each case's mean over
+        the structures; ``dice_<structure>`` (and ``hd95_<structure>``) when there are several."""
+        if not self.dice:
+            return {"dice": math.nan, "jaccard": math.nan}
+        dice = torch.cat(self.dice).double()  # (cases, structures)
+        jaccard = dice / (2 - dice)
+        row = {"dice": float(dice.mean(1).mean()), "jaccard": float(jaccard.mean(1).mean())}
+        names = self.structures()
+        if self.distance:
+            hd = torch.cat(self.distance).double()
+            row["hd95"] = float(hd.mean(1).mean())
+        if len(names) > 1:
+            row |= {f"dice_{n}": float(d) for n, d in zip(names, dice.mean(0), strict=True)}
+            if self.distance:
+                row |= {f"hd95_{n}": float(d) for n, d in zip(names, hd.mean(0), strict=True)}
+        return row

@@ -32,7 +32,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "mode": ("auto", "fine_tune", "fit"),
     "schedule": ("one_cycle", "cosine", "plateau"),
-    "loss": ("bce_dice", "dice", "bce"),
+    "loss": ("dice_ce", "dice", "dice_focal", "ce", "bce_dice", "bce"),
+    "norm": ("instance", "group", "batch"),
     "bad_images": ("skip", "error"),
     "optimizer": ("adamw", "sgd"),
     "channels_last": ("auto", "true", "false"),
@@ -71,8 +72,15 @@ class TrainConfig:
     weight_decay: float = 0.01
     schedule: str = "one_cycle"
     monitor: str = "valid_loss"
-    loss: str = "bce_dice"
+    loss: str = "dice_ce"
     num_classes: int = 0
+    widths: str = ""
+    norm: str = "instance"
+    spacing: str = ""
+    pos_neg: float = 1.0
+    ignore_index: int = 255
+    palette: str = ""
+    regions: str = ""
     seed: int = 42
     num_workers: int = -1
     threads: int = 0
@@ -149,6 +157,13 @@ class TrainConfig:
             raise ConfigError(
                 f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
             )
+        if self.task == "segmentation" and self.mode == "fine_tune":
+            raise ConfigError(
+                "mode=fine_tune trains a classifier's head alone first; segmentation trains "
+                "every layer (from weights= or pretrained= when given): use mode=auto or fit"
+            )
+        if self.pos_neg < 0:
+            raise ConfigError(f"pos_neg must be >= 0 (0: patches anywhere), got {self.pos_neg}")
         if self.micro_batch > self.batch:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
@@ -183,6 +198,8 @@ class TrainConfig:
     def fine_tunes(self) -> bool:
         """Whether the head trains alone first: mode=fine_tune, or auto with starting weights
         (random weights have no features worth keeping, so auto trains everything)."""
+        if self.task == "segmentation":
+            return False  # a decoder's last layer is no classifier head worth training alone
         return self.mode == "fine_tune" or (
             self.mode == "auto" and (bool(self.weights) or self.pretrained)
         )
@@ -214,7 +231,7 @@ HELP: dict[str, str] = {
     "image_root": "where the CSV's files are (default: the CSV's folder)",
     "valid": "a validation folder or CSV; empty: a seeded split of data",
     "valid_pct": "the share of data held out for validation; 0: none (best checkpoint by train_loss)",
-    "arch": "any timm architecture (random init; weights= for your own starting weights); segmentation: unet (2D/3D, GroupNorm) or a timm encoder name (2D)",
+    "arch": "any timm architecture (random init; weights= for your own starting weights); segmentation: MONAI's unet, segresnet, dynunet, swinunetr or unetr (2D/3D), or a timm encoder name (2D U-Net)",
     "model": "module:factory(num_classes) building your own model, instead of arch",
     "weights": "a local weights file (safetensors or a state dict; never unpickled, never downloaded)",
     "pretrained": "timm's pretrained weights, through the Hugging Face cache (downloaded once, then offline)",
@@ -235,9 +252,16 @@ HELP: dict[str, str] = {
     "lr": "learning rate (the head-only epochs use twice this)",
     "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
-    "monitor": "what picks best.safetensors: valid_loss; accuracy or error_rate (classification); dice or jaccard (segmentation)",
-    "loss": "segmentation loss: bce_dice, dice (per sample, exact under accumulation) or bce",
+    "monitor": "what picks best.safetensors: valid_loss; accuracy or error_rate (classification); dice, jaccard or hd95 (segmentation)",
+    "loss": "segmentation loss, MONAI's, per sample (exact under accumulation): dice_ce, dice, dice_focal or ce (bce_dice and bce: the old names of dice_ce and ce)",
     "num_classes": "segmentation classes: 0 infers them from the masks (0/1 or 0/255: binary)",
+    "widths": "segmentation: channels per level of a MONAI network, e.g. 16,32,64,128 (their number is the depth); empty: the network's default",
+    "norm": "segmentation: normalisation of a MONAI network: instance (exact under accumulation), group, or batch (inexact: see freeze_bn)",
+    "spacing": "segmentation: resample volumes to this voxel size in mm (e.g. 1,1,1), from each NIfTI header, after orienting them to RAS; empty: as stored",
+    "pos_neg": "segmentation: odds of a training patch centred on a labelled voxel against anywhere (MONAI's pos/neg ratio); 0: anywhere",
+    "ignore_index": "segmentation: the void label, counted in no loss or score (255 by default; masks of only 0 and 255 are binary); -1: none",
+    "palette": "segmentation: the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
+    "regions": "segmentation: score unions of labels as structures, e.g. wt:1,2,3;tc:1,3;et:3 (BraTS's nested regions)",
     "seed": "seeds the split, the order, augmentation and initialisation",
     "num_workers": "data-loading processes (0: in the training process; -1: auto, 0 on a CPU run with 2 cores or fewer)",
     "threads": "torch's CPU threads (0: auto, the cores the data loaders leave); kept on resume",

@@ -7,6 +7,7 @@ A task's own data (what a sample is, how it is scanned and checked) lives in its
 
 from __future__ import annotations
 
+import csv
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ __all__ = [
     "images_to_predict",
     "list_images",
     "make_loader",
+    "read_csv_rows",
     "split_items",
     "unreadable_reason",
     "windows_per_epoch",
@@ -152,3 +154,17 @@ def split_items(items: ItemsT, valid_pct: float, seed: int) -> tuple[ItemsT, Ite
     if len(train) == 0:
         raise DataError(f"no training images left after holding out valid_pct={valid_pct}")
     return train, valid
+
+
+def read_csv_rows(path: Path) -> list[list[str]]:
+    """Every row of a CSV, read as UTF-8 with or without Excel's byte-order mark; DataError
+    naming the file and the fix otherwise."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
+            return list(csv.reader(f))
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 (in Excel: CSV UTF-8)"
+        ) from None
+    except csv.Error as exc:
+        raise DataError(f"{path} is not a readable CSV: {exc}") from None

@@ -79,14 +79,19 @@ def evaluate(
     precision: str,
     metrics: Metrics,
     memory_format: torch.memory_format = torch.contiguous_format,
+    infer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
 ) -> Metrics:
-    """Run the validation set through ``model`` into ``metrics`` (the task's)."""
+    """Run the validation set through ``model`` (or the task's ``infer(model, x)``: sliding
+    windows over whole volumes) into ``metrics`` (the task's)."""
 
     model.eval()
+    forward = infer or (lambda m, x: m(x))
     with torch.no_grad():
         for x, y in loader:
             with autocast_for(precision, device.type):
-                logits = model(x.to(device, non_blocking=True, memory_format=memory_format))
+                logits = forward(
+                    model, x.to(device, non_blocking=True, memory_format=memory_format)
+                )
             metrics.update(logits, y.to(device))
     model.train()
     return metrics
@@ -194,9 +199,10 @@ def _setup(
         device=device, precision=precision, workers=workers, core=core,
         memory_format=memory_format, pin=pin, lone_ok=lone_ok, rank_batch=rank_batch,
         train_ds=train_ds,
-        # No gradients in validation: twice the micro-batch fits.
-        valid_loader=make_loader(valid_ds, max(1, 2 * micro), shuffle=False, seed=cfg.seed,
-                                 num_workers=workers, pin_memory=pin),
+        # No gradients in validation: twice the micro-batch fits (unless the task says).
+        valid_loader=make_loader(valid_ds, getattr(task, "valid_batch_size", 0) or 2 * micro,
+                                 shuffle=False, seed=cfg.seed, num_workers=workers,
+                                 pin_memory=pin),
         has_valid=has_valid,
         monitor=cfg.monitor if has_valid else "train_loss",
         sampler=sampler,
@@ -301,7 +307,7 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
         # Every rank evaluates the whole validation set: identical metrics everywhere.
         metrics = evaluate(
             run.core, run.valid_loader, run.device, run.precision, run.task.metrics(),
-            run.memory_format,
+            run.memory_format, getattr(run.task, "infer", None),
         )  # fmt: skip
         row |= metrics.as_dict()  # valid_loss, then the task's scores
     if ph.plateau:

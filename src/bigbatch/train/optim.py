@@ -60,4 +60,7 @@ def mode_line(cfg: TrainConfig) -> str:
             f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
             "starting from " + ("pretrained weights)" if cfg.pretrained else "weights=)")
         )
+    if cfg.weights or cfg.pretrained:
+        start = "weights=" + cfg.weights if cfg.weights else "pretrained weights"
+        return f"mode: fit (every layer trains, starting from {start})"
     return "mode: fit (random weights: every layer trains from the start)"

@@ -73,6 +73,13 @@ class Task(Protocol):
         ...
 
 
+# Two optional hooks a task may define (the loop reads them with getattr):
+#   valid_batch_size: int              validation batch (0: twice the micro-batch); segmentation
+#                                      of whole volumes of different sizes takes 1
+#   infer(model, x) -> logits          validation's forward (default model(x)); segmentation
+#                                      runs sliding windows over whole volumes
+
+
 @dataclass(frozen=True)
 class TaskEntry:
     """A registered task: how to build it, and the validation metrics ``monitor=`` may name."""
@@ -144,4 +151,6 @@ register_task(
     metrics=("accuracy", "error_rate"),
     lower_is_better=("error_rate",),
 )
-register_task("segmentation", _segmentation, metrics=("dice", "jaccard"))
+register_task(
+    "segmentation", _segmentation, metrics=("dice", "jaccard", "hd95"), lower_is_better=("hd95",)
+)

@@ -7,7 +7,6 @@ training set never saw are errors that name the file, before any long work start
 
 from __future__ import annotations
 
-import csv
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -19,7 +18,13 @@ import torch
 from torch.utils.data import Dataset
 
 from bigbatch.models import MEAN, STD
-from bigbatch.train.data import IMAGE_SUFFIXES, DataError, list_images, unreadable_reason
+from bigbatch.train.data import (
+    IMAGE_SUFFIXES,
+    DataError,
+    list_images,
+    read_csv_rows,
+    unreadable_reason,
+)
 
 __all__ = [
     "DuplicateRowsWarning",
@@ -152,15 +157,7 @@ def scan_csv(
     if not path.is_file():
         raise DataError(f"CSV {path} does not exist")
     root = Path(image_root) if image_root else path.parent
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
-            rows = list(csv.reader(f))
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 (in Excel: CSV UTF-8)"
-        ) from None
-    except csv.Error as exc:
-        raise DataError(f"{path} is not a readable CSV: {exc}") from None
+    rows = read_csv_rows(path)
     if len(rows) < 2 or len(rows[0]) < 2:
         raise DataError(f"{path} needs a header and rows of file,label")
     body: list[tuple[str, str]] = []

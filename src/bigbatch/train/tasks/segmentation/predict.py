@@ -1,20 +1,19 @@
-"""Masks from a trained segmentation run, with test-time augmentation by flips.
+"""Masks from a trained segmentation run: MONAI's sliding-window inference, test-time flips,
+autocast, and masks written in each input's own geometry.
 
-Each input is predicted whole (a U-Net is fully convolutional): a 2D image at the run's size,
-the mask resized back to the image's own size; a 3D volume at its own size, padded to a multiple
-of the U-Net's stride and cropped back. A volume too large for memory is predicted in
-overlapping windows instead (``patch``, or the training patch size after an out-of-memory
-error), blended with a Gaussian weight. Probabilities are averaged over ``tta`` passes (the
-input, then flipped along its last, second-last ... spatial axis). Masks are written with the
-input's geometry: PNG label maps for images, ``.npy`` for ``.npy`` volumes, NIfTI (with the
-input's affine and header) for NIfTI volumes; each file atomically.
+Every input is checked before the first mask is written: readable, finite, the run's channel
+count and dimensionality, and no two inputs writing the same mask (``a.png`` and ``a.jpg``).
+A 2D image is predicted whole at the run's size and the mask resized back. A volume goes through
+the run's preprocessing (orientation and ``spacing`` resampling, foreground z-scoring), is
+predicted in overlapping windows of the training patch size (``patch`` to change it) blended
+with Gaussian weights, and its probabilities are resampled back to the input's grid. Masks are
+PNG label maps for images (0/255 when the run learned 0/255 masks), ``.npy`` for ``.npy``
+volumes, NIfTI with the input's affine and header for NIfTI volumes; each file atomically.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,33 +22,47 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bigbatch.device import autocast_for
 from bigbatch.io import atomic_path
-from bigbatch.memory.oom import is_oom
 from bigbatch.train.checkpoint import load_weights_file
-from bigbatch.train.config import ConfigError, config_from_json
+from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict
-from bigbatch.train.runtime import resolve_device
+from bigbatch.train.runtime import resolve_device, resolve_precision
 from bigbatch.train.tasks.segmentation.data import (
-    VOLUME_SUFFIXES as VOLUMES,
-)
-from bigbatch.train.tasks.segmentation.data import (
+    VOLUME_SUFFIXES,
+    VolumeRecipe,
     image_input,
-    read_image,
-    standardise,
+    preprocess,
+    read_case,
+    to_meta,
     volume_suffix,
 )
-from bigbatch.train.tasks.segmentation.task import UNET_DEPTH, build_seg_model
+from bigbatch.train.tasks.segmentation.task import build_seg_model, seg_settings
 
-__all__ = ["is_segmentation_run", "predict_masks", "sliding_window"]
+__all__ = ["is_segmentation_run", "predict_masks", "with_tta"]
 
-log = logging.getLogger("bigbatch")
+Probabilities = Callable[[torch.Tensor], torch.Tensor]
 
 
 def is_segmentation_run(run_dir: Path) -> bool:
-    try:
-        return json.loads((run_dir / "task.json").read_text()).get("task") == "segmentation"
-    except (OSError, json.JSONDecodeError):
+    """Whether ``run_dir`` holds a segmentation run; a damaged ``task.json`` is refused."""
+    path = Path(run_dir) / "task.json"
+    if not path.is_file():
         return False
+    return _task_info(path).get("task") == "segmentation"
+
+
+def _task_info(path: Path) -> dict[str, Any]:
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"{path} is damaged ({type(exc).__name__}: {str(exc)[:80]}): bigbatch train writes "
+            "it; restore it from a copy, or train the run again"
+        ) from None
+    if not isinstance(info, dict) or "task" not in info:
+        raise ConfigError(f"{path} is not a bigbatch task file: restore it, or train again")
+    return info
 
 
 def _inputs(folder: Path, dims: int) -> list[Path]:
@@ -57,12 +70,51 @@ def _inputs(folder: Path, dims: int) -> list[Path]:
         return images_to_predict(folder)  # the classification check: every image readable
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder of volumes to predict")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and volume_suffix(p) in VOLUMES)
+    files = sorted(
+        p for p in folder.rglob("*") if p.is_file() and volume_suffix(p) in VOLUME_SUFFIXES
+    )
     if not files:
-        raise DataError(
-            f"{folder} holds no volumes (.npy, .nii, .nii.gz): this run segments volumes"
-        )
+        images = [p for p in folder.rglob("*") if volume_suffix(p) in IMAGE_SUFFIXES]
+        hint = f" (it holds 2D images, e.g. {images[0].name}, but this run segments volumes)"
+        raise DataError(f"{folder} holds no volumes (.npy, .nii, .nii.gz){hint if images else ''}")
     return files
+
+
+def _target(source: Path, folder: Path, out: Path) -> Path:
+    target = out / source.relative_to(folder)
+    return target.with_suffix(".png") if volume_suffix(source) in IMAGE_SUFFIXES else target
+
+
+def _check_inputs(files: list[Path], folder: Path, out: Path, dims: int, channels: int) -> None:
+    """Everything that would stop prediction half-way, before the first mask is written."""
+    seen: dict[Path, Path] = {}
+    for f in files:
+        target = _target(f, folder, out)
+        if target in seen:
+            raise DataError(
+                f"{seen[target].name} and {f.name} would both write {target}: rename one"
+            )
+        seen[target] = f
+    for f in files:
+        found = read_case((f,), dims).array.shape[0]  # readable and finite, or DataError
+        if found != channels:
+            raise DataError(f"{f} has {found} channel(s); the run was trained on {channels}")
+
+
+def with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.Tensor:
+    """The mean over ``tta`` passes: the input, then one flip per pass, each along another
+    spatial axis (last first).
+
+    >>> x = torch.rand(1, 2, 4, 4)
+    >>> torch.allclose(with_tta(lambda v: v.softmax(1), x, 3), x.softmax(1))
+    True
+    """
+    flips = list(range(x.dim() - 1, 1, -1))
+    total = probabilities(x)
+    for k in range(1, tta):
+        axes = [flips[(k - 1) % len(flips)]]
+        total = total + probabilities(x.flip(axes)).flip(axes)
+    return total / tta
 
 
 def predict_masks(
@@ -74,161 +126,99 @@ def predict_masks(
     checkpoint: str = "best",
     device: str = "cpu",
     patch: int = 0,
+    overlap: float = 0.5,
 ) -> list[Path]:
     """Write a mask for every image or volume under ``folder`` into ``out``; return their paths.
 
-    Volumes are predicted whole unless ``patch`` (a multiple of the U-Net's stride) asks for
-    overlapping ``patch``^3 windows; a whole volume that runs out of memory is predicted again
-    in windows of the training patch size, with a warning.
-    """
-
+    Volumes are predicted in overlapping windows of the training size (``patch`` to choose
+    another multiple of the network's stride), overlapping by ``overlap``."""
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
+    if not 0 <= overlap < 1:
+        raise ConfigError(f"overlap is a fraction in [0, 1), got {overlap}")
     run_dir, folder, out = Path(run_dir), Path(folder), Path(out)
+    info = _task_info(run_dir / "task.json")
     cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
-    info = json.loads((run_dir / "task.json").read_text())
     dims, channels, classes = int(info["dims"]), int(info["channels"]), int(info["num_classes"])
-    stride = 2**UNET_DEPTH
-    if patch and (dims == 2 or patch < 0 or patch % stride):
+    multiple = int(info.get("multiple", 8))
+    if patch and (dims == 2 or patch < 2 * multiple or patch % multiple):
         raise ConfigError(
             "--patch is for volumes (2D images are predicted whole at the run's size)"
             if dims == 2
-            else f"--patch {patch}: the U-Net halves it {UNET_DEPTH} times, so it must be a "
-            f"positive multiple of {stride}; try {max(stride, patch // stride * stride)}"
+            else f"--patch {patch}: the network halves it down to 1/{multiple} (and needs 2 "
+            f"voxels there), so it must be a multiple of {multiple}, at least {2 * multiple}; "
+            f"try {max(2 * multiple, patch // multiple * multiple)}"
         )
     files = _inputs(folder, dims)
+    _check_inputs(files, folder, out, dims, channels)
     weights = run_dir / f"{checkpoint}.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
-    cfg.pretrained = False
+    cfg.pretrained, cfg.weights = False, ""  # the run's own weights replace any starting ones
     model = build_seg_model(cfg, channels, classes, dims)()
     load_weights_file(model, weights)
     dev = resolve_device(device, "--device")
+    precision = resolve_precision(cfg.precision, dev)
     model.to(dev).eval()
 
     def probabilities(x: torch.Tensor) -> torch.Tensor:
-        logits = model(x.to(dev)).float().cpu()
+        with autocast_for(precision, dev.type):
+            logits = model(x.to(dev)).float()
         return torch.sigmoid(logits) if classes == 1 else torch.softmax(logits, 1)
 
     written = []
     for f in files:
-        image = torch.from_numpy(read_image((f,), dims))
-        if image.shape[0] != channels:
-            raise DataError(
-                f"{f} has {image.shape[0]} channel(s); the run was trained on {channels}"
-            )
-        spatial = tuple(image.shape[1:])
-        if dims == 2:
-            x = image_input(image, cfg.size)[None]  # as in training
-        else:
-            pad: list[int] = []
-            for s in reversed(spatial):
-                pad += [0, -s % stride]
-            x = F.pad(standardise(image), pad)[None]
         with torch.no_grad():
-            probs = _volume_probs(probabilities, x, tta, patch, cfg.size, f)
-        if dims == 2:
-            probs = F.interpolate(probs, size=spatial, mode="bilinear")
-        else:
-            probs = probs[(slice(None), slice(None), *[slice(0, s) for s in spatial])]
-        mask = (probs[0, 0] > 0.5).long() if classes == 1 else probs[0].argmax(0)
-        written.append(_write_mask(mask.numpy(), f, folder, out))
+            if dims == 2:
+                probs = _image_probs(probabilities, f, cfg.size, tta)
+            else:
+                probs = _volume_probs(probabilities, f, cfg, patch, overlap, tta)
+        mask = (probs[0] > 0.5).long() if classes == 1 else probs.argmax(0)
+        if dims == 2 and info.get("binary_255"):
+            mask = mask * 255  # as the run's masks were stored
+        written.append(_write_mask(mask.cpu().numpy(), f, folder, out))
     return written
 
 
-Probabilities = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.Tensor:
-    """The mean over ``tta`` passes: the input, then one flip per pass, each along another
-    spatial axis (last first)."""
-    flips = list(range(x.dim() - 1, 1, -1))
-    total = torch.zeros(0)
-    for k in range(tta):
-        axes = [] if k == 0 else [flips[(k - 1) % len(flips)]]
-        p = probabilities(x.flip(axes)).flip(axes) if axes else probabilities(x)
-        total = p if k == 0 else total + p
-    return total / tta
+def _image_probs(probabilities: Probabilities, f: Path, size: int, tta: int) -> torch.Tensor:
+    image = torch.from_numpy(read_case((f,), 2).array)
+    x = image_input(image, size)[None]  # as in training
+    probs = with_tta(probabilities, x, tta).cpu()
+    return F.interpolate(probs, size=tuple(image.shape[1:]), mode="bilinear")[0]
 
 
 def _volume_probs(
-    probabilities: Probabilities, x: torch.Tensor, tta: int, patch: int, train_size: int, f: Path
+    probabilities: Probabilities, f: Path, cfg: TrainConfig, patch: int, overlap: float, tta: int
 ) -> torch.Tensor:
-    if patch:
-        return _with_tta(lambda v: sliding_window(probabilities, v, patch), x, tta)
-    try:
-        return _with_tta(probabilities, x, tta)
-    except Exception as exc:
-        if x.dim() != 5 or not is_oom(exc):
-            raise
-        failure = f"{type(exc).__name__}: {str(exc)[:120]}"
-    # Out of the except block: the exception and the failed pass's activations are dropped.
-    log.warning(
-        "%s: predicting the whole %s volume ran out of memory (%s); predicting it in "
-        "overlapping %d^3 windows, the training patch size (choose with --patch)",
-        f.name,
-        "x".join(map(str, x.shape[2:])),
-        failure,
-        train_size,
-    )
-    return _with_tta(lambda v: sliding_window(probabilities, v, train_size), x, tta)
+    from monai.inferers import sliding_window_inference
+    from monai.transforms import ResampleToMatch
 
+    settings = seg_settings(cfg, 3)
+    original = to_meta(read_case((f,), 3))
+    image, _ = preprocess(original, None, VolumeRecipe(cfg.size, settings.spacing))
+    roi = (patch or cfg.size,) * 3
 
-def _starts(size: int, window: int, step: int) -> list[int]:
-    if size <= window:
-        return [0]
-    return sorted({*range(0, size - window, step), size - window})
+    def windows(v: torch.Tensor) -> torch.Tensor:
+        out = sliding_window_inference(
+            v, roi, 1, probabilities, overlap=overlap, mode="gaussian", sw_device=v.device,
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        return torch.as_tensor(out)
 
-
-def _gaussian(shape: tuple[int, ...]) -> torch.Tensor:
-    """A window's centre is trusted over its edges, which see less context (nnU-Net's choice
-    of sigma: an eighth of the window); never zero, so every voxel has a weight."""
-    weight = torch.ones(())
-    for n in shape:
-        axis = torch.exp(-0.5 * ((torch.arange(n) - (n - 1) / 2) / (n / 8)) ** 2)
-        weight = weight[..., None] * axis
-    return weight.clamp_min(1e-3)
-
-
-def sliding_window(
-    probabilities: Probabilities, x: torch.Tensor, patch: int, *, overlap: float = 0.5
-) -> torch.Tensor:
-    """Class probabilities of ``x`` (1, C, *spatial) from ``patch``-sized windows (an axis no
-    longer than ``patch`` is taken whole) overlapping by ``overlap``, blended with a Gaussian
-    weight. ``probabilities`` maps a window (1, C, *window) to (1, K, *window).
-
-    >>> import torch
-    >>> x = torch.rand(1, 2, 20, 12, 9)
-    >>> torch.allclose(sliding_window(lambda w: w.softmax(1), x, 8), x.softmax(1))
-    True
-    """
-    if not 0 <= overlap < 1:
-        raise ValueError(f"overlap is a fraction in [0, 1), got {overlap}")
-    spatial = tuple(x.shape[2:])
-    window = tuple(min(patch, n) for n in spatial)
-    step = max(1, int(patch * (1 - overlap)))
-    weight = _gaussian(window)
-    total = norm = torch.zeros(0)
-    for corner in itertools.product(
-        *(_starts(n, w, step) for n, w in zip(spatial, window, strict=True))
-    ):
-        where = tuple(slice(c, c + w) for c, w in zip(corner, window, strict=True))
-        p = probabilities(x[(slice(None), slice(None), *where)])
-        if not total.numel():
-            total = torch.zeros((*p.shape[:2], *spatial), dtype=p.dtype)
-            norm, weight = torch.zeros(spatial, dtype=p.dtype), weight.to(p.dtype)
-        total[(slice(None), slice(None), *where)] += p * weight
-        norm[where] += weight
-    return total / norm
+    probs = with_tta(windows, torch.as_tensor(image)[None], tta)[0]
+    if settings.spacing:  # back to the input's own grid
+        resampled = image.clone()
+        resampled.set_array(probs)
+        probs = torch.as_tensor(ResampleToMatch(mode="bilinear")(resampled, img_dst=original))
+    return probs
 
 
 def _write_mask(mask: np.ndarray, source: Path, folder: Path, out: Path) -> Path:
     suffix = volume_suffix(source)
-    target = out / source.relative_to(folder)
+    target = _target(source, folder, out)
     if suffix in IMAGE_SUFFIXES:
         from PIL import Image
 
-        target = target.with_suffix(".png")
         with atomic_path(target) as tmp:
             Image.fromarray(mask.astype(np.uint8)).save(tmp, format="PNG")
     elif suffix == ".npy":

@@ -1,8 +1,10 @@
-"""Segmentation of 2D images and 3D volumes: U-Nets, BCE / Dice / BCE + Dice (per sample, so
-accumulation stays exact), Dice and Jaccard summed over the validation set."""
+"""Segmentation of 2D images and 3D volumes with MONAI: its networks, per-sample losses (exact
+under accumulation), per-case metrics and sliding-window inference; bigbatch adds the checks,
+the plan and exact accumulation."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,49 +12,147 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.segmentation.losses import bce_dice_loss, dice_loss, seg_bce_loss
-from bigbatch.segmentation.metrics import SegmentationMetrics
-from bigbatch.segmentation.models import UNet, timm_unet
+from bigbatch.models import read_weights
+from bigbatch.segmentation.losses import per_sample_loss
+from bigbatch.segmentation.metrics import CaseScores, parse_regions
+from bigbatch.segmentation.models import timm_unet
+from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_multiple
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
-from bigbatch.train.tasks.segmentation.data import SegDataset, SegItems, scan_segmentation
+from bigbatch.train.optim import head_parameters
+from bigbatch.train.tasks.segmentation.data import (
+    SegDataset,
+    SegItems,
+    VolumeRecipe,
+    scan_segmentation,
+    volume_suffix,
+)
 from bigbatch.train.tasks.user_model import load_user_model
 
-__all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model"]
+__all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model", "seg_settings"]
 
 Log = Callable[[str], None]
 
-LOSSES = {"bce_dice": bce_dice_loss, "dice": dice_loss, "bce": seg_bce_loss}
-UNET_DEPTH = 3  # spatial sizes must divide by 2 ** depth
+# The loss names before MONAI, kept as aliases.
+LOSS_ALIASES = {"bce_dice": "dice_ce", "bce": "ce"}
+
+
+@dataclass(frozen=True)
+class SegSettings:
+    """The segmentation keys of a config, parsed and checked once."""
+
+    widths: tuple[int, ...]
+    spacing: tuple[float, ...]
+    regions: dict[str, tuple[int, ...]]
+    multiple: int  # spatial sizes divide by this
+
+
+def seg_settings(cfg: TrainConfig, dims: int | None = None) -> SegSettings:
+    """Parse ``widths``, ``spacing`` and ``regions``; ConfigError with the fix."""
+    try:
+        widths = tuple(int(w) for w in cfg.widths.replace(" ", "").split(",") if w)
+        spacing = tuple(float(s) for s in cfg.spacing.replace(" ", "").split(",") if s)
+    except ValueError as exc:
+        raise ConfigError(
+            f"widths={cfg.widths!r} / spacing={cfg.spacing!r}: give numbers separated by "
+            "commas, e.g. widths=16,32,64,128 spacing=1,1,1"
+        ) from exc
+    if widths and (len(widths) < 2 or min(widths) < 1):
+        raise ConfigError(f"widths={cfg.widths!r}: two or more positive channel counts")
+    if len(spacing) == 1:
+        spacing = spacing * 3
+    if spacing and (len(spacing) != 3 or min(spacing) <= 0 or not all(map(math.isfinite, spacing))):
+        raise ConfigError(f"spacing={cfg.spacing!r}: a voxel size in mm, e.g. 1,1,1 (or 1)")
+    if spacing and dims == 2:
+        raise ConfigError(
+            "spacing= resamples volumes (from their NIfTI header); 2D images are resized to size="
+        )
+    try:
+        regions = parse_regions(cfg.regions)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    multiple = size_multiple(cfg.arch, widths) if cfg.arch in MONAI_ARCHS and not cfg.model else 32
+    if cfg.model:
+        multiple = 1
+    return SegSettings(widths, spacing, regions, multiple)
 
 
 def build_seg_model(
     cfg: TrainConfig, in_channels: int, num_classes: int, dims: int
 ) -> Callable[[], nn.Module]:
-    """arch=unet: bigbatch's GroupNorm U-Net (2D or 3D); any other name: a timm encoder under a
-    U-Net decoder (2D); model=module:factory(in_channels, num_classes) for your own."""
+    """arch=unet|segresnet|dynunet|swinunetr|unetr: MONAI's network (2D or 3D); any other name:
+    a timm encoder under a U-Net decoder (2D); model=module:factory(in_channels, num_classes)
+    for your own. ``weights=`` loads a local weights file into it (an earlier run's, a MONAI
+    bundle's ``model.pt``)."""
     if cfg.model:
         user = load_user_model(cfg.model)
-        return lambda: user(in_channels, num_classes)
-    if cfg.arch == "unet":
-        return lambda: UNet(in_channels, num_classes, dims=dims, depth=UNET_DEPTH)  # type: ignore[arg-type]
-    if dims == 3:
-        raise ConfigError(
-            f"arch={cfg.arch}: timm encoders are 2D; train volumes with arch=unet (bigbatch's 3D "
-            "U-Net) or model=module:factory"
-        )
+        build: Callable[[], nn.Module] = lambda: user(in_channels, num_classes)  # noqa: E731
+    elif cfg.arch in MONAI_ARCHS:
+        if cfg.pretrained:
+            raise ConfigError(
+                f"arch={cfg.arch} has no pretrained weights to download: give weights=FILE (an "
+                "earlier run's best.safetensors, a MONAI bundle's model.pt), or a timm encoder "
+                "with pretrained=true (arch=resnet34, 2D)"
+            )
+        widths = seg_settings(cfg, dims).widths
 
-    return lambda: timm_unet(
-        cfg.arch, in_channels=in_channels, num_classes=num_classes, pretrained=cfg.pretrained
-    )
+        def build() -> nn.Module:
+            return build_network(
+                cfg.arch, in_channels, num_classes, dims=dims, size=cfg.size, widths=widths,
+                norm=cfg.norm,
+            )  # fmt: skip
+    elif dims == 3:
+        raise ConfigError(
+            f"arch={cfg.arch}: timm encoders are 2D; train volumes with one of MONAI's "
+            f"networks ({', '.join(MONAI_ARCHS)}) or model=module:factory"
+        )
+    else:
+
+        def build() -> nn.Module:
+            return timm_unet(
+                cfg.arch, in_channels=in_channels, num_classes=num_classes,
+                pretrained=cfg.pretrained,
+            )  # fmt: skip
+
+    if not cfg.weights:
+        return build
+    weights = cfg.weights
+
+    def build_with_weights() -> nn.Module:
+        model = build()
+        if next(iter(model.parameters()), torch.empty(0)).is_meta:
+            return model  # the planner's shapes-only copy
+        _load_checked(model, weights, cfg)
+        return model
+
+    return build_with_weights
+
+
+def _load_checked(model: nn.Module, weights: str, cfg: TrainConfig) -> None:
+    """Load ``weights``; every tensor but the output layer's (another class count) must fit."""
+    try:
+        state = read_weights(weights)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    own = model.state_dict()
+    head = {n for n, p in model.named_parameters() if id(p) in head_parameters(model)}
+    usable = {n: t for n, t in state.items() if n in own and own[n].shape == t.shape}
+    unmatched = [n for n in own if n not in usable]
+    if [n for n in unmatched if n not in head]:
+        raise ConfigError(
+            f"weights={weights} does not fit this network: {len(unmatched)} of its {len(own)} "
+            f"tensors have no match in the file (e.g. {unmatched[0]}). Give weights of the same "
+            f"arch= ({cfg.arch}), widths= and norm=, or an earlier run's best.safetensors"
+        )
+    model.load_state_dict(usable, strict=False)
 
 
 @dataclass
 class SegmentationValidation:
-    """valid_loss (per-sample mean, weighted by samples), Dice and Jaccard over the whole set."""
+    """valid_loss (per-sample mean, weighted by samples) and the per-case scores."""
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    overlap: SegmentationMetrics
+    scores: CaseScores
     loss_sum: float = 0.0
     count: int = 0
     names: list[str] = field(default_factory=list)
@@ -61,19 +161,11 @@ class SegmentationValidation:
         logits = logits.float()
         self.loss_sum += float(self.loss_fn(logits, targets)) * len(targets)
         self.count += len(targets)
-        self.overlap.update(logits.cpu(), targets.cpu())
+        self.scores.update(logits, targets)
 
     def as_dict(self) -> dict[str, float]:
-        scores = self.overlap.compute()
-        row: dict[str, float] = {
-            "valid_loss": self.loss_sum / self.count if self.count else float("nan"),
-            "dice": float(scores["dice"]),  # type: ignore[arg-type]
-            "jaccard": float(scores["jaccard"]),  # type: ignore[arg-type]
-        }
-        per_class = scores["dice_per_class"]
-        if len(self.names) > 1:
-            row |= {f"dice_{n}": float(d) for n, d in zip(self.names, per_class, strict=True)}  # type: ignore[call-overload]
-        return row
+        loss = self.loss_sum / self.count if self.count else float("nan")
+        return {"valid_loss": loss} | self.scores.compute()
 
 
 class SegmentationTask:
@@ -85,34 +177,63 @@ class SegmentationTask:
         self.num_classes = 1
         self.dims = 2
         self.channels = 3
+        self.void: int | None = None
+        self.binary_255 = False
+        self.settings = seg_settings(cfg)
 
     def prepare(self, log: Log, data: Any = None) -> tuple[SegItems, SegItems]:
         cfg = self.cfg
         if data is not None:
             train_items, valid_items = data
         else:
-            items = scan_segmentation(cfg.data, cfg.image_root, cfg.num_classes)
+            void, palette = cfg.ignore_index, cfg.palette
+            items = scan_segmentation(
+                cfg.data, cfg.image_root, cfg.num_classes, ignore_index=void, palette=palette
+            )
             if cfg.valid:
-                valid_items = scan_segmentation(cfg.valid, cfg.image_root, items.num_classes)
+                valid_items = scan_segmentation(
+                    cfg.valid, cfg.image_root, items.num_classes, ignore_index=void,
+                    palette=palette, like=items,
+                )  # fmt: skip
                 train_items = items
             else:
                 train_items, valid_items = split_items(items, cfg.valid_pct, cfg.seed)
         self.num_classes, self.dims = train_items.num_classes, train_items.dims
         self.channels, self.classes = train_items.channels, train_items.classes
-        factor = 2**UNET_DEPTH
-        if cfg.size % factor:
-            raise ConfigError(
-                f"size={cfg.size}: a U-Net halves the size {UNET_DEPTH} times, so it must divide "
-                f"by {factor}; use size={cfg.size // factor * factor or factor}"
-            )
+        self.void, self.binary_255 = train_items.void, train_items.binary_255
+        self.settings = seg_settings(cfg, self.dims)
+        self._check_settings(train_items)
         kind = "binary" if self.num_classes == 1 else f"{self.num_classes} classes"
+        void_note = f", void label {self.void}" if self.void is not None else ""
         what = "images" if self.dims == 2 else "volumes"
         shape = "x".join([str(cfg.size)] * self.dims)
         log(
             f"data: {len(train_items)} training and {len(valid_items)} validation {what} "
-            f"({self.channels} channel(s), {kind}), trained at {shape}"
+            f"({self.channels} channel(s), {kind}{void_note}), trained at {shape}"
         )
         return train_items, valid_items
+
+    def _check_settings(self, items: SegItems) -> None:
+        cfg, s = self.cfg, self.settings
+        # MONAI's networks normalise each sample at the bottom too: it needs 2 voxels there.
+        least = 2 * s.multiple if cfg.arch in MONAI_ARCHS and not cfg.model else s.multiple
+        if cfg.size % s.multiple or cfg.size < least:
+            fit = max(least, cfg.size // s.multiple * s.multiple)
+            raise ConfigError(
+                f"size={cfg.size}: arch={cfg.arch} halves it down to 1/{s.multiple}, so it must "
+                f"be a multiple of {s.multiple}, at least {least}; use size={fit}"
+            )
+        if s.spacing and any(volume_suffix(f[0]) == ".npy" for f in items.images):
+            raise ConfigError(
+                "spacing= resamples by the voxel size in each NIfTI header; .npy volumes have "
+                "none: resample them beforehand, or store them as NIfTI"
+            )
+        top = max((max(r) for r in s.regions.values()), default=0)
+        if top >= max(self.num_classes, 2):
+            raise ConfigError(
+                f"regions={cfg.regions!r} names label {top}, but the masks have "
+                f"{self.num_classes} classes (0..{max(self.num_classes, 2) - 1})"
+            )
 
     def model_factory(self) -> Callable[[], nn.Module]:
         return build_seg_model(self.cfg, self.channels, self.num_classes, self.dims)
@@ -120,26 +241,56 @@ class SegmentationTask:
     def input_shape(self) -> tuple[int, ...]:
         return (self.channels, *[self.cfg.size] * self.dims)
 
-    def datasets(self, train_items: SegItems, valid_items: SegItems) -> tuple[Any, Any]:
-        size, augment = self.cfg.size, self.cfg.augment
-        return (
-            SegDataset(train_items, size, train=True, augment=augment),
-            SegDataset(valid_items, size, train=False, augment=False),
+    def recipe(self) -> VolumeRecipe:
+        return VolumeRecipe(
+            self.cfg.size, self.settings.spacing, self.cfg.pos_neg, self.settings.multiple
         )
+
+    def datasets(self, train_items: SegItems, valid_items: SegItems) -> tuple[Any, Any]:
+        size, augment, recipe = self.cfg.size, self.cfg.augment, self.recipe()
+        return (
+            SegDataset(train_items, size, train=True, augment=augment, recipe=recipe),
+            SegDataset(valid_items, size, train=False, augment=False, recipe=recipe),
+        )
+
+    @property
+    def valid_batch_size(self) -> int:
+        return 1 if self.dims == 3 else 0  # whole volumes differ in size
+
+    def infer(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Validation's forward: whole 2D images at once; volumes in overlapping patches of the
+        training size (MONAI's sliding-window inference, Gaussian-weighted)."""
+        if self.dims == 2:
+            return model(x)
+        from monai.inferers import sliding_window_inference
+
+        roi = (self.cfg.size,) * 3
+        out = sliding_window_inference(x, roi, 1, model, overlap=0.25, mode="gaussian")
+        return torch.as_tensor(out)
+
+    def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        name = LOSS_ALIASES.get(self.cfg.loss, self.cfg.loss)
+        return per_sample_loss(name, num_classes=self.num_classes, ignore_index=self.void)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return LOSSES[self.cfg.loss](logits.float(), targets)
+        if not hasattr(self, "_loss"):
+            self._loss = self._loss_fn()
+        return self._loss(logits.float(), targets)
 
     def metrics(self) -> SegmentationValidation:
-        return SegmentationValidation(
-            LOSSES[self.cfg.loss], SegmentationMetrics(self.num_classes), names=self.classes
-        )
+        scores = CaseScores(
+            self.num_classes, names=self.classes, regions=self.settings.regions,
+            void=self.void, spacing=self.settings.spacing,
+        )  # fmt: skip
+        return SegmentationValidation(self._loss_fn(), scores, names=self.classes)
 
     def scores(self, row: dict[str, Any]) -> str:
-        return (
-            f"valid loss {row['valid_loss']:.4f}  dice {row['dice']:.4f}  "
-            f"jaccard {row['jaccard']:.4f}  "
-        )
+        text = f"valid loss {row['valid_loss']:.4f}  dice {row['dice']:.4f}  "
+        if self.settings.regions:
+            text += " ".join(f"{n} {row[f'dice_{n}']:.3f}" for n in self.settings.regions) + "  "
+        if "hd95" in row:
+            text += f"hd95 {row['hd95']:.1f}  "
+        return text
 
     def run_info(self) -> dict[str, Any]:
         return {
@@ -148,4 +299,7 @@ class SegmentationTask:
             "num_classes": self.num_classes,
             "dims": self.dims,
             "channels": self.channels,
+            "void": self.void,
+            "binary_255": self.binary_255,
+            "multiple": self.settings.multiple,
         }
