@@ -362,6 +362,8 @@ def scan_segmentation(
                 f"{images[0]} is a {_dims_of(images[0])}D file among {dims}D ones ({pairs[0][0][0]}"
                 "): train images and volumes in separate runs"
             )
+    if like is not None and (why := _unlike(data, dims, like.channels, like)):
+        raise DataError(why)
     colours = parse_palette(palette)
     values: set[int] = set()
     channels = None
@@ -376,6 +378,8 @@ def scan_segmentation(
             )
         if labels.size and labels.min() < 0:
             raise DataError(f"mask {mask} holds negative values: labels are 0..K-1")
+        if like is not None and (why := _unlike(data, dims, image.shape[0], like)):
+            raise DataError(why)
         if channels is not None and image.shape[0] != channels:
             raise DataError(
                 f"{images[0]} has {image.shape[0]} channel(s), the others {channels}: every "
@@ -407,33 +411,25 @@ def scan_segmentation(
         [p[0] for p in pairs], [p[1] for p in pairs], classes, dims, channels or 1, void,
         binary_255, colours,
     )  # fmt: skip
-    if like is not None:
-        _check_like(items, like, data)
+    if like is not None:  # a validation set keeps the training set's meaning of its labels
+        items.num_classes, items.binary_255 = like.num_classes, like.binary_255
+        items.void = like.void if items.void is None else items.void
     return items
 
 
-def _check_like(items: SegItems, train: SegItems, where: str | Path) -> None:
-    """A validation (or prediction) set must be what the model was trained on."""
-    if items.dims != train.dims:
-        raise DataError(
-            f"{where} holds {items.dims}D data but training is {train.dims}D: give "
+def _unlike(where: str | Path, dims: int, channels: int, train: SegItems) -> str:
+    """Why a validation set cannot be scored by the model trained on ``train`` ('' if it can)."""
+    if dims != train.dims:
+        return (
+            f"{where} holds {dims}D data but training is {train.dims}D: give "
             f"{'volumes' if train.dims == 3 else 'images'} like the training data"
         )
-    if items.channels != train.channels:
-        raise DataError(
-            f"{where} has {items.channels} channel(s) per case, the training data "
-            f"{train.channels}: give the same modalities in the same order"
+    if channels != train.channels:
+        return (
+            f"{where} has {channels} channel(s) per case, the training data {train.channels}: "
+            "give the same modalities in the same order"
         )
-    if items.num_classes > train.num_classes:
-        raise DataError(
-            f"{where} has labels up to {items.num_classes - 1}, beyond the training data's "
-            f"{train.num_classes} classes: set num_classes= for both"
-        )
-    items.num_classes, items.void, items.binary_255 = (
-        train.num_classes,
-        train.void if items.void is None else items.void,
-        train.binary_255,
-    )
+    return ""
 
 
 # ---------------------------------------------------------------------------------- datasets
@@ -466,14 +462,19 @@ def to_meta(volume: Volume) -> Any:
     return MetaTensor(torch.from_numpy(np.ascontiguousarray(volume.array)), affine=affine)
 
 
+# NIfTI's world axes (left-right, posterior-anterior, inferior-superior), stated rather than
+# left to MONAI's changing default.
+_RAS_LABELS = (("L", "R"), ("P", "A"), ("I", "S"))
+
+
 def preprocess(image: Any, label: Any, recipe: VolumeRecipe) -> tuple[Any, Any]:
     """Orientation (RAS) and resampling to ``recipe.spacing`` (labels by nearest neighbour),
     then each channel z-scored over its non-zero voxels (the head, not the air around it)."""
     t = _monai_transforms()
     if recipe.spacing:
-        image = t.Spacing(pixdim=recipe.spacing, mode="bilinear")(t.Orientation("RAS")(image))
+        image = t.Spacing(pixdim=recipe.spacing, mode="bilinear")(t.Orientation("RAS", labels=_RAS_LABELS)(image))
         if label is not None:
-            label = t.Spacing(pixdim=recipe.spacing, mode="nearest")(t.Orientation("RAS")(label))
+            label = t.Spacing(pixdim=recipe.spacing, mode="nearest")(t.Orientation("RAS", labels=_RAS_LABELS)(label))
     image = t.NormalizeIntensity(nonzero=True, channel_wise=True)(image)
     return image, label
 

@@ -1,0 +1,231 @@
+"""Segmentation data that cannot fail silently: every defect a new user met, refused (or read
+right) before training or before the first mask is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from bigbatch.cli.main import main
+from bigbatch.segmentation.synthetic import write_blobs_3d
+from bigbatch.train.config import ConfigError, load_config
+from bigbatch.train.data import DataError
+from bigbatch.train.tasks.segmentation.data import scan_segmentation
+from bigbatch.train.tasks.segmentation.task import SegmentationTask, build_seg_model
+
+pytest.importorskip("monai")
+COMMON = ["task=segmentation", "arch=unet", "num_workers=0", "threads=1", "device=cpu", "widths=4,8"]
+
+
+def pair(root: Path, name: str, image: np.ndarray, mask: np.ndarray, mask_name: str = "") -> None:
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(root / "images" / name)
+    Image.fromarray(mask).save(root / "masks" / (mask_name or name))
+
+
+def shapes(root: Path, n: int = 4, values: tuple[int, ...] = (0, 1, 2)) -> Path:
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        mask = rng.choice(values, size=(16, 16)).astype(np.uint8)
+        pair(root, f"c{i}.png", rng.integers(0, 255, (16, 16, 3), dtype=np.uint8), mask)
+    return root
+
+
+def test_255_is_the_void_label_not_a_256th_class(tmp_path: Path) -> None:
+    items = scan_segmentation(shapes(tmp_path / "d", values=(0, 1, 2, 255)))
+    assert (items.num_classes, items.void) == (3, 255)
+    binary = scan_segmentation(shapes(tmp_path / "b", values=(0, 255)))
+    assert (binary.num_classes, binary.void, binary.binary_255) == (1, None, True)
+    off = scan_segmentation(shapes(tmp_path / "o", values=(0, 1, 7)), ignore_index=-1)
+    assert off.num_classes == 8
+
+
+def test_lossy_masks_are_refused(tmp_path: Path) -> None:
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    mask = np.zeros((16, 16), dtype=np.uint8)
+    mask[4:8, 4:8] = 255
+    pair(tmp_path, "a.png", image, mask, "a.jpg")
+    with pytest.raises(DataError, match=r"a\.jpg is a JPEG.*Save masks losslessly"):
+        scan_segmentation(tmp_path)
+
+
+def test_colour_coded_masks_need_a_palette(tmp_path: Path) -> None:
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    mask = np.zeros((16, 16, 3), dtype=np.uint8)
+    mask[:8, :, 0] = 255  # red: class 1
+    mask[8:, :8, 1] = 255  # green: class 2 (the red channel alone would call it background)
+    pair(tmp_path, "a.png", image, mask)
+    with pytest.raises(DataError, match="colour-coded.*palette="):
+        scan_segmentation(tmp_path)
+    items = scan_segmentation(tmp_path, palette="0,0,0;255,0,0;0,255,0")
+    assert items.num_classes == 3
+    assert set(np.unique(items.labels(0))) == {0, 1, 2}
+    with pytest.raises(DataError, match="0,255,0, which palette= does not list"):
+        scan_segmentation(tmp_path, palette="0,0,0;255,0,0")
+
+
+def test_all_background_masks_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="every mask .* is background"):
+        scan_segmentation(shapes(tmp_path, values=(0,)))
+
+
+def test_a_2d_csv_row_with_two_images_is_refused(tmp_path: Path) -> None:
+    shapes(tmp_path)
+    (tmp_path / "data.csv").write_text("image,mask\nimages/c0.png;images/c1.png,masks/c0.png\n")
+    with pytest.raises(DataError, match="a 2D row has one image"):
+        scan_segmentation(tmp_path / "data.csv")
+
+
+def test_csv_with_a_byte_order_mark_reads_and_latin1_is_refused_with_the_fix(
+    tmp_path: Path,
+) -> None:
+    shapes(tmp_path)
+    (tmp_path / "bom.csv").write_bytes("\ufeffimage,mask\nimages/c0.png,masks/c0.png\n".encode())
+    assert len(scan_segmentation(tmp_path / "bom.csv")) == 1
+    (tmp_path / "latin.csv").write_bytes("image,mask,note\nimages/c0.png,masks/c0.png,caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8 .* save it as UTF-8"):
+        scan_segmentation(tmp_path / "latin.csv")
+
+
+def test_non_finite_training_volumes_are_named(tmp_path: Path) -> None:
+    data = write_blobs_3d(tmp_path / "blobs", n=3, size=8, channels=1)
+    bad = sorted((data / "images").iterdir())[1]
+    volume = np.load(bad)
+    volume.flat[0] = np.nan
+    np.save(bad, volume)
+    with pytest.raises(DataError, match=rf"{bad.name} holds 1 NaN or infinite voxel"):
+        scan_segmentation(data)
+
+
+def test_a_validation_set_unlike_the_training_set_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    train = write_blobs_3d(tmp_path / "t", n=3, size=8, channels=2)
+    other = write_blobs_3d(tmp_path / "v", n=2, size=8, channels=1)
+    cfg = load_config(overrides=[f"data={train}", f"valid={other}", *COMMON, "size=8"])
+    with pytest.raises(DataError, match="1 channel.*the training data 2"):
+        SegmentationTask(cfg).prepare(lambda _: None)
+    images = shapes(tmp_path / "flat")
+    cfg = load_config(overrides=[f"data={train}", f"valid={images}", *COMMON, "size=8"])
+    with pytest.raises(DataError, match="holds 2D data but training is 3D"):
+        SegmentationTask(cfg).prepare(lambda _: None)
+
+
+def test_weights_load_for_segmentation_and_misfits_are_refused(tmp_path: Path) -> None:
+    data = shapes(tmp_path / "d")
+    cfg = load_config(overrides=[f"data={data}", *COMMON, "arch=unet", "size=16"])
+    source = build_seg_model(cfg, 3, 3, 2)()
+    weights = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    cfg.weights = str(weights)
+    loaded = build_seg_model(cfg, 3, 3, 2)()
+    for name, t in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    assert cfg.fine_tunes is False  # every layer trains from the weights, not a random decoder
+    cfg.widths = "8,16"
+    with pytest.raises(ConfigError, match="does not fit this network"):
+        build_seg_model(cfg, 3, 3, 2)()
+
+
+def test_pretrained_without_pretrained_weights_and_fine_tune_mode_are_refused(
+    tmp_path: Path,
+) -> None:
+    data = shapes(tmp_path / "d")
+    cfg = load_config(overrides=[f"data={data}", *COMMON, "arch=unet", "pretrained=true"])
+    with pytest.raises(ConfigError, match="arch=unet has no pretrained weights"):
+        build_seg_model(cfg, 3, 3, 2)
+    with pytest.raises(ConfigError, match="mode=fine_tune trains a classifier's head"):
+        load_config(overrides=[f"data={data}", *COMMON, "mode=fine_tune"])
+
+
+@pytest.fixture
+def trained_2d(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("run2d")
+    data = shapes(root / "d", n=6)
+    args = [f"data={data}", *COMMON, "size=16", "batch=4", "epochs=1", "valid_pct=0.34"]
+    assert main(["train", "--out", str(root / "run"), *args]) == 0
+    return root / "run"
+
+
+@pytest.mark.slow
+def test_predict_refuses_colliding_outputs_and_bad_inputs_before_writing_any_mask(
+    trained_2d: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from PIL import Image
+
+    test = tmp_path / "test"
+    test.mkdir()
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(test / "a.png")
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(test / "a.jpg")
+    out = tmp_path / "masks"
+    assert main(["predict", str(trained_2d), str(test), "--out", str(out)]) == 2
+    assert "a.jpg and a.png would both write" in capsys.readouterr().err
+    assert not out.exists() or not list(out.iterdir())
+    (test / "a.jpg").unlink()
+    (test / "z.png").write_bytes(b"not a png")  # sorted after a.png: would fail after it
+    assert main(["predict", str(trained_2d), str(test), "--out", str(out)]) == 2
+    assert "z.png" in capsys.readouterr().err
+    assert not out.exists() or not list(out.iterdir())
+
+
+@pytest.mark.slow
+def test_a_damaged_task_file_is_named(trained_2d: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (trained_2d / "task.json").write_text('{"task": "segmen')
+    assert main(["predict", str(trained_2d), str(trained_2d)]) == 2
+    err = capsys.readouterr().err
+    assert "task.json is damaged" in err and "unknown architecture" not in err
+
+
+@pytest.mark.slow
+def test_a_nan_volume_is_refused_by_predict_before_any_mask(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_blobs_3d(tmp_path / "blobs", n=4, size=16, channels=1)
+    args = [f"data={data}", *COMMON, "size=16", "batch=2", "epochs=1", "valid_pct=0.25"]
+    assert main(["train", "--out", str(tmp_path / "run"), *args]) == 0
+    test = tmp_path / "test"
+    test.mkdir()
+    volume = np.random.default_rng(0).normal(size=(16, 16, 16)).astype(np.float32)
+    np.save(test / "a.npy", volume)
+    volume[3, 3, 3] = np.nan
+    np.save(test / "b.npy", volume)
+    assert main(["predict", str(tmp_path / "run"), str(test), "--out", str(tmp_path / "m")]) == 2
+    assert "b.npy holds 1 NaN" in capsys.readouterr().err
+    assert not (tmp_path / "m" / "a.npy").exists()
+
+
+@pytest.mark.slow
+def test_nifti_resampled_to_spacing_predicts_in_the_inputs_geometry(tmp_path: Path) -> None:
+    import nibabel as nib
+
+    data = tmp_path / "nifti"
+    (data / "images").mkdir(parents=True)
+    (data / "masks").mkdir()
+    rng = np.random.default_rng(0)
+    affine = np.diag([1.0, 1.0, 2.0, 1.0])  # anisotropic: 2 mm slices
+    for i in range(4):
+        mask = np.zeros((16, 16, 8), dtype=np.uint8)
+        mask[4:10, 5:11, 2:5] = 1
+        image = rng.normal(size=mask.shape).astype(np.float32) + 3 * mask
+        nib.save(nib.Nifti1Image(image, affine), str(data / "images" / f"c{i}.nii.gz"))
+        nib.save(nib.Nifti1Image(mask, affine), str(data / "masks" / f"c{i}.nii.gz"))
+    args = [f"data={data}", *COMMON, "size=16", "batch=2", "epochs=1", "valid_pct=0.25",
+            "spacing=1,1,1"]  # fmt: skip
+    assert main(["train", "--out", str(tmp_path / "run"), *args]) == 0
+    out = tmp_path / "masks"
+    assert main(["predict", str(tmp_path / "run"), str(data / "images"), "--out", str(out)]) == 0
+    written = nib.load(str(out / "c0.nii.gz"))
+    assert written.shape == (16, 16, 8)
+    assert np.allclose(written.affine, affine) and written.header.get_zooms()[:3] == (1, 1, 2)
+    history = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
+    assert {"dice", "jaccard", "hd95"} <= set(history)
+    info = json.loads((tmp_path / "run" / "task.json").read_text())
+    assert info["dims"] == 3
