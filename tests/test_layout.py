@@ -1,5 +1,6 @@
-"""The house rules of the source tree, checked: the library never imports the command line, and
-the imports made at module top form no cycle (a lazy import inside a function says why)."""
+"""The house rules of the source tree, checked: the library never imports the command line, the
+imports made at module top form no cycle (a lazy import inside a function says why), and the
+loop, the Accumulator and every function stay a readable size."""
 
 from __future__ import annotations
 
@@ -65,3 +66,29 @@ def test_module_top_imports_have_no_cycle() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def _comment_above(lines: list[str], lineno: int) -> bool:
+    """A comment on one of the (up to 3) lines above a definition (its decorators aside)."""
+    above = [line.strip() for line in lines[max(0, lineno - 4) : lineno - 1]]
+    return any(line.startswith("#") for line in above)
+
+
+def test_sizes_stay_readable() -> None:
+    """The loop fits a reader's sitting (< 350 lines), the Accumulator a page (< 300), and no
+    function runs over 80 lines without a comment above it saying why."""
+    assert len((SRC / "bigbatch/train/loop.py").read_text().splitlines()) < 350
+    long = []
+    for path in (SRC / "bigbatch").rglob("*.py"):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            if isinstance(node, ast.ClassDef) and node.name == "Accumulator":
+                assert size < 300, f"Accumulator is {size} lines"
+            function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if function and size > 80 and not _comment_above(lines, node.lineno):
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({size})")
+    assert not long, f"functions over 80 lines with no comment saying why: {long}"

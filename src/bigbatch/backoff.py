@@ -20,6 +20,7 @@ import torch
 from bigbatch import distributed as bbdist
 from bigbatch.accumulate import Accumulator, StepResult
 from bigbatch.batching import batch_len, split_batch
+from bigbatch.coupled import cached_backward
 from bigbatch.device import free_memory
 from bigbatch.memory.oom import HOST_OOM_MESSAGES, is_oom
 
@@ -27,6 +28,7 @@ __all__ = [
     "BackoffEvent",
     "OOMBackoff",
     "OutOfMemoryAtMinimumError",
+    "run_coupled_window",
     "run_window",
 ]
 
@@ -125,9 +127,60 @@ def run_window(
     20.0
     """
     counts = count_fn or (lambda micro: {"count": batch_len(micro)})
+
+    def backward_all(micro_batch: int) -> None:
+        for micro in split_batch(batch, micro_batch, min_size=backoff.min_micro_batch):
+            # No collective runs inside a micro-batch (sync='step'), so ranks can fail apart.
+            with acc.no_sync():
+                acc.backward(loss_fn(micro), **counts(micro))
+
+    return _step_fitting(acc, backoff, device, backward_all, "run_window")
+
+
+def run_coupled_window(
+    acc: Accumulator,
+    batch: tuple[Any, torch.Tensor],
+    encode: Callable[[Any], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    backoff: OOMBackoff,
+    *,
+    device: torch.device | str = "cpu",
+) -> StepResult:
+    """:func:`run_window` for a loss that couples the samples (a batch Dice, a contrastive loss):
+    ``batch`` is ``(inputs, targets)``; ``loss_fn(outputs, targets)`` runs once on the whole
+    window's outputs, through :func:`bigbatch.coupled.cached_backward`, so the gradient is the
+    big batch's whatever the micro-batch, and an OOM shrinks the micro-batch as for any loss.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 3)
+    >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> def batch_mse(out, y): return ((out.sum(0) - y.sum(0)) ** 2).mean()  # couples the rows
+    >>> window = (torch.randn(10, 4), torch.randn(10, 3))
+    >>> run_coupled_window(acc, window, model, batch_mse, OOMBackoff(micro_batch=4)).count
+    10.0
+    """
+    inputs, targets = batch
+
+    def backward_all(micro_batch: int) -> None:
+        parts = split_batch(inputs, micro_batch, min_size=backoff.min_micro_batch)
+        with acc.no_sync():
+            cached_backward(acc, encode, loss_fn, list(parts), targets=targets)
+
+    return _step_fitting(acc, backoff, device, backward_all, "run_coupled_window")
+
+
+def _step_fitting(
+    acc: Accumulator,
+    backoff: OOMBackoff,
+    device: torch.device | str,
+    backward_all: Callable[[int], None],
+    name: str,
+) -> StepResult:
+    """Run ``backward_all(micro_batch)`` for the window, halving the micro-batch on OOM (the
+    same samples again, from the window's start), then step."""
     if bbdist.is_ddp(acc.model) and acc.sync != "step":
         raise ValueError(
-            "under DDP run_window needs Accumulator(..., model=ddp_model, sync='step'): with "
+            f"under DDP {name} needs Accumulator(..., model=ddp_model, sync='step'): with "
             "DDP syncing inside backward, a rank that runs out of memory would leave the others "
             "waiting in that all-reduce forever"
         )
@@ -135,10 +188,7 @@ def run_window(
         failure = ""
         host_oom = False  # the CPU allocator (not CUDA's or MPS's) ran out
         try:
-            for micro in split_batch(batch, backoff.micro_batch, min_size=backoff.min_micro_batch):
-                # No collective runs inside a micro-batch (sync='step'), so ranks can fail apart.
-                with acc.no_sync():
-                    acc.backward(loss_fn(micro), **counts(micro))
+            backward_all(backoff.micro_batch)
         except Exception as exc:
             if not is_oom(exc):
                 raise

@@ -19,7 +19,14 @@ from bigbatch.train.tasks.segmentation.data import scan_segmentation
 from bigbatch.train.tasks.segmentation.task import SegmentationTask, build_seg_model
 
 pytest.importorskip("monai")
-COMMON = ["task=segmentation", "arch=unet", "num_workers=0", "threads=1", "device=cpu", "widths=4,8"]
+COMMON = [
+    "task=segmentation",
+    "arch=unet",
+    "num_workers=0",
+    "threads=1",
+    "device=cpu",
+    "widths=4,8",
+]
 
 
 def pair(root: Path, name: str, image: np.ndarray, mask: np.ndarray, mask_name: str = "") -> None:
@@ -90,7 +97,9 @@ def test_csv_with_a_byte_order_mark_reads_and_latin1_is_refused_with_the_fix(
     shapes(tmp_path)
     (tmp_path / "bom.csv").write_bytes("\ufeffimage,mask\nimages/c0.png,masks/c0.png\n".encode())
     assert len(scan_segmentation(tmp_path / "bom.csv")) == 1
-    (tmp_path / "latin.csv").write_bytes("image,mask,note\nimages/c0.png,masks/c0.png,caf\xe9\n".encode("latin-1"))
+    (tmp_path / "latin.csv").write_bytes(
+        "image,mask,note\nimages/c0.png,masks/c0.png,caf\xe9\n".encode("latin-1")
+    )
     with pytest.raises(DataError, match="not UTF-8 .* save it as UTF-8"):
         scan_segmentation(tmp_path / "latin.csv")
 

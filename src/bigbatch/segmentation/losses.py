@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "BATCH_LOSSES",
     "MONAI_LOSSES",
     "batch_dice_loss",
+    "batch_loss",
     "bce_dice_loss",
     "dice_loss",
     "per_sample_loss",
@@ -115,6 +117,7 @@ def bce_dice_loss(
 
 
 MONAI_LOSSES = ("dice", "dice_ce", "dice_focal", "ce")
+BATCH_LOSSES = ("dice_batch", "dice_ce_batch")
 
 
 def per_sample_loss(
@@ -182,4 +185,48 @@ def per_sample_loss(
             terms = terms + (fl * mask).flatten(1).sum(1) / (voxels * fl.shape[1])
         return terms.mean()
 
+    return loss
+
+
+def batch_loss(
+    name: str, *, num_classes: int, ignore_index: int | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """MONAI's batch Dice (intersections and areas summed over the whole batch before the
+    ratio, as nnU-Net trains), alone (``dice_batch``) or with the cross-entropy over every
+    labelled voxel of the batch (``dice_ce_batch``). It couples the samples
+    (``couples_samples`` is True): accumulating it per micro-batch trains another objective, so
+    ``bigbatch train`` runs it through :func:`bigbatch.coupled.cached_backward`, which gives the
+    big batch's gradient with one micro-batch's activations.
+
+    >>> loss = batch_loss("dice_batch", num_classes=2)
+    >>> loss.couples_samples
+    True
+    """
+    if name not in BATCH_LOSSES:
+        raise ValueError(f"loss={name!r} is not one of {', '.join(BATCH_LOSSES)}")
+    from monai.losses import MaskedDiceLoss
+
+    binary = num_classes == 1
+    dice = MaskedDiceLoss(sigmoid=binary, softmax=not binary, to_onehot_y=not binary, batch=True)
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.dim() == logits.dim():
+            target = target[:, 0]
+        valid = torch.ones_like(target, dtype=torch.bool)
+        if ignore_index is not None:
+            valid = target != ignore_index
+        labels = torch.where(valid, target, torch.zeros_like(target)).long()[:, None]
+        mask = valid[:, None].to(logits.dtype)
+        total = dice(logits, labels.to(logits.dtype) if binary else labels, mask)
+        if name == "dice_ce_batch":
+            if binary:
+                ce = F.binary_cross_entropy_with_logits(
+                    logits, labels.to(logits.dtype), reduction="none"
+                )
+            else:
+                ce = F.cross_entropy(logits, labels[:, 0], reduction="none")[:, None]
+            total = total + (ce * mask).sum() / mask.sum().clamp(min=1)
+        return total
+
+    loss.couples_samples = True  # type: ignore[attr-defined]
     return loss

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import NonFiniteGradientWarning
-from bigbatch.backoff import OOMBackoff, run_window
+from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
 from bigbatch.device import (
     autocast_for,
     rng_state,
@@ -83,15 +83,13 @@ def evaluate(
 ) -> Metrics:
     """Run the validation set through ``model`` (or the task's ``infer(model, x)``: sliding
     windows over whole volumes) into ``metrics`` (the task's)."""
-
     model.eval()
     forward = infer or (lambda m, x: m(x))
     with torch.no_grad():
         for x, y in loader:
+            x = x.to(device, non_blocking=True, memory_format=memory_format)
             with autocast_for(precision, device.type):
-                logits = forward(
-                    model, x.to(device, non_blocking=True, memory_format=memory_format)
-                )
+                logits = forward(model, x)
             metrics.update(logits, y.to(device))
     model.train()
     return metrics
@@ -135,9 +133,8 @@ def train(
 
 
 def _loop(run: Run) -> TrainResult:
-    """The loop, after :func:`_setup`: each phase's epochs, each epoch's windows through
-    :func:`~bigbatch.backoff.run_window`, and after each epoch validation, the history and
-    atomic checkpoints."""
+    """After :func:`_setup`: each phase's epochs, each epoch's windows (:func:`_train_epoch`),
+    then validation, the history and atomic checkpoints (:func:`_finish_epoch`)."""
     epoch = 0
     for phase, n_epochs in phases(run.cfg):
         phase_start, epoch = epoch, epoch + n_epochs
@@ -173,17 +170,16 @@ def _setup(
         cfg, factory, device, precision, log, target=rank_batch, input_shape=task.input_shape()
     )
     if world > 1:
-        log(
-            f"distributed: {world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
-        )
+        split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
+        log(f"distributed: {split}")
     if cfg.mode == "auto":
         log(mode_line(cfg))
     if rank == 0:
-        plan_info: dict[str, Any] = {"micro_batch": micro, "max_micro_batch": max_micro}
-        plan_info["target_batch"] = cfg.batch
-        plan_info |= {"precision": precision, "device": str(device), "seed": cfg.seed}
-        plan_info |= {"world_size": world, "threads": threads, "num_workers": workers}
-        write_run_files(run_dir, cfg, task, plan_info)
+        write_run_files(run_dir, cfg, task, {
+            "micro_batch": micro, "max_micro_batch": max_micro, "target_batch": cfg.batch,
+            "precision": precision, "device": str(device), "seed": cfg.seed, "world_size": world,
+            "threads": threads, "num_workers": workers,
+        })  # fmt: skip
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = device.type == "cuda"  # page-locked batches: copies to a GPU that overlap compute
@@ -252,18 +248,23 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     )
     every_steps, every_seconds = cfg.checkpoint_interval()
 
-    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(x: torch.Tensor) -> torch.Tensor:
         with autocast_for(run.precision, device.type):
-            logits = ph.model(
-                batch[0].to(device, non_blocking=True, memory_format=run.memory_format)
-            )
-        return run.task.loss(logits, batch[1].to(device, non_blocking=True))
+            return ph.model(x.to(device, non_blocking=True, memory_format=run.memory_format))
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return run.task.loss(forward(batch[0]), batch[1].to(device, non_blocking=True))
 
     for x, y in loader:
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.
             warnings.simplefilter("ignore", NonFiniteGradientWarning)
-            result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+            if getattr(run.task, "couples_samples", False):  # a batch loss: gradient caching
+                result = run_coupled_window(
+                    acc, (x, y.to(device)), forward, run.task.loss, backoff, device=device
+                )
+            else:
+                result = run_window(acc, (x, y), loss_fn, backoff, device=device)
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         if result.non_finite or not math.isfinite(result.loss):

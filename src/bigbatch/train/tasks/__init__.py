@@ -73,11 +73,13 @@ class Task(Protocol):
         ...
 
 
-# Two optional hooks a task may define (the loop reads them with getattr):
+# Optional hooks a task may define (the loop reads them with getattr):
 #   valid_batch_size: int              validation batch (0: twice the micro-batch); segmentation
 #                                      of whole volumes of different sizes takes 1
 #   infer(model, x) -> logits          validation's forward (default model(x)); segmentation
 #                                      runs sliding windows over whole volumes
+#   couples_samples: bool              the loss couples the samples (a batch Dice): windows run
+#                                      through gradient caching (bigbatch.backoff.run_coupled_window)
 
 
 @dataclass(frozen=True)

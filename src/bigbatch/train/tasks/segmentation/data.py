@@ -472,9 +472,13 @@ def preprocess(image: Any, label: Any, recipe: VolumeRecipe) -> tuple[Any, Any]:
     then each channel z-scored over its non-zero voxels (the head, not the air around it)."""
     t = _monai_transforms()
     if recipe.spacing:
-        image = t.Spacing(pixdim=recipe.spacing, mode="bilinear")(t.Orientation("RAS", labels=_RAS_LABELS)(image))
+        image = t.Spacing(pixdim=recipe.spacing, mode="bilinear")(
+            t.Orientation("RAS", labels=_RAS_LABELS)(image)
+        )
         if label is not None:
-            label = t.Spacing(pixdim=recipe.spacing, mode="nearest")(t.Orientation("RAS", labels=_RAS_LABELS)(label))
+            label = t.Spacing(pixdim=recipe.spacing, mode="nearest")(
+                t.Orientation("RAS", labels=_RAS_LABELS)(label)
+            )
     image = t.NormalizeIntensity(nonzero=True, channel_wise=True)(image)
     return image, label
 

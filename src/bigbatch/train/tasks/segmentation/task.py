@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from bigbatch.models import read_weights
-from bigbatch.segmentation.losses import per_sample_loss
+from bigbatch.segmentation.losses import BATCH_LOSSES, batch_loss, per_sample_loss
 from bigbatch.segmentation.metrics import CaseScores, parse_regions
 from bigbatch.segmentation.models import timm_unet
 from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_multiple
@@ -268,9 +268,15 @@ class SegmentationTask:
         out = sliding_window_inference(x, roi, 1, model, overlap=0.25, mode="gaussian")
         return torch.as_tensor(out)
 
+    @property
+    def couples_samples(self) -> bool:
+        """A batch loss: the loop runs it through gradient caching (``run_coupled_window``)."""
+        return self.cfg.loss in BATCH_LOSSES
+
     def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         name = LOSS_ALIASES.get(self.cfg.loss, self.cfg.loss)
-        return per_sample_loss(name, num_classes=self.num_classes, ignore_index=self.void)
+        make = batch_loss if name in BATCH_LOSSES else per_sample_loss
+        return make(name, num_classes=self.num_classes, ignore_index=self.void)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "_loss"):
