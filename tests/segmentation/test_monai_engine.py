@@ -140,3 +140,34 @@ def test_the_planner_traces_dynunet_whose_output_block_has_two_parents() -> None
     unique = sum(p.numel() * p.element_size() for p in dynunet().parameters())
     assert prediction.parameters == unique  # the shared block counted once
     assert prediction.peak_bytes > unique
+
+
+def test_a_batch_loss_is_exact_through_gradient_caching_and_not_without() -> None:
+    from bigbatch import Accumulator
+    from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
+    from bigbatch.segmentation.losses import batch_loss
+
+    loss = batch_loss("dice_ce_batch", num_classes=3, ignore_index=255)
+    x, y = volumes(4, 3, void=255)
+    x, y = x.double(), y
+
+    def step(runner: str, micro_batch: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = dynunet().double()
+        acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+        backoff = OOMBackoff(micro_batch=micro_batch)
+        if runner == "coupled":
+            run_coupled_window(acc, (x, y), model, loss, backoff)
+        else:
+            run_window(acc, (x, y), lambda b: loss(model(b[0]), b[1]), backoff)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    big = step("plain", 4)  # one micro-batch: the big batch itself
+    cached = step("coupled", 1)
+    plain = step("plain", 1)
+
+    def rel(a: dict[str, torch.Tensor]) -> float:
+        return max(float((a[n] - big[n]).abs().max() / big[n].abs().max()) for n in big)
+
+    assert rel(cached) <= 1e-12
+    assert rel(plain) > 1e-6  # per micro-batch, the batch Dice is another objective

@@ -42,8 +42,13 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
             ax_metric.plot(epochs, [r[key] for r in rows], linewidth=0.8, alpha=0.6, label=key)
         ax_metric.set_xlabel("epoch")
         ax_metric.set_ylim(0, 1)
-        ax_metric.legend()
+        ax_metric.legend(loc="lower left")
         ax_metric.grid(True, alpha=0.3)
+        if "hd95" in rows[-1]:  # a distance, not a 0..1 score: its own axis
+            ax_hd = ax_metric.twinx()
+            ax_hd.plot(epochs, [r["hd95"] for r in rows], marker="s", color="grey", label="hd95")
+            ax_hd.set_ylabel("hd95 (lower is better)")
+            ax_hd.legend(loc="lower right")
     else:
         ax_metric.set_visible(False)
     if title:
