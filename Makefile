@@ -35,6 +35,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo_digits.py
 	$(BIN)/bigbatch demo --out demo_output
 	$(BIN)/bigbatch demo --task segmentation --out demo_output/segmentation
+	$(BIN)/bigbatch demo --task brats --out demo_output/brats
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -40,3 +40,21 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     # A rerun keeps the finished runs.
     assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
     assert "is finished already: kept" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_brats_demo_trains_at_micro_batch_1_and_scores_each_region(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import nibabel as nib
+
+    assert main(["demo", "--task", "brats", "--out", str(tmp_path), "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 1" in out and "wt " in out and "tc " in out and "et " in out
+    history = (tmp_path / "runs" / "brats" / "history.csv").read_text().splitlines()[0]
+    assert {"dice_wt", "dice_tc", "dice_et", "hd95"} <= set(history.split(","))
+    masks = sorted((tmp_path / "runs" / "brats" / "masks").rglob("*.nii.gz"))
+    assert [m.name for m in masks] == ["case_000.nii.gz", "case_001.nii.gz"]
+    source = nib.load(str(tmp_path / "brats_test" / "cases" / "case_000" / "case_000_t1.nii.gz"))
+    written = nib.load(str(masks[0]))
+    assert written.shape == source.shape and (written.affine == source.affine).all()

@@ -1,14 +1,16 @@
-"""Small synthetic segmentation sets, generated (never downloaded): 2D shapes and 3D blobs."""
+"""Small synthetic segmentation sets, generated (never downloaded): 2D shapes, 3D blobs and a
+BraTS-shaped set of four-modality NIfTI volumes."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bigbatch.io import atomic_path
 
-__all__ = ["write_blobs_3d", "write_shapes_2d"]
+__all__ = ["BRATS_REGIONS", "write_blobs_3d", "write_brats_like", "write_shapes_2d"]
 
 
 def write_shapes_2d(folder: str | Path, n: int = 64, size: int = 64, seed: int = 0) -> Path:
@@ -69,3 +71,85 @@ def write_blobs_3d(
                 with atomic_path(path) as tmp, open(tmp, "wb") as f:
                     np.save(f, array)
     return root
+
+
+BRATS_MODALITIES = ("t1", "t1ce", "t2", "flair")
+BRATS_REGIONS = "wt:1,2,3;tc:1,3;et:3"  # whole tumour, tumour core, enhancing tumour
+
+
+def write_brats_like(
+    folder: str | Path,
+    n: int = 12,
+    shape: tuple[int, int, int] = (40, 40, 20),
+    spacing: tuple[float, float, float] = (1.0, 1.0, 2.0),
+    seed: int = 0,
+) -> Path:
+    """A BraTS-shaped set, generated: ``folder/cases/<case>/<case>_{t1,t1ce,t2,flair}.nii.gz``
+    (four MRI modalities, anisotropic voxels of ``spacing`` mm), ``<case>_seg.nii.gz`` with
+    BraTS 2023's nested labels (1 necrotic core, 2 oedema around it, 3 enhancing rim), and
+    ``folder/cases.csv`` of ``image,mask`` rows listing each case's modalities. Each modality
+    shows the regions as in real scans: FLAIR and T2 bright in oedema, T1ce bright in the
+    enhancing rim, T1 dark in the core; zero outside an ellipsoidal head. Returns the CSV.
+
+    >>> import tempfile; csv = write_brats_like(tempfile.mkdtemp(), n=1, shape=(16, 16, 8))
+    >>> csv.read_text().splitlines()[0]
+    'image,mask'
+    """
+    import nibabel as nib
+
+    root = Path(folder)
+    rng = np.random.default_rng(seed)
+    affine = np.diag([*spacing, 1.0])
+    # World coordinates (mm), so that the structures are round in space, not in voxels.
+    xx, yy, zz = (np.mgrid[: shape[0], : shape[1], : shape[2]].astype(np.float32).T * spacing).T
+    extent = np.array(shape) * np.array(spacing)
+    head = (
+        sum(((g - e / 2) / (0.45 * e)) ** 2 for g, e in zip((xx, yy, zz), extent, strict=True)) <= 1
+    )
+    contrast = {  # background, core, oedema, enhancing, healthy tissue
+        "t1": (0.0, 0.3, 0.8, 0.9, 1.0),
+        "t1ce": (0.0, 0.3, 0.9, 2.0, 1.0),
+        "t2": (0.0, 1.6, 1.8, 1.2, 1.0),
+        "flair": (0.0, 1.0, 2.0, 1.3, 1.0),
+    }
+    rows = ["image,mask"]
+    for i in range(n):
+        case = f"case_{i:03d}"
+        centre = extent / 2 + rng.uniform(-0.12, 0.12, 3) * extent
+        d = np.sqrt(sum((g - c) ** 2 for g, c in zip((xx, yy, zz), centre, strict=True)))
+        r = rng.uniform(0.12, 0.2) * extent.min()
+        labels = np.zeros(shape, dtype=np.uint8)
+        labels[d <= 2.0 * r] = 2  # oedema
+        labels[d <= 1.0 * r] = 3  # the enhancing rim ...
+        labels[d <= 0.6 * r] = 1  # ... around a necrotic core
+        labels[~head] = 0
+        folder_case = root / "cases" / case
+        folder_case.mkdir(parents=True, exist_ok=True)
+        files = []
+        for modality in BRATS_MODALITIES:
+            table = np.array(contrast[modality], dtype=np.float32)
+            tissue = np.where(head, table[4], table[0]).astype(np.float32)
+            tissue = np.where(labels > 0, table[[0, 1, 2, 3]][labels], tissue)
+            volume = (tissue + rng.normal(0, 0.15, shape) * head).astype(np.float32) * 100
+            files.append(folder_case / f"{case}_{modality}.nii.gz")
+            _save_nifti(nib.Nifti1Image(volume, affine), files[-1])
+        mask = folder_case / f"{case}_seg.nii.gz"
+        _save_nifti(nib.Nifti1Image(labels, affine), mask)
+        rows.append(
+            ";".join(str(f.relative_to(root)) for f in files) + f",{mask.relative_to(root)}"
+        )
+    csv_path = root / "cases.csv"
+    with atomic_path(csv_path) as tmp:
+        tmp.write_text("\n".join(rows) + "\n")
+    return csv_path
+
+
+def _save_nifti(image: Any, path: Path) -> None:
+    if path.exists():
+        return  # a rerun keeps what was written (each file atomically)
+    import nibabel as nib
+
+    with atomic_path(path) as tmp:
+        staged = tmp.with_name(tmp.name + ".nii.gz")
+        nib.save(image, str(staged))
+        staged.replace(tmp)

@@ -14,6 +14,7 @@ volumes, NIfTI with the input's affine and header for NIfTI volumes; each file a
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from bigbatch.device import autocast_for
 from bigbatch.io import atomic_path
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
-from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict
+from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
 from bigbatch.train.runtime import resolve_device, resolve_precision
 from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES,
@@ -34,6 +35,7 @@ from bigbatch.train.tasks.segmentation.data import (
     image_input,
     preprocess,
     read_case,
+    stem,
     to_meta,
     volume_suffix,
 )
@@ -65,40 +67,71 @@ def _task_info(path: Path) -> dict[str, Any]:
     return info
 
 
-def _inputs(folder: Path, dims: int) -> list[Path]:
+Case = tuple[Path, ...]  # one case's files: an image, a volume, or a volume's modalities
+
+
+def _inputs(source: Path, dims: int) -> tuple[list[Case], Path]:
+    """The cases under a folder (one file each), or listed in a CSV's ``image`` column (a
+    volume's modalities separated by ';', as in training); and the root their names are
+    relative to."""
+    if source.suffix.lower() == ".csv" and source.is_file():
+        rows = read_csv_rows(source)
+        header = [h.strip().lower() for h in rows[0]] if rows else []
+        if "image" not in header:
+            raise DataError(f"{source} needs an image column (a mask column is not needed)")
+        at = header.index("image")
+        cases = []
+        for line, row in enumerate(rows[1:], start=2):
+            cell = row[at] if at < len(row) else ""
+            case = tuple(source.parent / p.strip() for p in cell.split(";") if p.strip())
+            missing = [f for f in case if not f.is_file()]
+            if not case or missing:
+                raise DataError(f"{source}, line {line}: {missing[0] if missing else 'no image'}"
+                                " does not exist")  # fmt: skip
+            cases.append(case)
+        return cases, source.parent
     if dims == 2:
-        return images_to_predict(folder)  # the classification check: every image readable
-    if not folder.is_dir():
-        raise DataError(f"{folder} is not a folder of volumes to predict")
+        return [(f,) for f in images_to_predict(source)], source  # every image readable
+    if not source.is_dir():
+        raise DataError(f"{source} is not a folder of volumes (or a CSV of cases) to predict")
     files = sorted(
-        p for p in folder.rglob("*") if p.is_file() and volume_suffix(p) in VOLUME_SUFFIXES
+        p for p in source.rglob("*") if p.is_file() and volume_suffix(p) in VOLUME_SUFFIXES
     )
     if not files:
-        images = [p for p in folder.rglob("*") if volume_suffix(p) in IMAGE_SUFFIXES]
+        images = [p for p in source.rglob("*") if volume_suffix(p) in IMAGE_SUFFIXES]
         hint = f" (it holds 2D images, e.g. {images[0].name}, but this run segments volumes)"
-        raise DataError(f"{folder} holds no volumes (.npy, .nii, .nii.gz){hint if images else ''}")
-    return files
+        raise DataError(f"{source} holds no volumes (.npy, .nii, .nii.gz){hint if images else ''}")
+    return [(f,) for f in files], source
 
 
-def _target(source: Path, folder: Path, out: Path) -> Path:
-    target = out / source.relative_to(folder)
-    return target.with_suffix(".png") if volume_suffix(source) in IMAGE_SUFFIXES else target
+def _target(case: Case, root: Path, out: Path) -> Path:
+    """Where a case's mask goes: its file's place under ``out``; for a case of several
+    modality files, the name they share (``case_001_t1.nii.gz``, ``case_001_t2.nii.gz`` ->
+    ``case_001.nii.gz``)."""
+    first = case[0]
+    target = out / first.relative_to(root)
+    if volume_suffix(first) in IMAGE_SUFFIXES:
+        return target.with_suffix(".png")
+    if len(case) > 1:
+        shared = os.path.commonprefix([stem(f) for f in case]).rstrip("_-. ") or stem(first)
+        target = target.with_name(shared + volume_suffix(first))
+    return target
 
 
-def _check_inputs(files: list[Path], folder: Path, out: Path, dims: int, channels: int) -> None:
+def _check_inputs(cases: list[Case], root: Path, out: Path, dims: int, channels: int) -> None:
     """Everything that would stop prediction half-way, before the first mask is written."""
     seen: dict[Path, Path] = {}
-    for f in files:
-        target = _target(f, folder, out)
+    for case in cases:
+        target = _target(case, root, out)
         if target in seen:
             raise DataError(
-                f"{seen[target].name} and {f.name} would both write {target}: rename one"
+                f"{seen[target].name} and {case[0].name} would both write {target}: rename one"
             )
-        seen[target] = f
-    for f in files:
-        found = read_case((f,), dims).array.shape[0]  # readable and finite, or DataError
+        seen[target] = case[0]
+    for case in cases:
+        found = read_case(case, dims).array.shape[0]  # readable and finite, or DataError
         if found != channels:
-            raise DataError(f"{f} has {found} channel(s); the run was trained on {channels}")
+            raise DataError(f"{case[0]} has {found} channel(s); the run was trained on {channels}")
 
 
 def with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.Tensor:
@@ -128,7 +161,8 @@ def predict_masks(
     patch: int = 0,
     overlap: float = 0.5,
 ) -> list[Path]:
-    """Write a mask for every image or volume under ``folder`` into ``out``; return their paths.
+    """Write a mask for every image or volume under ``folder`` (or case listed in a CSV's
+    ``image`` column) into ``out``; return their paths.
 
     Volumes are predicted in overlapping windows of the training size (``patch`` to choose
     another multiple of the network's stride), overlapping by ``overlap``."""
@@ -149,8 +183,8 @@ def predict_masks(
             f"voxels there), so it must be a multiple of {multiple}, at least {2 * multiple}; "
             f"try {max(2 * multiple, patch // multiple * multiple)}"
         )
-    files = _inputs(folder, dims)
-    _check_inputs(files, folder, out, dims, channels)
+    cases, root = _inputs(folder, dims)
+    _check_inputs(cases, root, out, dims, channels)
     weights = run_dir / f"{checkpoint}.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
@@ -167,34 +201,39 @@ def predict_masks(
         return torch.sigmoid(logits) if classes == 1 else torch.softmax(logits, 1)
 
     written = []
-    for f in files:
+    for case in cases:
         with torch.no_grad():
             if dims == 2:
-                probs = _image_probs(probabilities, f, cfg.size, tta)
+                probs = _image_probs(probabilities, case, cfg.size, tta)
             else:
-                probs = _volume_probs(probabilities, f, cfg, patch, overlap, tta)
+                probs = _volume_probs(probabilities, case, cfg, patch, overlap, tta)
         mask = (probs[0] > 0.5).long() if classes == 1 else probs.argmax(0)
         if dims == 2 and info.get("binary_255"):
             mask = mask * 255  # as the run's masks were stored
-        written.append(_write_mask(mask.cpu().numpy(), f, folder, out))
+        written.append(_write_mask(mask.cpu().numpy(), case, root, out))
     return written
 
 
-def _image_probs(probabilities: Probabilities, f: Path, size: int, tta: int) -> torch.Tensor:
-    image = torch.from_numpy(read_case((f,), 2).array)
+def _image_probs(probabilities: Probabilities, case: Case, size: int, tta: int) -> torch.Tensor:
+    image = torch.from_numpy(read_case(case, 2).array)
     x = image_input(image, size)[None]  # as in training
     probs = with_tta(probabilities, x, tta).cpu()
     return F.interpolate(probs, size=tuple(image.shape[1:]), mode="bilinear")[0]
 
 
 def _volume_probs(
-    probabilities: Probabilities, f: Path, cfg: TrainConfig, patch: int, overlap: float, tta: int
+    probabilities: Probabilities,
+    case: Case,
+    cfg: TrainConfig,
+    patch: int,
+    overlap: float,
+    tta: int,
 ) -> torch.Tensor:
     from monai.inferers import sliding_window_inference
     from monai.transforms import ResampleToMatch
 
     settings = seg_settings(cfg, 3)
-    original = to_meta(read_case((f,), 3))
+    original = to_meta(read_case(case, 3))
     image, _ = preprocess(original, None, VolumeRecipe(cfg.size, settings.spacing))
     roi = (patch or cfg.size,) * 3
 
@@ -213,9 +252,10 @@ def _volume_probs(
     return probs
 
 
-def _write_mask(mask: np.ndarray, source: Path, folder: Path, out: Path) -> Path:
+def _write_mask(mask: np.ndarray, case: Case, root: Path, out: Path) -> Path:
+    source = case[0]  # its geometry (affine, header) is the mask's
     suffix = volume_suffix(source)
-    target = _target(source, folder, out)
+    target = _target(case, root, out)
     if suffix in IMAGE_SUFFIXES:
         from PIL import Image
 
