@@ -27,6 +27,7 @@ from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.predict import StepSpec, predict_peak
 from bigbatch.models import timm_factory
 from bigbatch.segmentation.models import UNet
+from bigbatch.segmentation.networks import build_network
 
 
 def mlp() -> nn.Module:
@@ -125,6 +126,18 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] 
     # Segmentation: a 2D U-Net on 64 px images and a 3D U-Net on 4-modality 32^3 volumes.
     "unet2d": (lambda: UNet(3, 2, dims=2, width=16, depth=3), (3, 64, 64), torch.float32),
     "unet3d": (lambda: UNet(4, 3, dims=3, width=8, depth=3), (4, 32, 32, 32), torch.float32),
+    # MONAI's 3D networks as bigbatch train builds them (GroupNorm SegResNet; DynUNet, whose
+    # output block has two parents).
+    "segresnet3d": (
+        lambda: build_network("segresnet", 4, 3, dims=3, size=32, widths=(8, 16, 32)),
+        (4, 32, 32, 32),
+        torch.float32,
+    ),
+    "dynunet3d": (
+        lambda: build_network("dynunet", 4, 3, dims=3, size=32, widths=(8, 16, 32, 64)),
+        (4, 32, 32, 32),
+        torch.float32,
+    ),
 }
 
 

@@ -114,6 +114,15 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
 
 
+# Ops that return a view of their input (no new storage, no workspace).
+_VIEW_OPS = frozenset(
+    f"aten.{op}"
+    for op in (
+        "view.default", "_unsafe_view.default", "detach.default", "alias.default",
+        "as_strided.default", "expand.default", "t.default", "transpose.int",
+        "permute.default", "slice.Tensor", "select.int", "unsqueeze.default", "squeeze.dim",
+    )
+)  # fmt: skip
 _LOOKAHEAD = 4  # calibration ops a fake op may skip when aligning
 # Fake-only ops in a row before the sequences count as parted (convnext's LayerNorm dispatches
 # 5 in fake mode: squeeze twice, new_zeros, as_strided, copy_).
@@ -216,6 +225,11 @@ class _StorageTracker(TorchDispatchMode):
         reverse: look a few ops ahead, count unmatched fake ops as extra, and stop adding only
         after a run of misses, when the sequences have really parted."""
         ops = self.calibration.ops_for(self.batch_size)
+        if name in _VIEW_OPS and (self.cal_index >= len(ops) or ops[self.cal_index] != name):
+            # A view allocates nothing: matched only in place, never by looking ahead, where
+            # it would find the next layer's view and skip this layer's ops (MONAI's DynUNet
+            # views after every activation; the real run does not).
+            return None
         for j in range(self.cal_index, min(len(ops), self.cal_index + _LOOKAHEAD)):
             if ops[j] == name:
                 self.cal_index, self.misses = j + 1, 0
