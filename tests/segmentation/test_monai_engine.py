@@ -171,3 +171,16 @@ def test_a_batch_loss_is_exact_through_gradient_caching_and_not_without() -> Non
 
     assert rel(cached) <= 1e-12
     assert rel(plain) > 1e-6  # per micro-batch, the batch Dice is another objective
+
+
+def test_bigbatch_plan_takes_monai_networks_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from bigbatch.cli.main import main
+
+    args = ["plan", "--arch", "segresnet,dynunet", "--input-shape", "2,16,16,16", "--widths",
+            "4,8,16", "--num-classes", "3", "--batch", "4", "--budget", "1GB", "--overhead", "0",
+            "--no-calibrate"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "segresnet" in out and "dynunet" in out and "1 x 4" in out
+    assert main([*args[:4], "2,15,16,16", *args[5:]]) == 2
+    assert "divisible by 4" in capsys.readouterr().err

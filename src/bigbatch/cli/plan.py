@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -24,19 +25,31 @@ from bigbatch.memory.plan import (
 )
 from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import OPTIMIZERS, PRECISIONS, StepSpec
+from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_multiple
 from bigbatch.user_code import load_callable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--arch", help="timm architecture(s), comma-separated: resnet18,convnext_tiny")
+    src.add_argument(
+        "--arch",
+        help="timm architecture(s), comma-separated: resnet18,convnext_tiny; or one of MONAI's "
+        "segmentation networks (unet, segresnet, dynunet, swinunetr, unetr) with --input-shape "
+        "C,D,H,W (3D) or C,H,W (2D)",
+    )
     src.add_argument(
         "--model", help="module:factory returning your nn.Module (built on the meta device)"
     )
     p.add_argument(
         "--size", default="224", help="input size(s) for --arch, comma-separated: 128,224"
     )
-    p.add_argument("--input-shape", help="one sample's shape for --model, e.g. 3,224,224 or 512")
+    p.add_argument(
+        "--input-shape",
+        help="one sample's shape for --model or a MONAI --arch, e.g. 3,224,224, 512 or 4,128,128,128",
+    )
+    p.add_argument(
+        "--widths", default="", help="a MONAI --arch's channels per level, e.g. 16,32,64,128"
+    )
     p.add_argument(
         "--input-dtype",
         default="float32",
@@ -117,6 +130,8 @@ def _targets(args: argparse.Namespace) -> list[Row]:
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     rows: list[Row] = []
+    if args.input_shape and all(a in MONAI_ARCHS for a in archs):
+        return [_monai_row(a, args) for a in archs]
     for arch in archs:
         for size in _ints(args.size, "--size"):
             try:
@@ -125,6 +140,24 @@ def _targets(args: argparse.Namespace) -> list[Row]:
                 raise UserError(str(exc)) from exc
             rows.append((arch, size, factory, (3, size, size)))
     return rows
+
+
+def _monai_row(arch: str, args: argparse.Namespace) -> Row:
+    """A MONAI segmentation network as ``bigbatch train task=segmentation`` builds it."""
+    shape = tuple(_ints(args.input_shape, "--input-shape"))
+    widths = tuple(_ints(args.widths, "--widths")) if args.widths else ()
+    if len(shape) not in (3, 4):
+        raise UserError(f"--arch {arch} takes --input-shape C,H,W or C,D,H,W, got {shape}")
+    multiple = size_multiple(arch, widths)
+    if any(n % multiple for n in shape[1:]):
+        raise UserError(
+            f"--input-shape {args.input_shape}: {arch} needs sizes divisible by {multiple}"
+        )
+    factory = functools.partial(
+        build_network, arch, shape[0], args.num_classes, dims=len(shape) - 1, size=shape[1],
+        widths=widths,
+    )  # fmt: skip
+    return (arch, None, factory, shape)
 
 
 INPUT_DTYPES = {
