@@ -263,3 +263,26 @@ def test_a_batch_loss_trains_through_gradient_caching(
     naive = run("naive", 1)
     # float32 round-off (another summation order) against another objective: far apart.
     assert diff(cached, big) * 100 < diff(naive, big)
+
+
+def test_large_sets_are_checked_from_headers_and_each_volume_when_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bigbatch.train.tasks.segmentation.data as segdata
+    from bigbatch.segmentation.synthetic import write_brats_like
+
+    csv_path = write_brats_like(tmp_path, n=2, shape=(8, 8, 4))
+    full = scan_segmentation(csv_path)
+    case = full.images[0]
+    assert segdata.case_shape(case) == segdata.read_case(case, 3).array.shape == (4, 8, 8, 4)
+    t1 = case[0]
+    import nibabel as nib
+
+    image = nib.load(str(t1))
+    volume = np.asarray(image.dataobj).copy()
+    volume[0, 0, 0] = np.nan
+    nib.save(nib.Nifti1Image(volume, image.affine), str(t1))
+    monkeypatch.setattr(segdata, "FULL_CHECK_BYTES", 0)  # as if the set were large
+    items = scan_segmentation(csv_path)  # shapes from the headers: the NaN is not read yet
+    with pytest.raises(DataError, match=rf"{t1.name} holds 1 NaN"):
+        segdata.SegDataset(items, 8, train=True, augment=False)[0]

@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 VOLUME_SUFFIXES = (".nii.gz", ".nii", ".npy")
+# Up to this many bytes of images, every voxel is read before training; beyond, the headers.
+FULL_CHECK_BYTES = 2 * 2**30
 # A mask is a label map: JPEG's compression blurs the edges into values between the labels.
 LOSSY_SUFFIXES = (".jpg", ".jpeg")
 
@@ -368,35 +370,31 @@ def scan_segmentation(
     values: set[int] = set()
     channels = None
     foreground = False
+    # Large sets: image shapes from the headers here, each volume's values when it is first
+    # read (a NaN then stops training with the file's name); masks are read in full.
+    full = dims == 2 or sum(f.stat().st_size for c, _ in pairs for f in c) < FULL_CHECK_BYTES
     for images, mask in pairs:
-        image = read_case(images, dims).array
+        shape = read_case(images, dims).array.shape if full else case_shape(images)
         labels = read_mask(mask, dims, colours)
-        if labels.shape != image.shape[1:]:
-            raise DataError(
-                f"mask {mask} is {labels.shape} but its image {images[0]} is {image.shape[1:]}: "
-                "a mask must have its image's size"
-            )
-        if labels.size and labels.min() < 0:
-            raise DataError(f"mask {mask} holds negative values: labels are 0..K-1")
-        if like is not None and (why := _unlike(data, dims, image.shape[0], like)):
+        _check_pair(images, mask, shape, labels)
+        if like is not None and (why := _unlike(data, dims, shape[0], like)):
             raise DataError(why)
-        if channels is not None and image.shape[0] != channels:
+        if channels is not None and shape[0] != channels:
             raise DataError(
-                f"{images[0]} has {image.shape[0]} channel(s), the others {channels}: every "
+                f"{images[0]} has {shape[0]} channel(s), the others {channels}: every "
                 "case needs the same modalities"
             )
-        channels = image.shape[0]
+        channels = shape[0]
         here = set(np.unique(labels).tolist())
         values |= here
         foreground = foreground or bool(here - {0, ignore_index})
-        if num_classes:
-            top = max(here - {ignore_index}, default=0)
-            if top >= max(num_classes, 2):
-                raise DataError(
-                    f"mask {mask} holds label {top}, outside num_classes={num_classes} "
-                    f"(labels 0..{max(num_classes, 2) - 1}, and ignore_index={ignore_index} for "
-                    "void); raise num_classes or fix the mask"
-                )
+        top = max(here - {ignore_index}, default=0)
+        if num_classes and top >= max(num_classes, 2):
+            raise DataError(
+                f"mask {mask} holds label {top}, outside num_classes={num_classes} "
+                f"(labels 0..{max(num_classes, 2) - 1}, and ignore_index={ignore_index} for "
+                "void); raise num_classes or fix the mask"
+            )
     binary_255 = values <= {0, 255} and 255 in values and not num_classes > 2
     void = None if binary_255 or ignore_index < 0 or ignore_index not in values else ignore_index
     if not foreground and not binary_255:
@@ -415,6 +413,47 @@ def scan_segmentation(
         items.num_classes, items.binary_255 = like.num_classes, like.binary_255
         items.void = like.void if items.void is None else items.void
     return items
+
+
+def _check_pair(
+    images: Sequence[Path], mask: Path, shape: tuple[int, ...], labels: np.ndarray
+) -> None:
+    if labels.shape != tuple(shape[1:]):
+        raise DataError(
+            f"mask {mask} is {labels.shape} but its image {images[0]} is {tuple(shape[1:])}: "
+            "a mask must have its image's size"
+        )
+    if labels.size and labels.min() < 0:
+        raise DataError(f"mask {mask} holds negative values: labels are 0..K-1")
+
+
+def case_shape(files: Sequence[Path]) -> tuple[int, ...]:
+    """A volume case's ``(C, *spatial)`` from its files' headers, without reading the voxels."""
+    channels, spatial = 0, None
+    for f in files:
+        try:
+            if volume_suffix(f) == ".npy":
+                shape = np.load(f, mmap_mode="r", allow_pickle=False).shape
+            else:
+                shape = tuple(_nibabel().load(str(f)).shape)
+                if len(shape) == 5 and shape[3] == 1:
+                    shape = (*shape[:3], shape[4])
+                shape = (shape[3], *shape[:3]) if len(shape) == 4 else shape
+        except DataError:
+            raise
+        except Exception as exc:
+            raise DataError(f"cannot read {f}: {type(exc).__name__}: {str(exc)[:160]}") from exc
+        if len(shape) == 3:
+            shape = (1, *shape)
+        if len(shape) != 4:
+            raise DataError(f"{f} has shape {shape}: a volume is (D, H, W), or (C, D, H, W)")
+        if spatial is not None and shape[1:] != spatial:
+            raise DataError(
+                f"the modalities of one case differ in shape ({files[0].name} {spatial}, "
+                f"{f.name} {shape[1:]}): resample them to one grid"
+            )
+        channels, spatial = channels + shape[0], shape[1:]
+    return (channels, *(spatial or ()))
 
 
 def _unlike(where: str | Path, dims: int, channels: int, train: SegItems) -> str:
