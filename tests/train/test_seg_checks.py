@@ -139,6 +139,9 @@ def test_weights_load_for_segmentation_and_misfits_are_refused(tmp_path: Path) -
     for name, t in source.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
     assert cfg.fine_tunes is False  # every layer trains from the weights, not a random decoder
+    from bigbatch.train.optim import mode_line
+
+    assert mode_line(cfg) == f"mode: fit (every layer trains, starting from weights={weights})"
     cfg.widths = "8,16"
     with pytest.raises(ConfigError, match="does not fit this network"):
         build_seg_model(cfg, 3, 3, 2)()
@@ -286,3 +289,37 @@ def test_large_sets_are_checked_from_headers_and_each_volume_when_read(
     items = scan_segmentation(csv_path)  # shapes from the headers: the NaN is not read yet
     with pytest.raises(DataError, match=rf"{t1.name} holds 1 NaN"):
         segdata.SegDataset(items, 8, train=True, augment=False)[0]
+
+
+def test_volumes_are_z_scored_over_the_foreground_and_patches_favour_the_labels(
+    tmp_path: Path,
+) -> None:
+    from bigbatch.train.tasks.segmentation.data import SegDataset, VolumeRecipe, standardise
+
+    head = torch.zeros(1, 8, 8, 8)
+    head[0, 2:6, 2:6, 2:6] = torch.arange(64, dtype=torch.float32).view(4, 4, 4) + 100
+    z = standardise(head)
+    inside = z[0, 2:6, 2:6, 2:6]
+    assert abs(float(inside.mean())) < 1e-5 and abs(float(inside.std(unbiased=False)) - 1) < 1e-4
+    assert float(z[0, 0].abs().max()) == 0.0  # the air around the head stays 0, unscaled
+
+    data = tmp_path / "lesion"
+    (data / "images").mkdir(parents=True)
+    (data / "masks").mkdir()
+    mask = np.zeros((32, 32, 32), dtype=np.int64)
+    mask[26:30, 26:30, 26:30] = 1  # a small lesion in a corner
+    np.save(
+        data / "images" / "a.npy",
+        np.random.default_rng(0).normal(size=mask.shape).astype(np.float32),
+    )
+    np.save(data / "masks" / "a.npy", mask)
+    items = scan_segmentation(data)
+
+    def hits(pos_neg: float) -> int:
+        ds = SegDataset(
+            items, 8, train=True, augment=False, recipe=VolumeRecipe(8, pos_neg=pos_neg)
+        )
+        torch.manual_seed(0)
+        return sum(int(ds[0][1].any()) for _ in range(40))
+
+    assert hits(1.0) >= 15 and hits(0.0) <= 5  # a random 8^3 patch rarely meets a 4^3 lesion

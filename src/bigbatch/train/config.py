@@ -172,7 +172,9 @@ class TrainConfig:
                 "every layer (from weights= or pretrained= when given): use mode=auto or fit"
             )
         if self.pos_neg < 0:
-            raise ConfigError(f"pos_neg must be >= 0 (0: patches anywhere), got {self.pos_neg}")
+            raise ConfigError(
+                f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
+            )
         if self.micro_batch > self.batch:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
@@ -267,7 +269,7 @@ HELP: dict[str, str] = {
     "widths": "segmentation: channels per level of a MONAI network, e.g. 16,32,64,128 (their number is the depth); empty: the network's default",
     "norm": "segmentation: normalisation of a MONAI network: instance (exact under accumulation), group, or batch (inexact: see freeze_bn)",
     "spacing": "segmentation: resample volumes to this voxel size in mm (e.g. 1,1,1), from each NIfTI header, after orienting them to RAS; empty: as stored",
-    "pos_neg": "segmentation: odds of a training patch centred on a labelled voxel against anywhere (MONAI's pos/neg ratio); 0: anywhere",
+    "pos_neg": "segmentation: odds of a training patch centred on a labelled voxel against one centred on background (MONAI's pos/neg ratio)",
     "ignore_index": "segmentation: the void label, counted in no loss or score (255 by default; masks of only 0 and 255 are binary); -1: none",
     "palette": "segmentation: the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
     "regions": "segmentation: score unions of labels as structures, e.g. wt:1,2,3;tc:1,3;et:3 (BraTS's nested regions)",

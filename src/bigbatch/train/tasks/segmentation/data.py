@@ -20,7 +20,7 @@ channel counts or dimensions, and unreadable files are errors that name the file
 
 Volumes then go through MONAI: orientation to RAS and resampling to ``spacing`` (when set),
 z-scoring over the foreground (non-zero voxels) of each channel, patches sampled around the
-labels (``pos_neg``: the odds of a patch centred on foreground), flips, in-plane quarter turns
+labels (``pos_neg``: the odds of a patch centred on foreground against background), flips, in-plane quarter turns
 and intensity scaling and shifting when ``augment``.
 """
 
