@@ -70,7 +70,7 @@ def test_colour_coded_masks_need_a_palette(tmp_path: Path) -> None:
     mask[:8, :, 0] = 255  # red: class 1
     mask[8:, :8, 1] = 255  # green: class 2 (the red channel alone would call it background)
     pair(tmp_path, "a.png", image, mask)
-    with pytest.raises(DataError, match="colour-coded.*palette="):
+    with pytest.raises(DataError, match=r"colour-coded.*palette="):
         scan_segmentation(tmp_path)
     items = scan_segmentation(tmp_path, palette="0,0,0;255,0,0;0,255,0")
     assert items.num_classes == 3
@@ -80,7 +80,7 @@ def test_colour_coded_masks_need_a_palette(tmp_path: Path) -> None:
 
 
 def test_all_background_masks_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="every mask .* is background"):
+    with pytest.raises(DataError, match=r"every mask .* is background"):
         scan_segmentation(shapes(tmp_path, values=(0,)))
 
 
@@ -100,7 +100,7 @@ def test_csv_with_a_byte_order_mark_reads_and_latin1_is_refused_with_the_fix(
     (tmp_path / "latin.csv").write_bytes(
         "image,mask,note\nimages/c0.png,masks/c0.png,caf\xe9\n".encode("latin-1")
     )
-    with pytest.raises(DataError, match="not UTF-8 .* save it as UTF-8"):
+    with pytest.raises(DataError, match=r"not UTF-8 .* save it as UTF-8"):
         scan_segmentation(tmp_path / "latin.csv")
 
 
@@ -120,7 +120,7 @@ def test_a_validation_set_unlike_the_training_set_is_refused_before_training(
     train = write_blobs_3d(tmp_path / "t", n=3, size=8, channels=2)
     other = write_blobs_3d(tmp_path / "v", n=2, size=8, channels=1)
     cfg = load_config(overrides=[f"data={train}", f"valid={other}", *COMMON, "size=8"])
-    with pytest.raises(DataError, match="1 channel.*the training data 2"):
+    with pytest.raises(DataError, match=r"1 channel.*the training data 2"):
         SegmentationTask(cfg).prepare(lambda _: None)
     images = shapes(tmp_path / "flat")
     cfg = load_config(overrides=[f"data={train}", f"valid={images}", *COMMON, "size=8"])
