@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
         "bce",
     ),
     "norm": ("instance", "group", "batch"),
+    "class_weights": ("none", "auto"),
     "bad_images": ("skip", "error"),
     "optimizer": ("adamw", "sgd"),
     "channels_last": ("auto", "true", "false"),
@@ -81,6 +82,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     schedule: str = "one_cycle"
     monitor: str = "valid_loss"
+    label_smoothing: float = 0.0
+    class_weights: str = "none"
     loss: str = "dice_ce"
     num_classes: int = 0
     widths: str = ""
@@ -171,6 +174,8 @@ class TrainConfig:
                 "mode=fine_tune trains a classifier's head alone first; segmentation trains "
                 "every layer (from weights= or pretrained= when given): use mode=auto or fit"
             )
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.pos_neg < 0:
             raise ConfigError(
                 f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
@@ -263,7 +268,9 @@ HELP: dict[str, str] = {
     "lr": "learning rate (the head-only epochs use twice this)",
     "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
-    "monitor": "what picks best.safetensors: valid_loss; accuracy or error_rate (classification); dice, jaccard or hd95 (segmentation)",
+    "monitor": "what picks best.safetensors: valid_loss; classification: accuracy, error_rate, top5, f1_macro, f1_micro, auroc or kappa (quadratic); segmentation: dice, jaccard or hd95",
+    "label_smoothing": "classification: the share of each target spread over the other classes (0.1 is common); 0: none",
+    "class_weights": "classification: auto weighs each sample by its class's inverse frequency (imbalanced data); none",
     "loss": "segmentation loss, MONAI's, per sample (exact under accumulation): dice_ce, dice, dice_focal or ce (bce_dice and bce: the old names of dice_ce and ce); dice_batch and dice_ce_batch couple the samples and train through gradient caching (exact, one more forward)",
     "num_classes": "segmentation classes: 0 infers them from the masks (0/1 or 0/255: binary)",
     "widths": "segmentation: channels per level of a MONAI network, e.g. 16,32,64,128 (their number is the depth); empty: the network's default",

@@ -150,7 +150,7 @@ def _segmentation(cfg: TrainConfig) -> Task:
 register_task(
     "classification",
     _classification,
-    metrics=("accuracy", "error_rate"),
+    metrics=("accuracy", "error_rate", "top5", "f1_macro", "f1_micro", "auroc", "kappa"),
     lower_is_better=("error_rate",),
 )
 register_task(

@@ -85,10 +85,20 @@ class ClassificationTask:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.classes: list[str] = []
+        self.class_weights: torch.Tensor | None = None
 
     def prepare(self, log: Log, data: Any = None) -> tuple[ImageItems, ImageItems]:
         train_items, valid_items = data if data is not None else prepare_data(self.cfg, log)
         self.classes = train_items.classes
+        if self.cfg.class_weights == "auto":
+            counts = torch.tensor(list(class_counts(train_items).values()), dtype=torch.float64)
+            # Inverse frequency, normalised so a balanced set weighs every sample 1.
+            weights = counts.sum() / (len(counts) * counts.clamp(min=1))
+            self.class_weights = weights.float()
+            shown = ", ".join(
+                f"{c} {w:.2f}" for c, w in zip(self.classes, weights.tolist(), strict=True)
+            )
+            log(f"class weights (inverse frequency): {shown[:200]}")
         return train_items, valid_items
 
     def model_factory(self) -> Callable[[], nn.Module]:
@@ -112,10 +122,20 @@ class ClassificationTask:
         return train_ds, valid_ds
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), targets)
+        """Cross-entropy (with ``label_smoothing`` and ``class_weights``) as a plain mean over
+        the samples: torch's weighted mean divides by the batch's summed weights instead, which
+        would make the micro-batches' losses unequal parts of the window's."""
+        per_sample = F.cross_entropy(
+            logits.float(), targets, reduction="none", label_smoothing=self.cfg.label_smoothing
+        )
+        if self.class_weights is not None and targets.dim() == 1:
+            per_sample = per_sample * self.class_weights.to(per_sample.device)[targets]
+        elif self.class_weights is not None:  # soft targets (mixup): the expected weight
+            per_sample = per_sample * (targets @ self.class_weights.to(targets.device))
+        return per_sample.mean()
 
     def metrics(self) -> ClassificationMetrics:
-        return ClassificationMetrics()
+        return ClassificationMetrics(len(self.classes), self.classes)
 
     def scores(self, row: dict[str, Any]) -> str:
         return f"valid loss {row['valid_loss']:.4f}  accuracy {row['accuracy']:.4f}  "
