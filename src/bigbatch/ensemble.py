@@ -277,8 +277,9 @@ def _scan_and_check(
             scans[key] = prepare_data(m.config, log=log)
         c = m.config
         try:
-            factory = build_model(c, len(scans[key][0].classes))
-            predict_peak(StepSpec(factory, (3, c.size, c.size), 2, PLAN_OPTIMIZER[c.optimizer]))
+            chans = scans[key][0].format.channels
+            factory = build_model(c, len(scans[key][0].classes), chans)
+            predict_peak(StepSpec(factory, (chans, c.size, c.size), 2, PLAN_OPTIMIZER[c.optimizer]))
         except (RuntimeError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"member {m.name}: {c.model_name} cannot train at size {c.size}: "

@@ -4,8 +4,8 @@ and DICOM, read into floats without clipping.
 PIL's ``convert("RGB")`` clips a 16-bit image at 255: a 0..4095 X-ray comes out almost white.
 Here an 8-bit image is divided by 255; a 16-bit or float image by the set's own ``scale`` (the
 largest value of the training images, rounded up to 2^k - 1 for integers, so 12-bit data is
-divided by 4095), saved in the run for prediction; DICOM by its window (``window=`` or the
-header's), after the rescale slope and intercept (pydicom's modality LUT). What PIL cannot read
+divided by 4095), saved in the run for prediction; DICOM through pydicom's modality LUT
+(rescale slope and intercept) and VOI LUT (``window=`` or the header's window). What PIL cannot read
 faithfully (16-bit RGB, whose PNG PIL reads as 8-bit) is refused with the fix.
 
 >>> import tempfile, numpy as np
@@ -78,8 +78,8 @@ def _png_rgb16(path: Path) -> bool:
 def probe(path: Path) -> ImageInfo:
     """How ``path`` is stored (opening it; a wide image's pixels are read for its peak)."""
     if is_dicom(path):
-        ds = _dcmread(path, header_only=True)
-        return ImageInfo(grey=int(getattr(ds, "SamplesPerPixel", 1)) == 1, depth="dicom")
+        grey = _dicom_unit(path, None).ndim == 2  # decoded now: a damaged file fails here
+        return ImageInfo(grey=grey, depth="dicom")
     if _png_rgb16(path):
         raise UnreadableImageError(
             f"{path} is a 16-bit colour PNG, which PIL (and so bigbatch) reads as 8-bit: save "
@@ -172,33 +172,32 @@ def _dcmread(path: Path, header_only: bool = False) -> Any:
         raise UnreadableImageError(f"cannot read DICOM {path}: {exc}") from exc
 
 
-def _first(value: Any) -> float:
-    """A DICOM number, or the first of several (a window per VOI LUT)."""
-    if hasattr(value, "__len__") and not isinstance(value, str):
-        return float(value[0])
-    return float(value)
-
-
 def _dicom_unit(path: Path, window: tuple[float, float] | None) -> np.ndarray:
-    """The stored values through the modality LUT (rescale slope and intercept: Hounsfield
-    units for CT), then the window ``(centre, width)`` mapped to [0, 1]: ``window=``, else the
-    header's, else the image's own range. MONOCHROME1 (dark is high) is inverted."""
-    from pydicom.pixels import apply_modality_lut
+    """pydicom's modality LUT (rescale slope and intercept: Hounsfield units for CT), then its
+    VOI LUT with the window ``(centre, width)`` (``window=``, else the header's), mapped from the
+    window's output range to [0, 1]; without a window, the stored bit depth's whole range.
+    MONOCHROME1 (dark is high) is inverted."""
+    from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     ds = _dcmread(path)
     try:
-        values = np.asarray(apply_modality_lut(ds.pixel_array, ds), dtype=np.float64)
+        stored = ds.pixel_array
     except Exception as exc:
         raise UnreadableImageError(f"cannot decode the pixels of DICOM {path}: {exc}") from exc
-    if window is None and "WindowCenter" in ds and "WindowWidth" in ds:
-        centre, width = ds.WindowCenter, ds.WindowWidth
-        window = (_first(centre), _first(width))
+    values = np.asarray(apply_modality_lut(stored, ds), dtype=np.float64)
     if window is not None:
-        low = window[0] - window[1] / 2
-        unit = np.clip((values - low) / max(window[1], 1e-6), 0.0, 1.0)
+        ds.WindowCenter, ds.WindowWidth = window
+    if "WindowCenter" in ds and "WindowWidth" in ds:
+        out = np.asarray(apply_voi_lut(values, ds), dtype=np.float64)
+        # The window's output range, as pydicom maps values far outside it.
+        low, high = np.asarray(apply_voi_lut(np.array([-1e12, 1e12]), ds), dtype=np.float64)
     else:
-        low, high = float(values.min()), float(values.max())
-        unit = (values - low) / (high - low) if high > low else np.zeros_like(values)
+        bits = int(getattr(ds, "BitsStored", 16))
+        signed = int(getattr(ds, "PixelRepresentation", 0)) == 1
+        ends = np.array([-(2 ** (bits - 1)), 2 ** (bits - 1) - 1] if signed else [0, 2**bits - 1])
+        low, high = np.asarray(apply_modality_lut(ends, ds), dtype=np.float64)
+        out = values
+    unit = np.clip((out - low) / (high - low), 0.0, 1.0) if high > low else np.zeros_like(out)
     if getattr(ds, "PhotometricInterpretation", "") == "MONOCHROME1":
         unit = 1.0 - unit
     return unit.astype(np.float32)

@@ -38,14 +38,26 @@ def _timm_names() -> tuple[str, ...]:
 
 
 def resolve_arch(name: str) -> str:
-    """Check ``name`` is a timm architecture; otherwise raise with the closest names.
+    """Check ``name`` is a timm architecture, with or without a pretrained tag
+    (``vit_tiny_patch16_224.augreg_in21k``: which weights, and so which data config);
+    otherwise raise with the closest names.
 
-    >>> resolve_arch("resnet18")
-    'resnet18'
+    >>> resolve_arch("resnet18"), resolve_arch("resnet18.a1_in1k")
+    ('resnet18', 'resnet18.a1_in1k')
     """
+    import timm
+
     names = _timm_names()
     if name in names:
         return name
+    if "." in name and name.split(".", 1)[0] in names:
+        if name in timm.list_pretrained(name.split(".", 1)[0] + ".*"):
+            return name
+        tags = timm.list_pretrained(name.split(".", 1)[0] + ".*")
+        raise UnknownArchitectureError(
+            f"unknown pretrained tag {name!r}: {name.split('.', 1)[0]} has "
+            + (", ".join(tags[:8]) if tags else "no pretrained weights")
+        )
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
     hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
     raise UnknownArchitectureError(f"unknown architecture {name!r}: {hint}")

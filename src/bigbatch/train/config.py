@@ -84,6 +84,10 @@ class TrainConfig:
     monitor: str = "valid_loss"
     label_smoothing: float = 0.0
     class_weights: str = "none"
+    auto_augment: str = ""
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    window: str = ""
     loss: str = "dice_ce"
     num_classes: int = 0
     widths: str = ""
@@ -173,6 +177,17 @@ class TrainConfig:
             raise ConfigError(
                 "mode=fine_tune trains a classifier's head alone first; segmentation trains "
                 "every layer (from weights= or pretrained= when given): use mode=auto or fit"
+            )
+        if self.mixup < 0 or self.cutmix < 0:
+            raise ConfigError(
+                f"mixup and cutmix are Beta alphas >= 0 (0: off), got {self.mixup}, {self.cutmix}"
+            )
+        if self.auto_augment and not self.auto_augment.startswith(
+            ("rand", "augmix", "original", "v0", "3a", "trivial")
+        ):
+            raise ConfigError(
+                f"auto_augment={self.auto_augment!r}: give a timm policy, e.g. rand-m9-mstd0.5 "
+                "(RandAugment), trivialaugment, augmix-m5-w3"
             )
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
@@ -270,6 +285,10 @@ HELP: dict[str, str] = {
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
     "monitor": "what picks best.safetensors: valid_loss; classification: accuracy, error_rate, top5, f1_macro, f1_micro, auroc or kappa (quadratic); segmentation: dice, jaccard or hd95",
     "label_smoothing": "classification: the share of each target spread over the other classes (0.1 is common); 0: none",
+    "auto_augment": "classification: timm's augmentation policy for 8-bit images, e.g. rand-m9-mstd0.5 (RandAugment), trivialaugment; empty: crops and flips only",
+    "mixup": "classification: Mixup's Beta alpha (0.2-0.8 is common), mixing over each whole window so accumulation stays exact; 0: off",
+    "cutmix": "classification: CutMix's Beta alpha (1.0 is common), as mixup; both set: one or the other per window",
+    "window": "classification of DICOM: the intensity window centre,width (e.g. 40,400 for CT soft tissue in HU); empty: the header's",
     "class_weights": "classification: auto weighs each sample by its class's inverse frequency (imbalanced data); none",
     "loss": "segmentation loss, MONAI's, per sample (exact under accumulation): dice_ce, dice, dice_focal or ce (bce_dice and bce: the old names of dice_ce and ce); dice_batch and dice_ce_batch couple the samples and train through gradient caching (exact, one more forward)",
     "num_classes": "segmentation classes: 0 infers them from the masks (0/1 or 0/255: binary)",

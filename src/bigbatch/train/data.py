@@ -16,6 +16,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from bigbatch.images import UnreadableImageError, probe
+
 __all__ = [
     "IMAGE_SUFFIXES",
     "DataError",
@@ -40,7 +42,7 @@ class Items(Protocol):
 
 ItemsT = TypeVar("ItemsT", bound=Items)
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".dcm"}
 
 
 class DataError(ValueError):
@@ -48,13 +50,12 @@ class DataError(ValueError):
 
 
 def unreadable_reason(path: Path) -> str:
-    """'' when PIL can decode the image, else the reason."""
-    from PIL import Image
-
+    """'' when the image can be read faithfully (:func:`bigbatch.images.probe`), else why."""
     try:
-        with Image.open(path) as im:
-            im.verify()
+        probe(path)
         return ""
+    except UnreadableImageError as exc:
+        return str(exc)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 

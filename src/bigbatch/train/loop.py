@@ -112,9 +112,8 @@ def train(
     ``data`` is the task's scanned (train, valid) items when the caller has them already.
 
     The run folder is locked for the whole run (a second ``train`` on it fails at once), and
-    every check that needs no training (config, folder, data, model, plan) runs first.
-
-    Under torchrun it joins the process group (when the caller has not) and leaves it open, so
+    every check that needs no training (config, folder, data, model, plan) runs first. Under
+    torchrun it joins the process group (when the caller has not) and leaves it open, so
     one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
     cfg.validate()
     rank, world = init_distributed(cfg)
@@ -255,7 +254,9 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return run.task.loss(forward(batch[0]), batch[1].to(device, non_blocking=True))
 
+    mix = getattr(run.task, "mix_window", None)  # Mixup/CutMix over the window, before it splits
     for x, y in loader:
+        x, y = mix(x, y) if mix else (x, y)
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.
             warnings.simplefilter("ignore", NonFiniteGradientWarning)

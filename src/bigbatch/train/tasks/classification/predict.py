@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import images_to_predict, make_loader
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks.classification.data import ImageDataset, build_transforms
+from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
 from bigbatch.train.tasks.classification.task import build_model
 
 __all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
@@ -34,8 +35,11 @@ class Predictions:
         return [self.classes[i] for i in self.probs.argmax(axis=1)]
 
 
-def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str], TrainConfig]:
-
+def _load_run(
+    run_dir: Path, checkpoint: str
+) -> tuple[torch.nn.Module, list[str], TrainConfig, dict[str, Any]]:
+    """The model with its trained weights, the classes, the config and ``task.json`` (the
+    image format and data config the run trained with; older runs: 8-bit RGB, ImageNet's)."""
     if not (run_dir / "config.json").is_file():
         raise ConfigError(
             f"{run_dir} is not a bigbatch run folder (no config.json); train one first"
@@ -48,8 +52,17 @@ def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str
     weights = run_dir / f"{checkpoint}.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
+    info: dict[str, Any] = {}
+    if (run_dir / "task.json").is_file():
+        try:
+            info = json.loads((run_dir / "task.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"{run_dir}/task.json is damaged ({exc}): restore it, or train the run again"
+            ) from None
+    fmt = ImageFormat.from_dict(info.get("format"))
     cfg.weights, cfg.pretrained = "", False  # the run's own weights replace the starting ones
-    model = build_model(cfg, len(classes))()
+    model = build_model(cfg, len(classes), fmt.channels)()
     try:
         load_weights_file(model, weights)
     except Exception as exc:
@@ -57,7 +70,7 @@ def _load_run(run_dir: Path, checkpoint: str) -> tuple[torch.nn.Module, list[str
             f"cannot load {weights}: {type(exc).__name__}: {str(exc)[:200]}; it is damaged, or the "
             "run's config.json names another model"
         ) from exc
-    return model, classes, cfg
+    return model, classes, cfg, info
 
 
 def predict_files(
@@ -76,20 +89,18 @@ def predict_files(
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
     dev = resolve_device(device, "--device")
     run_dir = Path(run_dir)
-    model, classes, cfg = _load_run(run_dir, checkpoint)
+    model, classes, cfg, info = _load_run(run_dir, checkpoint)
+    fmt = ImageFormat.from_dict(info.get("format"))
     model.to(dev).eval()
     total = np.zeros((len(files), len(classes)), dtype=np.float64)
     for k in range(tta):
         transform = build_transforms(
-            cfg.size,
-            cfg.item_transform,
-            train=k >= 2,
-            augment=k >= 2,
-            flip=k == 1,
-        )
+            cfg.size, cfg.item_transform, train=k >= 2, augment=k >= 2, flip=k == 1,
+            data=info.get("data"), fmt=fmt,
+        )  # fmt: skip
         torch.manual_seed(seed + k)
         loader = make_loader(
-            ImageDataset(files, None, transform),
+            ImageDataset(files, None, transform, fmt),
             batch_size,
             shuffle=False,
             seed=seed,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,10 +16,13 @@ from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.tasks.classification.data import (
     ImageDataset,
+    ImageFormat,
     ImageItems,
     build_transforms,
     class_counts,
     load_items,
+    parse_window,
+    resolve_data_config,
 )
 from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
 from bigbatch.train.tasks.user_model import load_user_model
@@ -28,8 +32,9 @@ __all__ = ["ClassificationTask", "build_model", "prepare_data"]
 Log = Callable[[str], None]
 
 
-def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
-    """A zero-argument factory for the configured model (timm by name, or module:factory)."""
+def build_model(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> Callable[[], nn.Module]:
+    """A zero-argument factory for the configured model (timm by name, or module:factory);
+    ``in_chans`` 1 for greyscale data (timm adapts a pretrained stem)."""
     if cfg.model:
         user = load_user_model(cfg.model)
 
@@ -43,6 +48,7 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Callable[[], nn.Module]:
             cfg.arch,
             num_classes=num_classes,
             img_size=cfg.size,
+            in_chans=in_chans,
             weights=cfg.weights or None,
             pretrained=cfg.pretrained,
         )
@@ -60,6 +66,20 @@ def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageI
     else:
         train_items, valid = split_items(items, cfg.valid_pct, cfg.seed)
         valid.skipped = []
+    # One format for both: greyscale if both are (and the model is timm's, whose stem takes
+    # in_chans=1; a model= factory builds its own 3-channel stem), floats if either is wide.
+    fmt = ImageFormat(
+        grey=not cfg.model and train_items.format.grey and (valid.format.grey or not len(valid)),
+        wide=train_items.format.wide or valid.format.wide,
+        scale=max(train_items.format.scale, valid.format.scale),
+        window=parse_window(cfg.window),
+    )
+    train_items.format = valid.format = fmt
+    if fmt.wide and cfg.auto_augment:
+        raise ConfigError(
+            f"auto_augment={cfg.auto_augment} works on 8-bit images (its operations are PIL's); "
+            "these are 16-bit, float or DICOM: drop auto_augment (crops and flips still apply)"
+        )
     skipped = items.skipped + (valid.skipped if cfg.valid else [])
     if skipped:
         log(
@@ -71,8 +91,11 @@ def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageI
             "best.safetensors is chosen by train_loss"
         )
     counts = class_counts(train_items)
+    kind = ("greyscale" if fmt.grey else "colour") + (
+        f", read as floats (/{fmt.scale:g})" if fmt.scale else ", DICOM" if fmt.wide else ""
+    )
     log(
-        f"data: {len(train_items)} training and {len(valid)} validation images, "
+        f"data: {len(train_items)} training and {len(valid)} validation images ({kind}), "
         f"{len(items.classes)} classes ({', '.join(f'{k}: {v}' for k, v in list(counts.items())[:6])}"
         f"{', ...' if len(counts) > 6 else ''})"
     )
@@ -86,10 +109,14 @@ class ClassificationTask:
         self.cfg = cfg
         self.classes: list[str] = []
         self.class_weights: torch.Tensor | None = None
+        self.format = ImageFormat()
+        self.data: dict[str, Any] = {}  # the model's data config (timm's), saved in task.json
+        self._factory: Callable[[], nn.Module] | None = None
 
     def prepare(self, log: Log, data: Any = None) -> tuple[ImageItems, ImageItems]:
         train_items, valid_items = data if data is not None else prepare_data(self.cfg, log)
-        self.classes = train_items.classes
+        self.classes, self.format = train_items.classes, train_items.format
+        self.data = resolve_data_config(self.model_factory(), self.format.channels)
         if self.cfg.class_weights == "auto":
             counts = torch.tensor(list(class_counts(train_items).values()), dtype=torch.float64)
             # Inverse frequency, normalised so a balanced set weighs every sample 1.
@@ -102,31 +129,58 @@ class ClassificationTask:
         return train_items, valid_items
 
     def model_factory(self) -> Callable[[], nn.Module]:
-        return build_model(self.cfg, len(self.classes))
+        if self._factory is None:  # once: pretrained weights are resolved when it is made
+            self._factory = build_model(self.cfg, len(self.classes), self.format.channels)
+        return self._factory
 
     def input_shape(self) -> tuple[int, ...]:
-        return (3, self.cfg.size, self.cfg.size)
+        return (self.format.channels, self.cfg.size, self.cfg.size)
 
     def datasets(self, train_items: ImageItems, valid_items: ImageItems) -> tuple[Any, Any]:
-        cfg = self.cfg
-        train_ds = ImageDataset(
-            train_items.files,
-            train_items.labels,
-            build_transforms(cfg.size, cfg.item_transform, train=True, augment=cfg.augment),
+        cfg, fmt = self.cfg, self.format
+        common: dict[str, Any] = {"data": self.data, "fmt": fmt}
+        train_tf = build_transforms(
+            cfg.size, cfg.item_transform, train=True, augment=cfg.augment,
+            auto_augment=cfg.auto_augment, **common,
+        )  # fmt: skip
+        valid_tf = build_transforms(
+            cfg.size, cfg.item_transform, train=False, augment=False, **common
         )
-        valid_ds = ImageDataset(
-            valid_items.files,
-            valid_items.labels,
-            build_transforms(cfg.size, cfg.item_transform, train=False, augment=False),
+        return (
+            ImageDataset(train_items.files, train_items.labels, train_tf, fmt),
+            ImageDataset(valid_items.files, valid_items.labels, valid_tf, fmt),
         )
-        return train_ds, valid_ds
+
+    def mix_window(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixup/CutMix over the whole window (timm's ``Mixup``), before it is split into
+        micro-batches: each micro-batch then holds exactly the samples the big batch would have
+        mixed, and the soft-target loss is a per-sample mean, so accumulation stays exact."""
+        if not (self.cfg.mixup or self.cfg.cutmix) or len(y) < 2:
+            return x, y
+        from timm.data import Mixup
+
+        mixer = Mixup(
+            mixup_alpha=self.cfg.mixup, cutmix_alpha=self.cfg.cutmix,
+            label_smoothing=self.cfg.label_smoothing, num_classes=len(self.classes),
+        )  # fmt: skip
+        # timm draws from numpy's global generator: seeded here from torch's, so a seed (and a
+        # resumed run, which restores torch's state) replays the same mixing.
+        np.random.seed(int(torch.randint(0, 2**31 - 1, ())))
+        even = len(y) // 2 * 2  # timm pairs samples: an odd last one stays as it is
+        mixed_x, soft = mixer(x[:even].clone(), y[:even])
+        if even == len(y):
+            return mixed_x, soft
+        rest = F.one_hot(y[even:], len(self.classes)).float()
+        rest = rest * (1 - self.cfg.label_smoothing) + self.cfg.label_smoothing / len(self.classes)
+        return torch.cat([mixed_x, x[even:]]), torch.cat([soft, rest])
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy (with ``label_smoothing`` and ``class_weights``) as a plain mean over
         the samples: torch's weighted mean divides by the batch's summed weights instead, which
         would make the micro-batches' losses unequal parts of the window's."""
+        smoothing = self.cfg.label_smoothing if targets.dim() == 1 else 0.0  # mixup smoothed
         per_sample = F.cross_entropy(
-            logits.float(), targets, reduction="none", label_smoothing=self.cfg.label_smoothing
+            logits.float(), targets, reduction="none", label_smoothing=smoothing
         )
         if self.class_weights is not None and targets.dim() == 1:
             per_sample = per_sample * self.class_weights.to(per_sample.device)[targets]
@@ -141,4 +195,5 @@ class ClassificationTask:
         return f"valid loss {row['valid_loss']:.4f}  accuracy {row['accuracy']:.4f}  "
 
     def run_info(self) -> dict[str, Any]:
-        return {"task": self.name, "classes": self.classes}
+        info = {"task": self.name, "classes": self.classes, "format": self.format.to_dict()}
+        return info | ({"data": self.data} if self.data else {})
