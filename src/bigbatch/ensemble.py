@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from bigbatch.io import atomic_write_csv
 from bigbatch.memory.plan import overhead_bytes
@@ -30,6 +31,7 @@ from bigbatch.train.optim import PLAN_OPTIMIZER
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks.classification import build_model, prepare_data
 from bigbatch.train.tasks.classification.data import ImageItems
+from bigbatch.train.tasks.classification.metrics import METRICS, ClassificationMetrics
 from bigbatch.train.tasks.classification.predict import Predictions, predict_files, save_predictions
 from bigbatch.user_code import UserCodeError, load_callable
 
@@ -339,13 +341,7 @@ def run_ensemble(
         vp = predict_files(run_dir, valid_items.files, tta=tta)
         labels = np.array(valid_items.labels)
         valid_probs.append((m.weight, vp.probs))
-        result.scores.append(
-            {
-                "member": m.name,
-                "weight": m.weight,
-                "accuracy": float((vp.probs.argmax(1) == labels).mean()),
-            }
-        )
+        result.scores.append({"member": m.name, "weight": m.weight} | _scores(vp.probs, labels))
         if test_files:
             tp = predict_files(run_dir, test_files, tta=tta)
             save_predictions(tp, out_dir / m.name / "test_predictions")
@@ -357,6 +353,16 @@ def run_ensemble(
     )
     _write_ensemble(result, valid_probs, valid_labels, test_probs, classes, options, out_dir)
     return result
+
+
+def _scores(probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Validation scores of class probabilities: accuracy and the Kaggle metrics (macro F1,
+    AUROC, quadratic kappa ...) as ``bigbatch train`` reports them."""
+    metrics = ClassificationMetrics(probs.shape[1])
+    log_probs = torch.from_numpy(np.log(np.clip(probs, 1e-12, None)))
+    metrics.update(log_probs, torch.from_numpy(labels).long())
+    row = metrics.as_dict()
+    return {k: v for k, v in row.items() if k in METRICS and k != "error_rate"}
 
 
 def _write_ensemble(
@@ -372,14 +378,9 @@ def _write_ensemble(
     and the submission."""
     total = sum(w for w, _ in valid_probs)
     ens_valid = np.sum([w * p for w, p in valid_probs], axis=0) / total
-    result.scores.append(
-        {
-            "member": "ensemble",
-            "weight": total,
-            "accuracy": float((ens_valid.argmax(1) == valid_labels).mean()),
-        }
-    )
-    atomic_write_csv(out_dir / "scores.csv", ["member", "weight", "accuracy"], result.scores)
+    result.scores.append({"member": "ensemble", "weight": total} | _scores(ens_valid, valid_labels))
+    columns = ["member", "weight", *[k for k in result.scores[-1] if k not in ("member", "weight")]]
+    atomic_write_csv(out_dir / "scores.csv", columns, result.scores)
     if test_probs:
         first = test_probs[0][1]
         probs = np.sum([w * p.probs for w, p in test_probs], axis=0) / total

@@ -48,7 +48,12 @@ _EXTRAS = {
     "rich": "train",
     "sklearn": "train",
     "pandas": "train",
+    "torchmetrics": "train",
     "nibabel": "seg",
+    "monai": "seg",
+    "einops": "seg",
+    "scipy": "seg",
+    "pydicom": "dicom",
 }
 
 # Subcommands whose settings are key=value pairs: they may follow the flags too
