@@ -235,3 +235,17 @@ def test_pretrained_vit_trains_with_its_own_mean_and_std(tmp_path: Path) -> None
     data = json.loads((tmp_path / "run" / "task.json").read_text())["data"]
     assert data["mean"] == [0.5, 0.5, 0.5] and data["std"] == [0.5, 0.5, 0.5]  # not ImageNet's
     assert data["interpolation"] == "bicubic"
+
+
+def test_ema_weights_are_validated_and_saved(
+    image_folder: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    cfg = load_config(overrides=[*base_overrides(image_folder, tiny_model), "ema=0.5"])
+    train(cfg, tmp_path / "run", log=quiet, progress=False)
+    saved = load_file(tmp_path / "run" / "last.safetensors")
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    for name, w in saved.items():
+        assert torch.equal(w, state["ema"][name]), name  # the average is what is saved ...
+    assert any(not torch.equal(w, state["model"][n]) for n, w in saved.items())  # ... not the raw

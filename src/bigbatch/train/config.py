@@ -87,6 +87,7 @@ class TrainConfig:
     auto_augment: str = ""
     mixup: float = 0.0
     cutmix: float = 0.0
+    ema: float = 0.0
     window: str = ""
     loss: str = "dice_ce"
     num_classes: int = 0
@@ -178,6 +179,8 @@ class TrainConfig:
                 "mode=fine_tune trains a classifier's head alone first; segmentation trains "
                 "every layer (from weights= or pretrained= when given): use mode=auto or fit"
             )
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"ema is a decay in [0, 1) (0.999 is common; 0: off), got {self.ema}")
         if self.mixup < 0 or self.cutmix < 0:
             raise ConfigError(
                 f"mixup and cutmix are Beta alphas >= 0 (0: off), got {self.mixup}, {self.cutmix}"
@@ -288,6 +291,7 @@ HELP: dict[str, str] = {
     "auto_augment": "classification: timm's augmentation policy for 8-bit images, e.g. rand-m9-mstd0.5 (RandAugment), trivialaugment; empty: crops and flips only",
     "mixup": "classification: Mixup's Beta alpha (0.2-0.8 is common), mixing over each whole window so accumulation stays exact; 0: off",
     "cutmix": "classification: CutMix's Beta alpha (1.0 is common), as mixup; both set: one or the other per window",
+    "ema": "an exponential moving average of the weights with this decay (0.999, 0.9998), updated after every optimizer step, validated and saved as best/last.safetensors; 0: off",
     "window": "classification of DICOM: the intensity window centre,width (e.g. 40,400 for CT soft tissue in HU); empty: the header's",
     "class_weights": "classification: auto weighs each sample by its class's inverse frequency (imbalanced data); none",
     "loss": "segmentation loss, MONAI's, per sample (exact under accumulation): dice_ce, dice, dice_focal or ce (bce_dice and bce: the old names of dice_ce and ce); dice_batch and dice_ce_batch couple the samples and train through gradient caching (exact, one more forward)",

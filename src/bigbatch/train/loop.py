@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import NonFiniteGradientWarning
-from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
+from bigbatch.backoff import OOMBackoff
 from bigbatch.device import (
     autocast_for,
     rng_state,
@@ -206,10 +206,18 @@ def _setup(
                            min_micro_batch=1 if lone_ok else min(2, micro)),
         state=state,
         last_checkpoint=time.perf_counter(),
+        ema=_ema(core, cfg.ema),
     )  # fmt: skip
     if state is not None:
         restore(run, state)
     return run
+
+
+def _ema(core: nn.Module, decay: float) -> Any:
+    """timm's exponential moving average of the weights, validated and saved instead of them."""
+    from timm.utils import ModelEmaV3
+
+    return ModelEmaV3(core, decay=decay) if decay else None
 
 
 def _train_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> None:
@@ -222,7 +230,6 @@ def _train_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> None
 
 def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     """One epoch's windows; returns the epoch's loss sum and count (for the exact mean)."""
-
     cfg, device, acc, backoff = run.cfg, run.device, ph.acc, run.backoff
     # Order, augmentation and dropout depend only on (seed, epoch): a resumed run replays
     # exactly what the uninterrupted run would have done.
@@ -238,13 +245,8 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         windows_done = int(resumed["windows"])
         loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
         set_rng_state({"cpu": resumed["rng"], "cuda": resumed.get("cuda_rng")})
-    show = progress(
-        run.progress and run.main_rank,
-        ph.windows,
-        f"epoch {e + 1}/{ph.end_epoch} ({ph.name})",
-        log=run.log,
-        log_every=cfg.log_every,
-    )
+    title, shown = f"epoch {e + 1}/{ph.end_epoch} ({ph.name})", run.progress and run.main_rank
+    show = progress(shown, ph.windows, title, log=run.log, log_every=cfg.log_every)
     every_steps, every_seconds = cfg.checkpoint_interval()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -260,12 +262,7 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.
             warnings.simplefilter("ignore", NonFiniteGradientWarning)
-            if getattr(run.task, "couples_samples", False):  # a batch loss: gradient caching
-                result = run_coupled_window(
-                    acc, (x, y.to(device)), forward, run.task.loss, backoff, device=device
-                )
-            else:
-                result = run_window(acc, (x, y), loss_fn, backoff, device=device)
+            result = run.step_window(acc, (x, y), forward, loss_fn)
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         if result.non_finite or not math.isfinite(result.loss):
@@ -308,7 +305,7 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     if run.has_valid:
         # Every rank evaluates the whole validation set: identical metrics everywhere.
         metrics = evaluate(
-            run.core, run.valid_loader, run.device, run.precision, run.task.metrics(),
+            run.scored, run.valid_loader, run.device, run.precision, run.task.metrics(),
             run.memory_format, getattr(run.task, "infer", None),
         )  # fmt: skip
         row |= metrics.as_dict()  # valid_loss, then the task's scores
@@ -330,9 +327,9 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
         return
     run_dir, cfg = run.run_dir, run.cfg
     if improved:
-        save_weights(run.core, run_dir / "best.safetensors")
+        save_weights(run.scored, run_dir / "best.safetensors")
         atomic_write_text(run_dir / "best.json", json.dumps({"epoch": e + 1, run.monitor: value}))
-    save_weights(run.core, run_dir / "last.safetensors")
+    save_weights(run.scored, run_dir / "last.safetensors")
     ph.checkpoint(epoch=e, best=run.best, history=run.history)
     run.last_checkpoint = time.perf_counter()
     write_history(run.history, run_dir / "history.csv")

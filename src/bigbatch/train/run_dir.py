@@ -68,6 +68,7 @@ def save_checkpoint(
     best: float,
     history: list[dict[str, Any]],
     mid: dict[str, Any] | None = None,
+    ema: Any = None,
 ) -> None:
     """``last.pt``: everything a resumed run needs to end bit-identical. ``epoch`` is the last
     finished epoch; ``mid`` where the epoch in flight stands (windows done, the epoch's loss
@@ -87,6 +88,7 @@ def save_checkpoint(
             "grow_after": backoff.grow_after,
             "history": json.dumps(history),
             "mid": mid or {},
+            "ema": ema.module.state_dict() if ema is not None else {},
         },
         run_dir / "last.pt",
     )

@@ -14,8 +14,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from bigbatch.accumulate import Accumulator
-from bigbatch.backoff import OOMBackoff
+from bigbatch.accumulate import Accumulator, StepResult
+from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
 from bigbatch.train.config import TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
@@ -60,10 +60,37 @@ class Run:
     start_epoch: int = 0
     mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
     last_checkpoint: float = 0.0
+    ema: Any = None  # timm's ModelEmaV3 of core, with ema= (validated and saved instead)
 
     @property
     def main_rank(self) -> bool:
         return self.rank == 0
+
+    @property
+    def scored(self) -> nn.Module:
+        """The weights validation scores and ``best``/``last.safetensors`` hold: the EMA's."""
+        return self.ema.module if self.ema is not None else self.core
+
+    def step_window(
+        self,
+        acc: Accumulator,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any], torch.Tensor],
+    ) -> StepResult:
+        """One window with the OOM back-off: through gradient caching when the task's loss
+        couples the samples, else micro-batch by micro-batch; then the EMA's update."""
+        if getattr(self.task, "couples_samples", False):
+            x, y = batch
+            pair = (x, y.to(self.device))
+            result = run_coupled_window(
+                acc, pair, forward, self.task.loss, self.backoff, device=self.device
+            )
+        else:
+            result = run_window(acc, batch, loss_fn, self.backoff, device=self.device)
+        if self.ema is not None and not result.skipped:
+            self.ema.update(self.core, step=acc.optimizer_step)
+        return result
 
 
 @dataclass
@@ -84,6 +111,8 @@ class Phase:
 
 def restore(run: Run, state: dict[str, Any]) -> None:
     run.core.load_state_dict(state["model"])
+    if run.ema is not None and state.get("ema"):
+        run.ema.module.load_state_dict(state["ema"])
     run.history = json.loads(state["history"])
     run.best = float(state["best"])
     run.start_epoch = int(state["epoch"]) + 1
@@ -134,7 +163,7 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
     )
     checkpoint = functools.partial(
         save_checkpoint, run.run_dir, run.core, opt, sched, acc, run.scaler, run.backoff,
-        phase=phase,
+        phase=phase, ema=run.ema,
     )  # fmt: skip
     state = run.state
     if (
