@@ -174,6 +174,15 @@ class TrainConfig:
             raise ConfigError(
                 f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
             )
+        self._check_recipe()
+        if self.micro_batch > self.batch:
+            raise ConfigError(
+                f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
+                "is a part of the batch; lower it, or raise batch"
+            )
+
+    def _check_recipe(self) -> None:
+        """The task recipes' keys (augmentation, losses, EMA, patches)."""
         if self.task == "segmentation" and self.mode == "fine_tune":
             raise ConfigError(
                 "mode=fine_tune trains a classifier's head alone first; segmentation trains "
@@ -197,11 +206,6 @@ class TrainConfig:
         if self.pos_neg < 0:
             raise ConfigError(
                 f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
-            )
-        if self.micro_batch > self.batch:
-            raise ConfigError(
-                f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
-                "is a part of the batch; lower it, or raise batch"
             )
 
     def checkpoint_interval(self) -> tuple[int, float]:
