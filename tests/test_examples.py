@@ -93,3 +93,13 @@ def test_train_throughput_benchmark_json() -> None:
     )  # fmt: skip
     result = json.loads(out[out.index("{") :])
     assert result["ratio_vs_hand_loop"] > 0 and result["whole_run_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_vs_fastai_benchmark_json() -> None:
+    out = _run(
+        "benchmarks/vs_fastai.py", "--per-class", "10", "--epochs", "1", "--rounds", "1", "--json"
+    )
+    result = json.loads(out[out.index("{") :])
+    assert result["time_ratio_vs_fastai"] > 0 and 0 <= result["accuracy_fastai"] <= 1
+    assert 0 <= result["accuracy_bigbatch"] <= 1
