@@ -169,6 +169,28 @@ def run_coupled_window(
     return _step_fitting(acc, backoff, device, backward_all, "run_coupled_window")
 
 
+def _step_or_oom(acc: Accumulator) -> tuple[str, bool, StepResult | None]:
+    """``acc.step()``; an OOM while the optimizer creates its state (Adam's two copies of the
+    weights, on its first step) is returned as a failure to back off from, with the state it
+    had begun to create removed. No weight has changed then: torch's optimizers create every
+    parameter's state before they update any. Elsewhere (an update half done, under DDP, with
+    a GradScaler that has unscaled) it is raised."""
+    params = [p for group in acc.optimizer.param_groups for p in group["params"]]
+    had_state = {id(p) for p in params if acc.optimizer.state.get(p)}
+    try:
+        return "", False, acc.step()
+    except Exception as exc:
+        created = {id(p) for p in params if acc.optimizer.state.get(p)} - had_state
+        creating = len(had_state) + len(created) < sum(p.grad is not None for p in params)
+        if not is_oom(exc) or not creating or acc.scaler is not None or bbdist.is_distributed():
+            raise
+        failure = f"{type(exc).__name__} in the optimizer step: {exc}"
+    for p in params:
+        if id(p) in created:
+            del acc.optimizer.state[p]
+    return failure, any(m in failure for m in HOST_OOM_MESSAGES), None
+
+
 def _step_fitting(
     acc: Accumulator,
     backoff: OOMBackoff,
@@ -177,7 +199,8 @@ def _step_fitting(
     name: str,
 ) -> StepResult:
     """Run ``backward_all(micro_batch)`` for the window, halving the micro-batch on OOM (the
-    same samples again, from the window's start), then step."""
+    same samples again, from the window's start), then step; an OOM while the optimizer
+    creates its state backs off the same way (:func:`_step_or_oom`)."""
     if bbdist.is_ddp(acc.model) and acc.sync != "step":
         raise ValueError(
             f"under DDP {name} needs Accumulator(..., model=ddp_model, sync='step'): with "
@@ -196,12 +219,12 @@ def _step_fitting(
             host_oom = any(m in failure for m in HOST_OOM_MESSAGES)
         # Every rank must agree, or one would wait forever in the others' all-reduce.
         if not bbdist.any_rank(bool(failure), device, acc.process_group):
-            break
+            failure, host_oom, result = _step_or_oom(acc)
+            if result is not None:
+                backoff.window_done(acc.optimizer_step)
+                return result
         # Leaving the except block dropped the exception and its traceback, which held the
         # failed micro-batch's activations; now they can be freed.
         acc.discard_window()
         free_memory(host_oom)
         backoff.shrink(acc.optimizer_step, failure or "another rank ran out of memory")
-    result = acc.step()
-    backoff.window_done(acc.optimizer_step)
-    return result

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from real_oom_script import build
+from torch import nn
 
 from bigbatch import Accumulator
 from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
@@ -249,3 +250,36 @@ def test_old_import_path_of_the_back_off_still_works_with_a_deprecation_warning(
         assert oom.run_window is bigbatch.run_window
     with pytest.raises(AttributeError):
         _ = oom.no_such_name
+
+
+def test_oom_while_adam_creates_its_state_backs_off_and_keeps_the_update() -> None:
+    """As on a GPU where the freed activations' cached blocks leave no room for Adam's two
+    state copies at the first step: the window is redone at a smaller micro-batch."""
+
+    class TightAdam(torch.optim.AdamW):
+        fails = 1
+
+        def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+            if TightAdam.fails:
+                TightAdam.fails -= 1
+                first = self.param_groups[0]["params"][0]
+                self.state[first]["step"] = torch.tensor(0.0)  # state half made, then OOM
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 MiB")
+            return super().step(closure)
+
+    def run(opt_class: type[torch.optim.Optimizer]) -> tuple[nn.Module, OOMBackoff]:
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3).double()
+        acc = Accumulator(opt_class(model.parameters(), lr=0.1))
+        backoff = OOMBackoff(micro_batch=8, grow_after=0)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,))
+        for _ in range(2):
+            run_window(acc, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), backoff)
+        return model, backoff
+
+    tight, backoff = run(TightAdam)
+    clean, _ = run(torch.optim.AdamW)
+    assert [(e.old, e.new) for e in backoff.events] == [(8, 4)]
+    for a, b in zip(tight.parameters(), clean.parameters(), strict=True):
+        assert float((a - b).abs().max()) <= 1e-12

@@ -44,9 +44,10 @@ def test_chosen_micro_batch_fits_when_really_run() -> None:
     # The fewest steps: one step fewer needs a micro-batch that is predicted over the budget.
     fewer = math.ceil(256 / (plan.accum_steps - 1))
     assert predict_peak(spec_at(fewer), calibration=cal).planning_bytes > plan.usable_bytes
-    # Peak memory is close to affine in the micro-batch: the floor, the whole target, and the
-    # confirmation of where the line meets the budget (it was about 8 predictions before).
-    assert plan.predictions <= 3 and plan.to_dict()["predictions"] == plan.predictions
+    # Peak memory is close to affine in the micro-batch: the floor, the whole target, the
+    # confirmation of where the line meets the budget, and the check that one step fewer does
+    # not fit (a search took about 8 predictions).
+    assert plan.predictions <= 4 and plan.to_dict()["predictions"] == plan.predictions
 
 
 def test_whole_target_when_it_fits() -> None:
