@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--widths", default="", help="a MONAI --arch's channels per level, e.g. 16,32,64,128"
     )
     p.add_argument(
+        "--step",
+        help="module:fn(model, batch) -> loss: your forward pass and loss for each micro-batch "
+        "(a Hugging Face model with labels=, a wrapper, frozen weights, checkpointing); default "
+        "cross-entropy of [B, C] outputs, else a mean square",
+    )
+    p.add_argument(
         "--input-dtype",
         default="float32",
         choices=sorted(INPUT_DTYPES),
@@ -172,6 +178,8 @@ INPUT_DTYPES = {
 def _spec_maker(
     args: argparse.Namespace, factory: Callable[[], nn.Module], shape: tuple[int, ...], name: str
 ) -> Callable[[int], StepSpec]:
+    step = load_callable(args.step, "--step") if args.step else None
+
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
             factory,
@@ -183,6 +191,7 @@ def _spec_maker(
             input_dtype=INPUT_DTYPES[args.input_dtype],
             name=name,
             vocab=args.vocab,
+            step=step,
         )
 
     return spec_at

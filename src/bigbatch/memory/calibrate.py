@@ -134,7 +134,7 @@ def _measure(spec: StepSpec) -> _Run:
     that creates the optimizer state."""
     model, opt, inputs = real_step_setup(spec, 2)
     device_type = torch.device(spec.device).type
-    run_training_step(model, opt, inputs.pop(0), spec.precision, device_type)
+    run_training_step(model, opt, inputs.pop(0), spec, device_type)
     x = inputs.pop(0)  # freed after the profiler stops: it existed before it started
     marker = _OpMarker()
     # A garbage collection inside the profiled step would free another run's tensors in the
@@ -143,7 +143,7 @@ def _measure(spec: StepSpec) -> _Run:
     gc.disable()
     try:
         with cpu_memory_profile() as prof, marker:
-            run_training_step(model, opt, x, spec.precision, device_type)
+            run_training_step(model, opt, x, spec, device_type)
     finally:
         if collecting:
             gc.enable()

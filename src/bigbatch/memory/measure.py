@@ -142,7 +142,7 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
         # batch waits during the first step, as a loader's next batch does.
         inputs = [make_inputs(spec, device) for _ in range(steps)]
         while inputs:
-            run_training_step(model, opt, inputs.pop(0), spec.precision, device.type)
+            run_training_step(model, opt, inputs.pop(0), spec, device.type)
 
     # Some optimizers make their state when they are built (Adagrad's sums): it is alive too.
     alive = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(opt)]

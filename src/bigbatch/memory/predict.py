@@ -26,18 +26,18 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bigbatch.device import autocast_for
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.step import (
     PRECISIONS,
     StepSpec,
+    batch_bytes,
     first_optimizer_step,
-    loss_of,
     make_inputs,
     make_optimizer,
     optimizer_state_tensors,
+    run_step_loss,
     run_training_step,
 )
 
@@ -339,8 +339,8 @@ def check_forward(spec: StepSpec) -> None:
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = to_empty_shared(model, device).train()
-            with torch.no_grad(), autocast_for(spec.precision, torch.device(device).type):
-                model(make_inputs(spec, device))
+            with torch.no_grad():
+                run_step_loss(spec, model, make_inputs(spec, device), torch.device(device).type)
     except Exception as exc:
         if _unfakeable_op(exc) is None:
             raise  # an op without a fake kernel is not the model's fault: training will tell
@@ -472,22 +472,19 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
             # The real first step has the next batch waiting beside its own: ``waiting`` stands
             # for it, while the state is created and then, in the forward and backward, for
             # whatever of it the state does not already outweigh.
-            batch_bytes = inputs[0].untyped_storage().nbytes()
-            waiting = torch.empty(batch_bytes, dtype=torch.uint8, device=device)
+            in_batch = batch_bytes(inputs[0])
+            waiting = torch.empty(in_batch, dtype=torch.uint8, device=device)
             built = _state_bytes(opt)  # Adagrad makes its state when it is built
             with tracker.in_phase("optimizer"):
                 first_optimizer_step(params, opt)
             made = _state_bytes(opt) - built
             del waiting
-            waiting = torch.empty(max(0, batch_bytes - made), dtype=torch.uint8, device=device)
+            waiting = torch.empty(max(0, in_batch - made), dtype=torch.uint8, device=device)
         tracker.counting = True
         while inputs:
             x = inputs.pop(0)
             with tracker.in_phase("forward"):
-                with autocast_for(spec.precision, device.type):
-                    out = model(x)
-                loss = loss_of(out)
-                del out
+                loss = run_step_loss(spec, model, x, device.type)
             with tracker.in_phase("backward"):
                 loss.backward()
                 del loss

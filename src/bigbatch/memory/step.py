@@ -20,11 +20,13 @@ __all__ = [
     "PRECISIONS",
     "Precision",
     "StepSpec",
+    "batch_bytes",
     "first_optimizer_step",
     "loss_of",
     "make_inputs",
     "make_optimizer",
     "optimizer_state_tensors",
+    "run_step_loss",
     "run_training_step",
 ]
 
@@ -40,6 +42,20 @@ class StepSpec:
     ``model`` builds the network (it is called under the meta device, so building is free);
     ``input_shape`` is one sample's shape, e.g. ``(3, 224, 224)``; integer ``input_dtype``
     (token ids) draws inputs from ``[0, vocab)``.
+
+    Your own step: ``batch(batch_size, device)`` builds one micro-batch (a tensor, tuple or
+    dict: it exists before the step, as a loader's batch does), and ``step(model, batch)`` runs
+    the forward pass and returns the loss, with your wrapper, inputs and loss (a Hugging Face
+    model called with ``labels=``, frozen weights, activation checkpointing). Without them, the
+    batch is random ``input_shape`` samples and the loss a cross-entropy of ``[B, C]`` outputs
+    (else a mean square).
+
+    >>> def lm_step(model, ids):
+    ...     return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    >>> spec = StepSpec(lambda: torch.nn.Embedding(50, 50), (16,), 4, input_dtype=torch.long,
+    ...                 vocab=50, step=lm_step)
+    >>> run_step_loss(spec, spec.model(), make_inputs(spec, "cpu"), "cpu").shape
+    torch.Size([])
     """
 
     model: Callable[[], nn.Module]
@@ -51,6 +67,8 @@ class StepSpec:
     input_dtype: torch.dtype = torch.float32
     name: str = ""
     vocab: int = 2  # integer inputs are drawn from [0, vocab): give an embedding's size
+    step: Callable[[nn.Module, Any], torch.Tensor] | None = None  # (model, batch) -> loss
+    batch: Callable[[int, Any], Any] | None = None  # (batch_size, device) -> one micro-batch
 
     def with_batch(self, batch_size: int) -> StepSpec:
         return replace(self, batch_size=batch_size)
@@ -88,21 +106,39 @@ def loss_of(out: Any) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def make_inputs(spec: StepSpec, device: torch.device | str) -> torch.Tensor:
+def make_inputs(spec: StepSpec, device: torch.device | str) -> Any:
+    """One micro-batch: ``spec.batch``'s, else random samples of ``input_shape``."""
+    if spec.batch is not None:
+        return spec.batch(spec.batch_size, device)
     shape = (spec.batch_size, *spec.input_shape)
     if spec.input_dtype.is_floating_point:
         return torch.randn(shape, dtype=spec.input_dtype, device=device)
     return torch.randint(0, spec.vocab, shape, dtype=spec.input_dtype, device=device)
 
 
-def run_training_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, precision: str, device_type: str
-) -> None:
-    """One plain training step, the same for prediction and measurement."""
-    with autocast_for(precision, device_type):
+def run_step_loss(spec: StepSpec, model: nn.Module, x: Any, device_type: str) -> torch.Tensor:
+    """The step's forward pass and loss: ``spec.step``'s (under autocast), else the model's
+    output through :func:`loss_of` (outside autocast, in float32, as training computes it)."""
+    with autocast_for(spec.precision, device_type):
+        if spec.step is not None:
+            return spec.step(model, x)
         out = model(x)
     loss = loss_of(out)
     del out
+    return loss
+
+
+def batch_bytes(x: Any) -> int:
+    """The bytes of a micro-batch's tensors (any structure)."""
+    leaves = torch.utils._pytree.tree_flatten(x)[0]
+    return sum(t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def run_training_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: Any, spec: StepSpec, device_type: str
+) -> None:
+    """One training step, the same for prediction and measurement."""
+    loss = run_step_loss(spec, model, x, device_type)
     loss.backward()
     del loss
     opt.step()
