@@ -218,3 +218,18 @@ def test_integer_inputs_are_drawn_from_the_vocabulary() -> None:
     spec = StepSpec(lambda: torch.nn.Embedding(1000, 4), (512,), 8, input_dtype=torch.long)
     ids = make_inputs(replace(spec, vocab=1000), "cpu")
     assert ids.dtype == torch.long and int(ids.min()) >= 0 and 500 < int(ids.max()) < 1000
+
+
+def test_fastest_times_the_fitting_candidates_and_picks_the_fastest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    args = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "16", "--budget", "2GB",
+            "--overhead", "0", "--no-calibrate", "--fastest", "--json"]  # fmt: skip
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rates = {int(b): v for b, v in plan["samples_per_s"].items()}
+    assert len(rates) >= 2 and all(v > 0 for v in rates.values())
+    assert plan["micro_batch"] == max(rates, key=lambda b: rates[b])  # the fastest, measured
+    assert plan["accum_steps"] * plan["micro_batch"] >= 16

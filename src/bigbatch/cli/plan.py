@@ -18,6 +18,7 @@ from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
     device_total_bytes,
+    fastest,
     overhead_bytes,
     plan_under_budget,
     resolve_budget,
@@ -89,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-calibrate",
         action="store_true",
         help="skip the CPU workspace calibration (small real steps at micro-batch 1, 2 and 4)",
+    )
+    p.add_argument(
+        "--fastest",
+        action="store_true",
+        help="time the plan's micro-batch and up to 3 smaller ones that fit (a few real steps "
+        "each on the device) and choose the fastest; reports samples/s per candidate",
     )
     p.add_argument(
         "--confirm", action="store_true", help="run one real step at the plan on the device"
@@ -219,7 +226,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
     try:
         # Planning for a GPU needs none; measuring on one (--confirm) does.
-        check_device(args.device, "--device", here=args.confirm)
+        check_device(args.device, "--device", here=args.confirm or args.fastest)
         for path, what in ((args.csv, "--csv"), (args.plot, "--plot")):
             if path is not None:
                 check_writable(path, what)
@@ -336,6 +343,8 @@ def _plan_rows(
 def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> None:
     """--confirm: the chosen micro-batch measured; --plot: a smooth curve (the powers of two the
     search did not visit, predicted the same way)."""
+    if args.fastest:
+        fastest(plan, spec_at)
     if args.confirm:
         # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.memory.measure import measure_step_peak
@@ -431,6 +440,9 @@ def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -
         if p.get("confirmed_peak_bytes"):
             line += f"   measured {format_bytes(p['confirmed_peak_bytes'])}"
         print(line)
+        if p.get("samples_per_s"):
+            rates = ", ".join(f"{b}: {v:.1f}" for b, v in p["samples_per_s"].items())
+            print(f"{'':<28} samples/s by micro-batch: {rates} (fastest chosen)")
     if any(not p["fits"] for p in plans):
         print("\nrows that do not fit:")
         for p in plans:

@@ -11,11 +11,13 @@ import contextlib
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from bigbatch.device import synchronize
 from bigbatch.memory.step import (
     make_inputs,
     make_optimizer,
@@ -23,7 +25,13 @@ from bigbatch.memory.step import (
     run_training_step,
 )
 
-__all__ = ["allocation_events", "measure_peak", "measure_step_peak", "profiled_peak"]
+__all__ = [
+    "allocation_events",
+    "measure_peak",
+    "measure_step_peak",
+    "profiled_peak",
+    "samples_per_second",
+]
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -160,3 +168,23 @@ def real_step_setup(
     model = spec.model().to(device).train()
     opt = make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
     return model, opt, [make_inputs(spec, device) for _ in range(steps)]
+
+
+def samples_per_second(spec: Any, *, steps: int = 3, warmup: int = 1, seed: int = 0) -> float:
+    """Training throughput of a :class:`~bigbatch.memory.step.StepSpec`: ``warmup`` real steps
+    (kernel selection, allocator growth), then the samples of ``steps`` timed steps per second.
+
+    >>> from bigbatch.memory.step import StepSpec
+    >>> samples_per_second(StepSpec(lambda: torch.nn.Linear(8, 2), (8,), 4), steps=1) > 0
+    True
+    """
+    device = torch.device(spec.device)
+    model, opt, inputs = real_step_setup(spec, warmup + steps, seed=seed)
+    for x in inputs[:warmup]:
+        run_training_step(model, opt, x, spec, device.type)
+    synchronize(device)
+    t0 = time.perf_counter()
+    for x in inputs[warmup:]:
+        run_training_step(model, opt, x, spec, device.type)
+    synchronize(device)
+    return steps * spec.batch_size / (time.perf_counter() - t0)

@@ -70,6 +70,8 @@ class Plan:
     # other micro-batches the same way, and what it could not measure.
     calibration: Any = field(default=None, repr=False)
     calibration_note: str = ""
+    # With --fastest: measured training samples/s of each fitting candidate micro-batch.
+    samples_per_s: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +94,7 @@ class Plan:
             "curve": self.curve,
             "predictions": self.predictions,
             "notes": self.prediction.notes,
+            "samples_per_s": {str(b): v for b, v in self.samples_per_s.items()} or None,
         }
 
     def summary(self) -> str:
@@ -380,4 +383,33 @@ def plan_under_budget(
             raise
         raise DoesNotFitError(f"{exc}; {note}", exc.floor) from exc
     plan.calibration, plan.calibration_note = calibration, note
+    return plan
+
+
+def fastest(
+    plan: Plan, spec_at: Callable[[int], StepSpec], *, candidates: int = 4, steps: int = 3
+) -> Plan:
+    """Time the plan's micro-batch and up to ``candidates - 1`` smaller ones that also fit (the
+    balanced sizes of 2x, 4x ... its steps), a few real steps each on the device, and choose the
+    fastest: the largest micro-batch is not always (kernels that suit another size; caches).
+    ``plan.samples_per_s`` keeps every candidate's measured throughput. Costs ``warmup +
+    steps`` real training steps per candidate.
+    """
+    from bigbatch.memory.measure import samples_per_second
+
+    sizes: list[int] = []
+    step_count = plan.accum_steps
+    while len(sizes) < candidates:
+        micro = _balanced(plan.target_batch, max(1, math.ceil(plan.target_batch / step_count)))
+        if micro not in sizes:
+            sizes.append(micro)
+        if micro == 1:
+            break
+        step_count *= 2
+    plan.samples_per_s = {b: samples_per_second(spec_at(b), steps=steps) for b in sizes}
+    best = max(plan.samples_per_s, key=lambda b: plan.samples_per_s[b])
+    if best != plan.micro_batch:
+        plan.micro_batch, plan.accum_steps = best, math.ceil(plan.target_batch / best)
+        plan.prediction = predict_peak(spec_at(best), calibration=plan.calibration)
+        plan.predicted_peak_bytes = plan.prediction.planning_bytes
     return plan
