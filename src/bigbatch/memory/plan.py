@@ -8,6 +8,7 @@ the plan balances the micro-batches (256 with at most 100 fitting -> 3 x 86, not
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,8 +118,21 @@ device_total_bytes = total_bytes
 
 def overhead_bytes(device: str | torch.device) -> int:
     """Memory a training process needs besides the step's tensors: the CUDA context on a GPU;
-    on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB)."""
-    return CUDA_CONTEXT_BYTES if torch.device(device).type == "cuda" else process_rss()
+    on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB), read after
+    what training loads anyway has been loaded (:func:`_load_training_libraries`)."""
+    if torch.device(device).type == "cuda":
+        return CUDA_CONTEXT_BYTES
+    _load_training_libraries()
+    return process_rss()
+
+
+@functools.cache
+def _load_training_libraries() -> None:
+    """The first optimizer step imports torch._dynamo and sympy (about 150 MiB here): a
+    training process holds them, so the overhead read before them was too small by that much."""
+    param = torch.zeros(1, requires_grad=True)
+    param.grad = torch.zeros(1)
+    torch.optim.AdamW([param]).step()
 
 
 def resolve_budget(budget: str | int, device: str | torch.device) -> int:

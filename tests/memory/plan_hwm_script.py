@@ -1,0 +1,93 @@
+"""Run by test_plan_hwm.py in a subprocess: plan a model into a budget a few tens of MiB above
+what this process needs, train two windows at the plan, print the budget and the process's real
+high-water mark (VmHWM) as JSON. argv[1]: "timm" or "gpt"."""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigbatch import Accumulator
+from bigbatch.backoff import OOMBackoff, run_window
+from bigbatch.memory.calibrate import calibrate
+from bigbatch.memory.plan import overhead_bytes, plan_micro_batch
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
+from bigbatch.models import timm_factory
+
+SLACK = 40 * 2**20  # a few tens of MiB above the need at micro-batch 16
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 256, width: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def vm(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(key)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(sys.argv[2]))
+    timm_model = timm_factory("resnet10t", num_classes=10)
+
+    def spec_at(b: int) -> StepSpec:
+        if sys.argv[1] == "timm":
+            return StepSpec(timm_model, (3, 64, 64), b)
+        return StepSpec(GPT, (256,), b, input_dtype=torch.long, vocab=256, step=lm_loss)
+
+    def loss_fn(batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if sys.argv[1] == "timm":
+            return F.cross_entropy(model(batch[0]), batch[1])
+        return lm_loss(model, batch[0])
+
+    if sys.argv[1] == "timm":
+        window: tuple[torch.Tensor, ...] = (torch.randn(64, 3, 64, 64), torch.randint(0, 10, (64,)))
+    else:
+        window = (torch.randint(0, 256, (64, 256)),)
+
+    cal = calibrate(spec_at(2))
+    overhead = overhead_bytes("cpu")
+    need = predict_peak(spec_at(16), calibration=cal).planning_bytes
+    budget = int((overhead + need + SLACK) / 0.9)  # the default 10 % margin on top
+    plan = plan_micro_batch(spec_at, 64, budget, calibration=cal)
+    torch.manual_seed(0)
+    model = spec_at(1).model()
+    acc = Accumulator(torch.optim.AdamW(model.parameters()))
+    backoff = OOMBackoff(micro_batch=plan.micro_batch, grow_after=0)
+    for _ in range(2):
+        run_window(acc, window, loss_fn, backoff)
+    print(
+        json.dumps(
+            {
+                "budget": budget,
+                "hwm": vm("VmHWM:"),
+                "micro_batch": plan.micro_batch,
+                "overhead": overhead,
+                "predicted": plan.predicted_peak_bytes,
+            }
+        )
+    )
