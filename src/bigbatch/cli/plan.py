@@ -31,6 +31,12 @@ from bigbatch.user_code import load_callable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_model_arguments(p)
+    _add_plan_arguments(p)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What to plan: the model, its input and its step."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--arch",
@@ -69,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2,
         help="with --input-dtype long: token ids are drawn from [0, vocab) (the embedding's size)",
     )
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The budget, the training settings the plan is for, and the outputs."""
     p.add_argument(
         "--batch", type=int, required=True, help="target batch (samples per optimizer step)"
     )

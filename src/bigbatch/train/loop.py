@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import NonFiniteGradientWarning
-from bigbatch.backoff import OOMBackoff
+from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
 from bigbatch.device import (
     autocast_for,
     rng_state,
@@ -49,7 +49,16 @@ from bigbatch.train.runtime import (
     threads_for_run,
     train_mode,
 )
-from bigbatch.train.state import Phase, Run, build_phase, epoch_loader, restore
+from bigbatch.train.state import (
+    Phase,
+    Run,
+    TrainingDiverged,
+    build_phase,
+    diverged,
+    epoch_loader,
+    make_ema,
+    restore,
+)
 from bigbatch.train.tasks import Metrics, lower_is_better, task_for
 
 __all__ = [
@@ -93,10 +102,6 @@ def evaluate(
             metrics.update(logits, y.to(device))
     model.train()
     return metrics
-
-
-class TrainingDiverged(ConfigError):
-    """The training loss became inf or nan; the last good checkpoint is kept."""
 
 
 def train(
@@ -206,18 +211,11 @@ def _setup(
                            min_micro_batch=1 if lone_ok else min(2, micro)),
         state=state,
         last_checkpoint=time.perf_counter(),
-        ema=_ema(core, cfg.ema),
+        ema=make_ema(core, cfg.ema),
     )  # fmt: skip
     if state is not None:
         restore(run, state)
     return run
-
-
-def _ema(core: nn.Module, decay: float) -> Any:
-    """timm's exponential moving average of the weights, validated and saved instead of them."""
-    from timm.utils import ModelEmaV3
-
-    return ModelEmaV3(core, decay=decay) if decay else None
 
 
 def _train_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> None:
@@ -262,12 +260,12 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.
             warnings.simplefilter("ignore", NonFiniteGradientWarning)
-            result = run.step_window(acc, (x, y), forward, loss_fn)
+            result = _step_window(run, acc, (x, y), forward, loss_fn)
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         if result.non_finite or not math.isfinite(result.loss):
             show.close()
-            raise _diverged(run, ph, e, result.loss)
+            raise diverged(run, ph, e, result.loss)
         loss_sum += result.loss * result.count
         count += result.count
         windows_done += 1
@@ -289,14 +287,19 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     return loss_sum, count
 
 
-def _diverged(run: Run, ph: Phase, e: int, loss: float) -> TrainingDiverged:
-    return TrainingDiverged(
-        f"training diverged: the loss became {loss} at epoch {e + 1}, optimizer step "
-        f"{ph.acc.optimizer_step} (lr {ph.opt.param_groups[0]['lr']:.3g}). Nothing of epoch "
-        f"{e + 1} was saved"
-        + (f"; {run.run_dir / 'last.pt'} holds epoch {e}" if run.history else "")
-        + f". Lower lr (e.g. lr={run.cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
-    )
+def _step_window(run: Run, acc: Any, batch: Any, forward: Any, loss_fn: Any) -> Any:
+    """One window with the OOM back-off: through gradient caching when the task's loss couples
+    the samples (a batch Dice), else micro-batch by micro-batch; then the EMA's update."""
+    if getattr(run.task, "couples_samples", False):
+        pair = (batch[0], batch[1].to(run.device))
+        result = run_coupled_window(
+            acc, pair, forward, run.task.loss, run.backoff, device=run.device
+        )
+    else:
+        result = run_window(acc, batch, loss_fn, run.backoff, device=run.device)
+    if run.ema is not None and not result.skipped:
+        run.ema.update(run.core, step=acc.optimizer_step)
+    return result
 
 
 def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0: float) -> None:

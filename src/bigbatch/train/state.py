@@ -14,16 +14,25 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from bigbatch.accumulate import Accumulator, StepResult
-from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
-from bigbatch.train.config import TrainConfig
+from bigbatch.accumulate import Accumulator
+from bigbatch.backoff import OOMBackoff
+from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
 from bigbatch.train.run_dir import save_checkpoint
 from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Task
 
-__all__ = ["Phase", "Run", "build_phase", "epoch_loader", "restore"]
+__all__ = [
+    "Phase",
+    "Run",
+    "TrainingDiverged",
+    "build_phase",
+    "diverged",
+    "epoch_loader",
+    "make_ema",
+    "restore",
+]
 
 Log = Callable[[str], None]
 
@@ -70,27 +79,6 @@ class Run:
     def scored(self) -> nn.Module:
         """The weights validation scores and ``best``/``last.safetensors`` hold: the EMA's."""
         return self.ema.module if self.ema is not None else self.core
-
-    def step_window(
-        self,
-        acc: Accumulator,
-        batch: tuple[torch.Tensor, torch.Tensor],
-        forward: Callable[[torch.Tensor], torch.Tensor],
-        loss_fn: Callable[[Any], torch.Tensor],
-    ) -> StepResult:
-        """One window with the OOM back-off: through gradient caching when the task's loss
-        couples the samples, else micro-batch by micro-batch; then the EMA's update."""
-        if getattr(self.task, "couples_samples", False):
-            x, y = batch
-            pair = (x, y.to(self.device))
-            result = run_coupled_window(
-                acc, pair, forward, self.task.loss, self.backoff, device=self.device
-            )
-        else:
-            result = run_window(acc, batch, loss_fn, self.backoff, device=self.device)
-        if self.ema is not None and not result.skipped:
-            self.ema.update(self.core, step=acc.optimizer_step)
-        return result
 
 
 @dataclass
@@ -196,4 +184,27 @@ def epoch_loader(run: Run, e: int, skip: int) -> Any:
         min_last=1 if run.lone_ok else 2,
         skip=skip,
         pin_memory=run.pin,
+    )
+
+
+def make_ema(core: nn.Module, decay: float) -> Any:
+    """timm's exponential moving average of the weights, validated and saved instead of them."""
+    from timm.utils import ModelEmaV3
+
+    return ModelEmaV3(core, decay=decay) if decay else None
+
+
+class TrainingDiverged(ConfigError):
+    """The training loss became inf or nan; the last good checkpoint is kept."""
+
+
+def diverged(run: Run, ph: Phase, e: int, loss: float) -> TrainingDiverged:
+    """The error that stops a run whose loss became ``loss``, saying what was kept and what to
+    try."""
+    return TrainingDiverged(
+        f"training diverged: the loss became {loss} at epoch {e + 1}, optimizer step "
+        f"{ph.acc.optimizer_step} (lr {ph.opt.param_groups[0]['lr']:.3g}). Nothing of epoch "
+        f"{e + 1} was saved"
+        + (f"; {run.run_dir / 'last.pt'} holds epoch {e}" if run.history else "")
+        + f". Lower lr (e.g. lr={run.cfg.lr / 10:g}), or use precision=fp32 if it was bf16/fp16"
     )
