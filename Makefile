@@ -10,7 +10,7 @@ PATHS := src tests examples benchmarks
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,dev]'
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)

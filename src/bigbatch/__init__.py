@@ -11,27 +11,33 @@ couple the samples, :class:`OOMBackoff` with :func:`run_window`, and planning
 
 from typing import TYPE_CHECKING, Any
 
-from bigbatch.accumulate import (
-    Accumulator,
-    EmptyWindowWarning,
-    NonFiniteGradientWarning,
-    StepResult,
-    scale_grads_,
-)
-from bigbatch.backoff import OOMBackoff, run_window
-from bigbatch.counts import MicroBatchCount, count_tokens, resolve_count, samples, tokens, weights
-from bigbatch.coupled import cached_backward
-from bigbatch.inexact import (
-    InexactAccumulationWarning,
-    InexactLayer,
-    find_inexact_layers,
-    freeze_batchnorm,
-)
-from bigbatch.optim import AccumulatingOptimizer
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what the names are, for type checkers; loaded on first use below
+    from bigbatch.accumulate import (
+        Accumulator,
+        EmptyWindowWarning,
+        NonFiniteGradientWarning,
+        StepResult,
+        scale_grads_,
+    )
+    from bigbatch.backoff import OOMBackoff, run_window
+    from bigbatch.counts import (
+        MicroBatchCount,
+        count_tokens,
+        resolve_count,
+        samples,
+        tokens,
+        weights,
+    )
+    from bigbatch.coupled import cached_backward
+    from bigbatch.inexact import (
+        InexactAccumulationWarning,
+        InexactLayer,
+        find_inexact_layers,
+        freeze_batchnorm,
+    )
     from bigbatch.memory.plan import Plan, plan_micro_batch, plan_under_budget
     from bigbatch.memory.step import StepSpec
+    from bigbatch.optim import AccumulatingOptimizer
 
 __version__ = "0.1.0"
 
@@ -62,18 +68,39 @@ __all__ = [
     "weights",
 ]
 
-# Planning pulls in the profiler and fake tensors: loaded when first asked for.
+# Every name is imported when first asked for: `import bigbatch` (and `bigbatch --help`) does not
+# load torch until something needs it.
 _LAZY = {
-    "Plan": "bigbatch.memory.plan",
-    "plan_micro_batch": "bigbatch.memory.plan",
-    "plan_under_budget": "bigbatch.memory.plan",
+    **dict.fromkeys(
+        ("Accumulator", "EmptyWindowWarning", "NonFiniteGradientWarning", "StepResult",
+         "scale_grads_"),
+        "bigbatch.accumulate",
+    ),
+    **dict.fromkeys(("OOMBackoff", "run_window"), "bigbatch.backoff"),
+    **dict.fromkeys(
+        ("MicroBatchCount", "count_tokens", "resolve_count", "samples", "tokens", "weights"),
+        "bigbatch.counts",
+    ),
+    "cached_backward": "bigbatch.coupled",
+    **dict.fromkeys(
+        ("InexactAccumulationWarning", "InexactLayer", "find_inexact_layers", "freeze_batchnorm"),
+        "bigbatch.inexact",
+    ),
+    **dict.fromkeys(("Plan", "plan_micro_batch", "plan_under_budget"), "bigbatch.memory.plan"),
     "StepSpec": "bigbatch.memory.step",
-}
+    "AccumulatingOptimizer": "bigbatch.optim",
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once
+        return value
     raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

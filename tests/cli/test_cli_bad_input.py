@@ -319,3 +319,24 @@ def test_a_missing_extra_is_one_line_naming_it(
     monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
     line = _fails([*PLAN, "--overhead", "0"], capsys, "pip install 'bigbatch[train]'")
     assert "timm is not installed" in line
+
+
+def test_help_and_import_load_no_torch() -> None:
+    """`bigbatch --help` answers at once: neither it nor `import bigbatch` loads torch."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import bigbatch\n"
+        "from bigbatch.cli.main import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules, bigbatch.__version__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip().splitlines()[-1].startswith("False "), done.stdout + done.stderr

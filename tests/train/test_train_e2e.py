@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +240,23 @@ def test_progress_bar_shows_rate_and_plan(
     assert "samples/s" in shown and "3 x 4" in shown  # rate, accumulation x micro-batch
     assert "peak RSS" in shown
     assert [r["train_loss"] for r in with_bar.history] == [r["train_loss"] for r in without.history]
+
+
+def test_without_matplotlib_there_is_no_plot_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import bigbatch.train.report as report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(report, "_SAID", False)
+    rows = [{"epoch": 1, "train_loss": 1.0}]
+    with caplog.at_level(logging.WARNING, logger="bigbatch"):
+        report.plot_history(rows, tmp_path / "a.png")
+        report.plot_history(rows, tmp_path / "b.png")
+    assert not (tmp_path / "a.png").exists()
+    assert [r.message for r in caplog.records].count(
+        "bigbatch: no history.png without matplotlib: pip install 'bigbatch[plot]' "
+        "(history.csv holds the same numbers)"
+    ) == 1

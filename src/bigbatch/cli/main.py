@@ -25,7 +25,9 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommands in ``load`` (default: all) get their arguments, since
+    each one's module imports torch: ``bigbatch --help`` loads none of them."""
     parser = argparse.ArgumentParser(
         prog="bigbatch",
         description="Train with the batch size you want on the memory you have.",
@@ -35,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+        if load is None or name in load:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -44,10 +47,9 @@ _EXTRAS = {
     "timm": "train",
     "PIL": "train",
     "safetensors": "train",
-    "matplotlib": "train",
+    "matplotlib": "plot",
     "rich": "train",
     "sklearn": "train",
-    "pandas": "train",
     "torchmetrics": "train",
     "nibabel": "seg",
     "monai": "seg",
@@ -62,7 +64,8 @@ _KEY_VALUE = ("train", "ensemble")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(load=[w for w in words if w in COMMANDS][:1])
     args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command not in _KEY_VALUE or not all(

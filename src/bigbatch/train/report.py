@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,24 @@ def write_history(rows: list[dict[str, Any]], path: str | Path) -> None:
     atomic_write_csv(path, list(rows[-1]), rows)
 
 
+log = logging.getLogger("bigbatch")
+_SAID = False  # whether the missing matplotlib was reported (once a process)
+
+
 def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
-    import matplotlib
+    """``history.png``: the losses and the task's scores by epoch (without matplotlib, the
+    ``plot`` extra, none: said once per process; ``history.csv`` has the numbers)."""
+    global _SAID
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        if not _SAID:
+            log.warning(
+                "bigbatch: no history.png without matplotlib: pip install 'bigbatch[plot]' "
+                "(history.csv holds the same numbers)"
+            )
+            _SAID = True
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
