@@ -34,7 +34,7 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     for batch in (32, 4):
         steps = re.search(rf"plan: target batch {batch} = (\d+) x", out)
         assert steps is not None and int(steps.group(1)) >= 2, out
-    for run in ("unet2d", "unet3d"):
+    for run in ("dynunet2d", "dynunet3d"):
         assert (tmp_path / "runs" / run / "history.png").is_file()
         assert len(list((tmp_path / "runs" / run / "masks").iterdir())) == 4
     # A rerun keeps the finished runs.
@@ -43,14 +43,15 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 @pytest.mark.slow
-def test_brats_demo_trains_at_micro_batch_1_and_scores_each_region(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_brats_demo_trains_at_micro_batch_1_and_scores_each_region(tmp_path: Path) -> None:
     import nibabel as nib
 
-    assert main(["demo", "--task", "brats", "--out", str(tmp_path), "--epochs", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "micro-batch 1" in out and "wt " in out and "tc " in out and "et " in out
+    from bigbatch.demo import run_brats_demo
+
+    lines: list[str] = []
+    dice = run_brats_demo(tmp_path, epochs=1, log=lines.append, cases=6)
+    assert set(dice) == {"wt", "tc", "et"}
+    assert any("micro-batch 1" in line for line in lines)
     history = (tmp_path / "runs" / "brats" / "history.csv").read_text().splitlines()[0]
     assert {"dice_wt", "dice_tc", "dice_et", "hd95"} <= set(history.split(","))
     masks = sorted((tmp_path / "runs" / "brats" / "masks").rglob("*.nii.gz"))
@@ -58,3 +59,20 @@ def test_brats_demo_trains_at_micro_batch_1_and_scores_each_region(
     source = nib.load(str(tmp_path / "brats_test" / "cases" / "case_000" / "case_000_t1.nii.gz"))
     written = nib.load(str(masks[0]))
     assert written.shape == source.shape and (written.affine == source.affine).all()
+
+
+def test_brats_demo_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import bigbatch.demo
+
+    seen = {}
+
+    def fake(out: Path, epochs: int) -> dict[str, float]:
+        seen["epochs"] = epochs
+        return {"wt": 0.9, "tc": 0.8, "et": 0.7}
+
+    monkeypatch.setattr(bigbatch.demo, "run_brats_demo", fake)
+    assert main(["demo", "--task", "brats", "--out", str(tmp_path)]) == 0
+    assert seen["epochs"] == 10  # brats' own default
+    assert "wt 0.900, tc 0.800, et 0.700" in capsys.readouterr().out

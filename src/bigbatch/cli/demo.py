@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="classification",
         choices=("classification", "segmentation", "brats"),
         help="classification: the digits competition and an ensemble; segmentation: 2D shapes "
-        "and 3D blobs (generated), MONAI U-Nets, Dice/Jaccard, predicted masks; brats: "
+        "and 3D blobs (generated), MONAI's DynUNet, Dice/Jaccard, predicted masks; brats: "
         "four-modality NIfTI volumes with nested regions, MONAI's SegResNet at micro-batch 1, "
         "per-region Dice",
     )
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             "\nvalidation Dice: "
             + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
-            + f"; runs in {args.out / 'runs'}/unet2d and unet3d (history.png: losses, Dice, Jaccard)"
+            + f"; runs in {args.out / 'runs'}/dynunet2d and dynunet3d (history.png: losses, Dice, Jaccard)"
         )
         print(f"demo finished in {time.perf_counter() - t0:.0f} s")
         return 0

@@ -123,7 +123,7 @@ _VIEW_OPS = frozenset(
         "permute.default", "slice.Tensor", "select.int", "unsqueeze.default", "squeeze.dim",
     )
 )  # fmt: skip
-_LOOKAHEAD = 4  # calibration ops a fake op may skip when aligning
+_LOOKAHEAD = 8  # calibration ops a fake op may skip when aligning
 # Fake-only ops in a row before the sequences count as parted (convnext's LayerNorm dispatches
 # 5 in fake mode: squeeze twice, new_zeros, as_strided, copy_).
 _MAX_MISSES = 16
