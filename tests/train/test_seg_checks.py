@@ -323,3 +323,18 @@ def test_volumes_are_z_scored_over_the_foreground_and_patches_favour_the_labels(
         return sum(int(ds[0][1].any()) for _ in range(40))
 
     assert hits(1.0) >= 15 and hits(0.0) <= 5  # a random 8^3 patch rarely meets a 4^3 lesion
+
+
+def test_16_bit_2d_images_are_scaled_not_clipped(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from bigbatch.train.tasks.segmentation.data import read_image
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "masks").mkdir()
+    pixels = np.array([[0, 1000], [3000, 4095]], dtype=np.uint16)
+    Image.fromarray(pixels).save(tmp_path / "images" / "x.png")
+    Image.fromarray(np.array([[0, 0], [1, 1]], dtype=np.uint8)).save(tmp_path / "masks" / "x.png")
+    image = read_image([tmp_path / "images" / "x.png"], 2)
+    # PIL's convert("RGB") would give 255 for every non-zero pixel.
+    assert np.allclose(image[0], pixels / 4095 * 255, atol=1e-3) and image.shape == (3, 2, 2)

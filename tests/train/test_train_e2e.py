@@ -260,3 +260,12 @@ def test_without_matplotlib_there_is_no_plot_said_once(
         "bigbatch: no history.png without matplotlib: pip install 'bigbatch[plot]' "
         "(history.csv holds the same numbers)"
     ) == 1
+
+
+def test_the_saved_config_toml_trains_the_same_run_again(
+    image_folder: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    cfg = load_config(overrides=[*base_overrides(image_folder, tiny_model), "epochs=1"])
+    train(cfg, tmp_path / "run", log=lambda _: None, progress=False)
+    again = load_config(tmp_path / "run" / "config.toml")
+    assert again == cfg

@@ -94,8 +94,29 @@ def save_checkpoint(
     )
 
 
+def config_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML that ``bigbatch train`` takes back: ``bigbatch train
+    RUN/config.toml --out runs/again`` trains the same run (every value a scalar).
+
+    >>> from bigbatch.train.config import TrainConfig
+    >>> config_toml(TrainConfig(data="images")).splitlines()[2]
+    'task = "classification"'
+    """
+    lines = ["# written by bigbatch train: feed it back with `bigbatch train config.toml`", ""]
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
 def write_run_files(run_dir: Path, cfg: TrainConfig, task: Any, plan_info: dict[str, Any]) -> None:
     atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(run_dir / "config.toml", config_toml(cfg))
     atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
     atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
     atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))

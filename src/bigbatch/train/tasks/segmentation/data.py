@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from bigbatch.images import probe, read_pixels
 from bigbatch.models import MEAN, STD
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, read_csv_rows
 
@@ -128,11 +129,11 @@ def read_case(files: Sequence[Path], dims: int) -> Volume:
                 f"{len(files)} images in one row ({', '.join(f.name for f in files)}): several "
                 "files per case are the modalities of a volume; a 2D row has one image"
             )
-        from PIL import Image
-
         try:
-            with Image.open(files[0]) as im:
-                array = np.asarray(im.convert("RGB"), dtype=np.float32).transpose(2, 0, 1)
+            probe(files[0])  # refuses what cannot be read faithfully (16-bit colour PNG)
+            # As 0..255 RGB: 16-bit and float images are scaled (2^k - 1 of their own peak: a
+            # 12-bit X-ray by 4095), never clipped at 255 as PIL's convert("RGB") would.
+            array = read_pixels(files[0]) * 255.0
         except Exception as exc:
             raise DataError(f"cannot read {files[0]}: {type(exc).__name__}: {exc}") from exc
         return Volume(array)
