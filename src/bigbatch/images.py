@@ -163,8 +163,8 @@ def _dcmread(path: Path, header_only: bool = False) -> Any:
     try:
         import pydicom
     except ModuleNotFoundError as exc:
-        raise UnreadableImageError(
-            f"{path} is DICOM, which needs pydicom: pip install 'bigbatch[dicom]'"
+        raise ModuleNotFoundError(
+            f"{path} is DICOM, which needs pydicom: pip install 'bigbatch[dicom]'", name="pydicom"
         ) from exc
     try:
         return pydicom.dcmread(str(path), stop_before_pixels=header_only)

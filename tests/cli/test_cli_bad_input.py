@@ -340,3 +340,56 @@ def test_help_and_import_load_no_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.strip().splitlines()[-1].startswith("False "), done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_core_install_names_the_missing_extra_in_one_line(tmp_path: Path) -> None:
+    """Without the optional libraries (as after `pip install bigbatch`), each command that
+    needs one exits 2 with one line naming its extra, not a traceback."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from PIL import Image
+
+    data = tmp_path / "images"
+    for name in ("a", "b"):
+        (data / name).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((8, 8, 3), 40 * i, dtype=np.uint8)).save(
+                data / name / f"{i}.png"
+            )
+    volumes = tmp_path / "volumes"
+    for sub in ("images", "masks"):
+        (volumes / sub).mkdir(parents=True)
+    for i in range(4):
+        mask = np.zeros((16, 16, 16), dtype=np.int64)
+        mask[4:8, 4:8, 4:8] = 1
+        np.save(volumes / "images" / f"{i}.npy", mask.astype(np.float32) + i)
+        np.save(volumes / "masks" / f"{i}.npy", mask)
+    blocked = ("timm", "PIL", "torchvision", "safetensors", "rich", "sklearn", "torchmetrics",
+               "matplotlib", "monai", "nibabel", "einops", "pydicom")  # fmt: skip
+    cases = {
+        "plan --arch resnet18 --batch 8 --budget 1GB": "'train' extra",
+        f"train data={data} --out {tmp_path / 'r1'}": "'train' extra",
+        f"train data={volumes} task=segmentation arch=segresnet size=16 --out {tmp_path / 'r2'}": (
+            "'seg' extra"
+        ),
+        f"demo --out {tmp_path / 'demo'}": "'train' extra",
+    }
+    for command, extra in cases.items():
+        script = (
+            "import sys\n"
+            f"for m in {blocked!r}: sys.modules[m] = None\n"
+            "from bigbatch.cli.main import main\n"
+            f"sys.exit(main({command.split()!r}))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+        errors = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2, (command, done.stderr[-1500:])
+        assert len(errors) == 1 and extra in errors[0] and "pip install" in errors[0], (
+            command,
+            errors,
+        )

@@ -39,7 +39,8 @@ def _monai_nets() -> Any:
     except ModuleNotFoundError as exc:
         raise MonaiMissingError(
             "segmentation networks come from MONAI, which is not installed: "
-            "pip install 'bigbatch[seg]'"
+            "pip install 'bigbatch[seg]'",
+            name="monai",
         ) from exc
     return nets
 
@@ -144,5 +145,6 @@ def build_network(
         return builders[arch]()
     except ModuleNotFoundError as exc:  # SwinUNETR and UNETR need einops
         raise MonaiMissingError(
-            f"arch={arch} needs {exc.name or 'einops'}: pip install 'bigbatch[seg]'"
+            f"arch={arch} needs {exc.name or 'einops'}: pip install 'bigbatch[seg]'",
+            name=exc.name or "einops",
         ) from exc

@@ -56,6 +56,8 @@ def unreadable_reason(path: Path) -> str:
         return ""
     except UnreadableImageError as exc:
         return str(exc)
+    except ModuleNotFoundError:
+        raise  # a missing library (Pillow, pydicom), not a bad image
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 

@@ -101,6 +101,8 @@ def _check_images(
     for f, label in zip(files, labels, strict=True):
         try:
             infos.append(probe(f))
+        except ModuleNotFoundError:
+            raise  # a missing library (Pillow, pydicom), not a bad image: named by the CLI
         except Exception as exc:
             problem = (
                 str(exc)
