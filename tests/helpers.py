@@ -161,3 +161,22 @@ def roundoff_tol(rounded: Sequence[torch.Tensor], exact: Sequence[torch.Tensor])
         return {str(i): t.detach() for i, t in enumerate(ts)}
 
     return roundoff_tolerance(named(rounded), named(exact), torch.float32)[0]
+
+
+def write_hub_cache(root: Any, repo_id: str, state: dict[str, torch.Tensor]) -> Any:
+    """A Hugging Face hub cache under ``root`` holding ``repo_id``'s ``model.safetensors``
+    (what timm's pretrained=True reads offline); returns ``root``."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    repo = Path(root) / ("models--" + repo_id.replace("/", "--"))
+    sha = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(repo / "snapshots" / sha / "model.safetensors"),
+    )
+    return root

@@ -53,20 +53,13 @@ def _run(tmp_path: Path, cache: Path) -> str:
 @pytest.mark.slow
 def test_pretrained_weights_load_offline_from_a_hub_cache(tmp_path: Path) -> None:
     import timm
-    from safetensors.torch import save_file
+
+    from helpers import write_hub_cache
 
     torch.manual_seed(1)
     weights = timm.create_model("resnet10t", num_classes=1000).state_dict()
     torch.save(weights, tmp_path / "saved.pt")
-    repo = tmp_path / "hub" / "models--timm--resnet10t.c3_in1k"
-    sha = "0" * 40
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(sha)
-    (repo / "snapshots" / sha).mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        str(repo / "snapshots" / sha / "model.safetensors"),
-    )
+    write_hub_cache(tmp_path / "hub", "timm/resnet10t.c3_in1k", weights)
     out = _run(tmp_path, tmp_path / "hub")
     # The backbone is the cached one; the 1000-class head became a new 3-class head.
     assert "LOADED True 3" in out and "META True" in out, out

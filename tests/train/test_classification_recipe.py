@@ -203,19 +203,12 @@ def test_mixup_mixes_the_whole_window_before_it_is_split(
 @pytest.mark.slow
 def test_pretrained_vit_trains_with_its_own_mean_and_std(tmp_path: Path) -> None:
     import timm
-    from safetensors.torch import save_file
+
+    from helpers import write_hub_cache
 
     name = "vit_tiny_patch16_224.augreg_in21k"
     weights = timm.create_model(name, num_classes=21843).state_dict()
-    repo = tmp_path / "hub" / f"models--timm--{name}"
-    sha = "0" * 40
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(sha)
-    (repo / "snapshots" / sha).mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        str(repo / "snapshots" / sha / "model.safetensors"),
-    )
+    write_hub_cache(tmp_path / "hub", f"timm/{name}", weights)
     write_images(tmp_path / "data", n_per_class=4, size=32)
     script = textwrap.dedent(
         f"""

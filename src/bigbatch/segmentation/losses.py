@@ -116,6 +116,20 @@ def bce_dice_loss(
     return seg_bce_loss(logits, target) + dice_weight * dice_loss(logits, target)
 
 
+def _labels_and_mask(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels ``(N, 1, *spatial)`` with void voxels set to 0, and the mask of labelled voxels
+    in the logits' dtype (void voxels 0), from a target ``(N, *spatial)`` or ``(N, 1, ...)``."""
+    if target.dim() == logits.dim():
+        target = target[:, 0]
+    valid = torch.ones_like(target, dtype=torch.bool)
+    if ignore_index is not None:
+        valid = target != ignore_index
+    labels = torch.where(valid, target, torch.zeros_like(target)).long()[:, None]
+    return labels, valid[:, None].to(logits.dtype)
+
+
 MONAI_LOSSES = ("dice", "dice_ce", "dice_focal", "ce")
 BATCH_LOSSES = ("dice_batch", "dice_ce_batch")
 
@@ -158,15 +172,7 @@ def per_sample_loss(
         return softmax_focal_loss(logits, onehot, gamma=2.0)
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if target.dim() == logits.dim():  # (N, 1, *spatial)
-            target = target[:, 0]
-        valid = (
-            torch.ones_like(target, dtype=torch.bool)
-            if ignore_index is None
-            else target != ignore_index
-        )
-        labels = torch.where(valid, target, torch.zeros_like(target)).long()[:, None]
-        mask = valid[:, None].to(logits.dtype)
+        labels, mask = _labels_and_mask(logits, target, ignore_index)
         voxels = mask.flatten(1).sum(1).clamp(min=1)  # each sample's labelled voxels
         terms = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
         if name != "ce":
@@ -210,13 +216,7 @@ def batch_loss(
     dice = MaskedDiceLoss(sigmoid=binary, softmax=not binary, to_onehot_y=not binary, batch=True)
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if target.dim() == logits.dim():
-            target = target[:, 0]
-        valid = torch.ones_like(target, dtype=torch.bool)
-        if ignore_index is not None:
-            valid = target != ignore_index
-        labels = torch.where(valid, target, torch.zeros_like(target)).long()[:, None]
-        mask = valid[:, None].to(logits.dtype)
+        labels, mask = _labels_and_mask(logits, target, ignore_index)
         total = dice(logits, labels.to(logits.dtype) if binary else labels, mask)
         if name == "dice_ce_batch":
             if binary:
