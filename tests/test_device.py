@@ -4,6 +4,8 @@ checked by simulation here (no GPU in CI) and for real in tests/gpu/."""
 from __future__ import annotations
 
 import builtins
+import os
+import subprocess
 import sys
 from typing import Any
 
@@ -67,3 +69,23 @@ def test_a_cuda_budget_without_a_gpu_says_so() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         device.free_bytes("cuda")
     assert device.total_bytes("cuda") is None
+
+
+def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choice() -> None:
+    """Run in a subprocess: the capacity is an environment variable oneDNN reads once."""
+    code = (
+        "import os, torch\n"
+        "from bigbatch.device import bound_onednn_cache\n"
+        "convs = torch.nn.Sequential(*[torch.nn.Conv2d(2, 2, 3) for _ in range(50)])\n"
+        "print(bound_onednn_cache(convs), os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))\n"
+        "print(bound_onednn_cache(torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if "PRIMITIVE_CACHE" not in k}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.split("\n")
+    if not torch.backends.mkldnn.is_available():
+        assert out[0] == "None None"
+        return
+    assert out[0] == "400 400"  # 2 sizes x 4 entries x 50 convolutions
+    assert out[1] == "None"  # already set (here by the first call; a user's value likewise)

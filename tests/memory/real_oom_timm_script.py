@@ -8,6 +8,7 @@ once the model has taken one small step.
 
 test_oom.py imports build() for the reference without a limit."""
 
+import os
 import resource
 import sys
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch import Accumulator
+from bigbatch.device import bound_onednn_cache
 from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
 
 
@@ -37,9 +39,12 @@ def status(key: str) -> int:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)  # threads need address space too: keep the limit about tensors
+    # Threads need address space too (their stacks, oneDNN's per-thread scratch): one unless told.
+    torch.set_num_threads(int(os.environ.get("BIGBATCH_TEST_THREADS", "1")))
     mode = sys.argv[1]
     model, x, y = build()
+    if os.environ.get("BIGBATCH_TEST_BOUND", "1") == "1":
+        bound_onednn_cache(model)  # before its first convolution
     acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
 
     def loss_fn(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
