@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch import Accumulator
-from bigbatch.device import bound_onednn_cache
 from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
+from bigbatch.device import bound_onednn_cache
 
 
 def build() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
