@@ -1,4 +1,4 @@
-"""The demo: train on scikit-learn's bundled digits three ways and compare the weights.
+"""The demo: train on the bundled UCI digits three ways and compare the weights.
 
 1. big batch: 256 images per optimizer step (the update we want);
 2. bigbatch:  micro-batches of 64 accumulated into the same windows, including the last,
@@ -16,18 +16,18 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 
 import bigbatch
+from bigbatch.demo import load_digits
 
 BIG, MICRO, EPOCHS = 256, 64, 5
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float64).reshape(-1, 64) / 16.0
-    return x, torch.tensor(data.target)
+    images, labels = load_digits()
+    x = torch.tensor(images, dtype=torch.float64).reshape(-1, 64) / 16.0
+    return x, torch.tensor(labels, dtype=torch.int64)
 
 
 def model() -> nn.Module:

@@ -5,7 +5,8 @@ sizes), memory planning and OOM recovery, for plain PyTorch loops. The headline 
 importable from here: :class:`Accumulator` and :class:`AccumulatingOptimizer`, the count objects
 (:func:`samples`, :func:`tokens`, :func:`weights`), :func:`cached_backward` for losses that
 couple the samples, :class:`OOMBackoff` with :func:`run_window`, and planning
-(:func:`plan_under_budget`, :func:`plan_micro_batch`, :class:`StepSpec`, loaded on first use).
+(:func:`plan` = :func:`plan_under_budget`, :func:`plan_micro_batch`, :class:`StepSpec`), all
+loaded on first use.
 ``bigbatch.verify.verify`` proves accumulation exact on your model.
 """
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; loaded on first use 
         freeze_batchnorm,
     )
     from bigbatch.memory.plan import Plan, plan_micro_batch, plan_under_budget
+    from bigbatch.memory.plan import plan_under_budget as plan
     from bigbatch.memory.step import StepSpec
     from bigbatch.optim import AccumulatingOptimizer
 
@@ -58,6 +60,7 @@ __all__ = [
     "count_tokens",
     "find_inexact_layers",
     "freeze_batchnorm",
+    "plan",
     "plan_micro_batch",
     "plan_under_budget",
     "resolve_count",
@@ -88,6 +91,7 @@ _LAZY = {
     ),
     **dict.fromkeys(("Plan", "plan_micro_batch", "plan_under_budget"), "bigbatch.memory.plan"),
     "StepSpec": "bigbatch.memory.step",
+    "plan": "bigbatch.memory.plan:plan_under_budget",
     "AccumulatingOptimizer": "bigbatch.optim",
 }  # fmt: skip
 
@@ -96,7 +100,8 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module, _, attr = _LAZY[name].partition(":")
+        value = getattr(importlib.import_module(module), attr or name)
         globals()[name] = value  # once
         return value
     raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")

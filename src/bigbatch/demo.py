@@ -1,4 +1,4 @@
-"""The demo's data: scikit-learn's bundled digits, written out as a small image competition.
+"""The demo's data: the bundled UCI digits, written out as a small image competition.
 
 ``train/<digit>/*.png`` (1,600 images), ``test/*.png`` (197, unlabelled), a
 ``sample_submission.csv`` in Kaggle's layout, and ``experiments.toml``: two small timm models,
@@ -103,6 +103,20 @@ def midway_budget(spec: Any, batch: int) -> str:
     return f"{math.ceil(usable / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The UCI handwritten digits (1797 greyscale 8 x 8 images, values 0-16, and their labels
+    0-9), as scikit-learn bundles them; shipped with bigbatch (45 KB), so no scikit-learn.
+
+    >>> images, labels = load_digits()
+    >>> images.shape, int(images.max()), labels[:5].tolist()
+    ((1797, 8, 8), 16, [0, 1, 2, 3, 4])
+    """
+    from importlib.resources import files
+
+    with (files("bigbatch") / "data" / "digits.npz").open("rb") as f, np.load(f) as data:
+        return data["images"], data["target"]
+
+
 def write_digits_competition(
     out: str | Path, *, size: int = 32, budget: str = "auto", epochs: int = 4
 ) -> Path:
@@ -110,17 +124,16 @@ def write_digits_competition(
 
     ``budget="auto"`` gives each member :func:`demo_budget`; a size gives both that budget."""
     from PIL import Image
-    from sklearn.datasets import load_digits
 
     out = Path(out)
-    digits = load_digits()
-    images = (digits.images / 16.0 * 255).astype(np.uint8)
+    digits, target = load_digits()
+    images = (digits / 16.0 * 255).astype(np.uint8)
     rng = np.random.default_rng(0)
     order = rng.permutation(len(images))
     n_train = 1600
     for rank, i in enumerate(order):
         if rank < n_train:
-            path = out / "train" / str(digits.target[i]) / f"digit_{i:04d}.png"
+            path = out / "train" / str(target[i]) / f"digit_{i:04d}.png"
         else:
             path = out / "test" / f"digit_{i:04d}.png"
         if path.exists():

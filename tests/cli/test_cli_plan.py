@@ -31,14 +31,14 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     plan = json.loads(capsys.readouterr().out)
     for key in (
         "micro_batch",
-        "accum_steps",
+        "micro_batches",
         "predicted_peak_bytes",
         "budget_bytes",
         "arch",
         "size",
     ):
         assert key in plan
-    assert plan["micro_batch"] * plan["accum_steps"] >= 64
+    assert plan["micro_batch"] * plan["micro_batches"] >= 64
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
@@ -232,4 +232,4 @@ def test_fastest_times_the_fitting_candidates_and_picks_the_fastest(
     rates = {int(b): v for b, v in plan["samples_per_s"].items()}
     assert len(rates) >= 2 and all(v > 0 for v in rates.values())
     assert plan["micro_batch"] == max(rates, key=lambda b: rates[b])  # the fastest, measured
-    assert plan["accum_steps"] * plan["micro_batch"] >= 16
+    assert plan["micro_batches"] * plan["micro_batch"] >= 16

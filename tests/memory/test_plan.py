@@ -37,12 +37,14 @@ def test_chosen_micro_batch_fits_when_really_run() -> None:
     cal = calibrate(spec_at(2))
     plan = plan_micro_batch(spec_at, 256, budget, overhead=0, calibration=cal)
     assert 1 <= plan.micro_batch < 256
-    assert plan.accum_steps * plan.micro_batch >= 256 > (plan.accum_steps - 1) * plan.micro_batch
+    assert (
+        plan.micro_batches * plan.micro_batch >= 256 > (plan.micro_batches - 1) * plan.micro_batch
+    )
     assert plan.predicted_peak_bytes <= plan.usable_bytes
     measured = measure_step_peak(spec_at(plan.micro_batch))
     assert measured <= budget, f"measured {format_bytes(measured)} over the budget"
     # The fewest steps: one step fewer needs a micro-batch that is predicted over the budget.
-    fewer = math.ceil(256 / (plan.accum_steps - 1))
+    fewer = math.ceil(256 / (plan.micro_batches - 1))
     assert predict_peak(spec_at(fewer), calibration=cal).planning_bytes > plan.usable_bytes
     # Peak memory is close to affine in the micro-batch: the floor, the whole target, the
     # confirmation of where the line meets the budget, and the check that one step fewer does
@@ -52,12 +54,12 @@ def test_chosen_micro_batch_fits_when_really_run() -> None:
 
 def test_whole_target_when_it_fits() -> None:
     plan = plan_micro_batch(spec_at, 8, "1GiB", overhead=0)
-    assert (plan.micro_batch, plan.accum_steps, plan.predictions) == (8, 1, 2)
+    assert (plan.micro_batch, plan.micro_batches, plan.predictions) == (8, 1, 2)
 
 
 def test_micro_batches_are_balanced() -> None:
     plan = plan_micro_batch(spec_at, 100, "1GiB", overhead=0, max_micro_batch=40)
-    assert (plan.accum_steps, plan.micro_batch) == (3, 34)  # not 40 + 40 + 20
+    assert (plan.micro_batches, plan.micro_batch) == (3, 34)  # not 40 + 40 + 20
 
 
 def test_budget_below_the_floor_explains_the_floor() -> None:
@@ -90,3 +92,19 @@ def test_parse_bytes(text: str, value: int) -> None:
 def test_parse_bytes_rejects_with_the_fix(text: str) -> None:
     with pytest.raises(ValueError, match=r"GB|positive"):
         parse_bytes(text)
+
+
+def test_top_level_plan_and_the_deprecated_accum_steps_name() -> None:
+    import bigbatch
+    from bigbatch.memory.plan import plan_under_budget
+
+    assert bigbatch.plan is plan_under_budget
+    plan = plan_micro_batch(
+        lambda b: StepSpec(model=lambda: nn.Linear(8, 2), input_shape=(8,), batch_size=b),
+        16,
+        "1GiB",
+        overhead=0,
+    )
+    assert plan.to_dict()["micro_batches"] == plan.to_dict()["accum_steps"] == plan.micro_batches
+    with pytest.warns(DeprecationWarning, match="micro_batches"):
+        assert plan.accum_steps == plan.micro_batches

@@ -19,7 +19,7 @@ def test_plan_splits_a_batch_of_volumes() -> None:
     floor = plan_micro_batch(spec_at, 8, "4GB", overhead=0).floor_bytes
     plan = plan_micro_batch(spec_at, 8, int(floor * 3.5), overhead=0)
     assert 1 < plan.micro_batch < 8
-    assert plan.micro_batch * plan.accum_steps >= 8
+    assert plan.micro_batch * plan.micro_batches >= 8
     assert plan.predicted_peak_bytes <= plan.usable_bytes
 
 

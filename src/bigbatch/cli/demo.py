@@ -1,4 +1,4 @@
-"""``bigbatch demo``: the main job end to end on scikit-learn's bundled digits."""
+"""``bigbatch demo``: the main job end to end on the bundled UCI digits."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     data = args.out / "data"
     print(
-        f"writing scikit-learn's digits as an image competition under {data}/ (train/, test/, sample_submission.csv)"
+        f"writing the UCI digits as an image competition under {data}/ (train/, test/, sample_submission.csv)"
     )
     experiments = write_digits_competition(data, budget=args.budget, epochs=args.epochs)
     print(f"experiments: {experiments}\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ COMMANDS = {
     "train": ("bigbatch.cli.train", "train a timm model (or yours) on an image folder or CSV"),
     "predict": ("bigbatch.cli.predict", "class probabilities for a folder of images, with TTA"),
     "ensemble": ("bigbatch.cli.ensemble", "train members, TTA, weighted average, submission CSV"),
-    "demo": ("bigbatch.cli.demo", "the whole job on scikit-learn's bundled digits (no download)"),
+    "demo": ("bigbatch.cli.demo", "the whole job on the bundled digits (no download)"),
 }
 
 
@@ -33,6 +34,10 @@ def build_parser(load: Sequence[str] | None = None) -> argparse.ArgumentParser:
         description="Train with the batch size you want on the memory you have.",
     )
     parser.add_argument("--version", action="version", version=f"bigbatch {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="also log bigbatch's notes (logging INFO)"
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="log errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
@@ -49,7 +54,6 @@ _EXTRAS = {
     "safetensors": "train",
     "matplotlib": "plot",
     "rich": "train",
-    "sklearn": "train",
     "torchmetrics": "train",
     "nibabel": "seg",
     "monai": "seg",
@@ -63,10 +67,76 @@ _EXTRAS = {
 _KEY_VALUE = ("train", "ensemble")
 
 
+def one_style(words: list[str], command: str, options: dict[str, argparse.Action]) -> list[str]:
+    """``key=value`` and ``--key value`` mean the same to every subcommand: a flag command
+    (plan, predict, verify, demo) takes ``batch=256`` as ``--batch 256`` (``true``/``false`` for
+    a switch), and a key command (train, ensemble) takes ``--epochs 3`` as ``epochs=3``.
+    Underscores and dashes are the same in a name.
+
+    >>> one_style(["batch=8", "--out", "r"], "plan", {"--batch": None, "--out": None})
+    ['--batch', '8', '--out', 'r']
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if command in _KEY_VALUE:
+            flag, eq, value = word.partition("=")
+            if word.startswith("--") and flag.replace("_", "-") not in options:
+                if not eq and i < len(words) and not words[i].startswith("--"):
+                    value, i = words[i], i + 1
+                out.append(f"{flag[2:].replace('-', '_')}={value if eq or value else 'true'}")
+                continue
+        elif "=" in word and not word.startswith("-"):
+            key, _, value = word.partition("=")
+            flag = "--" + key.replace("_", "-")
+            action = options.get(flag)
+            if flag in options and action is not None and action.nargs == 0:
+                if value.lower() in ("true", "1", "yes"):
+                    out.append(flag)
+                elif value.lower() not in ("false", "0", "no"):
+                    raise UserError(
+                        f"{key}={value}: {key} is a switch: give {key}=true or {key}=false"
+                    )
+                continue
+            if flag in options:
+                out += [flag, value]
+                continue
+        out.append(word)
+    return out
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise KeyError(command)
+
+
+def _set_up_logging(verbose: bool, quiet: bool) -> None:
+    """bigbatch's log lines (logger ``bigbatch``) on stderr, each saying whose it is."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    log = logging.getLogger("bigbatch")
+    log.addHandler(handler)
+    log.setLevel(logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING)
+    log.propagate = False  # once, not again through the root logger
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(load=[w for w in words if w in COMMANDS][:1])
-    args, extra = parser.parse_known_args(argv)
+    command = next((w for w in words if w in COMMANDS), None)
+    parser = build_parser(load=[command] if command else [])
+    if command:
+        at = words.index(command) + 1
+        try:
+            options = _subparser(parser, command)._option_string_actions
+            words[at:] = one_style(words[at:], command, options)
+        except UserError as exc:
+            parser.error(str(exc))
+    args, extra = parser.parse_known_args(words)
+    _set_up_logging(args.verbose, args.quiet)
     if extra:
         if args.command not in _KEY_VALUE or not all(
             "=" in e and not e.startswith("-") for e in extra

@@ -382,7 +382,7 @@ COLUMNS = [
     "floor_bytes",
     "max_micro_batch",
     "micro_batch",
-    "accum_steps",
+    "micro_batches",
     "predicted_peak_bytes",
     "budget_bytes",
     "confirmed_peak_bytes",
@@ -442,7 +442,7 @@ def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -
                 f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {'does not fit even micro-batch 1':>36}",
             )
             continue
-        split = f"{p['accum_steps']} x {p['micro_batch']}"
+        split = f"{p['micro_batches']} x {p['micro_batch']}"
         line = (
             f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {p['max_micro_batch']:>7} "
             f"{split:>12} {format_bytes(p['predicted_peak_bytes']):>15}"

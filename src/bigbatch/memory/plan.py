@@ -52,8 +52,8 @@ class DoesNotFitError(ValueError):
 class Plan:
     """The chosen micro-batch and accumulation, with the prediction behind them."""
 
-    micro_batch: int
-    accum_steps: int
+    micro_batch: int  # samples in one micro-batch (its size)
+    micro_batches: int  # micro-batches per optimizer step (Accumulator(micro_batches=...))
     target_batch: int
     predicted_peak_bytes: int
     budget_bytes: int
@@ -74,12 +74,25 @@ class Plan:
     # With --fastest: measured training samples/s of each fitting candidate micro-batch.
     samples_per_s: dict[int, float] = field(default_factory=dict)
 
+    @property
+    def accum_steps(self) -> int:
+        """Deprecated: :attr:`micro_batches`, the name the Accumulator and the CLI use."""
+        import warnings
+
+        warnings.warn(
+            "Plan.accum_steps is now Plan.micro_batches (micro-batches per optimizer step)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.micro_batches
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "arch": self.arch,
             "size": self.size,
             "micro_batch": self.micro_batch,
-            "accum_steps": self.accum_steps,
+            "micro_batches": self.micro_batches,
+            "accum_steps": self.micro_batches,  # deprecated name of micro_batches (0.1)
             "target_batch": self.target_batch,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "budget_bytes": self.budget_bytes,
@@ -99,8 +112,8 @@ class Plan:
         }
 
     def summary(self) -> str:
-        last = self.target_batch - self.micro_batch * (self.accum_steps - 1)
-        split = f"{self.accum_steps} x {self.micro_batch}" + (
+        last = self.target_batch - self.micro_batch * (self.micro_batches - 1)
+        split = f"{self.micro_batches} x {self.micro_batch}" + (
             f" (last {last})" if last != self.micro_batch else ""
         )
         return (
@@ -205,7 +218,7 @@ def plan_micro_batch(
     >>> import torch
     >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
     >>> p = plan_micro_batch(spec, 64, "1GB", overhead=0)
-    >>> (p.micro_batch, p.accum_steps)
+    >>> (p.micro_batch, p.micro_batches)
     (64, 1)
     """
     if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
@@ -249,7 +262,7 @@ def plan_micro_batch(
     chosen = peak(micro)
     return Plan(
         micro_batch=micro,
-        accum_steps=math.ceil(target_batch / micro),
+        micro_batches=math.ceil(target_batch / micro),
         target_batch=target_batch,
         predicted_peak_bytes=chosen,
         budget_bytes=budget_bytes,
@@ -412,7 +425,7 @@ def fastest(
     from bigbatch.memory.measure import samples_per_second
 
     sizes: list[int] = []
-    step_count = plan.accum_steps
+    step_count = plan.micro_batches
     while len(sizes) < candidates:
         micro = _balanced(plan.target_batch, max(1, math.ceil(plan.target_batch / step_count)))
         if micro not in sizes:
@@ -423,7 +436,7 @@ def fastest(
     plan.samples_per_s = {b: samples_per_second(spec_at(b), steps=steps) for b in sizes}
     best = max(plan.samples_per_s, key=lambda b: plan.samples_per_s[b])
     if best != plan.micro_batch:
-        plan.micro_batch, plan.accum_steps = best, math.ceil(plan.target_batch / best)
+        plan.micro_batch, plan.micro_batches = best, math.ceil(plan.target_batch / best)
         plan.prediction = predict_peak(spec_at(best), calibration=plan.calibration)
         plan.predicted_peak_bytes = plan.prediction.planning_bytes
     return plan

@@ -1,0 +1,53 @@
+"""One command-line style: ``key=value`` and ``--key value`` mean the same to every subcommand."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bigbatch.cli.main import _set_up_logging, _subparser, build_parser, main, one_style
+
+
+def parse(*words: str):  # type: ignore[no-untyped-def]
+    parser = build_parser(load=[words[0]])
+    options = _subparser(parser, words[0])._option_string_actions
+    args, extra = parser.parse_known_args(
+        [words[0], *one_style(list(words[1:]), words[0], options)]
+    )
+    return args, extra
+
+
+def test_flag_commands_take_key_value_in_any_order() -> None:
+    flags, _ = parse("plan", "--arch", "resnet18", "--batch", "64", "--budget", "1GB")
+    keys, _ = parse("plan", "batch=64", "arch=resnet18", "--budget", "1GB")
+    assert (keys.arch, keys.batch, keys.budget) == (flags.arch, flags.batch, flags.budget)
+    switch, _ = parse("plan", "arch=resnet18", "batch=64", "budget=1GB", "fastest=true")
+    assert switch.fastest is True
+    off, _ = parse("plan", "arch=resnet18", "batch=64", "budget=1GB", "fastest=false")
+    assert off.fastest is False
+
+
+def test_key_commands_take_flags_and_keys_after_out() -> None:
+    _, extra = parse("train", "data=x", "--out", "runs/y", "--epochs", "1", "--batch=8", "epochs=2")
+    assert extra == ["epochs=1", "batch=8", "epochs=2"]  # main() appends these to the overrides
+
+
+def test_a_switch_with_a_value_that_is_not_a_truth_value_names_the_fix(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        main(["plan", "arch=resnet18", "batch=8", "budget=1GB", "fastest=maybe"])
+    assert "fastest=true or fastest=false" in capsys.readouterr().err
+
+
+def test_quiet_and_verbose_set_bigbatchs_log_level() -> None:
+    log = logging.getLogger("bigbatch")
+    level, handlers, propagate = log.level, list(log.handlers), log.propagate
+    try:
+        for flag, want in (("-q", logging.ERROR), ("-v", logging.INFO), (None, logging.WARNING)):
+            args, _ = build_parser(load=[]).parse_known_args([*([flag] if flag else []), "verify"])
+            _set_up_logging(args.verbose, args.quiet)
+            assert log.level == want
+    finally:
+        log.setLevel(level)
+        log.handlers[:] = handlers
+        log.propagate = propagate
