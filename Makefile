@@ -1,16 +1,19 @@
-# `make demo` and `make test` work on a fresh machine with only Python 3.11: they create .venv,
-# install bigbatch with pinned dev/CI versions (constraints.txt), then run.
+# `make demo` and `make test` work on a fresh machine with only Python 3.11: they create a venv,
+# install bigbatch with pinned versions (constraints.txt), then run. `make demo` installs only
+# what the demo needs (.venv-demo); `make test` everything (.venv).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PATHS := src tests examples benchmarks
+DEMO_VENV := .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
+PATHS := src tests examples benchmarks docs/hooks
 
-.PHONY: venv test test-fast lint typecheck unit demo bench clean
+.PHONY: venv test test-fast lint typecheck unit docs install-check demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev]'
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,16 +32,29 @@ unit: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test: lint typecheck unit
+# The docs site into site/; strict: a broken link or reference fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-demo: $(STAMP)
-	$(BIN)/python examples/demo_digits.py
-	$(BIN)/bigbatch demo --out demo_output
-	$(BIN)/bigbatch demo --task segmentation --out demo_output/segmentation
-	$(BIN)/bigbatch demo --task brats --out demo_output/brats
+# The wheel and sdist as a user installs them, outside the checkout (.ci/install_check.sh).
+install-check: $(STAMP)
+	DEV_PYTHON=$(BIN)/python bash .ci/install_check.sh
+
+test: lint typecheck unit docs install-check
+
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(DEMO_VENV)/bin/python || $(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install -qq -c constraints.txt '.[train,seg]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/python examples/demo_digits.py
+	$(DEMO_VENV)/bin/bigbatch demo --out demo_output
+	$(DEMO_VENV)/bin/bigbatch demo --task segmentation --out demo_output/segmentation
+	$(DEMO_VENV)/bin/bigbatch demo --task brats --out demo_output/brats
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) site .pytest_cache .mypy_cache .ruff_cache
