@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
+from bigbatch.memory.fake_branches import real_branches
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.step import (
     PRECISIONS,
@@ -337,7 +338,7 @@ def check_forward(spec: StepSpec) -> None:
     model = _build_on_meta(spec.model)
     device = "cpu" if torch.device(spec.device).type == "cuda" else spec.device
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), real_branches():
             model = to_empty_shared(model, device).train()
             with torch.no_grad():
                 run_step_loss(spec, model, make_inputs(spec, device), torch.device(device).type)
@@ -452,7 +453,7 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
     # steady step is traced; a GRU step is ~6k fake ops, so this halves the time. CUDA
     # traces both real steps: the allocator model needs the first step's segments.
     steady = target.type != "cuda"
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
         model = to_empty_shared(model, device)
         model.train()
         param_uids = set()
