@@ -35,7 +35,7 @@ def real_branches() -> Iterator[None]:
     >>> with real_branches():
     ...     pass
     """
-    masking = sys.modules.get("transformers.masking_utils")
+    masking: Any = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
     if masking is None or original is None:
         yield
@@ -47,8 +47,8 @@ def real_branches() -> Iterator[None]:
         return original(position_ids)
 
     # A module attribute, looked up at each call by transformers' own mask builder.
-    masking.find_packed_sequence_indices = find_packed_sequence_indices  # type: ignore[union-attr]
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original  # type: ignore[union-attr]
+        masking.find_packed_sequence_indices = original
