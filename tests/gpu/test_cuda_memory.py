@@ -1,0 +1,140 @@
+"""On a real NVIDIA GPU (`pytest -m cuda tests/gpu`): predictions, plans and the OOM back-off
+against what the card does. Skipped where there is no GPU (CI); run wherever
+benchmarks/cuda_memory.py runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigbatch import Accumulator, OOMBackoff, run_window
+from bigbatch.memory.plan import plan_under_budget
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)"),
+]
+
+
+def timm_spec(arch: str, size: int, batch: int, precision: str = "fp16") -> StepSpec:
+    import timm
+
+    return StepSpec(
+        lambda: timm.create_model(arch, num_classes=10), (3, size, size), batch,
+        precision=precision, device="cuda",  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def measured_reserved(spec: StepSpec) -> int:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from cuda_memory import measure_cuda
+
+    return measure_cuda(spec)[1]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_predicted_reserved_is_within_5_percent_of_the_measured(precision: str) -> None:
+    for batch in (8, 32):
+        spec = timm_spec("resnet18", 128, batch, precision)
+        predicted = predict_peak(spec)
+        reserved = measured_reserved(spec)
+        assert abs(predicted.reserved_bytes - reserved) <= 0.05 * reserved, (
+            precision, batch, predicted.reserved_bytes, reserved,
+        )  # fmt: skip
+
+
+def test_seed000_slope_per_image_within_15_percent() -> None:
+    """convnext_small at 128 px, fp16, AdamW: 32-33 MB per image published (nvidia-smi)."""
+    a, b = (timm_spec("convnext_small", 128, n) for n in (16, 32))
+    predicted = (predict_peak(b).reserved_bytes - predict_peak(a).reserved_bytes) / 16
+    measured = (measured_reserved(b) - measured_reserved(a)) / 16
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted / 2**20, measured / 2**20)
+
+
+def _window_train(micro: int, window: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, OOMBackoff]:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10).cuda()
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+    backoff = OOMBackoff(micro_batch=micro, grow_after=0)
+    for _ in range(2):
+        run_window(acc, window, lambda b: F.cross_entropy(model(b[0]), b[1]), backoff,
+                   device="cuda")  # fmt: skip
+    return model, backoff
+
+
+@pytest.mark.parametrize("card_gib", [8, 16])
+def test_a_plan_on_an_emulated_card_trains_and_the_refused_size_runs_out(card_gib: int) -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, card_gib * 2**30 / total))
+    try:
+        plan = plan_under_budget(
+            lambda b: timm_spec("resnet18", 224, b, "fp32"), 2048, f"{card_gib}GiB", device="cuda"
+        )
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(plan.micro_batch, 3, 224, 224, generator=g).cuda()
+        y = torch.randint(0, 10, (plan.micro_batch,), generator=g).cuda()
+        _, backoff = _window_train(plan.micro_batch, (x, y))
+        assert not backoff.events, backoff.events  # the plan fits
+        bigger = int(plan.max_micro_batch * 1.25) + 1
+        x = torch.randn(bigger, 3, 224, 224, generator=g).cuda()
+        y = torch.randint(0, 10, (bigger,), generator=g).cuda()
+        _, backoff = _window_train(bigger, (x, y))
+        assert backoff.events, "a micro-batch well above the plan's should run out"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+REAL_OOM = """
+import sys, torch, torch.nn.functional as F, timm
+from bigbatch import Accumulator, OOMBackoff, run_window
+torch.cuda.set_per_process_memory_fraction(float(sys.argv[1]))
+torch.manual_seed(0)
+model = timm.create_model("resnet18", num_classes=10).cuda()
+acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+g = torch.Generator().manual_seed(1)
+x = torch.randn(512, 3, 224, 224, generator=g).cuda(); y = torch.randint(0, 10, (512,), generator=g).cuda()
+backoff = OOMBackoff(micro_batch=512, grow_after=0)
+for _ in range(2):
+    run_window(acc, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), backoff, device="cuda")
+print(backoff.micro_batch, len(backoff.events))
+torch.save({k: v.cpu() for k, v in model.state_dict().items()}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_real_cuda_oom_backs_off_and_keeps_the_update(tmp_path: Any, expandable: bool) -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, 6 * 2**30 / total)  # a 6 GiB card: resnet18 at 224 px fits ~100
+    env = dict(os.environ)
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    out = tmp_path / "w.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", REAL_OOM, str(fraction), str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    landed, halvings = map(int, done.stdout.split()[-2:])
+    assert halvings >= 2 and landed >= 32, done.stdout
+    # The same windows without a limit, at a micro-batch that fits: the same weights.
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 3, 224, 224, generator=g).cuda()
+    y = torch.randint(0, 10, (512,), generator=g).cuda()
+    model, _ = _window_train(landed, (x, y))
+    got = torch.load(out, weights_only=True)
+    for name, p in model.state_dict().items():
+        if p.is_floating_point():
+            scale = float(p.abs().max()) + 1e-12
+            assert float((got[name].cuda() - p).abs().max()) <= 1e-4 * scale, name
