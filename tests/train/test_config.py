@@ -40,3 +40,12 @@ def test_unknown_key_in_file(tmp_path: Path) -> None:
     f.write_text('data = "x"\nlearning_rate = 0.1\n')
     with pytest.raises(ConfigError, match="unknown key 'learning_rate'"):
         load_config(f)
+
+
+def test_the_training_command_is_importable_for_notebooks() -> None:
+    import bigbatch.train
+    from bigbatch.train.config import load_config
+    from bigbatch.train.loop import train
+
+    assert bigbatch.train.train is train and bigbatch.train.load_config is load_config
+    assert bigbatch.train.load_config(None, ["data=x", "epochs=3"]).epochs == 3
