@@ -4,12 +4,16 @@
 #  2. the wheel with [train] runs `bigbatch demo --epochs 1` from another folder;
 #  3. the core alone: each command that needs an extra exits 2 with one line naming it.
 # No download: both environments take their dependencies from the development venv, the core
-# one only torch's and numpy's.
+# one only torch's and numpy's. With a folder argument, the demo's output and log stay there
+# (tests/cli/test_cli_demo.py checks them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=$(realpath -s "${DEV_PYTHON:-.venv/bin/python}")
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
+DEMO=${1:-$T/demo}
+mkdir -p "$DEMO"
+DEMO=$(realpath "$DEMO")
 SITE=$($DEV -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 $DEV -m build --no-isolation --outdir "$T/dist" . >"$T/build.log" 2>&1 || { tail -20 "$T/build.log"; exit 1; }
@@ -32,10 +36,10 @@ env_with() {  # env_with NAME FOLDER
 
 env_with full "$SITE"
 cd "$T"
-full/bin/python -c 'import bigbatch, sys; sys.exit("/site-packages/" not in bigbatch.__file__)'
+full/bin/python -c 'import bigbatch, sys; print(bigbatch.__file__); sys.exit("/site-packages/" not in bigbatch.__file__)'
 full/bin/bigbatch --version
-full/bin/bigbatch demo --epochs 1 --out "$T/demo" >"$T/demo.log" 2>&1 || { tail -30 "$T/demo.log"; exit 1; }
-test -s "$T/demo/runs/submission.csv"
+full/bin/bigbatch demo --epochs 1 --out "$DEMO" >"$DEMO/demo.log" 2>&1 || { tail -30 "$DEMO/demo.log"; exit 1; }
+test -s "$DEMO/runs/submission.csv"
 echo "install check: the wheel with [train] ran bigbatch demo --epochs 1 outside the checkout"
 
 # The core: torch, numpy and what they need; none of the extras' libraries.
