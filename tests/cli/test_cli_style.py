@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from bigbatch.cli.main import _set_up_logging, _subparser, build_parser, main, one_style
+from bigbatch.cli.main import _Prefixed, _set_up_logging, _subparser, build_parser, main, one_style
 
 
 def parse(*words: str):  # type: ignore[no-untyped-def]
@@ -47,7 +47,17 @@ def test_quiet_and_verbose_set_bigbatchs_log_level() -> None:
             args, _ = build_parser(load=[]).parse_known_args([*([flag] if flag else []), "verify"])
             _set_up_logging(args.verbose, args.quiet)
             assert log.level == want
+        assert sum(isinstance(h.formatter, _Prefixed) for h in log.handlers) == 1
     finally:
         log.setLevel(level)
         log.handlers[:] = handlers
         log.propagate = propagate
+
+
+def test_log_lines_say_bigbatch_once() -> None:
+    def line(message: str) -> str:
+        record = logging.LogRecord("bigbatch", logging.WARNING, "", 0, message, None, None)
+        return _Prefixed("%(message)s").format(record)
+
+    assert line("bigbatch: micro-batch 8 -> 4") == "bigbatch: micro-batch 8 -> 4"
+    assert line("a note") == "bigbatch: a note"

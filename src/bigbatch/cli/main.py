@@ -114,14 +114,26 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     raise KeyError(command)
 
 
+class _Prefixed(logging.Formatter):
+    """``bigbatch: message``: the library's own lines already start so (for a script with no
+    logging set up, where Python prints the bare message); the others get it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if text.startswith("bigbatch:") else f"bigbatch: {text}"
+
+
 def _set_up_logging(verbose: bool, quiet: bool) -> None:
     """bigbatch's log lines (logger ``bigbatch``) on stderr, each saying whose it is."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
     log = logging.getLogger("bigbatch")
+    # One handler, however often main() runs in a process (a notebook, the tests). The root
+    # logger has none unless the caller set one up, so nothing prints twice.
+    for old in [h for h in log.handlers if isinstance(h.formatter, _Prefixed)]:
+        log.removeHandler(old)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Prefixed("%(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING)
-    log.propagate = False  # once, not again through the root logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:
