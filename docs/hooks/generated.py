@@ -4,6 +4,7 @@ README, its links made relative to docs/."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,5 +31,8 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
         return markdown.replace(MARKER, _reference())
     if README in markdown:
         text = (Path(__file__).parents[2] / "README.md").read_text()
-        return markdown.replace(README, text.replace("](docs/", "]("))
+        # The README names pages as paths (a package index cannot follow relative links);
+        # here they are links.
+        text = re.sub(r"`docs/([a-z_]+)\.md`", r"[\1](\1.md)", text)
+        return markdown.replace(README, text)
     return markdown
