@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
 from bigbatch.memory.calibrate import calibrate, calibration_need
@@ -27,8 +28,9 @@ from bigbatch.segmentation.synthetic import (
     write_brats_like,
     write_shapes_2d,
 )
-from bigbatch.train.config import load_config
+from bigbatch.train.config import TrainConfig, load_config
 from bigbatch.train.loop import train
+from bigbatch.train.runtime import resolve_threads
 from bigbatch.train.tasks.segmentation.predict import predict_masks
 
 __all__ = ["write_digits_competition"]
@@ -93,13 +95,22 @@ def midway_budget(spec: Any, batch: int) -> str:
     never below what the planner's calibration steps up to half the batch need, so the plan is
     calibrated there."""
 
-    calibration = calibrate(spec)
-    half, full = (
-        predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
-        for b in (batch // 2, batch)
-    )
-    # Calibration's real steps run at micro-batch 1, 2 and 4, those below half the batch here.
-    usable = max((half + full) / 2, calibration_need(spec.with_batch(min(4, batch // 2))))
+    # Measured with the threads the training run will take (`bigbatch train` gives torch every
+    # core here), not this process's: oneDNN's convolution workspaces grow with the threads, and
+    # under OMP_NUM_THREADS=1 a budget calibrated on 1 thread planned resnet10t at 10 x 13
+    # instead of 2 x 64 (72 MiB of workspace more on 2 threads).
+    before = torch.get_num_threads()
+    torch.set_num_threads(resolve_threads(TrainConfig(), torch.device("cpu"))[0])
+    try:
+        calibration = calibrate(spec)
+        half, full = (
+            predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
+            for b in (batch // 2, batch)
+        )
+        # Calibration's real steps run at micro-batch 1, 2 and 4, those below half the batch.
+        usable = max((half + full) / 2, calibration_need(spec.with_batch(min(4, batch // 2))))
+    finally:
+        torch.set_num_threads(before)
     return f"{math.ceil(usable / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
 
 
