@@ -6,7 +6,7 @@
 3. naive:     the usual (loss / 4).backward() accumulation.
 
 Runs in float64 so that "equal" means equal to ~1e-15, not "close". No download: the digits
-ship inside scikit-learn.
+ship with bigbatch (bigbatch.demo.load_digits).
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def accuracy(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main() -> None:
     x, y = digits()
-    print(f"bigbatch demo: {len(y)} digit images (8x8, bundled with scikit-learn), {EPOCHS} epochs")
+    print(
+        f"bigbatch demo: {len(y)} digit images (8x8 UCI digits, shipped with bigbatch), {EPOCHS} epochs"
+    )
     print(
         f"  target batch {BIG} = micro-batch {MICRO} x {BIG // MICRO}; last window of each epoch: {len(y) % BIG} images\n"
     )
