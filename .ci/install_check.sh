@@ -57,14 +57,24 @@ done
 env_with core "$T/core-deps"
 mkdir -p "$T/images/a" "$T/images/b"
 for c in a b; do for i in 1 2; do printf '\x89PNG\r\n' >"$T/images/$c/$i.png"; done; done
+mkdir -p "$T/volumes/images" "$T/volumes/masks"
+core/bin/python -c "
+import numpy as np
+for i in range(4):
+    m = np.zeros((16, 16, 16), dtype=np.int64); m[4:8, 4:8, 4:8] = 1
+    np.save('$T/volumes/images/%d.npy' % i, m.astype(np.float32) + i)
+    np.save('$T/volumes/masks/%d.npy' % i, m)"
 core/bin/bigbatch --help >/dev/null
 for command in "plan --arch resnet18 --batch 8 --budget 1GB" "train data=$T/images --out $T/r" \
-    "demo --out $T/d" "predict $T/r $T/images"; do
+    "demo --out $T/d" "predict $T/r $T/images" \
+    "train data=$T/volumes task=segmentation arch=segresnet size=16 --out $T/s"; do
     set +e
     core/bin/bigbatch $command >"$T/stdout.txt" 2>"$T/stderr.txt"
     code=$?
     set -e
-    if [ $code -ne 2 ] || [ "$(wc -l <"$T/stderr.txt")" -ne 1 ] || ! grep -q "extra" "$T/stderr.txt"; then
+    want="'train' extra"
+    case "$command" in *segmentation*) want="'seg' extra" ;; esac
+    if [ $code -ne 2 ] || [ "$(wc -l <"$T/stderr.txt")" -ne 1 ] || ! grep -q "$want" "$T/stderr.txt"; then
         echo "install check: core 'bigbatch $command' exited $code with:"; cat "$T/stderr.txt"; exit 1
     fi
 done
