@@ -53,3 +53,12 @@ def test_without_a_gpu_the_benchmark_says_how_to_run_it(
     assert run(monkeypatch) == 2
     err = capsys.readouterr().err
     assert "--dry-run" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_workload_names_the_choices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(monkeypatch, "--dry-run", "--only", "resnet99", "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "resnet10t-32" in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("*.json"))
