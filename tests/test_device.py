@@ -79,6 +79,8 @@ def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choi
         "convs = torch.nn.Sequential(*[torch.nn.Conv2d(2, 2, 3) for _ in range(50)])\n"
         "print(bound_onednn_cache(convs), os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))\n"
         "print(bound_onednn_cache(torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3))))\n"
+        "del os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']\n"
+        "print(bound_onednn_cache(convs, entries_per_size=51))\n"
     )
     env = {k: v for k, v in os.environ.items() if "PRIMITIVE_CACHE" not in k}
     out = subprocess.run(
@@ -89,3 +91,4 @@ def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choi
         return
     assert out[0] == "400 400"  # 2 sizes x 4 entries x 50 convolutions
     assert out[1] == "None"  # already set (here by the first call; a user's value likewise)
+    assert out[2] == "110"  # counted: 2 sizes x 51 entries, and 8 to spare

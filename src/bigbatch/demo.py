@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bigbatch.device import torch_threads
 from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
 from bigbatch.memory.calibrate import calibrate, calibration_need
 from bigbatch.memory.plan import DEFAULT_MARGIN
@@ -99,9 +100,7 @@ def midway_budget(spec: Any, batch: int) -> str:
     # core here), not this process's: oneDNN's convolution workspaces grow with the threads, and
     # under OMP_NUM_THREADS=1 a budget calibrated on 1 thread planned resnet10t at 10 x 13
     # instead of 2 x 64 (72 MiB of workspace more on 2 threads).
-    before = torch.get_num_threads()
-    torch.set_num_threads(resolve_threads(TrainConfig(), torch.device("cpu"))[0])
-    try:
+    with torch_threads(resolve_threads(TrainConfig(), torch.device("cpu"))[0]):
         calibration = calibrate(spec)
         half, full = (
             predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
@@ -109,8 +108,6 @@ def midway_budget(spec: Any, batch: int) -> str:
         )
         # Calibration's real steps run at micro-batch 1, 2 and 4, those below half the batch.
         usable = max((half + full) / 2, calibration_need(spec.with_batch(min(4, batch // 2))))
-    finally:
-        torch.set_num_threads(before)
     return f"{math.ceil(usable / (1 - DEFAULT_MARGIN) / 2**20)}MiB"
 
 

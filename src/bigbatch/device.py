@@ -30,6 +30,7 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "synchronize",
+    "torch_threads",
     "total_bytes",
 ]
 
@@ -190,13 +191,16 @@ def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContext
 
 
 # oneDNN primitive-cache entries one convolution layer adds per micro-batch size (forward,
-# backward for data and for weights, and their reorders): 2.6 measured on convnext_atto
-# (102 entries for its 40 convolutions at one size), with room to spare.
+# backward for data and for weights, and their reorders), at most: counted with
+# ONEDNN_VERBOSE=all on six timm models, one size took 1.0 (efficientnet_b0) to 4.0 (resnet18)
+# per convolution module, since layers of one shape share their kernels.
 _ONEDNN_ENTRIES_PER_CONV = 4
 _ONEDNN_CACHE_DEFAULT = 1024  # oneDNN's own capacity
 
 
-def bound_onednn_cache(model: torch.nn.Module, sizes: int = 2) -> int | None:
+def bound_onednn_cache(
+    model: torch.nn.Module, sizes: int = 2, entries_per_size: int | None = None
+) -> int | None:
     """Bound oneDNN's primitive cache to what ``sizes`` micro-batch sizes of ``model`` need;
     call it before the model's first convolution on the CPU. Returns the capacity set, or None
     where it is left alone (the variable already set, or no convolution on the CPU).
@@ -207,8 +211,13 @@ def bound_onednn_cache(model: torch.nn.Module, sizes: int = 2) -> int | None:
     and the back-off fell to 1 where a clean start fits 16. torch has no call to empty the
     cache, and oneDNN reads its capacity once, when it builds its first primitive; bounded
     from the start, the failed sizes' kernels leave it as the new size fills it. Two sizes are
-    a window's (balanced micro-batches differ by one sample); below that every step rebuilds
-    its kernels (convnext_atto at capacity 128: +23 % per window).
+    a window's (balanced micro-batches differ by one sample).
+
+    Without ``entries_per_size`` the bound assumes 4 entries per convolution module, an upper
+    bound (1.0-4.0 counted), so the cache can still hold several sizes; count one step's
+    entries at a new size with ``ONEDNN_VERBOSE=all python step.py | grep -c cache_miss`` and
+    pass that for a bound that holds two (convnext_atto: 52 a size, capacity 110, lands the
+    back-off where a clean start fits; see the OOM guide).
 
     >>> bound_onednn_cache(torch.nn.Linear(2, 2)) is None  # no convolution: nothing to bound
     True
@@ -218,17 +227,44 @@ def bound_onednn_cache(model: torch.nn.Module, sizes: int = 2) -> int | None:
         for n in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
     ):
         return None  # the user's choice
+    if entries_per_size is not None and entries_per_size < 1:
+        raise ValueError(f"entries_per_size must be >= 1, got {entries_per_size}")
     convs = sum(
         isinstance(m, torch.nn.modules.conv._ConvNd) and m.weight.device.type == "cpu"
         for m in model.modules()
     )
     if not convs or not torch.backends.mkldnn.is_available():
         return None
-    capacity = max(256, sizes * _ONEDNN_ENTRIES_PER_CONV * convs)
+    if entries_per_size is None:
+        capacity = max(256, sizes * _ONEDNN_ENTRIES_PER_CONV * convs)
+    else:  # counted: two sizes and a little room for the loss and optimizer's own primitives
+        capacity = sizes * entries_per_size + 8
     if capacity >= _ONEDNN_CACHE_DEFAULT:
         return None  # a model this large already fills oneDNN's own bound
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
     return capacity
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Any:
+    """Run the block with torch on ``threads`` CPU threads (None: as it is), then restore.
+
+    Planning measures CPU kernel workspaces, which grow with the threads (oneDNN keeps a
+    reduction buffer per thread), so it must run with the threads training will have.
+
+    >>> with torch_threads(1):
+    ...     torch.get_num_threads()
+    1
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_memory(host_oom: bool) -> None:

@@ -234,3 +234,37 @@ def test_fastest_times_the_fitting_candidates_and_picks_the_fastest(
     assert len(rates) >= 2 and all(v > 0 for v in rates.values())
     assert plan["micro_batch"] == max(rates, key=lambda b: rates[b])  # the fastest, measured
     assert plan["micro_batches"] * plan["micro_batch"] >= 16
+
+
+def test_plan_calibrates_with_the_threads_training_takes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan made in a shell with OMP_NUM_THREADS=1 calibrated on one thread, while `bigbatch
+    train` gives torch every core: oneDNN's workspaces grow with the threads, and the demo's
+    resnet10t was planned 10 x 13 where 2 x 64 fits."""
+    import bigbatch.memory.plan as plan_module
+    import bigbatch.train.runtime as runtime
+
+    seen: list[int] = []
+
+    def calibrate_within(spec: object, usable: int) -> tuple[None, str]:
+        seen.append(torch.get_num_threads())
+        return None, ""
+
+    monkeypatch.setattr(plan_module, "calibrate_within", calibrate_within)
+    monkeypatch.setattr(runtime, "resolve_threads", lambda cfg, device: (3, 0))
+    args = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "2GB",
+            "--overhead", "0", "--json"]  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as under OMP_NUM_THREADS=1
+    try:
+        assert main(args) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == 3
+        assert main([*args, "--threads", "2"]) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == 2
+        assert seen == [3, 2]
+        assert torch.get_num_threads() == 1  # the caller's setting is back
+        assert main([*args, "--threads", "-1"]) == 2
+        assert "--threads must be >= 1" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

@@ -44,7 +44,9 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     model, x, y = build()
     if os.environ.get("BIGBATCH_TEST_BOUND", "1") == "1":
-        bound_onednn_cache(model)  # before its first convolution
+        # Before its first convolution; BIGBATCH_TEST_ENTRIES: a counted size's entries (52).
+        entries = os.environ.get("BIGBATCH_TEST_ENTRIES")
+        bound_onednn_cache(model, entries_per_size=int(entries) if entries else None)
     acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
 
     def loss_fn(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bigbatch.cli import UserError
+from bigbatch.device import torch_threads
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
@@ -100,6 +101,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--no-calibrate",
         action="store_true",
         help="skip the CPU workspace calibration (small real steps at micro-batch 1, 2 and 4)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch's CPU threads while calibrating and timing (default: what bigbatch train "
+        "takes on this machine; CPU workspaces grow with the threads)",
     )
     p.add_argument(
         "--fastest",
@@ -232,6 +240,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(
             f"--vocab must be >= 1 (the embedding's number of tokens), got {args.vocab}"
         )
+    if args.threads < 0:
+        raise UserError(
+            f"--threads must be >= 1 (or 0: what bigbatch train takes), got {args.threads}"
+        )
     if args.cache_dim < 0 or args.cache_towers < 1:
         raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
     try:
@@ -276,7 +288,11 @@ def run(args: argparse.Namespace) -> int:
             f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "
             f"({format_bytes(total)}): fine for planning another machine, not for training here"
         )
-    plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
+    threads = _threads(args)
+    with torch_threads(threads):
+        plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
+    for p in plans:
+        p["threads"] = threads
     if args.csv:
         _write_csv(args.csv, plans)
     if args.plot:
@@ -290,6 +306,20 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _threads(args: argparse.Namespace) -> int | None:
+    """The CPU threads to plan with: ``--threads``, else those `bigbatch train` would take here
+    (every core on a small machine, whatever OMP_NUM_THREADS says), so a plan made in a shell
+    with OMP_NUM_THREADS=1 holds for the training run. None for a GPU: nothing measured on the
+    CPU then."""
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
+    from bigbatch.train.config import TrainConfig
+    from bigbatch.train.runtime import resolve_threads
+
+    if torch.device(args.device).type != "cpu":
+        return args.threads or None
+    return args.threads or resolve_threads(TrainConfig(), torch.device("cpu"))[0]
 
 
 def _plan_rows(
@@ -430,7 +460,8 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
 def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:
     print(
         f"budget {format_bytes(budget)} on {args.device}, target batch {args.batch}, "
-        f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}",
+        f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}"
+        + (f", {plans[0]['threads']} CPU thread(s)" if plans and plans[0].get("threads") else ""),
     )
     header = f"{'model':<28} {'size':>5} {'floor (mb 1)':>13} {'max mb':>7} {'plan':>12} {'predicted peak':>15}"
     print(header)
