@@ -199,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console() -> None:
     """The ``bigbatch`` command: :func:`main`, then exit with its code."""
     code = main()
+    if "torch" not in sys.modules:  # --help, a refused argument: nothing heavy to tear down
+        sys.exit(code)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # under torchrun
@@ -213,7 +215,30 @@ def console() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    _exit_without_teardown(code)
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Exit as the interpreter would (other threads finished, atexit handlers run: logging's
+    flush, loader workers' shutdown; output flushed), but without tearing down every module:
+    with torch, timm and torch._dynamo loaded that took 0.8-0.9 s of `bigbatch plan`'s 7.4 s
+    here. Files are closed by now: bigbatch writes each one whole, then renames it."""
+    import atexit
+    import contextlib
+    import threading
+
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if run_exitfuncs is None:  # not CPython: the ordinary exit
+        sys.exit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        # A closed pipe (`bigbatch plan | head -1`): nothing left to keep.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

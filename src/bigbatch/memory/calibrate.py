@@ -2,8 +2,8 @@
 
 Fake tensors see every tensor an op returns, but not the scratch memory a CPU kernel allocates
 and frees inside itself (oneDNN convolution backward, im2col). A small real training step at
-micro-batch 2 and 4 (and 1), each after a first step that creates the optimizer state, runs
-with every dispatched op wrapped in a profiler range; each op's
+micro-batch 2 and 4 (and 1), on one model after a first step that creates the optimizer state,
+runs with every dispatched op wrapped in a profiler range; each op's
 workspace is the highest point its allocations reach above what it leaves behind. The fake run
 then adds op i's workspace, interpolated linearly in the micro-batch, at op i, as long as its op
 sequence matches the calibration's.
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
 from bigbatch.memory.predict import predict_peak
-from bigbatch.memory.step import StepSpec, run_training_step
+from bigbatch.memory.step import StepSpec, make_inputs, run_training_step
 
 __all__ = ["Calibration", "calibrate", "calibrate_within", "calibration_need"]
 
@@ -129,12 +129,17 @@ def output_sizes(out: Any) -> Sizes:
     )
 
 
-def _measure(spec: StepSpec) -> _Run:
+def _measure(spec: StepSpec, stepped: tuple[Any, Any] | None = None) -> tuple[_Run, Any, Any]:
     """Profile one steady training step (the one the prediction traces), after a first step
-    that creates the optimizer state."""
-    model, opt, inputs = real_step_setup(spec, 2)
+    that creates the optimizer state; ``stepped``: a (model, optimizer) that has taken it, at
+    another micro-batch (a workspace is what an op allocates above what it leaves, whatever
+    else is alive, so one model serves every size). Returns the run, the model and optimizer."""
     device_type = torch.device(spec.device).type
-    run_training_step(model, opt, inputs.pop(0), spec, device_type)
+    if stepped is None:
+        model, opt, inputs = real_step_setup(spec, 2)
+        run_training_step(model, opt, inputs.pop(0), spec, device_type)
+    else:
+        (model, opt), inputs = stepped, [make_inputs(spec, spec.device)]
     x = inputs.pop(0)  # freed after the profiler stops: it existed before it started
     marker = _OpMarker()
     # A garbage collection inside the profiled step would free another run's tensors in the
@@ -162,7 +167,7 @@ def _measure(spec: StepSpec) -> _Run:
             workspace[int(name[len(_MARK) :])] = max(0, high - max(running, 0))
             continue  # nested ops belong to this one
         stack.extend(node.children)
-    return _Run(tuple(marker.names), tuple(workspace), tuple(marker.outputs))
+    return _Run(tuple(marker.names), tuple(workspace), tuple(marker.outputs)), model, opt
 
 
 def calibrate(
@@ -177,11 +182,15 @@ def calibrate(
         raise ValueError("workspace calibration runs real steps on the CPU; it is for device='cpu'")
     small, large = batch_sizes
     gc.collect()
-    runs = {b: _measure(spec.with_batch(b)) for b in sorted({small, large})}
+    runs: dict[int, _Run] = {}
+    stepped = None  # one model and optimizer for every size: building them took a fifth
+    for size in sorted({small, large}):
+        runs[size], model, opt = _measure(spec.with_batch(size), stepped)
+        stepped = (model, opt)
     for size in also:
         if size not in runs:
             try:
-                runs[size] = _measure(spec.with_batch(size))
+                runs[size], *_ = _measure(spec.with_batch(size), stepped)
             except ValueError:
                 continue  # e.g. BatchNorm cannot train on one sample: the planner starts at 2
     a, b = runs[small], runs[large]

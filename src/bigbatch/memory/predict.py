@@ -291,7 +291,8 @@ def to_empty_shared(model: nn.Module, device: torch.device | str) -> nn.Module:
                 if t is None:
                     continue
                 if id(t) not in done:
-                    new = torch.empty_like(t, device=device)
+                    # Not empty_like: that fakes the meta input first, 4x the time here.
+                    new = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
                     if isinstance(t, nn.Parameter):
                         new = nn.Parameter(new, requires_grad=t.requires_grad)
                     done[id(t)] = new
