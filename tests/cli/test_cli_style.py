@@ -65,7 +65,8 @@ def test_log_lines_say_bigbatch_once() -> None:
 
 def test_the_command_exits_like_the_interpreter_without_its_teardown(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`bigbatch` skips tearing down torch's modules (0.8-0.9 s of a plan) but keeps what an
-    exit owes: other threads finish, atexit handlers run, buffered output is written, the
+    exit owes: other threads finish (a thread pool left open too: joining its threads without
+    shutting it down would wait forever), atexit handlers run, buffered output is written, the
     code is the command's."""
     import subprocess
     import sys
@@ -76,6 +77,9 @@ def test_the_command_exits_like_the_interpreter_without_its_teardown(tmp_path) -
         f"out = pathlib.Path({str(tmp_path)!r})\n"
         "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
         "threading.Thread(target=lambda: (time.sleep(0.2), (out / 'thread').write_text('done'))).start()\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "pool = ThreadPoolExecutor(1)  # never shut down: the exit does it, as Python's would\n"
+        "pool.submit(lambda: (time.sleep(0.2), (out / 'pool').write_text('done')))\n"
         "print('buffered', end='')\n"
         "_exit_without_teardown(3)\n"
     )
@@ -86,3 +90,4 @@ def test_the_command_exits_like_the_interpreter_without_its_teardown(tmp_path) -
     assert proc.stdout == "buffered"
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "pool").read_text() == "done"
