@@ -247,7 +247,7 @@ def test_plan_calibrates_with_the_threads_training_takes(
 
     seen: list[int] = []
 
-    def calibrate_within(spec: object, usable: int) -> tuple[None, str]:
+    def calibrate_within(spec: object, usable: int, **kwargs: object) -> tuple[None, str]:
         seen.append(torch.get_num_threads())
         return None, ""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -229,3 +231,50 @@ def test_lazy_modules_are_refused_with_the_fix() -> None:
 
     spec = StepSpec(initialised, (64,), 8)
     assert _err(predict_peak(spec).peak_bytes, measure_step_peak(spec)) <= 0.005
+
+
+class KeepsLast(nn.Module):
+    """Keeps its last hidden state, as a model caching what it computed does: the steady
+    optimizer step, with it alive, tops the first step, so that step's replay sets the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.last = h.detach().repeat(1, 64)  # large enough to matter
+        return self.b(h)
+
+
+@pytest.mark.parametrize(
+    "factory,shape,optimizer,calibrated",
+    [
+        (bn_cnn, (3, 16, 16), "adamw", True),
+        (bn_cnn, (3, 16, 16), "adagrad", False),
+        (Encoder, (12, 32), "sgd_momentum", True),
+        (Encoder, (12, 32), "rmsprop", False),
+        (KeepsLast, (512,), "adam", False),
+    ],
+)
+def test_a_replayed_optimizer_step_predicts_to_the_byte(
+    factory: Any, shape: tuple[int, ...], optimizer: str, calibrated: bool
+) -> None:
+    """The planner traces the optimizer's steps once and replays them at other micro-batches
+    (most of a trace's fake ops): every field of the prediction equals a full trace's, at
+    calibrated sizes (1, 2) that have their own op sequence and at others."""
+    from dataclasses import asdict
+
+    from bigbatch.memory.predict import OptimizerTrace
+
+    spec = StepSpec(factory, shape, 2, optimizer=optimizer)
+    calibration = calibrate(spec, batch_sizes=(1, 2), also=()) if calibrated else None
+    trace = OptimizerTrace()
+    for b in (2, 5, 1, 9):
+        replayed = asdict(
+            predict_peak(spec.with_batch(b), calibration=calibration, optimizer_trace=trace)
+        )
+        full = asdict(predict_peak(spec.with_batch(b), calibration=calibration))
+        replayed.pop("seconds"), full.pop("seconds")
+        assert replayed == full, b
+    assert trace.first is not None and trace.steady  # recorded, so the later ones replayed

@@ -202,7 +202,7 @@ def calibrate(
     return Calibration(a, b, small, large, runs)
 
 
-def calibration_need(spec: StepSpec) -> int:
+def calibration_need(spec: StepSpec, *, optimizer_trace: Any = None) -> int:
     """The usable bytes a calibration step at ``spec``'s micro-batch may need: its uncalibrated
     peak, with the working set (activations, temporaries) times ``WORKSPACE_HEADROOM``.
 
@@ -211,22 +211,26 @@ def calibration_need(spec: StepSpec) -> int:
     >>> calibration_need(spec) >= predict_peak(spec).peak_bytes
     True
     """
-    p = predict_peak(spec)
+    p = predict_peak(spec, optimizer_trace=optimizer_trace)
     return int(p.peak_bytes + (WORKSPACE_HEADROOM - 1) * (p.activations + p.temporaries))
 
 
-def calibrate_within(spec: StepSpec, usable_bytes: int) -> tuple[Calibration | None, str]:
+def calibrate_within(
+    spec: StepSpec, usable_bytes: int, *, optimizer_trace: Any = None
+) -> tuple[Calibration | None, str]:
     """:func:`calibrate` at the sizes (of 1, 2, 4) whose real step stays inside the budget.
 
     Calibration runs real steps; at a large input even micro-batch 4 can take several times the
     budget it is meant to plan for. Each size's :func:`calibration_need` must fit
     ``usable_bytes`` before it is run. Returns the calibration
     (None when not even micro-batch 1 may run) and a note for the plan ('' when all three ran).
+    ``optimizer_trace``: the plan's :class:`~bigbatch.memory.predict.OptimizerTrace`.
     """
 
     def fits(b: int) -> bool:
         try:
-            return calibration_need(spec.with_batch(b)) <= usable_bytes
+            need = calibration_need(spec.with_batch(b), optimizer_trace=optimizer_trace)
+            return need <= usable_bytes
         except ValueError:  # BatchNorm on one sample: not a size to measure
             return False
 

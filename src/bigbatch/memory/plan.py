@@ -19,7 +19,7 @@ import torch
 from bigbatch.device import free_bytes, process_rss, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
-from bigbatch.memory.predict import MemoryPrediction, predict_peak
+from bigbatch.memory.predict import MemoryPrediction, OptimizerTrace, predict_peak
 from bigbatch.memory.step import StepSpec
 
 __all__ = [
@@ -206,14 +206,15 @@ def plan_micro_batch(
     calibration: Any = None,
     max_micro_batch: int | None = None,
     extra_bytes: int = 0,
+    optimizer_trace: OptimizerTrace | None = None,
 ) -> Plan:
     """Choose the largest micro-batch that fits ``budget`` and the accumulation for ``target_batch``.
 
-    ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``. ``extra_bytes`` is memory
-    held besides one micro-batch's step for the whole window: a gradient cache
-    (:func:`bigbatch.coupled.cache_bytes`) for a loss that couples the samples. Raises
-    :class:`DoesNotFitError` (with the floor's breakdown and what to try) when even micro-batch 1
-    does not fit.
+    ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``; ``extra_bytes`` is memory
+    held besides each step for the whole window (a gradient cache for a loss that couples the
+    samples, :func:`bigbatch.coupled.cache_bytes`); ``optimizer_trace``, this model's traced
+    optimizer steps (:class:`~bigbatch.memory.predict.OptimizerTrace`). Raises
+    :class:`DoesNotFitError` (the floor's breakdown, what to try) if micro-batch 1 does not fit.
 
     >>> import torch
     >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
@@ -236,10 +237,11 @@ def plan_micro_batch(
             predict_peak(spec_at(1), calibration=calibration),
         )
     cache: dict[int, MemoryPrediction] = {}
+    trace = optimizer_trace or OptimizerTrace()  # the optimizer's steps: traced once, replayed
 
     def peak(b: int) -> int:
         if b not in cache:
-            cache[b] = predict_peak(spec_at(b), calibration=calibration)
+            cache[b] = predict_peak(spec_at(b), calibration=calibration, optimizer_trace=trace)
         return cache[b].planning_bytes
 
     smallest, floor = _floor(peak)
@@ -259,12 +261,11 @@ def plan_micro_batch(
     if micro is None:  # not affine enough: search below the size that did not fit
         micro = _search(peak, smallest, cap, target_batch, usable)
     micro = _fewer_steps(peak, micro, cap, target_batch, usable)
-    chosen = peak(micro)
     return Plan(
         micro_batch=micro,
         micro_batches=math.ceil(target_batch / micro),
         target_batch=target_batch,
-        predicted_peak_bytes=chosen,
+        predicted_peak_bytes=peak(micro),
         budget_bytes=budget_bytes,
         usable_bytes=usable,
         overhead_bytes=overhead,
@@ -390,9 +391,10 @@ def plan_under_budget(
     budget_bytes = resolve_budget(budget, device)
     overhead = overhead_bytes(device) if overhead is None else overhead
     calibration, note = None, ""
+    trace = OptimizerTrace()  # shared by every prediction of this plan
     if calibrate and torch.device(device).type == "cpu":
         usable = usable_bytes(budget_bytes, overhead, device, margin)
-        calibration, note = calibrate_within(spec_at(2), usable)
+        calibration, note = calibrate_within(spec_at(2), usable, optimizer_trace=trace)
     try:
         plan = plan_micro_batch(
             spec_at,
@@ -404,6 +406,7 @@ def plan_under_budget(
             calibration=calibration,
             max_micro_batch=max_micro_batch,
             extra_bytes=extra_bytes,
+            optimizer_trace=trace,
         )
     except DoesNotFitError as exc:
         if not note:

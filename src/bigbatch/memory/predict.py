@@ -115,6 +115,46 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
 
 
+@dataclass
+class _FirstStep:
+    """What the optimizer's first step (creating the state) did above what was live."""
+
+    highest: int  # bytes above its start at its highest point
+    state_at_highest: int  # of which optimizer state
+    state: int  # the state it leaves
+
+
+@dataclass
+class _SteadyStep:
+    """The steady optimizer step: per point, bytes above its start and the calibration op
+    there; where the calibration alignment stood after it."""
+
+    points: list[tuple[int, int | None]]
+    after: tuple[int, int, bool, int]  # cal_index, misses, aligned; left_at after its start, or -1
+    op_count: int  # counted ops it dispatched
+
+
+@dataclass
+class OptimizerTrace:
+    """The optimizer steps of one traced training step, kept to replay in the next prediction
+    of the same model, optimizer and precision at another micro-batch: the steps touch only
+    the weights, their gradients and the state, so what they allocate does not depend on the
+    micro-batch, and replaying them skips most of a trace's fake ops (1,866 of 2,953 for
+    resnet18 with AdamW). The planner makes one per plan; a prediction with it equals one
+    without, to the byte (``tests/memory/test_predict.py``). CPU targets only."""
+
+    key: tuple[Any, ...] | None = None
+    first: _FirstStep | None = None
+    # By where it starts in the calibration's ops: a measured size (1, 2, 4) has its own.
+    steady: dict[Any, _SteadyStep] = field(default_factory=dict)
+
+    def fits(self, spec: StepSpec) -> bool:
+        key = (spec.model, spec.optimizer, spec.precision, spec.device, spec.step)
+        if self.key is None:
+            self.key = key
+        return self.key == key and torch.device(spec.device).type != "cuda"
+
+
 # Ops that return a view of their input (no new storage, no workspace).
 _VIEW_OPS = frozenset(
     f"aten.{op}"
@@ -154,6 +194,10 @@ class _StorageTracker(TorchDispatchMode):
         self._next_uid = 0
         # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model.
         self.events: list[tuple[str, int, int]] | None = None
+        self.observing = True  # False: tensors are tracked, the peak is not moved
+        # While an optimizer phase is recorded: (live bytes above its start, calibration op).
+        self.recording: list[tuple[int, int | None, int]] | None = None
+        self.recording_base = 0
 
     def uid_of(self, t: torch.Tensor) -> int | None:
         st = t.untyped_storage()
@@ -190,11 +234,36 @@ class _StorageTracker(TorchDispatchMode):
             self.events.append(("malloc", uid, n))
         self._observe(0)
 
-    def _observe(self, workspace: int) -> None:
-        if self.live_bytes + workspace > self.peak_bytes:
+    def _observe(self, workspace: int, matched: int | None = None) -> None:
+        if self.recording is not None:
+            self.recording.append((self.live_bytes - self.recording_base, matched, self._next_uid))
+        if self.observing and self.live_bytes + workspace > self.peak_bytes:
             self.peak_bytes = self.live_bytes + workspace
             self.peak_workspace = workspace
             self.peak_snapshot = dict(self.live)
+
+    def new_uid(self) -> int:
+        self._next_uid += 1
+        return self._next_uid - 1
+
+    def replay_peak(self, above: int, workspace: int, alive: dict[int, tuple[int, str]]) -> None:
+        """A recorded phase's highest point: ``above`` bytes over what is live now, made of
+        ``alive`` (synthetic entries), with ``workspace`` besides."""
+        if self.live_bytes + above + workspace > self.peak_bytes:
+            self.peak_bytes = self.live_bytes + above + workspace
+            self.peak_workspace = workspace
+            self.peak_snapshot = {**self.live, **alive}
+
+    def add_synthetic(self, size: int, phase: str) -> int:
+        """A live entry that stands for tensors a replayed phase would have left (the state)."""
+        uid = self.new_uid()
+        self.live[uid] = (size, phase)
+        self.live_bytes += size
+        return uid
+
+    def remove_synthetic(self, uid: int) -> None:
+        size, _ = self.live.pop(uid)
+        self.live_bytes -= size
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "prim":
@@ -215,7 +284,7 @@ class _StorageTracker(TorchDispatchMode):
             self.track(t, n)
         if matched is not None:
             # The kernel's scratch memory was alive together with its outputs.
-            self._observe(self.calibration.workspace(matched, self.batch_size))
+            self._observe(self.calibration.workspace(matched, self.batch_size), matched)
         if counted:
             self.op_index += 1
         return out
@@ -300,7 +369,9 @@ def to_empty_shared(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
-def predict_peak(spec: StepSpec, *, calibration: Any = None) -> MemoryPrediction:
+def predict_peak(
+    spec: StepSpec, *, calibration: Any = None, optimizer_trace: OptimizerTrace | None = None
+) -> MemoryPrediction:
     """Predict the peak memory of training ``spec`` on fake tensors: the larger of the first
     step (which creates the optimizer state) and a steady step (with the state alive).
 
@@ -319,7 +390,7 @@ def predict_peak(spec: StepSpec, *, calibration: Any = None) -> MemoryPrediction
     if spec.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
     try:
-        return _predict_on_fake(spec, calibration)
+        return _predict_on_fake(spec, calibration, optimizer_trace)
     except Exception as exc:
         op = _unfakeable_op(exc)
         if op is None:
@@ -427,11 +498,125 @@ def _peak_parts(
     return parts
 
 
+def _first_step(
+    tracker: _StorageTracker, params: list[nn.Parameter], opt: torch.optim.Optimizer, record: bool
+) -> tuple[int, _FirstStep | None]:
+    """The optimizer's first step, traced: (the state bytes it made, what it did, recorded)."""
+    built = _state_bytes(opt)  # Adagrad makes its state when it is built
+    start_uid = tracker.new_uid()
+    if record:
+        tracker.recording, tracker.recording_base = [], tracker.live_bytes
+    with tracker.in_phase("optimizer"):
+        first_optimizer_step(params, opt)
+    points, tracker.recording = tracker.recording, None
+    made = _state_bytes(opt) - built
+    if not points:
+        return made, None
+    sizes = {}
+    for v in optimizer_state_tensors(opt):
+        uid = tracker.uid_of(v)
+        if uid is not None and uid > start_uid:
+            sizes[uid] = tracker.live[uid][0]
+    if tracker.live_bytes - tracker.recording_base != sum(sizes.values()):
+        return made, None  # it left something besides the state: not replayable
+    highest, _, watermark = max(points, key=lambda p: p[0])  # the first highest point
+    at_highest = sum(n for uid, n in sizes.items() if uid < watermark)
+    return made, _FirstStep(highest, at_highest, sum(sizes.values()))
+
+
+def _replay_first_step(tracker: _StorageTracker, first: _FirstStep, state_uids: set[int]) -> int:
+    """The recorded first step's peak and the state it leaves, as live entries; returns the
+    state's entry."""
+    partial, rest = tracker.new_uid(), tracker.new_uid()
+    state_uids.add(partial)
+    alive = {
+        partial: (first.state_at_highest, "optimizer"),
+        rest: (first.highest - first.state_at_highest, "optimizer"),
+    }
+    tracker.replay_peak(first.highest, 0, alive)
+    uid = tracker.add_synthetic(first.state, "optimizer")
+    state_uids.add(uid)
+    return uid
+
+
+def _alignment(tracker: _StorageTracker) -> tuple[int, int, bool]:
+    return tracker.cal_index, tracker.misses, tracker.aligned
+
+
+def _steady_step(
+    tracker: _StorageTracker, opt: torch.optim.Optimizer, record: bool
+) -> _SteadyStep | None:
+    """The steady optimizer step, traced; what it did, when ``record``."""
+    op_index, left_at = tracker.op_index, tracker.left_at
+    if record:
+        tracker.recording, tracker.recording_base = [], tracker.live_bytes
+    with tracker.in_phase("optimizer"):
+        opt.step()
+    points, tracker.recording = tracker.recording, None
+    if points is None or tracker.live_bytes != tracker.recording_base:
+        return None  # it left something behind: not replayable
+    return _SteadyStep(
+        points=[(above, matched) for above, matched, _ in points],
+        after=(
+            *_alignment(tracker),
+            tracker.left_at - op_index if tracker.left_at != left_at else -1,
+        ),
+        op_count=tracker.op_index - op_index,
+    )
+
+
+def _steady_key(tracker: _StorageTracker) -> tuple[Any, ...]:
+    """A recorded steady step replays where it would be matched against the same calibration
+    ops from the same place in them."""
+    cal = tracker.calibration
+    ops = cal.ops_for(tracker.batch_size) if cal is not None else None
+    return (id(cal), ops, *_alignment(tracker))
+
+
+def _replay_steady_step(tracker: _StorageTracker, steady: _SteadyStep) -> None:
+    cal = tracker.calibration
+    best = (-1, 0, 0)  # (bytes above with workspace, above, workspace)
+    for above, matched in steady.points:
+        workspace = cal.workspace(matched, tracker.batch_size) if matched is not None else 0
+        if above + workspace > best[0]:
+            best = (above + workspace, above, workspace)
+    if best[0] >= 0:
+        tracker.replay_peak(best[1], best[2], {tracker.new_uid(): (best[1], "optimizer")})
+    cal_index, misses, aligned, left_at = steady.after
+    if left_at >= 0:
+        tracker.left_at = tracker.op_index + left_at
+    tracker.cal_index, tracker.misses, tracker.aligned = cal_index, misses, aligned
+    tracker.op_index += steady.op_count
+
+
+def _materialize_state(
+    tracker: _StorageTracker,
+    params: list[nn.Parameter],
+    opt: torch.optim.Optimizer,
+    replayed_state: int,
+    state_uids: set[int],
+) -> None:
+    """Make the real (fake) state that a replayed first step stands for, unseen: its entry
+    goes, the step's own peak was replayed already, and the gradients stay."""
+    tracker.remove_synthetic(replayed_state)  # its uid stays state, for a peak seen before
+    grads = [p.grad for p in params]
+    counting, tracker.counting, tracker.observing = tracker.counting, False, False
+    try:
+        with tracker.in_phase("optimizer"):
+            first_optimizer_step(params, opt)
+    finally:
+        tracker.counting, tracker.observing = counting, True
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+
+
 # One function on purpose (over 80 lines): the traced step's tensors are locals whose lifetimes
 # are the prediction (``del x`` where a loop frees its batch, ``waiting`` for the next batch);
 # split across helpers, a frame or a return value would keep them alive longer than the real
 # step does and move the peak.
-def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
+def _predict_on_fake(
+    spec: StepSpec, calibration: Any, optimizer_trace: OptimizerTrace | None = None
+) -> MemoryPrediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     t0 = time.perf_counter()
@@ -454,6 +639,8 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
     # steady step is traced; a GRU step is ~6k fake ops, so this halves the time. CUDA
     # traces both real steps: the allocator model needs the first step's segments.
     steady = target.type != "cuda"
+    trace = optimizer_trace if steady and optimizer_trace and optimizer_trace.fits(spec) else None
+    replayed_state: int | None = None  # the live entry standing for the replayed state
     with FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
         model = to_empty_shared(model, device)
         model.train()
@@ -476,10 +663,13 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
             # whatever of it the state does not already outweigh.
             in_batch = batch_bytes(inputs[0])
             waiting = torch.empty(in_batch, dtype=torch.uint8, device=device)
-            built = _state_bytes(opt)  # Adagrad makes its state when it is built
-            with tracker.in_phase("optimizer"):
-                first_optimizer_step(params, opt)
-            made = _state_bytes(opt) - built
+            if trace is not None and trace.first is not None:
+                replayed_state = _replay_first_step(tracker, trace.first, state_uids)
+                made = trace.first.state
+            else:
+                made, first = _first_step(tracker, params, opt, record=trace is not None)
+                if trace is not None:
+                    trace.first = first
             del waiting
             waiting = torch.empty(max(0, in_batch - made), dtype=torch.uint8, device=device)
         tracker.counting = True
@@ -494,8 +684,16 @@ def _predict_on_fake(spec: StepSpec, calibration: Any) -> MemoryPrediction:
             for p in params:
                 if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
                     grads_uids.add(uid)
-            with tracker.in_phase("optimizer"):
-                opt.step()
+            recorded = trace.steady.get(_steady_key(tracker)) if trace is not None else None
+            if recorded is not None:
+                _replay_steady_step(tracker, recorded)
+            else:
+                if replayed_state is not None:  # the state must exist for a real step
+                    _materialize_state(tracker, params, opt, replayed_state, state_uids)
+                key = _steady_key(tracker)
+                steady_step = _steady_step(tracker, opt, record=trace is not None)
+                if trace is not None and steady_step is not None:
+                    trace.steady[key] = steady_step
             for v in optimizer_state_tensors(opt):
                 if (uid := tracker.uid_of(v)) is not None:
                     state_uids.add(uid)
