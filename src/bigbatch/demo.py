@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from bigbatch.device import torch_threads
 from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
@@ -29,9 +28,9 @@ from bigbatch.segmentation.synthetic import (
     write_brats_like,
     write_shapes_2d,
 )
-from bigbatch.train.config import TrainConfig, load_config
+from bigbatch.train.config import load_config
 from bigbatch.train.loop import train
-from bigbatch.train.runtime import resolve_threads
+from bigbatch.train.runtime import training_threads
 from bigbatch.train.tasks.segmentation.predict import predict_masks
 
 __all__ = ["write_digits_competition"]
@@ -100,7 +99,7 @@ def midway_budget(spec: Any, batch: int) -> str:
     # core here), not this process's: oneDNN's convolution workspaces grow with the threads, and
     # under OMP_NUM_THREADS=1 a budget calibrated on 1 thread planned resnet10t at 10 x 13
     # instead of 2 x 64 (72 MiB of workspace more on 2 threads).
-    with torch_threads(resolve_threads(TrainConfig(), torch.device("cpu"))[0]):
+    with torch_threads(training_threads()):
         calibration = calibrate(spec)
         half, full = (
             predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes

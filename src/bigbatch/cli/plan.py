@@ -314,12 +314,11 @@ def _threads(args: argparse.Namespace) -> int | None:
     with OMP_NUM_THREADS=1 holds for the training run. None for a GPU: nothing measured on the
     CPU then."""
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-    from bigbatch.train.config import TrainConfig
-    from bigbatch.train.runtime import resolve_threads
+    from bigbatch.train.runtime import training_threads
 
     if torch.device(args.device).type != "cpu":
         return args.threads or None
-    return args.threads or resolve_threads(TrainConfig(), torch.device("cpu"))[0]
+    return args.threads or training_threads()
 
 
 def _plan_rows(

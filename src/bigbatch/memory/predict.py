@@ -195,7 +195,7 @@ class _StorageTracker(TorchDispatchMode):
         # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model.
         self.events: list[tuple[str, int, int]] | None = None
         self.observing = True  # False: tensors are tracked, the peak is not moved
-        # While an optimizer phase is recorded: (live bytes above its start, calibration op).
+        # While an optimizer phase is recorded (:meth:`optimizer_phase`), its points.
         self.recording: list[tuple[int, int | None, int]] | None = None
         self.recording_base = 0
 
@@ -319,6 +319,18 @@ class _StorageTracker(TorchDispatchMode):
             yield
         finally:
             self.phase = previous
+
+    @contextlib.contextmanager
+    def optimizer_phase(self, record: bool) -> Iterator[list[tuple[int, int | None, int]] | None]:
+        """An optimizer step; with ``record``, yields the list that fills with its points:
+        (live bytes above its start, the calibration op there, the next uid then)."""
+        points: list[tuple[int, int | None, int]] | None = [] if record else None
+        self.recording, self.recording_base = points, self.live_bytes
+        try:
+            with self.in_phase("optimizer"):
+                yield points
+        finally:
+            self.recording = None
 
 
 def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
@@ -504,11 +516,8 @@ def _first_step(
     """The optimizer's first step, traced: (the state bytes it made, what it did, recorded)."""
     built = _state_bytes(opt)  # Adagrad makes its state when it is built
     start_uid = tracker.new_uid()
-    if record:
-        tracker.recording, tracker.recording_base = [], tracker.live_bytes
-    with tracker.in_phase("optimizer"):
+    with tracker.optimizer_phase(record) as points:
         first_optimizer_step(params, opt)
-    points, tracker.recording = tracker.recording, None
     made = _state_bytes(opt) - built
     if not points:
         return made, None
@@ -548,11 +557,8 @@ def _steady_step(
 ) -> _SteadyStep | None:
     """The steady optimizer step, traced; what it did, when ``record``."""
     op_index, left_at = tracker.op_index, tracker.left_at
-    if record:
-        tracker.recording, tracker.recording_base = [], tracker.live_bytes
-    with tracker.in_phase("optimizer"):
+    with tracker.optimizer_phase(record) as points:
         opt.step()
-    points, tracker.recording = tracker.recording, None
     if points is None or tracker.live_bytes != tracker.recording_base:
         return None  # it left something behind: not replayable
     return _SteadyStep(
@@ -594,7 +600,6 @@ def _materialize_state(
     params: list[nn.Parameter],
     opt: torch.optim.Optimizer,
     replayed_state: int,
-    state_uids: set[int],
 ) -> None:
     """Make the real (fake) state that a replayed first step stands for, unseen: its entry
     goes, the step's own peak was replayed already, and the gradients stay."""
@@ -684,13 +689,13 @@ def _predict_on_fake(
             for p in params:
                 if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
                     grads_uids.add(uid)
-            recorded = trace.steady.get(_steady_key(tracker)) if trace is not None else None
+            key = _steady_key(tracker) if trace is not None else None
+            recorded = trace.steady.get(key) if trace is not None else None
             if recorded is not None:
                 _replay_steady_step(tracker, recorded)
             else:
                 if replayed_state is not None:  # the state must exist for a real step
-                    _materialize_state(tracker, params, opt, replayed_state, state_uids)
-                key = _steady_key(tracker)
+                    _materialize_state(tracker, params, opt, replayed_state)
                 steady_step = _steady_step(tracker, opt, record=trace is not None)
                 if trace is not None and steady_step is not None:
                     trace.steady[key] = steady_step

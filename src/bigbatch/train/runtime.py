@@ -28,6 +28,7 @@ __all__ = [
     "resolve_threads",
     "threads_for_run",
     "train_mode",
+    "training_threads",
     "wrap_ddp",
 ]
 
@@ -69,6 +70,13 @@ def resolve_threads(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
             workers = min(4, max(0, cores - 1))
     threads = cfg.threads or max(1, cores - (workers if device.type == "cpu" else 0))
     return threads, workers
+
+
+def training_threads() -> int:
+    """The torch threads `bigbatch train` takes for a CPU run here, with its defaults: what a
+    plan for it must be calibrated with (CPU workspaces grow with the threads), whatever this
+    process's own setting (OMP_NUM_THREADS) is."""
+    return resolve_threads(TrainConfig(), torch.device("cpu"))[0]
 
 
 def threads_for_run(
