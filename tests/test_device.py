@@ -92,3 +92,33 @@ def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choi
     assert out[0] == "400 400"  # 2 sizes x 4 entries x 50 convolutions
     assert out[1] == "None"  # already set (here by the first call; a user's value likewise)
     assert out[2] == "110"  # counted: 2 sizes x 51 entries, and 8 to spare
+
+
+_HEAP_SCRIPT = """
+import sys, torch
+from bigbatch.device import process_rss, return_freed_cpu_memory
+if sys.argv[1] == "returned":
+    assert return_freed_cpu_memory()
+big = torch.ones(8 * 2**20 // 4)  # freed, it raises glibc's mmap threshold past 4 MiB
+del big
+before = process_rss()
+block = torch.ones(4 * 2**20 // 4)  # now from glibc's heap, which keeps it when freed
+del block
+print(process_rss() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap is Linux's")
+def test_return_freed_cpu_memory_gives_a_freed_tensor_back_to_the_system() -> None:
+    if not device._glibc():
+        pytest.skip("the C library here is not glibc")
+
+    def kept(mode: str) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.strip().splitlines()[-1])
+
+    assert kept("returned") < 2**20
+    assert kept("default") >= 3 * 2**20  # the negative control: glibc's heap kept it

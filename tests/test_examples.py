@@ -103,3 +103,14 @@ def test_vs_fastai_benchmark_json() -> None:
     result = json.loads(out[out.index("{") :])
     assert result["time_ratio_vs_fastai"] > 0 and 0 <= result["accuracy_fastai"] <= 1
     assert 0 <= result["accuracy_bigbatch"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_cpu_heap_benchmark_json() -> None:
+    out = _run(
+        "benchmarks/cpu_heap.py", "--models", "gpt", "--micro", "4", "--steps", "3", "--json"
+    )
+    (row,) = json.loads(out[out.index("[") :])
+    assert row["model"] == "gpt" and row["speed_ratio_returned"] > 0
+    assert row["hwm_mib_default"] > 0 and row["hwm_mib_returned"] > 0

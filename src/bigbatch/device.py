@@ -27,11 +27,13 @@ __all__ = [
     "free_memory",
     "peak_memory_text",
     "process_rss",
+    "return_freed_cpu_memory",
     "rng_state",
     "set_rng_state",
     "synchronize",
     "torch_threads",
     "total_bytes",
+    "trim_cpu_heap",
 ]
 
 log = logging.getLogger("bigbatch")
@@ -276,31 +278,68 @@ def free_memory(host_oom: bool) -> None:
 
 
 _GLIBC: Any = None  # glibc, once loaded; False where there is none (macOS, musl, Windows)
+_RETURNING = False  # whether return_freed_cpu_memory has fixed the mmap threshold
 
 
-def _release_cpu_heap() -> None:
-    """Give the CPU heap back after an OOM, and keep it returnable from then on.
-
-    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), so after
-    the first big micro-batch most activations come from the brk heap, which fragments and
-    cannot shrink. Measured under RLIMIT_AS (convnext_atto at 64 px, 150 MiB of headroom): the
-    back-off then fell from 128 to 2, though a clean start at 32 trains. A fixed threshold of
-    128 KiB (no more raising) and ``malloc_trim`` make it land on 32 every time. The fixed
-    threshold costs 17-70% per CPU step (fresh pages for every large block), so it is set only
-    once an OOM has happened.
-    """
+def _glibc() -> Any:
     global _GLIBC
     if _GLIBC is None:
         try:
             import ctypes
 
-            _GLIBC = ctypes.CDLL("libc.so.6")
-            _GLIBC.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so never raised again
-            log.warning(
-                "bigbatch: after an out-of-memory error, large CPU allocations now bypass "
-                "glibc's heap (M_MMAP_THRESHOLD 128 KiB), so freed memory is returned"
-            )
+            lib = ctypes.CDLL("libc.so.6")
+            lib.mallopt, lib.malloc_trim  # noqa: B018 -- both must exist
+            _GLIBC = lib
         except (OSError, AttributeError):
             _GLIBC = False
-    if _GLIBC:
-        _GLIBC.malloc_trim(0)
+    return _GLIBC
+
+
+def return_freed_cpu_memory() -> bool:
+    """From now on, have this process give large freed CPU blocks (over 128 KiB: tensors) back to
+    the system at once, so its resident size follows the tensors alive, as a CPU memory plan
+    predicts. Returns False where the C library is not glibc (nothing changed).
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), so after
+    the first big step a step's tensors come from its brk heap, where small objects settle in
+    the holes they leave: the resident size grows past the tensors alive, 1.3-2.5x the step's
+    working set over 40 steps (a small GPT, resnet10t; ``benchmarks/cpu_heap.py``), and an
+    OOM back-off cannot give the failed attempt's memory back. A fixed threshold stops that, at
+    a cost: every large block is fresh pages, about a third of a CPU step's speed. ``bigbatch
+    train`` calls it when a plan leaves no room for that growth, and after a host OOM.
+
+    >>> return_freed_cpu_memory() in (True, False)
+    True
+    """
+    global _RETURNING
+    lib = _glibc()
+    if not lib:
+        return False
+    if not _RETURNING:
+        lib.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so never raised again
+        _RETURNING = True
+    trim_cpu_heap()  # what the heap holds free now goes back too
+    return True
+
+
+def trim_cpu_heap() -> None:
+    """Give the free memory glibc's heap holds now back to the system (``malloc_trim``; nothing
+    where the C library is not glibc), so the resident size counts what is in use.
+
+    >>> trim_cpu_heap()
+    """
+    lib = _glibc()
+    if lib:
+        lib.malloc_trim(0)
+
+
+def _release_cpu_heap() -> None:
+    """Give the CPU heap back after an OOM, and keep it returnable from then on (measured under
+    RLIMIT_AS, convnext_atto at 64 px with 150 MiB of headroom: the back-off fell from 128 to 2
+    with glibc's default heap, though a clean start at 32 trains; it lands on 32 with this)."""
+    if not _RETURNING and _glibc():
+        log.warning(
+            "bigbatch: after an out-of-memory error, large CPU allocations now bypass "
+            "glibc's heap (M_MMAP_THRESHOLD 128 KiB), so freed memory is returned"
+        )
+    return_freed_cpu_memory()

@@ -1,6 +1,7 @@
 """Run by test_plan_hwm.py in a subprocess: plan a model into a budget a few tens of MiB above
-what this process needs, train two windows at the plan, print the budget and the process's real
-high-water mark (VmHWM) as JSON. argv[1]: "timm" or "gpt"."""
+what this process needs, train two windows at the plan (giving freed memory back to the system
+where the plan says so, as bigbatch train does), print the budget and the process's real
+high-water mark (VmHWM) as JSON. argv[1]: "timm" or "gpt"; argv[2]: threads."""
 
 import json
 import sys
@@ -11,8 +12,8 @@ from torch import nn
 
 from bigbatch import Accumulator
 from bigbatch.backoff import OOMBackoff, run_window
-from bigbatch.memory.calibrate import calibrate
-from bigbatch.memory.plan import overhead_bytes, plan_micro_batch
+from bigbatch.device import return_freed_cpu_memory
+from bigbatch.memory.plan import plan_micro_batch, plan_under_budget
 from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import StepSpec
 from bigbatch.models import timm_factory
@@ -69,11 +70,15 @@ if __name__ == "__main__":
     else:
         window = (torch.randint(0, 256, (64, 256)),)
 
-    cal = calibrate(spec_at(2))
-    overhead = overhead_bytes("cpu")
+    # The library's planning path calibrates and then reads the overhead, as bigbatch train's
+    # does; its calibration and overhead set a budget that holds 16 with SLACK to spare.
+    probe = plan_under_budget(spec_at, 64, "16GB")
+    cal, overhead = probe.calibration, probe.overhead_bytes
     need = predict_peak(spec_at(16), calibration=cal).planning_bytes
     budget = int((overhead + need + SLACK) / 0.9)  # the default 10 % margin on top
-    plan = plan_micro_batch(spec_at, 64, budget, calibration=cal)
+    plan = plan_micro_batch(spec_at, 64, budget, calibration=cal, overhead=overhead)
+    if plan.return_freed_memory:  # as bigbatch train does: no room for glibc's heap to grow
+        return_freed_cpu_memory()
     torch.manual_seed(0)
     model = spec_at(1).model()
     acc = Accumulator(torch.optim.AdamW(model.parameters()))
@@ -88,6 +93,7 @@ if __name__ == "__main__":
                 "micro_batch": plan.micro_batch,
                 "overhead": overhead,
                 "predicted": plan.predicted_peak_bytes,
+                "return_freed_memory": plan.return_freed_memory,
             }
         )
     )

@@ -17,6 +17,7 @@ from bigbatch.cli import UserError
 from bigbatch.device import torch_threads
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
+    RETURN_FREED_NOTE,
     DoesNotFitError,
     device_total_bytes,
     fastest,
@@ -272,13 +273,15 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         budget = resolve_budget(args.budget, args.device)
-        # Measured once, before calibration runs grow this process.
-        overhead = (
-            parse_bytes(args.overhead, allow_zero=True)
-            if args.overhead
-            else overhead_bytes(args.device)
+        overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
+        # Refuses a budget too small before any model is built; without --overhead each plan
+        # reads it again after its calibration (what those real steps leave, training has too).
+        usable_bytes(
+            budget,
+            overhead_bytes(args.device) if overhead is None else overhead,
+            args.device,
+            args.margin,
         )
-        usable_bytes(budget, overhead, args.device, args.margin)  # refuses a budget too small
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     notes = []
@@ -293,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
         plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
     for p in plans:
         p["threads"] = threads
+    if any(p.get("return_freed_memory") for p in plans):
+        notes.append(RETURN_FREED_NOTE)
     if args.csv:
         _write_csv(args.csv, plans)
     if args.plot:
@@ -325,7 +330,7 @@ def _plan_rows(
     args: argparse.Namespace,
     rows: list[Row],
     budget: int,
-    overhead: int,
+    overhead: int | None,
     cache: int,
     notes: list[str],
 ) -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[int, int]], int]]]:

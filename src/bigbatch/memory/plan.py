@@ -9,6 +9,7 @@ the plan balances the micro-batches (256 with at most 100 fitting -> 3 x 86, not
 from __future__ import annotations
 
 import functools
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.device import free_bytes, process_rss, total_bytes
+from bigbatch.device import free_bytes, process_rss, total_bytes, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
 from bigbatch.memory.predict import MemoryPrediction, OptimizerTrace, predict_peak
@@ -38,6 +39,11 @@ __all__ = [
 # (typically 300-600 MiB; varies with the driver, not measured here: no GPU).
 CUDA_CONTEXT_BYTES = 500 * 2**20
 DEFAULT_MARGIN = 0.10
+# The prediction counts tensors; glibc's default heap keeps freed blocks that small objects then
+# fragment, so over a run the process grows past the tensors alive by 0.3-1.5x the step's working
+# set (activations, temporaries): measured over 40 steps at 1 and 2 threads on a small GPT and
+# resnet10t (benchmarks/cpu_heap.py). A plan without that room has training return freed memory.
+CPU_HEAP_GROWTH = 1.5
 
 
 class DoesNotFitError(ValueError):
@@ -75,6 +81,23 @@ class Plan:
     samples_per_s: dict[int, float] = field(default_factory=dict)
 
     @property
+    def heap_growth_bytes(self) -> int:
+        """CPU: how far glibc's default heap may take the process past the predicted peak
+        (:data:`CPU_HEAP_GROWTH` x the step's working set); 0 on a GPU."""
+        p = self.prediction
+        if p.device != "cpu":
+            return 0
+        return int(CPU_HEAP_GROWTH * (p.activations + p.temporaries + p.workspace_bytes))
+
+    @property
+    def return_freed_memory(self) -> bool:
+        """CPU: the plan holds only if training gives freed memory back to the system
+        (:func:`bigbatch.device.return_freed_cpu_memory`, which ``bigbatch train`` calls then):
+        the budget has no room for glibc's heap to grow by :attr:`heap_growth_bytes`."""
+        growth = self.heap_growth_bytes
+        return growth > 0 and self.predicted_peak_bytes + growth > self.usable_bytes
+
+    @property
     def accum_steps(self) -> int:
         """Deprecated: :attr:`micro_batches`, the name the Accumulator and the CLI use."""
         import warnings
@@ -109,6 +132,8 @@ class Plan:
             "predictions": self.predictions,
             "notes": self.prediction.notes,
             "samples_per_s": {str(b): v for b, v in self.samples_per_s.items()} or None,
+            "heap_growth_bytes": self.heap_growth_bytes,
+            "return_freed_memory": self.return_freed_memory,
         }
 
     def summary(self) -> str:
@@ -121,7 +146,15 @@ class Plan:
             f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"(budget {format_bytes(self.budget_bytes)}); {self.prediction.breakdown()}"
             + "".join(f"; note: {n}" for n in self.prediction.notes)
+            + (f"; {RETURN_FREED_NOTE}" if self.return_freed_memory else "")
         )
+
+
+RETURN_FREED_NOTE = (
+    "train with freed memory given back to the system (bigbatch.device.return_freed_cpu_memory(), "
+    "as bigbatch train does; about a third slower a CPU step): the budget leaves no room for "
+    "glibc's heap to grow past the prediction"
+)
 
 
 # Kept under their planning names: the device module owns how they are read.
@@ -132,10 +165,13 @@ device_total_bytes = total_bytes
 def overhead_bytes(device: str | torch.device) -> int:
     """Memory a training process needs besides the step's tensors: the CUDA context on a GPU;
     on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB), read after
-    what training loads anyway has been loaded (:func:`_load_training_libraries`)."""
+    what training loads anyway has been loaded (:func:`_load_training_libraries`) and with the
+    free memory glibc's heap holds given back (training would reuse it, not add to it)."""
     if torch.device(device).type == "cuda":
         return CUDA_CONTEXT_BYTES
     _load_training_libraries()
+    gc.collect()
+    trim_cpu_heap()
     return process_rss()
 
 
@@ -377,11 +413,15 @@ def plan_under_budget(
     extra_bytes: int = 0,
 ) -> Plan:
     """The planning path every caller takes (``bigbatch plan``, ``bigbatch train``, the
-    ensemble, fastai's ``plan_learner``): the budget and the process overhead (read here, before
-    calibration's real steps grow this process: memory they leave behind is reused by training,
-    not spent besides it), CPU workspace calibration at the micro-batch sizes whose real step
-    fits the budget, then :func:`plan_micro_batch`. What calibration could not measure is in
-    ``plan.calibration_note`` (and in a :class:`DoesNotFitError`'s message).
+    ensemble, fastai's ``plan_learner``): the budget, CPU workspace calibration at the
+    micro-batch sizes whose real step fits it, the process overhead (unless given: read after
+    calibration, see below), then :func:`plan_micro_batch`. What calibration could not measure
+    is in ``plan.calibration_note`` (and in a :class:`DoesNotFitError`'s message).
+
+    Calibration's real steps leave what a training process has too: kernels oneDNN compiled,
+    library code paged in, the profiler's buffers (resnet10t and convnext_atto 33-35 MiB, a
+    small GPT 16 MiB here, after their freed tensors went back). Read before calibration, the
+    overhead missed that much, and training in the same process went past the plan by it.
 
     >>> import torch
     >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
@@ -389,12 +429,15 @@ def plan_under_budget(
     64
     """
     budget_bytes = resolve_budget(budget, device)
+    given = overhead
     overhead = overhead_bytes(device) if overhead is None else overhead
     calibration, note = None, ""
     trace = OptimizerTrace()  # shared by every prediction of this plan
     if calibrate and torch.device(device).type == "cpu":
         usable = usable_bytes(budget_bytes, overhead, device, margin)
         calibration, note = calibrate_within(spec_at(2), usable, optimizer_trace=trace)
+        if given is None:
+            overhead = overhead_bytes(device)
     try:
         plan = plan_micro_batch(
             spec_at,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigbatch.device import return_freed_cpu_memory
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
@@ -91,9 +92,30 @@ def plan_for(
         ) from exc
     if cfg.micro_batch:
         _check_fixed(cfg, plan, spec_at, log)
+    else:
+        log(f"plan: {plan.summary()}")
+    if plan.return_freed_memory:
+        _return_freed_memory(plan, log)
+    if cfg.micro_batch:
         return cfg.micro_batch, cfg.micro_batch
-    log(f"plan: {plan.summary()}")
     return plan.micro_batch, plan.max_micro_batch
+
+
+def _return_freed_memory(plan: Any, log: Log) -> None:
+    """The budget has no room for glibc's heap to grow past the prediction: have freed memory
+    go back to the system from now on, or say that it cannot here."""
+    growth = format_bytes(plan.heap_growth_bytes)
+    if return_freed_cpu_memory():
+        log(
+            "plan: large CPU blocks now go back to the system when freed (glibc's heap could "
+            f"grow {growth} past the prediction, which the budget has no room for; a CPU step "
+            "is about a third slower this way)"
+        )
+    else:
+        log(
+            f"plan: warning: this C library's heap may grow up to {growth} past the prediction, "
+            "which the budget has no room for: raise the budget or set a smaller micro_batch"
+        )
 
 
 def _check_fixed(cfg: TrainConfig, plan: Any, spec_at: Callable[[int], StepSpec], log: Log) -> None:
