@@ -60,10 +60,12 @@ def test_whole_target_when_it_fits() -> None:
 def test_a_cpu_plan_without_room_for_glibcs_heap_says_to_return_freed_memory() -> None:
     roomy = plan_micro_batch(spec_at, 8, "1GiB", overhead=0)
     assert roomy.heap_growth_bytes > 0 and not roomy.return_freed_memory
-    tight = plan_micro_batch(spec_at, 256, 40 * 2**20, overhead=0)
+    tight = plan_micro_batch(spec_at, 256, 40 * 2**20, overhead=2**20)
     assert tight.predicted_peak_bytes + tight.heap_growth_bytes > tight.usable_bytes
     assert tight.return_freed_memory and tight.to_dict()["return_freed_memory"]
     assert "return_freed_cpu_memory()" in tight.summary()
+    # An overhead of 0 budgets the step's tensors alone (the demo's budgets): no process heap.
+    assert not plan_micro_batch(spec_at, 256, 40 * 2**20, overhead=0).return_freed_memory
     # A GPU's caching allocator is predicted by its model: no heap growth to allow for.
     cuda = plan_micro_batch(
         lambda b: StepSpec(cnn, (3, 32, 32), b, device="cuda"), 8, "1GiB", device="cuda", overhead=0

@@ -151,6 +151,33 @@ def test_fixed_micro_batch_is_checked_against_an_explicit_budget(
     assert any("micro-batch 4 (fixed) fits budget 1GiB" in line for line in lines)
 
 
+@pytest.mark.slow
+def test_a_tight_cpu_budget_has_training_return_freed_memory(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan with no room for glibc's heap to grow past the prediction: training gives freed
+    memory back (recorded here: the real call would slow this test process for good)."""
+    import bigbatch.train.planning as planning
+
+    calls: list[str] = []
+    monkeypatch.setattr(planning, "return_freed_cpu_memory", lambda: calls.append("x") or True)
+    base = [*base_overrides(image_folder, tiny_model), "micro_batch=0", "epochs=1"]
+    lines: list[str] = []
+    train(
+        load_config(overrides=[*base, "budget=1MiB", "overhead=256KiB"]),
+        tmp_path / "tight",
+        log=lines.append,
+    )
+    assert calls == ["x"]
+    assert any("large CPU blocks now go back to the system" in line for line in lines), lines
+    train(
+        load_config(overrides=[*base, "budget=1GiB", "overhead=256KiB"]),
+        tmp_path / "roomy",
+        log=quiet,
+    )
+    assert calls == ["x"]  # the roomy plan leaves glibc's heap as it is
+
+
 def test_a_budget_above_the_machine_memory_is_refused(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:

@@ -93,9 +93,12 @@ class Plan:
     def return_freed_memory(self) -> bool:
         """CPU: the plan holds only if training gives freed memory back to the system
         (:func:`bigbatch.device.return_freed_cpu_memory`, which ``bigbatch train`` calls then):
-        the budget has no room for glibc's heap to grow by :attr:`heap_growth_bytes`."""
+        the budget has no room for glibc's heap to grow by :attr:`heap_growth_bytes`. Never
+        with an overhead of 0: that budget is for the step's tensors alone, not a process."""
         growth = self.heap_growth_bytes
-        return growth > 0 and self.predicted_peak_bytes + growth > self.usable_bytes
+        if growth == 0 or self.overhead_bytes == 0:
+            return False
+        return self.predicted_peak_bytes + growth > self.usable_bytes
 
     @property
     def accum_steps(self) -> int:
