@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import importlib
 import logging
 import os
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from bigbatch import __version__
-from bigbatch.cli import UserError
+from bigbatch.cli import UserError, freeze_loaded
 from bigbatch.user_code import UserCodeError
 
 # Subcommand -> module; each module has add_arguments(parser) and run(args) -> int.
@@ -136,7 +137,9 @@ def _set_up_logging(verbose: bool, quiet: bool) -> None:
     log.setLevel(logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one ``bigbatch`` command; ``own_process``: the process runs nothing else and exits
+    after it (the ``bigbatch`` executable), so what it loads may be frozen for the collector."""
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((w for w in words if w in COMMANDS), None)
     parser = build_parser(load=[command] if command else [])
@@ -155,7 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    module = importlib.import_module(COMMANDS[args.command][0])
+    args.own_process = own_process
+    if own_process:
+        gc.disable()  # loading makes long-lived objects, hardly any garbage
+    try:
+        module = importlib.import_module(COMMANDS[args.command][0])
+    finally:
+        if own_process:
+            freeze_loaded()
     try:
         return int(module.run(args))
     except (UserError, UserCodeError) as exc:
@@ -198,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console() -> None:
     """The ``bigbatch`` command: :func:`main`, then exit with its code."""
-    code = main()
+    code = main(own_process=True)
     if "torch" not in sys.modules:  # --help, a refused argument: nothing heavy to tear down
         sys.exit(code)
     import torch.distributed as dist

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.cli import UserError
+from bigbatch.cli import UserError, freeze_loaded
 from bigbatch.device import torch_threads
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
@@ -292,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
             f"({format_bytes(total)}): fine for planning another machine, not for training here"
         )
     threads = _threads(args)
+    if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
+        freeze_loaded()
     with torch_threads(threads):
         plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
     for p in plans:
