@@ -81,6 +81,8 @@ def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choi
         "print(bound_onednn_cache(torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3))))\n"
         "del os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']\n"
         "print(bound_onednn_cache(convs, entries_per_size=51))\n"
+        "del os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']\n"
+        "print(bound_onednn_cache(convs, sizes=1, entries_per_size=52))\n"
     )
     env = {k: v for k, v in os.environ.items() if "PRIMITIVE_CACHE" not in k}
     out = subprocess.run(
@@ -92,6 +94,9 @@ def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choi
     assert out[0] == "400 400"  # 2 sizes x 4 entries x 50 convolutions
     assert out[1] == "None"  # already set (here by the first call; a user's value likewise)
     assert out[2] == "110"  # counted: 2 sizes x 51 entries, and 8 to spare
+    assert out[3] == "60"  # one size, for a tight limit (the OOM guide)
+    with pytest.raises(ValueError, match="sizes must be >= 1"):
+        device.bound_onednn_cache(torch.nn.Conv2d(2, 2, 3), sizes=0)
 
 
 _HEAP_SCRIPT = """

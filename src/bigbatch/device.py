@@ -217,20 +217,24 @@ def bound_onednn_cache(
 
     Without ``entries_per_size`` the bound assumes 4 entries per convolution module, an upper
     bound (1.0-4.0 counted), so the cache can still hold several sizes; count one step's
-    entries at a new size with ``ONEDNN_VERBOSE=all python step.py | grep -c cache_miss`` and
-    pass that for a bound that holds two (convnext_atto: 52 a size, capacity 110, lands the
-    back-off where a clean start fits; see the OOM guide).
+    entries with the threads you train with, ``ONEDNN_VERBOSE=all python step.py | grep -c
+    cache_miss`` (convnext_atto: 52 on one thread, 110 on two), and pass that. Under a tight
+    limit hold one size (``sizes=1``) and return freed memory from the start
+    (:func:`return_freed_cpu_memory`): the back-off then lands where a clean start fits (the
+    OOM guide's table), at up to a tenth more time per window.
 
     >>> bound_onednn_cache(torch.nn.Linear(2, 2)) is None  # no convolution: nothing to bound
     True
     """
+    if sizes < 1:
+        raise ValueError(f"sizes must be >= 1 (micro-batch sizes the cache holds), got {sizes}")
+    if entries_per_size is not None and entries_per_size < 1:
+        raise ValueError(f"entries_per_size must be >= 1, got {entries_per_size}")
     if any(
         n in os.environ
         for n in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
     ):
         return None  # the user's choice
-    if entries_per_size is not None and entries_per_size < 1:
-        raise ValueError(f"entries_per_size must be >= 1, got {entries_per_size}")
     convs = sum(
         isinstance(m, torch.nn.modules.conv._ConvNd) and m.weight.device.type == "cpu"
         for m in model.modules()
@@ -239,7 +243,7 @@ def bound_onednn_cache(
         return None
     if entries_per_size is None:
         capacity = max(256, sizes * _ONEDNN_ENTRIES_PER_CONV * convs)
-    else:  # counted: two sizes and a little room for the loss and optimizer's own primitives
+    else:  # counted: the sizes, and a little room for the loss and optimizer's own primitives
         capacity = sizes * entries_per_size + 8
     if capacity >= _ONEDNN_CACHE_DEFAULT:
         return None  # a model this large already fills oneDNN's own bound

@@ -2,6 +2,8 @@
 SGD, one thread, under an address-space limit (RLIMIT_AS) set `extra` MiB above the process
 once the model has taken one small step.
 
+    python real_oom_timm_script.py count               -> only the small step (ONEDNN_VERBOSE=all
+                                                          prints its oneDNN cache entries)
     python real_oom_timm_script.py need MICRO          -> prints the MiB one step at MICRO adds
     python real_oom_timm_script.py clean EXTRA MICRO   -> OK or FAIL: trains at MICRO, no back-off
     python real_oom_timm_script.py backoff EXTRA OUT   -> starts at 128, backs off; saves weights
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from bigbatch import Accumulator
 from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
-from bigbatch.device import bound_onednn_cache
+from bigbatch.device import bound_onednn_cache, return_freed_cpu_memory
 
 
 def build() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -42,11 +44,18 @@ if __name__ == "__main__":
     # Threads need address space too (their stacks, oneDNN's per-thread scratch): one unless told.
     torch.set_num_threads(int(os.environ.get("BIGBATCH_TEST_THREADS", "1")))
     mode = sys.argv[1]
+    if os.environ.get("BIGBATCH_TEST_RETURN") == "1":
+        return_freed_cpu_memory()  # large blocks back to the system from the start
     model, x, y = build()
     if os.environ.get("BIGBATCH_TEST_BOUND", "1") == "1":
-        # Before its first convolution; BIGBATCH_TEST_ENTRIES: a counted size's entries (52).
+        # Before its first convolution; BIGBATCH_TEST_ENTRIES: a counted size's entries (52),
+        # BIGBATCH_TEST_SIZES: how many sizes the cache holds (2).
         entries = os.environ.get("BIGBATCH_TEST_ENTRIES")
-        bound_onednn_cache(model, entries_per_size=int(entries) if entries else None)
+        bound_onednn_cache(
+            model,
+            sizes=int(os.environ.get("BIGBATCH_TEST_SIZES", "2")),
+            entries_per_size=int(entries) if entries else None,
+        )
     acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
 
     def loss_fn(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -54,6 +63,8 @@ if __name__ == "__main__":
 
     # One small step first, so kernels and their buffers exist, as in a run already going.
     run_window(acc, (x[:2], y[:2]), loss_fn, OOMBackoff(micro_batch=2))
+    if mode == "count":  # under ONEDNN_VERBOSE=all: its cache_miss lines are one size's entries
+        sys.exit(0)
     if mode == "need":
         before = status("VmSize")
         run_window(acc, (x, y), loss_fn, OOMBackoff(micro_batch=int(sys.argv[2])))
