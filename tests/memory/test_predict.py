@@ -278,3 +278,11 @@ def test_a_replayed_optimizer_step_predicts_to_the_byte(
         replayed.pop("seconds"), full.pop("seconds")
         assert replayed == full, b
     assert trace.first is not None and trace.steady  # recorded, so the later ones replayed
+    # Calibration measures no optimizer step: every prediction's steady step runs past its ops,
+    # so one recording serves all sizes, and an uncalibrated prediction (the planner's guard).
+    assert list(trace.steady) == [("past",)]
+    if calibrated:
+        guard = asdict(predict_peak(spec.with_batch(3), optimizer_trace=trace))
+        full = asdict(predict_peak(spec.with_batch(3)))
+        guard.pop("seconds"), full.pop("seconds")
+        assert guard == full

@@ -1,9 +1,9 @@
 """Per-op workspace calibration for CPU predictions.
 
 Fake tensors see every tensor an op returns, but not the scratch memory a CPU kernel allocates
-and frees inside itself (oneDNN convolution backward, im2col). A small real training step at
-micro-batch 2 and 4 (and 1), on one model after a first step that creates the optimizer state,
-runs with every dispatched op wrapped in a profiler range; each op's
+and frees inside itself (oneDNN convolution backward, im2col). The forward and backward of a
+small real training step at micro-batch 2 and 4 (and 1), on one model after a first step that
+creates the optimizer state, run with every dispatched op wrapped in a profiler range; each op's
 workspace is the highest point its allocations reach above what it leaves behind. The fake run
 then adds op i's workspace, interpolated linearly in the micro-batch, at op i, as long as its op
 sequence matches the calibration's.
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
 from bigbatch.memory.predict import predict_peak
-from bigbatch.memory.step import StepSpec, make_inputs, run_training_step
+from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss, run_training_step
 
 __all__ = ["Calibration", "calibrate", "calibrate_within", "calibration_need"]
 
@@ -148,7 +148,14 @@ def _measure(spec: StepSpec, stepped: tuple[Any, Any] | None = None) -> tuple[_R
     gc.disable()
     try:
         with cpu_memory_profile() as prof, marker:
-            run_training_step(model, opt, x, spec, device_type)
+            # The forward and backward only: the optimizer step's elementwise ops on the weights
+            # allocate no scratch of their own and do not change with the micro-batch, and a
+            # prediction runs past the calibrated ops there. Measuring it took most of a
+            # calibration step (Adam's per-weight ops, profiled).
+            loss = run_step_loss(spec, model, x, device_type)
+            loss.backward()
+            del loss
+            opt.zero_grad(set_to_none=True)
     finally:
         if collecting:
             gc.enable()

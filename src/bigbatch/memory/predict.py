@@ -130,7 +130,9 @@ class _SteadyStep:
     there; where the calibration alignment stood after it."""
 
     points: list[tuple[int, int | None]]
-    after: tuple[int, int, bool, int]  # cal_index, misses, aligned; left_at after its start, or -1
+    # cal_index, misses, aligned; left_at after its start, or -1. None: it ran past the
+    # calibration's ops (or without one), where matching leaves all of these as they were.
+    after: tuple[int, int, bool, int] | None
     op_count: int  # counted ops it dispatched
 
 
@@ -288,6 +290,12 @@ class _StorageTracker(TorchDispatchMode):
         if counted:
             self.op_index += 1
         return out
+
+    def skip_calibrated_ops(self) -> None:
+        """The calibrated ops are used up (where the backward's last ones went unmatched, the
+        optimizer's would otherwise count as misses and part the sequences)."""
+        if self.calibration is not None:
+            self.cal_index = len(self.calibration.ops_for(self.batch_size))
 
     def _match(self, name: str) -> int | None:
         """The calibration op this fake op is, or None. Fake mode dispatches a few ops the real
@@ -557,13 +565,16 @@ def _steady_step(
 ) -> _SteadyStep | None:
     """The steady optimizer step, traced; what it did, when ``record``."""
     op_index, left_at = tracker.op_index, tracker.left_at
+    past = _past_calibration(tracker)
     with tracker.optimizer_phase(record) as points:
         opt.step()
     if points is None or tracker.live_bytes != tracker.recording_base:
         return None  # it left something behind: not replayable
     return _SteadyStep(
         points=[(above, matched) for above, matched, _ in points],
-        after=(
+        after=None
+        if past
+        else (
             *_alignment(tracker),
             tracker.left_at - op_index if tracker.left_at != left_at else -1,
         ),
@@ -571,12 +582,25 @@ def _steady_step(
     )
 
 
+def _past_calibration(tracker: _StorageTracker) -> bool:
+    """Whether the ops from here on match no calibration op: there is none, the sequences
+    parted, or its ops are used up (calibration measures no optimizer step)."""
+    cal = tracker.calibration
+    return (
+        cal is None
+        or not tracker.aligned
+        or tracker.cal_index >= len(cal.ops_for(tracker.batch_size))
+    )
+
+
 def _steady_key(tracker: _StorageTracker) -> tuple[Any, ...]:
     """A recorded steady step replays where it would be matched against the same calibration
-    ops from the same place in them."""
+    ops from the same place in them; past the calibration's ops every step matches nothing,
+    so one recording serves a calibrated prediction and an uncalibrated one (the guard)."""
+    if _past_calibration(tracker):
+        return ("past",)
     cal = tracker.calibration
-    ops = cal.ops_for(tracker.batch_size) if cal is not None else None
-    return (id(cal), ops, *_alignment(tracker))
+    return (id(cal), cal.ops_for(tracker.batch_size), *_alignment(tracker))
 
 
 def _replay_steady_step(tracker: _StorageTracker, steady: _SteadyStep) -> None:
@@ -588,10 +612,11 @@ def _replay_steady_step(tracker: _StorageTracker, steady: _SteadyStep) -> None:
             best = (above + workspace, above, workspace)
     if best[0] >= 0:
         tracker.replay_peak(best[1], best[2], {tracker.new_uid(): (best[1], "optimizer")})
-    cal_index, misses, aligned, left_at = steady.after
-    if left_at >= 0:
-        tracker.left_at = tracker.op_index + left_at
-    tracker.cal_index, tracker.misses, tracker.aligned = cal_index, misses, aligned
+    if steady.after is not None:
+        cal_index, misses, aligned, left_at = steady.after
+        if left_at >= 0:
+            tracker.left_at = tracker.op_index + left_at
+        tracker.cal_index, tracker.misses, tracker.aligned = cal_index, misses, aligned
     tracker.op_index += steady.op_count
 
 
@@ -689,6 +714,7 @@ def _predict_on_fake(
             for p in params:
                 if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
                     grads_uids.add(uid)
+            tracker.skip_calibrated_ops()  # calibration measures no optimizer step
             key = _steady_key(tracker) if trace is not None else None
             recorded = trace.steady.get(key) if trace is not None else None
             if recorded is not None:
