@@ -140,6 +140,8 @@ def _set_up_logging(verbose: bool, quiet: bool) -> None:
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """Run one ``bigbatch`` command; ``own_process``: the process runs nothing else and exits
     after it (the ``bigbatch`` executable), so what it loads may be frozen for the collector."""
+    if own_process:
+        gc.disable()  # loading (the command's module first) makes long-lived objects, no garbage
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((w for w in words if w in COMMANDS), None)
     parser = build_parser(load=[command] if command else [])
@@ -159,8 +161,6 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     args.own_process = own_process
-    if own_process:
-        gc.disable()  # loading makes long-lived objects, hardly any garbage
     try:
         module = importlib.import_module(COMMANDS[args.command][0])
     finally:
