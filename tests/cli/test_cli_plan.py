@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import textwrap
 from dataclasses import replace
@@ -27,7 +28,10 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
         "--json",
         "--no-calibrate",
     ]
+    frozen = gc.get_freeze_count()
     assert main(args) == 0
+    # Called in a process that goes on (this one), main leaves the collector as it was.
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
     plan = json.loads(capsys.readouterr().out)
     for key in (
         "micro_batch",
@@ -131,11 +135,12 @@ def test_planning_stays_inside_the_budget_it_plans_for(tmp_path: Path) -> None:
     # The child reports its own peak: VmHWM of its address space. Not ru_maxrss, which Linux
     # carries across exec from the forked parent (this pytest process, 1.1 GB after the demo).
     script = (
-        "import sys\n"
+        "import gc, sys\n"
         "from bigbatch.cli.main import main\n"
-        f"code = main({args!r})\n"
+        f"code = main({args!r}, own_process=True)\n"  # as the bigbatch executable runs it
         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
         "print('PEAK', hwm, file=sys.stderr)\n"
+        "print('GC', gc.isenabled(), gc.get_freeze_count() > 0, file=sys.stderr)\n"
         "sys.exit(code)\n"
     )
     proc = subprocess.run(
@@ -145,6 +150,7 @@ def test_planning_stays_inside_the_budget_it_plans_for(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "even micro-batch 1 does not fit" in proc.stderr
     assert "not calibrated" in proc.stderr or "calibrated at micro-batch" in proc.stderr
     assert peak < budget, f"the planner peaked at {peak / 2**20:.0f} MiB: {proc.stderr[-700:]}"
+    assert "GC True True" in proc.stderr  # what it loaded is frozen; the collector runs
 
 
 @pytest.mark.slow
