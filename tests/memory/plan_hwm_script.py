@@ -5,10 +5,14 @@ high-water mark (VmHWM) as JSON. argv[1]: "timm" or "gpt"; argv[2]: threads."""
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+# The small GPT of benchmarks/cpu_heap.py, which measures what this test relies on.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from cpu_heap import GPT, lm_loss
 
 from bigbatch import Accumulator
 from bigbatch.backoff import OOMBackoff, run_window
@@ -19,28 +23,6 @@ from bigbatch.memory.step import StepSpec
 from bigbatch.models import timm_factory
 
 SLACK = 40 * 2**20  # a few tens of MiB above the need at micro-batch 16
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, width: int = 128, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
-            for _ in range(layers)
-        )
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
-        for block in self.blocks:
-            x = block(x, src_mask=mask, is_causal=True)
-        return self.head(x)
-
-
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 def vm(key: str) -> int:
