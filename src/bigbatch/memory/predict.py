@@ -126,14 +126,12 @@ class _FirstStep:
 
 @dataclass
 class _SteadyStep:
-    """The steady optimizer step: per point, bytes above its start and the calibration op
-    there; where the calibration alignment stood after it."""
+    """The steady optimizer step: its highest point above its start, and how many counted ops
+    it dispatched. It runs past the calibration's ops (calibration measures no optimizer
+    step), so no op of it has a workspace and it moves no alignment."""
 
-    points: list[tuple[int, int | None]]
-    # cal_index, misses, aligned; left_at after its start, or -1. None: it ran past the
-    # calibration's ops (or without one), where matching leaves all of these as they were.
-    after: tuple[int, int, bool, int] | None
-    op_count: int  # counted ops it dispatched
+    highest: int
+    op_count: int
 
 
 @dataclass
@@ -147,8 +145,7 @@ class OptimizerTrace:
 
     key: tuple[Any, ...] | None = None
     first: _FirstStep | None = None
-    # By where it starts in the calibration's ops: a measured size (1, 2, 4) has its own.
-    steady: dict[Any, _SteadyStep] = field(default_factory=dict)
+    steady: _SteadyStep | None = None
 
     def fits(self, spec: StepSpec) -> bool:
         key = (spec.model, spec.optimizer, spec.precision, spec.device, spec.step)
@@ -198,7 +195,7 @@ class _StorageTracker(TorchDispatchMode):
         self.events: list[tuple[str, int, int]] | None = None
         self.observing = True  # False: tensors are tracked, the peak is not moved
         # While an optimizer phase is recorded (:meth:`optimizer_phase`), its points.
-        self.recording: list[tuple[int, int | None, int]] | None = None
+        self.recording: list[tuple[int, int]] | None = None
         self.recording_base = 0
 
     def uid_of(self, t: torch.Tensor) -> int | None:
@@ -236,9 +233,9 @@ class _StorageTracker(TorchDispatchMode):
             self.events.append(("malloc", uid, n))
         self._observe(0)
 
-    def _observe(self, workspace: int, matched: int | None = None) -> None:
-        if self.recording is not None:
-            self.recording.append((self.live_bytes - self.recording_base, matched, self._next_uid))
+    def _observe(self, workspace: int) -> None:
+        if self.recording is not None:  # an optimizer phase: no calibration op, no workspace
+            self.recording.append((self.live_bytes - self.recording_base, self._next_uid))
         if self.observing and self.live_bytes + workspace > self.peak_bytes:
             self.peak_bytes = self.live_bytes + workspace
             self.peak_workspace = workspace
@@ -286,7 +283,7 @@ class _StorageTracker(TorchDispatchMode):
             self.track(t, n)
         if matched is not None:
             # The kernel's scratch memory was alive together with its outputs.
-            self._observe(self.calibration.workspace(matched, self.batch_size), matched)
+            self._observe(self.calibration.workspace(matched, self.batch_size))
         if counted:
             self.op_index += 1
         return out
@@ -329,10 +326,10 @@ class _StorageTracker(TorchDispatchMode):
             self.phase = previous
 
     @contextlib.contextmanager
-    def optimizer_phase(self, record: bool) -> Iterator[list[tuple[int, int | None, int]] | None]:
+    def optimizer_phase(self, record: bool) -> Iterator[list[tuple[int, int]] | None]:
         """An optimizer step; with ``record``, yields the list that fills with its points:
-        (live bytes above its start, the calibration op there, the next uid then)."""
-        points: list[tuple[int, int | None, int]] | None = [] if record else None
+        (live bytes above its start, the next uid then)."""
+        points: list[tuple[int, int]] | None = [] if record else None
         self.recording, self.recording_base = points, self.live_bytes
         try:
             with self.in_phase("optimizer"):
@@ -536,7 +533,7 @@ def _first_step(
             sizes[uid] = tracker.live[uid][0]
     if tracker.live_bytes - tracker.recording_base != sum(sizes.values()):
         return made, None  # it left something besides the state: not replayable
-    highest, _, watermark = max(points, key=lambda p: p[0])  # the first highest point
+    highest, watermark = max(points, key=lambda p: p[0])  # the first highest point
     at_highest = sum(n for uid, n in sizes.items() if uid < watermark)
     return made, _FirstStep(highest, at_highest, sum(sizes.values()))
 
@@ -556,67 +553,21 @@ def _replay_first_step(tracker: _StorageTracker, first: _FirstStep, state_uids: 
     return uid
 
 
-def _alignment(tracker: _StorageTracker) -> tuple[int, int, bool]:
-    return tracker.cal_index, tracker.misses, tracker.aligned
-
-
 def _steady_step(
     tracker: _StorageTracker, opt: torch.optim.Optimizer, record: bool
 ) -> _SteadyStep | None:
     """The steady optimizer step, traced; what it did, when ``record``."""
-    op_index, left_at = tracker.op_index, tracker.left_at
-    past = _past_calibration(tracker)
+    op_index = tracker.op_index
     with tracker.optimizer_phase(record) as points:
         opt.step()
     if points is None or tracker.live_bytes != tracker.recording_base:
         return None  # it left something behind: not replayable
-    return _SteadyStep(
-        points=[(above, matched) for above, matched, _ in points],
-        after=None
-        if past
-        else (
-            *_alignment(tracker),
-            tracker.left_at - op_index if tracker.left_at != left_at else -1,
-        ),
-        op_count=tracker.op_index - op_index,
-    )
-
-
-def _past_calibration(tracker: _StorageTracker) -> bool:
-    """Whether the ops from here on match no calibration op: there is none, the sequences
-    parted, or its ops are used up (calibration measures no optimizer step)."""
-    cal = tracker.calibration
-    return (
-        cal is None
-        or not tracker.aligned
-        or tracker.cal_index >= len(cal.ops_for(tracker.batch_size))
-    )
-
-
-def _steady_key(tracker: _StorageTracker) -> tuple[Any, ...]:
-    """A recorded steady step replays where it would be matched against the same calibration
-    ops from the same place in them; past the calibration's ops every step matches nothing,
-    so one recording serves a calibrated prediction and an uncalibrated one (the guard)."""
-    if _past_calibration(tracker):
-        return ("past",)
-    cal = tracker.calibration
-    return (id(cal), cal.ops_for(tracker.batch_size), *_alignment(tracker))
+    return _SteadyStep(max((above for above, _ in points), default=-1), tracker.op_index - op_index)
 
 
 def _replay_steady_step(tracker: _StorageTracker, steady: _SteadyStep) -> None:
-    cal = tracker.calibration
-    best = (-1, 0, 0)  # (bytes above with workspace, above, workspace)
-    for above, matched in steady.points:
-        workspace = cal.workspace(matched, tracker.batch_size) if matched is not None else 0
-        if above + workspace > best[0]:
-            best = (above + workspace, above, workspace)
-    if best[0] >= 0:
-        tracker.replay_peak(best[1], best[2], {tracker.new_uid(): (best[1], "optimizer")})
-    if steady.after is not None:
-        cal_index, misses, aligned, left_at = steady.after
-        if left_at >= 0:
-            tracker.left_at = tracker.op_index + left_at
-        tracker.cal_index, tracker.misses, tracker.aligned = cal_index, misses, aligned
+    if steady.highest >= 0:
+        tracker.replay_peak(steady.highest, 0, {tracker.new_uid(): (steady.highest, "optimizer")})
     tracker.op_index += steady.op_count
 
 
@@ -714,17 +665,17 @@ def _predict_on_fake(
             for p in params:
                 if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
                     grads_uids.add(uid)
-            tracker.skip_calibrated_ops()  # calibration measures no optimizer step
-            key = _steady_key(tracker) if trace is not None else None
-            recorded = trace.steady.get(key) if trace is not None else None
-            if recorded is not None:
-                _replay_steady_step(tracker, recorded)
+            # Calibration measures no optimizer step: past its ops, the step matches none, so
+            # one recording serves every prediction, calibrated or not.
+            tracker.skip_calibrated_ops()
+            if trace is not None and trace.steady is not None:
+                _replay_steady_step(tracker, trace.steady)
             else:
                 if replayed_state is not None:  # the state must exist for a real step
                     _materialize_state(tracker, params, opt, replayed_state)
                 steady_step = _steady_step(tracker, opt, record=trace is not None)
-                if trace is not None and steady_step is not None:
-                    trace.steady[key] = steady_step
+                if trace is not None:
+                    trace.steady = steady_step
             for v in optimizer_state_tensors(opt):
                 if (uid := tracker.uid_of(v)) is not None:
                     state_uids.add(uid)
