@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# The small GPT of benchmarks/cpu_heap.py, which measures what this test relies on.
+# The small GPT (and /proc reader) of benchmarks/cpu_heap.py, which measures what this test
+# relies on.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from cpu_heap import GPT, lm_loss
+from cpu_heap import GPT, lm_loss, status
 
 from bigbatch import Accumulator
 from bigbatch.backoff import OOMBackoff, run_window
@@ -23,14 +24,6 @@ from bigbatch.memory.step import StepSpec
 from bigbatch.models import timm_factory
 
 SLACK = 40 * 2**20  # a few tens of MiB above the need at micro-batch 16
-
-
-def vm(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
 
 
 if __name__ == "__main__":
@@ -71,7 +64,7 @@ if __name__ == "__main__":
         json.dumps(
             {
                 "budget": budget,
-                "hwm": vm("VmHWM:"),
+                "hwm": status("VmHWM"),
                 "micro_batch": plan.micro_batch,
                 "overhead": overhead,
                 "predicted": plan.predicted_peak_bytes,
