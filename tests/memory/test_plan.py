@@ -124,3 +124,32 @@ def test_top_level_plan_and_the_deprecated_accum_steps_name() -> None:
     assert plan.to_dict()["micro_batches"] == plan.to_dict()["accum_steps"] == plan.micro_batches
     with pytest.warns(DeprecationWarning, match="micro_batches"):
         assert plan.accum_steps == plan.micro_batches
+
+
+def test_a_plan_traces_its_floor_once_and_never_micro_batch_4_for_the_calibration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The floor is traced uncalibrated, bounds the calibration's step at 4 (not traced), and is
+    replayed calibrated: the plan equals the one whose every prediction was traced."""
+    from bigbatch.memory import plan as plan_module
+    from bigbatch.memory import predict as predict_module
+
+    budget = 40 * 2**20
+    sizes: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(spec: StepSpec, *args: object, **kwargs: object) -> object:
+        sizes.append(spec.batch_size)
+        return trace(spec, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    plan = plan_module.plan_under_budget(spec_at, 256, budget, overhead=0)
+    assert sizes.count(1) == 1 and 4 not in sizes, sizes
+    traced = plan_micro_batch(spec_at, 256, budget, overhead=0, calibration=plan.calibration)
+    assert (plan.micro_batch, plan.predicted_peak_bytes, plan.floor_bytes, plan.curve) == (
+        traced.micro_batch,
+        traced.predicted_peak_bytes,
+        traced.floor_bytes,
+        traced.curve,
+    )
+    assert plan.calibration_note == ""  # the bound let micro-batch 4 be measured

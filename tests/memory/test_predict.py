@@ -287,3 +287,68 @@ def test_a_replayed_optimizer_step_predicts_to_the_byte(
         guard.pop("seconds"), full.pop("seconds")
         assert guard == full
     assert trace.steady is recorded  # replayed by every later prediction, never re-recorded
+
+
+@pytest.mark.parametrize(
+    "factory,shape,optimizer,precision,moved",
+    [
+        (bn_cnn, (3, 16, 16), "adamw", "fp32", True),  # convolution workspaces
+        (bn_cnn, (3, 16, 16), "sgd_momentum", "bf16", True),  # BatchNorm's float32 statistics
+        (_LSTM, (12, 16), "adamw", "fp32", True),  # oneDNN's workspace, larger than the fake
+        (Encoder, (12, 32), "rmsprop", "fp32", False),
+        (KeepsLast, (512,), "adam", "fp32", False),
+    ],
+)
+def test_an_uncalibrated_trace_replayed_with_a_calibration_predicts_to_the_byte(
+    factory: Any, shape: tuple[int, ...], optimizer: str, precision: str, moved: bool
+) -> None:
+    """The planner traces its floor once, uncalibrated, and replays the trace with the
+    calibration measured after it: every field equals a calibrated trace's, where the
+    calibration grows an op's outputs to their real sizes too, and at sizes calibrated exactly
+    (1, 2) or interpolated (5), with the optimizer traced or replayed."""
+    from dataclasses import asdict
+
+    from bigbatch.memory.predict import OptimizerTrace, replay_with_calibration, trace_step
+
+    spec = StepSpec(factory, shape, 2, optimizer=optimizer, precision=precision)
+    calibration = calibrate(spec, batch_sizes=(1, 2), also=())
+    trace = OptimizerTrace()
+    grown = False
+    for b in (2, 5, 1):
+        # The fake tensor cache can give a tensor of an op's outputs its own storage on a hit
+        # that shared one on the miss (the LSTM's two bias gradients): compare warm traces.
+        predict_peak(spec.with_batch(b))
+        uncalibrated, log = trace_step(spec.with_batch(b), optimizer_trace=trace)
+        assert log is not None
+        replayed = replay_with_calibration(log, calibration)
+        traced = predict_peak(spec.with_batch(b), calibration=calibration)
+        assert replayed is not None
+        got, want = asdict(replayed), asdict(traced)
+        got.pop("seconds"), want.pop("seconds")
+        assert got == want, b
+        grown |= traced.peak_bytes != uncalibrated.peak_bytes
+        plain = asdict(replay_with_calibration(log, None) or traced)
+        plain.pop("seconds")
+        want_plain = asdict(uncalibrated)
+        want_plain.pop("seconds")
+        assert plain == want_plain
+    assert grown == moved  # where the calibration moves the peak, the replay moved it
+
+
+def test_the_bound_from_the_floor_covers_a_larger_micro_batch() -> None:
+    """Calibration's step at micro-batch 4 runs only where its need fits the budget; the
+    planner bounds that need from its floor's trace instead of tracing micro-batch 4."""
+    from bigbatch.memory.calibrate import WORKSPACE_HEADROOM, calibration_need
+    from bigbatch.memory.predict import peak_bound, trace_step
+
+    for factory, shape in ((bn_cnn, (3, 16, 16)), (Encoder, (12, 32)), (_LSTM, (12, 16))):
+        spec = StepSpec(factory, shape, 2)
+        _, log = trace_step(spec)
+        assert log is not None
+        for b in (2, 4, 16):
+            peak, working = peak_bound(log, b)
+            need = calibration_need(spec.with_batch(b))
+            assert peak + (WORKSPACE_HEADROOM - 1) * working >= need, (factory, b)
+            assert peak >= predict_peak(spec.with_batch(b)).peak_bytes
+        with pytest.raises(ValueError, match="from 2 up"):
+            peak_bound(log, 1)

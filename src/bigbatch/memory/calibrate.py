@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
-from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.predict import MemoryPrediction, StepLog, peak_bound, predict_peak
 from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss, run_training_step
 
 __all__ = ["Calibration", "calibrate", "calibrate_within", "calibration_need"]
@@ -218,12 +218,19 @@ def calibration_need(spec: StepSpec, *, optimizer_trace: Any = None) -> int:
     >>> calibration_need(spec) >= predict_peak(spec).peak_bytes
     True
     """
-    p = predict_peak(spec, optimizer_trace=optimizer_trace)
+    return _need(predict_peak(spec, optimizer_trace=optimizer_trace))
+
+
+def _need(p: MemoryPrediction) -> int:
     return int(p.peak_bytes + (WORKSPACE_HEADROOM - 1) * (p.activations + p.temporaries))
 
 
 def calibrate_within(
-    spec: StepSpec, usable_bytes: int, *, optimizer_trace: Any = None
+    spec: StepSpec,
+    usable_bytes: int,
+    *,
+    optimizer_trace: Any = None,
+    floor: StepLog | None = None,
 ) -> tuple[Calibration | None, str]:
     """:func:`calibrate` at the sizes (of 1, 2, 4) whose real step stays inside the budget.
 
@@ -231,10 +238,19 @@ def calibrate_within(
     budget it is meant to plan for. Each size's :func:`calibration_need` must fit
     ``usable_bytes`` before it is run. Returns the calibration
     (None when not even micro-batch 1 may run) and a note for the plan ('' when all three ran).
-    ``optimizer_trace``: the plan's :class:`~bigbatch.memory.predict.OptimizerTrace`.
+    ``optimizer_trace``: the plan's :class:`~bigbatch.memory.predict.OptimizerTrace`;
+    ``floor``: the plan's uncalibrated trace of its smallest micro-batch, whose need is known
+    and whose :func:`~bigbatch.memory.predict.peak_bound` clears a larger size without
+    tracing it (the size is traced where the bound does not fit).
     """
 
     def fits(b: int) -> bool:
+        if floor is not None and b == floor.spec.batch_size:
+            return _need(floor.prediction) <= usable_bytes
+        if floor is not None and b > floor.spec.batch_size:
+            peak, working = peak_bound(floor, b)
+            if peak + (WORKSPACE_HEADROOM - 1) * working <= usable_bytes:
+                return True
         try:
             need = calibration_need(spec.with_batch(b), optimizer_trace=optimizer_trace)
             return need <= usable_bytes

@@ -20,7 +20,14 @@ import torch
 from bigbatch.device import free_bytes, process_rss, total_bytes, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
-from bigbatch.memory.predict import MemoryPrediction, OptimizerTrace, predict_peak
+from bigbatch.memory.predict import (
+    MemoryPrediction,
+    OptimizerTrace,
+    StepLog,
+    predict_peak,
+    replay_with_calibration,
+    trace_step,
+)
 from bigbatch.memory.step import StepSpec
 
 __all__ = [
@@ -246,13 +253,15 @@ def plan_micro_batch(
     max_micro_batch: int | None = None,
     extra_bytes: int = 0,
     optimizer_trace: OptimizerTrace | None = None,
+    known: dict[int, MemoryPrediction] | None = None,
 ) -> Plan:
     """Choose the largest micro-batch that fits ``budget`` and the accumulation for ``target_batch``.
 
     ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``; ``extra_bytes`` is memory
     held besides each step for the whole window (a gradient cache for a loss that couples the
     samples, :func:`bigbatch.coupled.cache_bytes`); ``optimizer_trace``, this model's traced
-    optimizer steps (:class:`~bigbatch.memory.predict.OptimizerTrace`). Raises
+    optimizer steps (:class:`~bigbatch.memory.predict.OptimizerTrace`); ``known``, predictions
+    already made with ``calibration``, by micro-batch (:func:`plan_under_budget`'s floor). Raises
     :class:`DoesNotFitError` (the floor's breakdown, what to try) if micro-batch 1 does not fit.
 
     >>> import torch
@@ -275,7 +284,7 @@ def plan_micro_batch(
             "the budget or shrink the cache (a smaller target batch or representation)",
             predict_peak(spec_at(1), calibration=calibration),
         )
-    cache: dict[int, MemoryPrediction] = {}
+    cache: dict[int, MemoryPrediction] = dict(known or {})
     trace = optimizer_trace or OptimizerTrace()  # the optimizer's steps: traced once, replayed
 
     def peak(b: int) -> int:
@@ -436,9 +445,14 @@ def plan_under_budget(
     overhead = overhead_bytes(device) if overhead is None else overhead
     calibration, note = None, ""
     trace = OptimizerTrace()  # shared by every prediction of this plan
+    known: dict[int, MemoryPrediction] = {}
     if calibrate and torch.device(device).type == "cpu":
         usable = usable_bytes(budget_bytes, overhead, device, margin)
-        calibration, note = calibrate_within(spec_at(2), usable, optimizer_trace=trace)
+        floor = _floor_log(spec_at, trace)
+        calibration, note = calibrate_within(spec_at(2), usable, optimizer_trace=trace, floor=floor)
+        if floor is not None:
+            known[floor.spec.batch_size] = replay_with_calibration(floor, calibration)
+        del floor  # its log (a few MiB for a large model) is not the training process's
         if given is None:
             overhead = overhead_bytes(device)
     try:
@@ -453,6 +467,7 @@ def plan_under_budget(
             max_micro_batch=max_micro_batch,
             extra_bytes=extra_bytes,
             optimizer_trace=trace,
+            known=known,
         )
     except DoesNotFitError as exc:
         if not note:
@@ -460,6 +475,20 @@ def plan_under_budget(
         raise DoesNotFitError(f"{exc}; {note}", exc.floor) from exc
     plan.calibration, plan.calibration_note = calibration, note
     return plan
+
+
+def _floor_log(spec_at: Callable[[int], StepSpec], trace: OptimizerTrace) -> StepLog | None:
+    """The step at the smallest micro-batch (1, or 2 for BatchNorm), traced once without a
+    calibration: it bounds what the calibration's steps need (so the step at 4 is not traced
+    for that) and, replayed, is the plan's calibrated floor. None where the step is measured
+    or cannot run even at 2 (the planner then says why)."""
+    for b in (1, 2):
+        try:
+            return trace_step(spec_at(b), optimizer_trace=trace)[1]
+        except ValueError as exc:
+            if b == 2 or "more than 1 value per channel" not in str(exc):
+                return None
+    return None
 
 
 def fastest(

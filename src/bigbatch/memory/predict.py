@@ -197,6 +197,8 @@ class _StorageTracker(TorchDispatchMode):
         # While an optimizer phase is recorded (:meth:`optimizer_phase`), its points.
         self.recording: list[tuple[int, int]] | None = None
         self.recording_base = 0
+        # What moved the peak, in order, for :func:`replay_with_calibration` (CPU, uncalibrated).
+        self.log: list[tuple[Any, ...]] | None = None
 
     def uid_of(self, t: torch.Tensor) -> int | None:
         st = t.untyped_storage()
@@ -217,10 +219,13 @@ class _StorageTracker(TorchDispatchMode):
         key = id(st)
 
         def release(ref: weakref.ref[Any], uid: int = uid, key: int = key) -> None:
+            was_live = uid in self.live
             size, _ = self.live.pop(uid, (0, ""))
             self.live_bytes -= size
             if self.events is not None:
                 self.events.append(("free", uid, 0))
+            if self.log is not None and was_live:
+                self.log.append(("free", uid))
             refs = self._refs.get(key, [])
             refs[:] = [(r, u) for r, u in refs if u != uid]
             if not refs:
@@ -231,6 +236,8 @@ class _StorageTracker(TorchDispatchMode):
         self.live_bytes += n
         if self.events is not None:
             self.events.append(("malloc", uid, n))
+        if self.log is not None:
+            self.log.append(("add", uid, n, self.phase, self.observing))
         self._observe(0)
 
     def _observe(self, workspace: int) -> None:
@@ -248,6 +255,8 @@ class _StorageTracker(TorchDispatchMode):
     def replay_peak(self, above: int, workspace: int, alive: dict[int, tuple[int, str]]) -> None:
         """A recorded phase's highest point: ``above`` bytes over what is live now, made of
         ``alive`` (synthetic entries), with ``workspace`` besides."""
+        if self.log is not None:
+            self.log.append(("replay_peak", above, workspace, alive))
         if self.live_bytes + above + workspace > self.peak_bytes:
             self.peak_bytes = self.live_bytes + above + workspace
             self.peak_workspace = workspace
@@ -258,11 +267,15 @@ class _StorageTracker(TorchDispatchMode):
         uid = self.new_uid()
         self.live[uid] = (size, phase)
         self.live_bytes += size
+        if self.log is not None:
+            self.log.append(("add", uid, size, phase, False))
         return uid
 
     def remove_synthetic(self, uid: int) -> None:
         size, _ = self.live.pop(uid)
         self.live_bytes -= size
+        if self.log is not None:
+            self.log.append(("free", uid))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "prim":
@@ -278,9 +291,16 @@ class _StorageTracker(TorchDispatchMode):
             real = self.calibration.output_sizes(matched, self.batch_size)
         if len(real) != len(tensors):
             real = (0,) * len(tensors)
+        made = []  # for the log: each output's (uid, bytes), uid -1 where tracked already
         for t, n in zip(tensors, real, strict=True):
             # Where a fake kernel under-reports an output (an empty workspace), the real size.
+            before = self._next_uid
             self.track(t, n)
+            if self.log is not None:
+                uid = before if self._next_uid != before else -1
+                made.append((uid, t.untyped_storage().nbytes()))
+        if counted and self.log is not None:
+            self.log.append(("op", str(func), tuple(made)))
         if matched is not None:
             # The kernel's scratch memory was alive together with its outputs.
             self._observe(self.calibration.workspace(matched, self.batch_size))
@@ -291,6 +311,8 @@ class _StorageTracker(TorchDispatchMode):
     def skip_calibrated_ops(self) -> None:
         """The calibrated ops are used up (where the backward's last ones went unmatched, the
         optimizer's would otherwise count as misses and part the sequences)."""
+        if self.log is not None:
+            self.log.append(("skip",))
         if self.calibration is not None:
             self.cal_index = len(self.calibration.ops_for(self.batch_size))
 
@@ -569,6 +591,8 @@ def _replay_steady_step(tracker: _StorageTracker, steady: _SteadyStep) -> None:
     if steady.highest >= 0:
         tracker.replay_peak(steady.highest, 0, {tracker.new_uid(): (steady.highest, "optimizer")})
     tracker.op_index += steady.op_count
+    if tracker.log is not None:
+        tracker.log.append(("ops", steady.op_count))
 
 
 def _materialize_state(
@@ -596,7 +620,10 @@ def _materialize_state(
 # split across helpers, a frame or a return value would keep them alive longer than the real
 # step does and move the peak.
 def _predict_on_fake(
-    spec: StepSpec, calibration: Any, optimizer_trace: OptimizerTrace | None = None
+    spec: StepSpec,
+    calibration: Any,
+    optimizer_trace: OptimizerTrace | None = None,
+    keep: list[StepLog] | None = None,
 ) -> MemoryPrediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -614,6 +641,8 @@ def _predict_on_fake(
     )
     if target.type == "cuda":
         tracker.events = []
+    elif keep is not None and calibration is None:
+        tracker.log = []
     grads_uids: set[int] = set()
     state_uids: set[int] = set()
     # CPU: the optimizer's first step (which creates its state) runs on zero gradients, then one
@@ -637,7 +666,7 @@ def _predict_on_fake(
         )
         # Inputs exist before the step, as a DataLoader's batch would (and as measured).
         inputs = [make_inputs(spec, device) for _ in range(1 if steady else 2)]
-        waiting = None
+        waiting, in_batch = None, 0
         if steady:
             # The real first step has the next batch waiting beside its own: ``waiting`` stands
             # for it, while the state is created and then, in the forward and backward, for
@@ -682,9 +711,24 @@ def _predict_on_fake(
             opt.zero_grad(set_to_none=True)
             del x  # a training loop's batch lives until its optimizer step is done
     del model, opt
-    parts = _peak_parts(tracker, param_uids, grads_uids, state_uids)
+    uids = (param_uids, grads_uids, state_uids)
+    prediction = _assemble(tracker, uids, spec, target.type, t0)
+    if tracker.log is not None and keep is not None:
+        keep.append(StepLog(spec, tracker.log, uids, prediction, in_batch))
+    return prediction
+
+
+def _assemble(
+    tracker: _StorageTracker,
+    uids: tuple[set[int], set[int], set[int]],
+    spec: StepSpec,
+    device_type: str,
+    t0: float,
+) -> MemoryPrediction:
+    """The prediction a finished trace (or replay) makes: its peak, by kind."""
+    parts = _peak_parts(tracker, *uids)
     notes = []
-    if calibration is not None and not tracker.aligned:
+    if tracker.calibration is not None and not tracker.aligned:
         notes.append(
             f"op sequence left the calibration at op {tracker.left_at}: workspaces after it are not counted"
         )
@@ -699,9 +743,146 @@ def _predict_on_fake(
         library_workspace_bytes=library,
         notes=notes,
         batch_size=spec.batch_size,
-        device=target.type,
+        device=device_type,
         precision=spec.precision,
         optimizer=spec.optimizer,
         seconds=time.perf_counter() - t0,
         **parts,
     )
+
+
+@dataclass
+class StepLog:
+    """An uncalibrated CPU trace of one step, kept as what moved its peak: tensors made and
+    freed, counted ops (with the sizes their new outputs had), replayed optimizer peaks. A
+    calibration changes none of that, only what is added at each op (a workspace), so
+    :func:`replay_with_calibration` makes the calibrated prediction without tracing again."""
+
+    spec: StepSpec
+    events: list[tuple[Any, ...]]
+    uids: tuple[set[int], set[int], set[int]]  # parameters, gradients, optimizer state
+    prediction: MemoryPrediction  # the uncalibrated one
+    batch_bytes: int  # one micro-batch of inputs
+
+
+def peak_bound(log: StepLog, batch_size: int) -> tuple[int, int]:
+    """Upper bounds, at ``batch_size`` (not below the log's), on the uncalibrated peak and on
+    the working set (all but the weights, their gradients and the optimizer state) at any
+    point, from the log alone: those three do not grow with the micro-batch, and every other
+    tensor is taken to grow in proportion to it (one per sample does; one that does not
+    grow is overcounted), with a waiting batch of inputs besides. Only a tensor that grows
+    faster than the micro-batch (a batch x batch similarity) escapes it.
+
+    >>> import torch
+    >>> _, log = trace_step(StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 1))
+    >>> peak_bound(log, 4)[0] >= predict_peak(StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4)).peak_bytes
+    True
+    """
+    if batch_size < log.spec.batch_size:
+        raise ValueError(f"the bound is for micro-batches from {log.spec.batch_size} up")
+    scale = batch_size / log.spec.batch_size
+    fixed = set().union(*log.uids)
+    waiting = math.ceil(scale * log.batch_bytes)
+    live: dict[int, tuple[int, bool]] = {}
+    total = working = peak = most_working = 0
+    for event in log.events:
+        kind = event[0]
+        if kind == "add":
+            _, uid, size, _, observed = event
+            grows = uid not in fixed
+            size = math.ceil(size * scale) if grows else size
+            live[uid] = (size, grows)
+            total += size
+            working += size if grows else 0
+            if observed:
+                peak = max(peak, total)
+                most_working = max(most_working, working)
+        elif kind == "free":
+            size, grows = live.pop(event[1])
+            total -= size
+            working -= size if grows else 0
+        elif kind == "replay_peak":  # an optimizer step's highest point: it does not grow
+            above, workspace = event[1], event[2]
+            peak = max(peak, total + above + workspace)
+            most_working = max(most_working, working + above + workspace)
+    return peak + waiting, most_working + waiting
+
+
+def trace_step(
+    spec: StepSpec, *, optimizer_trace: OptimizerTrace | None = None
+) -> tuple[MemoryPrediction, StepLog | None]:
+    """:func:`predict_peak` without a calibration, and the trace's :class:`StepLog` (None
+    where the step was measured instead, or is for a GPU): the planner traces its floor once
+    and replays it calibrated (:func:`replay_with_calibration`), and bounds a calibration
+    step's need from it (:func:`peak_bound`).
+
+    >>> p, log = trace_step(StepSpec(lambda: torch.nn.Linear(8, 2), (8,), 4))
+    >>> replay_with_calibration(log, None).peak_bytes == p.peak_bytes
+    True
+    """
+    keep: list[StepLog] = []
+    if spec.batch_size < 1 or spec.precision not in PRECISIONS:
+        return predict_peak(spec), None  # its error
+    try:
+        prediction = _predict_on_fake(spec, None, optimizer_trace, keep)
+    except Exception as exc:
+        op = _unfakeable_op(exc)
+        if op is None:
+            raise
+        return _measured_fallback(spec, op), None
+    return prediction, (keep[0] if keep else None)
+
+
+def replay_with_calibration(log: StepLog, calibration: Any) -> MemoryPrediction:
+    """The prediction a trace of ``log.spec`` with ``calibration`` would make, to the byte,
+    from the log: each counted op is matched to the calibration as a trace matches it, its
+    outputs take the real sizes where the calibration measured them larger (oneDNN's LSTM
+    workspace, BatchNorm's float32 statistics under bf16), and its workspace is added there."""
+    t0 = time.perf_counter()
+    b = log.spec.batch_size
+    tracker = _StorageTracker(calibration=calibration, batch_size=b)
+    tracker.counting = True
+    for event in log.events:
+        kind = event[0]
+        if kind == "add":
+            _, uid, size, phase, observed = event
+            tracker.live[uid] = (size, phase)
+            tracker.live_bytes += size
+            if observed:
+                tracker._observe(0)
+        elif kind == "free":
+            size, _ = tracker.live.pop(event[1])
+            tracker.live_bytes -= size
+        elif kind == "op":
+            _, name, made = event
+            matched = tracker._match(name) if tracker.aligned else None
+            if matched is not None:
+                _grow_to_real(tracker, made, calibration.output_sizes(matched, b))
+                tracker._observe(calibration.workspace(matched, b))
+            tracker.op_index += 1
+        elif kind == "replay_peak":
+            tracker.replay_peak(*event[1:])
+        elif kind == "skip":
+            tracker.skip_calibrated_ops()
+        else:  # "ops": a replayed steady optimizer step's op count
+            tracker.op_index += event[1]
+    return _assemble(tracker, log.uids, log.spec, "cpu", t0)
+
+
+def _grow_to_real(
+    tracker: _StorageTracker, made: tuple[tuple[int, int], ...], real: tuple[int, ...]
+) -> None:
+    """An op's new outputs at the real sizes the calibration measured where those are larger:
+    a trace tracks them so as they are made; their op's last point (seen again here) is the
+    highest of its points, and the one a peak would be."""
+    if len(real) != len(made):
+        return
+    grown = False
+    for (uid, fake), n in zip(made, real, strict=True):
+        if uid >= 0 and n > fake and uid in tracker.live:
+            size, phase = tracker.live[uid]
+            tracker.live[uid] = (n, phase)
+            tracker.live_bytes += n - size
+            grown = True
+    if grown:
+        tracker._observe(0)
