@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from torch import nn
@@ -153,3 +154,51 @@ def test_a_plan_traces_its_floor_once_and_never_micro_batch_4_for_the_calibratio
         traced.curve,
     )
     assert plan.calibration_note == ""  # the bound let micro-batch 4 be measured
+
+
+@pytest.mark.parametrize("quadratic", [False, True])
+def test_sizes_on_the_line_between_traces_choose_what_tracing_every_size_chooses(
+    monkeypatch: pytest.MonkeyPatch, quadratic: bool
+) -> None:
+    """The search replays sizes between two traces on their line and traces the size it
+    chooses: the same plan as tracing every size, with fewer traces. Where memory is not on
+    the line (a batch x batch similarity), the chosen size's trace differs from the line and
+    the search runs again on traces alone: still the same plan."""
+    from test_predict import BatchBySimilarity
+
+    from bigbatch.memory import plan as plan_module
+    from bigbatch.memory import predict as predict_module
+
+    def spec(b: int) -> StepSpec:
+        return StepSpec(BatchBySimilarity, (64,), b) if quadratic else spec_at(b)
+
+    usable_at = 37 if quadratic else 45  # a budget where the line through 1 and 256 is off
+    budget = int((predict_peak(spec(usable_at)).peak_bytes + 1) / 0.9) + 1
+    traced: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(s: StepSpec, *args: object, **kwargs: object) -> object:
+        traced.append(s.batch_size)
+        return trace(s, *args, **kwargs)  # type: ignore[arg-type]
+
+    confirmed: list[bool] = []
+    confirm = plan_module._Predictions.confirm
+
+    def recording(self: Any, b: int) -> bool:
+        confirmed.append(confirm(self, b))
+        return confirmed[-1]
+
+    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    monkeypatch.setattr(plan_module._Predictions, "confirm", recording)
+    plan = plan_micro_batch(spec, 256, budget, overhead=0)
+    assert confirmed == [not quadratic]  # the line held, or was caught where it did not
+    with_line = len(traced)
+    traced.clear()
+    monkeypatch.setattr(plan_module, "interpolate_log", lambda *args: None)
+    every = plan_micro_batch(spec, 256, budget, overhead=0)
+    assert (plan.micro_batch, plan.predicted_peak_bytes) == (
+        every.micro_batch,
+        every.predicted_peak_bytes,
+    )
+    if not quadratic:
+        assert with_line < len(traced), (with_line, traced)

@@ -352,3 +352,57 @@ def test_the_bound_from_the_floor_covers_a_larger_micro_batch() -> None:
             assert peak >= predict_peak(spec.with_batch(b)).peak_bytes
         with pytest.raises(ValueError, match="from 2 up"):
             peak_bound(log, 1)
+
+
+class BatchBySimilarity(nn.Module):
+    """A batch x batch similarity, as a contrastive loss has: memory quadratic in the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(x)
+        similar = (z @ z.T).repeat(1, 64)  # large enough to set the peak
+        return similar @ z.repeat(64, 1)[:, :10]
+
+
+@pytest.mark.parametrize("factory,shape", [(bn_cnn, (3, 16, 16)), (Encoder, (12, 32))])
+def test_a_log_on_the_line_between_two_traces_predicts_to_the_byte(
+    factory: Any, shape: tuple[int, ...]
+) -> None:
+    """Between two traced micro-batches with the same events, the planner replays a log on
+    their line instead of tracing: equal to a calibrated trace, field by field. A batch x batch
+    tensor is off the line (the negative control), which is why the planner traces the size
+    it chooses."""
+    from dataclasses import asdict
+
+    from bigbatch.memory.predict import (
+        OptimizerTrace,
+        interpolate_log,
+        replay_with_calibration,
+        trace_step,
+    )
+
+    def at_line(spec: StepSpec, calibration: Any) -> list[bool]:
+        trace = OptimizerTrace()
+        trace_step(spec.with_batch(4), optimizer_trace=trace)  # records the optimizer's steps
+        logs = {}
+        for b in (2, 9, 3, 5, 8):
+            predict_peak(spec.with_batch(b))  # the fake tensor cache warm, as for the others
+        for b in (2, 9):
+            logs[b] = trace_step(spec.with_batch(b), optimizer_trace=trace)[1]
+        same = []
+        for b in (3, 5, 8):
+            log = interpolate_log(logs[2], logs[9], spec.with_batch(b))
+            assert log is not None
+            got = asdict(replay_with_calibration(log, calibration))
+            want = asdict(predict_peak(spec.with_batch(b), calibration=calibration))
+            got.pop("seconds"), want.pop("seconds")
+            same.append(got == want)
+        return same
+
+    spec = StepSpec(factory, shape, 2)
+    assert at_line(spec, calibrate(spec, batch_sizes=(1, 2), also=())) == [True] * 3
+    quadratic = StepSpec(BatchBySimilarity, (64,), 2)
+    assert at_line(quadratic, None) == [False] * 3

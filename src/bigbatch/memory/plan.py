@@ -12,7 +12,7 @@ import functools
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from bigbatch.memory.predict import (
     MemoryPrediction,
     OptimizerTrace,
     StepLog,
+    interpolate_log,
     predict_peak,
     replay_with_calibration,
     trace_step,
@@ -284,14 +285,8 @@ def plan_micro_batch(
             "the budget or shrink the cache (a smaller target batch or representation)",
             predict_peak(spec_at(1), calibration=calibration),
         )
-    cache: dict[int, MemoryPrediction] = dict(known or {})
-    trace = optimizer_trace or OptimizerTrace()  # the optimizer's steps: traced once, replayed
-
-    def peak(b: int) -> int:
-        if b not in cache:
-            cache[b] = predict_peak(spec_at(b), calibration=calibration, optimizer_trace=trace)
-        return cache[b].planning_bytes
-
+    predictions = _Predictions(spec_at, calibration, optimizer_trace or OptimizerTrace(), known)
+    cache, peak = predictions.cache, predictions.peak
     smallest, floor = _floor(peak)
     if floor > usable:
         where = (
@@ -305,10 +300,9 @@ def plan_micro_batch(
         raise ValueError(
             f"the target batch {target_batch} is below the smallest micro-batch {smallest}"
         )
-    micro = _affine_plan(peak, smallest, floor, cap, target_batch, usable)
-    if micro is None:  # not affine enough: search below the size that did not fit
-        micro = _search(peak, smallest, cap, target_batch, usable)
-    micro = _fewer_steps(peak, micro, cap, target_batch, usable)
+    micro = _choose(peak, smallest, floor, cap, target_batch, usable)
+    if not predictions.confirm(micro):  # a size between traces was not on their line
+        micro = _choose(peak, smallest, floor, cap, target_batch, usable)
     return Plan(
         micro_batch=micro,
         micro_batches=math.ceil(target_batch / micro),
@@ -323,6 +317,79 @@ def plan_micro_batch(
         curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
         predictions=len(cache),
     )
+
+
+class _Predictions:
+    """A plan's predictions by micro-batch, each made once: traced (and the trace's log kept,
+    replayed with the calibration), or, between two logged traces whose events are the same,
+    replayed from the log on their line (:func:`~bigbatch.memory.predict.interpolate_log`):
+    milliseconds where a trace takes seconds. The size the plan chooses is confirmed with a
+    trace (:meth:`confirm`)."""
+
+    def __init__(
+        self,
+        spec_at: Callable[[int], StepSpec],
+        calibration: Any,
+        trace: OptimizerTrace,
+        known: dict[int, MemoryPrediction] | None,
+    ) -> None:
+        self.spec_at, self.calibration, self.trace = spec_at, calibration, trace
+        self.cache: dict[int, MemoryPrediction] = dict(known or {})
+        self.logs: dict[int, StepLog] = {}
+        self.interpolated: set[int] | None = set()  # None: not any more (a confirmation failed)
+
+    def peak(self, b: int) -> int:
+        if b not in self.cache:
+            self.cache[b] = self._on_the_line(b) or self._traced(b)
+        return self.cache[b].planning_bytes
+
+    def _traced(self, b: int) -> MemoryPrediction:
+        prediction, log = trace_step(self.spec_at(b), optimizer_trace=self.trace)
+        if log is None:  # measured, or for a GPU (never calibrated)
+            return prediction
+        self.logs[b] = log
+        return replay_with_calibration(log, self.calibration)
+
+    def _on_the_line(self, b: int) -> MemoryPrediction | None:
+        below = [k for k in self.logs if k < b]
+        above = [k for k in self.logs if k > b]
+        if self.interpolated is None or not below or not above:
+            return None
+        log = interpolate_log(self.logs[max(below)], self.logs[min(above)], self.spec_at(b))
+        if log is None:
+            return None
+        self.interpolated.add(b)
+        return replay_with_calibration(log, self.calibration)
+
+    def confirm(self, b: int) -> bool:
+        """Trace ``b`` where its prediction came from the line; False (and every prediction
+        from the line dropped, none made again) where the trace differs."""
+        if not self.interpolated or b not in self.interpolated:
+            return True
+        on_line = self.cache[b]
+        self.cache[b] = self._traced(b)
+        if _same(self.cache[b], on_line):
+            self.interpolated.discard(b)
+            return True
+        for k in self.interpolated - {b}:
+            del self.cache[k]
+        self.interpolated = None
+        return False
+
+
+def _same(a: MemoryPrediction, b: MemoryPrediction) -> bool:
+    return replace(a, seconds=0.0) == replace(b, seconds=0.0)
+
+
+def _choose(
+    peak: Callable[[int], int], smallest: int, floor: int, cap: int, target: int, usable: int
+) -> int:
+    """The largest balanced micro-batch the predictions accept (the line, a search where the
+    line is off, then fewer steps where they fit)."""
+    micro = _affine_plan(peak, smallest, floor, cap, target, usable)
+    if micro is None:  # not affine enough: search below the size that did not fit
+        micro = _search(peak, smallest, cap, target, usable)
+    return _fewer_steps(peak, micro, cap, target, usable)
 
 
 def _does_not_fit(

@@ -869,6 +869,57 @@ def replay_with_calibration(log: StepLog, calibration: Any) -> MemoryPrediction:
     return _assemble(tracker, log.uids, log.spec, "cpu", t0)
 
 
+def interpolate_log(low: StepLog, high: StepLog, spec: StepSpec) -> StepLog | None:
+    """The log a trace of ``spec`` would make, from logs at a smaller and a larger micro-batch
+    with the same events (the same ops, tensors, frees, in the same order): each tensor's size
+    on the line through its two sizes. None where the events differ, or a size falls between
+    whole bytes (not on such a line). Exact where every size is affine in the micro-batch, as
+    a model's tensors are (per sample, or fixed); the planner confirms the size it chooses
+    with a trace.
+
+    >>> lin = lambda b: StepSpec(lambda: torch.nn.Linear(8, 2), (8,), b)
+    >>> low, high = trace_step(lin(2))[1], trace_step(lin(6))[1]
+    >>> mid = interpolate_log(low, high, lin(4))
+    >>> replay_with_calibration(mid, None).peak_bytes == predict_peak(lin(4)).peak_bytes
+    True
+    """
+    a, c, b = low.spec.batch_size, high.spec.batch_size, spec.batch_size
+    if not a < b < c or len(low.events) != len(high.events) or low.uids != high.uids:
+        return None
+
+    def size(x: int, y: int) -> int | None:
+        num = x * (c - b) + y * (b - a)
+        return num // (c - a) if num % (c - a) == 0 and num >= 0 else None
+
+    events: list[tuple[Any, ...]] = []
+    for e, f in zip(low.events, high.events, strict=True):
+        if e == f:
+            events.append(e)
+            continue
+        if e[0] != f[0] or e[0] not in ("add", "op"):
+            return None
+        if e[0] == "add":
+            n = size(e[2], f[2])
+            if n is None or (e[1], e[3], e[4]) != (f[1], f[3], f[4]):
+                return None
+            events.append((e[0], e[1], n, e[3], e[4]))
+            continue
+        if e[1] != f[1] or len(e[2]) != len(f[2]):
+            return None
+        made = []
+        for (uid, x), (other, y) in zip(e[2], f[2], strict=True):
+            n = size(x, y)
+            if n is None or uid != other:
+                return None
+            made.append((uid, n))
+        events.append((e[0], e[1], tuple(made)))
+    log = StepLog(
+        spec, events, low.uids, low.prediction, size(low.batch_bytes, high.batch_bytes) or 0
+    )
+    log.prediction = replay_with_calibration(log, None)
+    return log
+
+
 def _grow_to_real(
     tracker: _StorageTracker, made: tuple[tuple[int, int], ...], real: tuple[int, ...]
 ) -> None:
