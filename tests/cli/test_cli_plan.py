@@ -33,6 +33,12 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     # Called in a process that goes on (this one), main leaves the collector as it was.
     assert gc.isenabled() and gc.get_freeze_count() == frozen
     plan = json.loads(capsys.readouterr().out)
+    # Several rows: a list of the same objects, each with its model and size.
+    args[args.index("--size") + 1] = "24,32"
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["arch"], r["size"]) for r in rows] == [("resnet10t", 24), ("resnet10t", 32)]
+    assert rows[1]["micro_batch"] == plan["micro_batch"]
     for key in (
         "micro_batch",
         "micro_batches",
@@ -47,32 +53,25 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_table_csv_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_table_csv_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path, png = tmp_path / "table.csv", tmp_path / "peaks.png"
-    common = [
-        "plan",
-        "--arch",
-        "resnet10t,mobilenetv3_small_050",
-        "--size",
-        "32,48",
-        "--batch",
-        "16",
-    ]
-    common += ["--budget", "3GiB", "--overhead", "0", "--no-calibrate"]
-    assert main([*common, "--csv", str(csv_path), "--plot", str(png), "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [(r["arch"], r["size"]) for r in rows] == [
-        ("resnet10t", 32),
-        ("resnet10t", 48),
-        ("mobilenetv3_small_050", 32),
-        ("mobilenetv3_small_050", 48),
-    ]
-    assert csv_path.read_text().splitlines()[0].startswith("arch,size,fits,floor_bytes")
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    # The text table (one row is enough to show it).
-    assert main(["plan", "--arch", "resnet10t", "--size", "32", *common[5:]]) == 0
+    args = ["plan", "--arch", "resnet10t,test_efficientnet", "--size", "32,48", "--batch", "16"]
+    args += ["--budget", "3GiB", "--overhead", "0", "--no-calibrate"]
+    assert main([*args, "--csv", str(csv_path), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
-    assert "resnet10t" in table and "predicted peak" in table
+    assert "predicted peak" in table
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("arch,size,fits,floor_bytes")
+    assert [tuple(r.split(",")[:2]) for r in rows[1:]] == [
+        ("resnet10t", "32"),
+        ("resnet10t", "48"),
+        ("test_efficientnet", "32"),
+        ("test_efficientnet", "48"),
+    ]
+    assert [line.split()[:2] for line in table.splitlines()[3:7]] == [
+        [arch, size] for arch, size in (r.split(",")[:2] for r in rows[1:])
+    ]
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_user_model(
