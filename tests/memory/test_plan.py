@@ -156,7 +156,7 @@ def test_a_plan_traces_its_floor_once_and_never_micro_batch_4_for_the_calibratio
     assert plan.calibration_note == ""  # the bound let micro-batch 4 be measured
 
 
-@pytest.mark.parametrize("quadratic", [False, True])
+@pytest.mark.parametrize("quadratic", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sizes_on_the_line_between_traces_choose_what_tracing_every_size_chooses(
     monkeypatch: pytest.MonkeyPatch, quadratic: bool
 ) -> None:

@@ -293,10 +293,12 @@ def test_a_replayed_optimizer_step_predicts_to_the_byte(
     "factory,shape,optimizer,precision,moved",
     [
         (bn_cnn, (3, 16, 16), "adamw", "fp32", True),  # convolution workspaces
-        (bn_cnn, (3, 16, 16), "sgd_momentum", "bf16", True),  # BatchNorm's float32 statistics
+        pytest.param(  # BatchNorm's float32 statistics
+            bn_cnn, (3, 16, 16), "sgd_momentum", "bf16", True, marks=pytest.mark.slow
+        ),
         (_LSTM, (12, 16), "adamw", "fp32", True),  # oneDNN's workspace, larger than the fake
-        (Encoder, (12, 32), "rmsprop", "fp32", False),
-        (KeepsLast, (512,), "adam", "fp32", False),
+        pytest.param(Encoder, (12, 32), "rmsprop", "fp32", False, marks=pytest.mark.slow),
+        pytest.param(KeepsLast, (512,), "adam", "fp32", False, marks=pytest.mark.slow),
     ],
 )
 def test_an_uncalibrated_trace_replayed_with_a_calibration_predicts_to_the_byte(
@@ -335,6 +337,7 @@ def test_an_uncalibrated_trace_replayed_with_a_calibration_predicts_to_the_byte(
     assert grown == moved  # where the calibration moves the peak, the replay moved it
 
 
+@pytest.mark.slow
 def test_the_bound_from_the_floor_covers_a_larger_micro_batch() -> None:
     """Calibration's step at micro-batch 4 runs only where its need fits the budget; the
     planner bounds that need from its floor's trace instead of tracing micro-batch 4."""
@@ -367,6 +370,7 @@ class BatchBySimilarity(nn.Module):
         return similar @ z.repeat(64, 1)[:, :10]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory,shape", [(bn_cnn, (3, 16, 16)), (Encoder, (12, 32))])
 def test_a_log_on_the_line_between_two_traces_predicts_to_the_byte(
     factory: Any, shape: tuple[int, ...]
