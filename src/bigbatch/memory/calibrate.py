@@ -20,7 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.measure import allocation_events, cpu_memory_profile, real_step_setup
-from bigbatch.memory.predict import MemoryPrediction, StepLog, peak_bound, predict_peak
+from bigbatch.memory.predict import (
+    MemoryPrediction,
+    StepLog,
+    peak_bound,
+    predict_peak,
+    replay_with_calibration,
+)
 from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss, run_training_step
 
 __all__ = ["Calibration", "calibrate", "calibrate_within", "calibration_need"]
@@ -246,7 +252,7 @@ def calibrate_within(
 
     def fits(b: int) -> bool:
         if floor is not None and b == floor.spec.batch_size:
-            return _need(floor.prediction) <= usable_bytes
+            return _need(replay_with_calibration(floor, None)) <= usable_bytes
         if floor is not None and b > floor.spec.batch_size:
             peak, working = peak_bound(floor, b)
             if peak + (WORKSPACE_HEADROOM - 1) * working <= usable_bytes:

@@ -409,9 +409,13 @@ def _floor(peak: Callable[[int], int]) -> tuple[int, int]:
     try:
         return 1, peak(1)
     except ValueError as exc:
-        if "more than 1 value per channel" not in str(exc):
+        if not _batchnorm_on_one_sample(exc):
             raise
         return 2, peak(2)
+
+
+def _batchnorm_on_one_sample(exc: ValueError) -> bool:
+    return "more than 1 value per channel" in str(exc)
 
 
 def _balanced(target: int, largest: int) -> int:
@@ -553,7 +557,7 @@ def _floor_log(spec_at: Callable[[int], StepSpec], trace: OptimizerTrace) -> Ste
         try:
             return trace_step(spec_at(b), optimizer_trace=trace)[1]
         except ValueError as exc:
-            if b == 2 or "more than 1 value per channel" not in str(exc):
+            if b == 2 or not _batchnorm_on_one_sample(exc):
                 return None
     return None
 

@@ -428,8 +428,17 @@ def predict_peak(
         raise ValueError(f"batch_size must be >= 1, got {spec.batch_size}")
     if spec.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {spec.precision!r}")
+    return _fake_or_measured(spec, calibration, optimizer_trace, None)
+
+
+def _fake_or_measured(
+    spec: StepSpec,
+    calibration: Any,
+    optimizer_trace: OptimizerTrace | None,
+    keep: list[StepLog] | None,
+) -> MemoryPrediction:
     try:
-        return _predict_on_fake(spec, calibration, optimizer_trace)
+        return _predict_on_fake(spec, calibration, optimizer_trace, keep)
     except Exception as exc:
         op = _unfakeable_op(exc)
         if op is None:
@@ -714,7 +723,7 @@ def _predict_on_fake(
     uids = (param_uids, grads_uids, state_uids)
     prediction = _assemble(tracker, uids, spec, target.type, t0)
     if tracker.log is not None and keep is not None:
-        keep.append(StepLog(spec, tracker.log, uids, prediction, in_batch))
+        keep.append(StepLog(spec, tracker.log, uids, in_batch))
     return prediction
 
 
@@ -761,7 +770,6 @@ class StepLog:
     spec: StepSpec
     events: list[tuple[Any, ...]]
     uids: tuple[set[int], set[int], set[int]]  # parameters, gradients, optimizer state
-    prediction: MemoryPrediction  # the uncalibrated one
     batch_bytes: int  # one micro-batch of inputs
 
 
@@ -820,16 +828,10 @@ def trace_step(
     >>> replay_with_calibration(log, None).peak_bytes == p.peak_bytes
     True
     """
-    keep: list[StepLog] = []
     if spec.batch_size < 1 or spec.precision not in PRECISIONS:
         return predict_peak(spec), None  # its error
-    try:
-        prediction = _predict_on_fake(spec, None, optimizer_trace, keep)
-    except Exception as exc:
-        op = _unfakeable_op(exc)
-        if op is None:
-            raise
-        return _measured_fallback(spec, op), None
+    keep: list[StepLog] = []  # stays empty where the step is measured or for a GPU
+    prediction = _fake_or_measured(spec, None, optimizer_trace, keep)
     return prediction, (keep[0] if keep else None)
 
 
@@ -913,11 +915,7 @@ def interpolate_log(low: StepLog, high: StepLog, spec: StepSpec) -> StepLog | No
                 return None
             made.append((uid, n))
         events.append((e[0], e[1], tuple(made)))
-    log = StepLog(
-        spec, events, low.uids, low.prediction, size(low.batch_bytes, high.batch_bytes) or 0
-    )
-    log.prediction = replay_with_calibration(log, None)
-    return log
+    return StepLog(spec, events, low.uids, size(low.batch_bytes, high.batch_bytes) or 0)
 
 
 def _grow_to_real(
