@@ -114,3 +114,11 @@ def test_cpu_heap_benchmark_json() -> None:
     (row,) = json.loads(out[out.index("[") :])
     assert row["model"] == "gpt" and row["speed_ratio_returned"] > 0
     assert row["hwm_mib_default"] > 0 and row["hwm_mib_returned"] > 0
+
+
+@pytest.mark.slow
+def test_plan_time_benchmark_json() -> None:
+    out = _run("benchmarks/plan_time.py", "--models", "resnet10t:32", "--rounds", "1", "--json")
+    result = json.loads(out[out.index("{") :])
+    assert set(result) == {"imports", "resnet10t@32"}
+    assert result["resnet10t@32"]["seconds"] > result["imports"]["seconds"] > 0

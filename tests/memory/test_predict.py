@@ -247,6 +247,21 @@ class KeepsLast(nn.Module):
         return self.b(h)
 
 
+class Unreached(KeepsLast):
+    """A trainable head the loss never reaches (an auxiliary head switched off): the backward
+    leaves it without a gradient, so the steady optimizer step (here the peak) skips it, and
+    the step recorded on meta tensors (every weight with a gradient) is not that step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(512, 2048)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.last = h.detach().repeat(1, 8192)  # the steady step tops the first here
+        return self.b(h)
+
+
 @pytest.mark.parametrize(
     "factory,shape,optimizer,calibrated",
     [
@@ -255,19 +270,25 @@ class KeepsLast(nn.Module):
         (Encoder, (12, 32), "sgd_momentum", True),
         (Encoder, (12, 32), "rmsprop", False),
         (KeepsLast, (512,), "adam", False),
+        (Unreached, (512,), "adamw", False),
     ],
 )
 def test_a_replayed_optimizer_step_predicts_to_the_byte(
     factory: Any, shape: tuple[int, ...], optimizer: str, calibrated: bool
 ) -> None:
-    """The planner traces the optimizer's steps once and replays them at other micro-batches
-    (most of a trace's fake ops): every field of the prediction equals a full trace's, at
-    calibrated sizes (1, 2) that have their own op sequence and at others."""
+    """The planner records the optimizer's steps once, on the model's meta weights, and
+    replays them in every prediction (most of a trace's fake ops): every field of the
+    prediction equals a full trace's (its optimizer stepped on fake tensors), at calibrated
+    sizes (1, 2) that have their own op sequence and at others. Where a weight gets no
+    gradient, the steady step recorded on meta (all weights) is dropped and traced instead."""
     from dataclasses import asdict
 
-    from bigbatch.memory.predict import OptimizerTrace
+    from bigbatch.memory.predict import OptimizerTrace, _optimizer_on_meta
 
     spec = StepSpec(factory, shape, 2, optimizer=optimizer)
+    on_meta = OptimizerTrace()
+    _optimizer_on_meta(spec, on_meta)
+    assert on_meta.first is not None and on_meta.steady is not None  # not the fake fallback
     calibration = calibrate(spec, batch_sizes=(1, 2), also=()) if calibrated else None
     trace = OptimizerTrace()
     for b in (2, 5, 1, 9):
@@ -277,7 +298,9 @@ def test_a_replayed_optimizer_step_predicts_to_the_byte(
         full = asdict(predict_peak(spec.with_batch(b), calibration=calibration))
         replayed.pop("seconds"), full.pop("seconds")
         assert replayed == full, b
-    assert trace.first is not None and trace.steady  # recorded, so the later ones replayed
+    assert trace.first == on_meta.first  # the meta recording, replayed
+    assert (trace.steady == on_meta.steady) == (factory is not Unreached)
+    assert trace.steady is not None and not trace.unchecked
     # Calibration measures no optimizer step: every prediction's steady step runs past its ops,
     # so one recording serves all sizes, and an uncalibrated prediction (the planner's guard).
     recorded = trace.steady

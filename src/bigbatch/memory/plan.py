@@ -409,12 +409,13 @@ def _floor(peak: Callable[[int], int]) -> tuple[int, int]:
     try:
         return 1, peak(1)
     except ValueError as exc:
-        if not _batchnorm_on_one_sample(exc):
+        if not batchnorm_on_one_sample(exc):
             raise
         return 2, peak(2)
 
 
-def _batchnorm_on_one_sample(exc: ValueError) -> bool:
+def batchnorm_on_one_sample(exc: BaseException) -> bool:
+    """Whether ``exc`` is BatchNorm refusing a micro-batch of one (a 1x1 feature map)."""
     return "more than 1 value per channel" in str(exc)
 
 
@@ -557,7 +558,7 @@ def _floor_log(spec_at: Callable[[int], StepSpec], trace: OptimizerTrace) -> Ste
         try:
             return trace_step(spec_at(b), optimizer_trace=trace)[1]
         except ValueError as exc:
-            if b == 2 or not _batchnorm_on_one_sample(exc):
+            if b == 2 or not batchnorm_on_one_sample(exc):
                 return None
     return None
 

@@ -14,6 +14,7 @@ from bigbatch.device import return_freed_cpu_memory
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
+    batchnorm_on_one_sample,
     device_total_bytes,
     plan_under_budget,
     resolve_budget,
@@ -82,7 +83,7 @@ def plan_for(
     except ConfigError:
         raise
     except (RuntimeError, TypeError, ValueError) as exc:
-        if "more than 1 value per channel" in str(exc):
+        if batchnorm_on_one_sample(exc):
             raise ConfigError(
                 f"BatchNorm cannot train on micro-batch 1 ({cfg.model_name} normalises a 1x1 "
                 "feature map): set micro_batch >= 2, or freeze_bn=true"
