@@ -71,6 +71,7 @@ def test_a_cuda_budget_without_a_gpu_says_so() -> None:
     assert device.total_bytes("cuda") is None
 
 
+@pytest.mark.slow
 def test_bound_onednn_cache_sizes_the_cache_to_the_model_and_leaves_a_users_choice() -> None:
     """Run in a subprocess: the capacity is an environment variable oneDNN reads once."""
     code = (
@@ -113,6 +114,7 @@ print(process_rss() - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap is Linux's")
 def test_return_freed_cpu_memory_gives_a_freed_tensor_back_to_the_system() -> None:
     if not device._glibc():

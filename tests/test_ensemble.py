@@ -129,6 +129,7 @@ def test_ids_that_two_test_images_share_are_refused(tmp_path: Path) -> None:
     assert len(set(ids)) == len(ids) and "red/red_0.png" in ids
 
 
+@pytest.mark.slow
 def test_members_share_one_overhead_and_the_log_names_their_model(comp: Path) -> None:
     lines: list[str] = []
     result = run_ensemble(_experiments(comp), comp / "out", log=lines.append)

@@ -230,6 +230,7 @@ def test_integer_inputs_are_drawn_from_the_vocabulary() -> None:
     assert ids.dtype == torch.long and int(ids.min()) >= 0 and 500 < int(ids.max()) < 1000
 
 
+@pytest.mark.slow
 def test_fastest_times_the_fitting_candidates_and_picks_the_fastest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -245,6 +246,7 @@ def test_fastest_times_the_fitting_candidates_and_picks_the_fastest(
     assert plan["micro_batches"] * plan["micro_batch"] >= 16
 
 
+@pytest.mark.slow
 def test_plan_calibrates_with_the_threads_training_takes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

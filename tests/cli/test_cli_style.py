@@ -63,6 +63,7 @@ def test_log_lines_say_bigbatch_once() -> None:
     assert line("a note") == "bigbatch: a note"
 
 
+@pytest.mark.slow
 def test_the_command_exits_like_the_interpreter_without_its_teardown(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`bigbatch` skips tearing down torch's modules (0.8-0.9 s of a plan) but keeps what an
     exit owes: other threads finish (a thread pool left open too: joining its threads without

@@ -267,8 +267,8 @@ class Unreached(KeepsLast):
     [
         (bn_cnn, (3, 16, 16), "adamw", True),
         (bn_cnn, (3, 16, 16), "adagrad", False),
-        (Encoder, (12, 32), "sgd_momentum", True),
-        (Encoder, (12, 32), "rmsprop", False),
+        pytest.param(Encoder, (12, 32), "sgd_momentum", True, marks=pytest.mark.slow),
+        pytest.param(Encoder, (12, 32), "rmsprop", False, marks=pytest.mark.slow),
         (KeepsLast, (512,), "adam", False),
         (Unreached, (512,), "adamw", False),
     ],

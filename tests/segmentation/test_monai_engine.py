@@ -173,6 +173,7 @@ def test_a_batch_loss_is_exact_through_gradient_caching_and_not_without() -> Non
     assert rel(plain) > 1e-6  # per micro-batch, the batch Dice is another objective
 
 
+@pytest.mark.slow
 def test_bigbatch_plan_takes_monai_networks_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     from bigbatch.cli.main import main
 

@@ -23,6 +23,7 @@ def test_plan_splits_a_batch_of_volumes() -> None:
     assert plan.predicted_peak_bytes <= plan.usable_bytes
 
 
+@pytest.mark.slow
 def test_one_volume_too_big_names_the_remedies() -> None:
     floor = plan_micro_batch(spec_at, 8, "4GB", overhead=0).floor_bytes
     with pytest.raises(DoesNotFitError, match="smaller patches") as err:
