@@ -7,6 +7,7 @@ removes the temporary file a kill mid-write leaves."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -72,11 +73,12 @@ def test_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: Path) -> None
     assert full.returncode == 0, full.stderr[-2000:]
     reference = load_file(tmp_path / "full" / "last.safetensors")
 
+    killed = _train(tmp_path, *keys, "--out", "killed", KILL_AT="10")  # epoch 2, window 4
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    state = torch.load(tmp_path / "killed" / "last.pt", weights_only=True)
+    assert state["epoch"] == 0 and state["mid"]["windows"] == 3  # mid-epoch 2
+    shutil.copytree(tmp_path / "killed", tmp_path / "no_rng")  # a copied run resumes the same
     for name, env, identical in (("killed", {}, True), ("no_rng", {"NO_RNG_RESTORE": "1"}, False)):
-        killed = _train(tmp_path, *keys, "--out", name, KILL_AT="10")  # epoch 2, window 4
-        assert killed.returncode == -9, killed.stderr[-2000:]
-        state = torch.load(tmp_path / name / "last.pt", weights_only=True)
-        assert state["epoch"] == 0 and state["mid"]["windows"] == 3  # mid-epoch 2
         leftover = tmp_path / name / ".last.pt.dead0000.tmp"  # as a kill mid-write leaves
         leftover.write_bytes(b"partial")
         resumed = _train(tmp_path, "--resume", name, **env)
