@@ -37,7 +37,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    models = [(m.split(":")[0], m.split(":")[1]) for m in args.models.split(",")]
+    models = [tuple(m.split(":")) for m in args.models.split(",")]
+    if any(len(m) != 2 or not m[1].isdigit() for m in models):
+        parser.error(f"--models takes arch:size pairs, e.g. resnet18:64; got {args.models!r}")
     times: dict[str, list[float]] = {"imports": []}
     for _ in range(args.rounds):
         times["imports"].append(_seconds([sys.executable, "-c", IMPORTS]))
