@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.memory.measure import measure_step_peak, real_step_setup
+from bigbatch.memory.plan import overhead_bytes
 from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import StepSpec, make_inputs
 
@@ -160,6 +161,7 @@ class Row:
     measured_allocated_mib: float
     measured_reserved_mib: float
     device_used_mib: float | None  # the whole process on the card (mem_get_info), GPU only
+    predicted_process_mib: float  # the plan's need (reserved, handles) plus the context
     reserved_error_pct: float
     allocated_error_pct: float
     predict_seconds: float
@@ -188,11 +190,12 @@ def prediction_row(work: Workload, batch: int, gpu: bool) -> Row:
         allocated = reserved = measure_step_peak(work.spec(batch, "cpu"))
         used = None
     predicted_reserved = pred.reserved_bytes or pred.peak_bytes
+    process = pred.planning_bytes + overhead_bytes("cuda" if gpu else "cpu")
     return Row(
         work.name, batch, work.precision, work.optimizer,
-        round(pred.peak_bytes / MiB, 1), round(predicted_reserved / MiB, 1),
-        round(allocated / MiB, 1), round(reserved / MiB, 1),
-        None if used is None else round(used / MiB, 1),
+        round((pred.allocated_bytes or pred.peak_bytes) / MiB, 1),
+        round(predicted_reserved / MiB, 1), round(allocated / MiB, 1), round(reserved / MiB, 1),
+        None if used is None else round(used / MiB, 1), round(process / MiB, 1),
         round(100 * (predicted_reserved - reserved) / reserved, 2),
         round(100 * (pred.peak_bytes - allocated) / allocated, 2),
         round(seconds, 2), list(pred.notes),
@@ -209,14 +212,21 @@ def slope_per_sample(rows: list[Row], name: str, key: str) -> float | None:
 
 
 def emulated_card_check(work: Workload, card_gib: int, target_batch: int) -> dict[str, Any]:
-    """Plan under an emulated card, train two windows at the plan, then try the micro-batch the
-    plan refused: the first must fit, the second should run out."""
+    """Plan under an emulated card (the allocator capped at the card less this process's
+    measured context: the cap covers the allocator alone), train two windows at the plan, then
+    try the micro-batch the plan refused: the first must fit, the second should run out."""
     from bigbatch import Accumulator, OOMBackoff, run_window
     from bigbatch.memory.plan import plan_under_budget
 
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, card_gib * 2**30 / total))
-    result: dict[str, Any] = {"workload": work.name, "card_gib": card_gib}
+    context = overhead_bytes("cuda")
+    cap = card_gib * 2**30 - context
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    result: dict[str, Any] = {
+        "workload": work.name,
+        "card_gib": card_gib,
+        "context_mib": round(context / MiB, 1),
+    }
     try:
         plan = plan_under_budget(
             lambda b: work.spec(b, "cuda"), target_batch, f"{card_gib}GiB", device="cuda"
@@ -317,13 +327,16 @@ def main() -> int:
         return 0
     print(f"{report['device']}, torch {report['torch']}: {path}")
     print(
-        "| workload | batch | precision | predicted reserved MiB | measured reserved MiB | error |"
+        "| workload | batch | precision | predicted reserved MiB | measured reserved MiB | error "
+        "| predicted process MiB | measured process MiB |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        used = "-" if r.device_used_mib is None else f"{r.device_used_mib:,.1f}"
         print(
             f"| {r.workload} | {r.batch} | {r.precision} | {r.predicted_reserved_mib:,.1f} | "
-            f"{r.measured_reserved_mib:,.1f} | {r.reserved_error_pct:+.1f} % |"
+            f"{r.measured_reserved_mib:,.1f} | {r.reserved_error_pct:+.1f} % | "
+            f"{r.predicted_process_mib:,.1f} | {used} |"
         )
     worst = report["worst_reserved_error_pct"]
     print(f"worst |error| {worst:.1f} %" if worst is not None else "no rows")

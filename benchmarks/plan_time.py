@@ -8,6 +8,8 @@ ratio to the 5 s a plan aims for.
 
     python benchmarks/plan_time.py                        # the four models of the docs
     python benchmarks/plan_time.py --models resnet10t:32 --rounds 1 --json
+    python benchmarks/plan_time.py --device cuda --models resnet18:128,convnext_small:128
+                                   # a GPU's plan, from this machine (no GPU needed)
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--models", default=MODELS, help="arch:size,... (timm names)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="cpu", help="the plan's target: cpu or cuda")
+    parser.add_argument("--budget", default="2GB")
     args = parser.parse_args()
     models = [tuple(m.split(":")) for m in args.models.split(",")]
     if any(len(m) != 2 or not m[1].isdigit() for m in models):
@@ -45,7 +49,7 @@ def main() -> None:
         times["imports"].append(_seconds([sys.executable, "-c", IMPORTS]))
         for arch, size in models:
             argv = [sys.executable, "-m", "bigbatch", "plan", "--arch", arch, "--size", size]
-            argv += ["--batch", "128", "--budget", "2GB", "--json"]
+            argv += ["--batch", "128", "--budget", args.budget, "--json", "--device", args.device]
             times.setdefault(f"{arch}@{size}", []).append(_seconds(argv))
     result = {
         name: {

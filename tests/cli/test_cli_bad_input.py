@@ -160,6 +160,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line(name: str, job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if "missing GPU" in name and torch.cuda.is_available():
+        pytest.skip("checks the refusal where no GPU is present")
     argv, match = CASES[name]
     _fails(argv(job), capsys, match)
     assert not (job / "run" / "last.pt").exists()
@@ -189,7 +191,8 @@ def test_predict_bad_input(job: Path, capsys: pytest.CaptureFixture[str]) -> Non
     capsys.readouterr()
     (job / "test").mkdir()
     write_images(job / "test", n_per_class=1)
-    _fails(["predict", "run", "test", "--device", "cuda"], capsys, "no CUDA device")
+    if not torch.cuda.is_available():
+        _fails(["predict", "run", "test", "--device", "cuda"], capsys, "no CUDA device")
     _fails(["predict", "run", "test", "--tta", "0"], capsys, "tta is a number of passes")
     (job / "test" / "red" / "broken.png").write_bytes(b"\x89PNG not really")
     _fails(["predict", "run", "test"], capsys, "broken.png")
@@ -340,3 +343,34 @@ def test_help_and_import_load_no_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.strip().splitlines()[-1].startswith("False "), done.stdout + done.stderr
+
+
+TIGHT = """
+import torch
+from tinymodel import tiny
+
+class Tight(torch.nn.Module):
+    # As a small GPU would: more than two training images at a time do not fit.
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = tiny(num_classes)
+
+    def forward(self, x):
+        if self.training and x.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.net(x)
+"""
+
+
+def test_the_summary_names_the_training_loss_and_says_the_back_off_fired(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """valid_pct=0: the best value is the training loss and the summary calls it that (it said
+    valid_loss); a run whose plan did not fit says that the back-off shrank it, and how."""
+    (job / "tight.py").write_text(TIGHT)
+    sys.modules.pop("tight", None)
+    argv = [*TRAIN, "valid_pct=0", "model=tight:Tight", "--out", "run", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(best train_loss " in out and "valid_loss" not in out
+    assert "out of memory 1 time(s): the back-off shrank the micro-batch (4 -> 2 first" in out

@@ -212,7 +212,7 @@ def test_a_token_model_is_planned_with_integer_inputs(
     )
     monkeypatch.chdir(tmp_path)
     args = ["plan", "--model", "lm:build", "--input-shape", "64", "--batch", "16"]
-    args += ["--budget", "256MiB", "--overhead", "0", "--no-calibrate", "--json"]
+    args += ["--budget", "256MiB", "--overhead", "0", "--no-calibrate", "--json", "--device", "cpu"]
     assert main([*args, "--input-dtype", "long", "--vocab", "1000"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["micro_batch"] >= 1 and plan["predicted_peak_bytes"] > 0

@@ -283,11 +283,12 @@ def test_a_replayed_optimizer_step_predicts_to_the_byte(
     gradient, the steady step recorded on meta (all weights) is dropped and traced instead."""
     from dataclasses import asdict
 
-    from bigbatch.memory.predict import OptimizerTrace, _build_on_meta, _optimizer_on_meta
+    from bigbatch.memory.meta import build_on_meta
+    from bigbatch.memory.predict import OptimizerTrace, _optimizer_on_meta
 
     spec = StepSpec(factory, shape, 2, optimizer=optimizer)
     on_meta = OptimizerTrace()
-    _optimizer_on_meta(_build_on_meta(factory), optimizer, on_meta)
+    _optimizer_on_meta(build_on_meta(factory), optimizer, on_meta)
     assert on_meta.first is not None and on_meta.steady is not None  # not the fake fallback
     calibration = calibrate(spec, batch_sizes=(1, 2), also=()) if calibrated else None
     trace = OptimizerTrace()

@@ -81,7 +81,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 alone reports
-        print(f"\nrun folder: {result.run_dir}  (best {cfg.monitor} {result.best_metric:.4f})")
+        print(f"\nrun folder: {result.run_dir}  (best {result.monitor} {result.best_metric:.4f})")
+        ooms = [e for e in result.backoff_events if e.reason == "oom"]
+        if ooms:
+            first = ooms[0]
+            print(
+                f"  out of memory {len(ooms)} time(s): the back-off shrank the micro-batch "
+                f"({first.old} -> {first.new} first, at optimizer step {first.optimizer_step}) "
+                "with the same updates; the plan was too large for this device: lower budget= "
+                "(or set overhead=) next time"
+            )
         print(
             "  best.safetensors, last.safetensors, last.pt (resume), history.csv, history.png, "
             "plan.json, config.json"

@@ -20,6 +20,7 @@ import torch
 from bigbatch.device import free_bytes, process_rss, total_bytes, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
+from bigbatch.memory.cuda_runtime import default_context_bytes, measured_context_bytes
 from bigbatch.memory.predict import (
     MemoryPrediction,
     OptimizerTrace,
@@ -43,9 +44,6 @@ __all__ = [
     "usable_bytes",
 ]
 
-# Not tensor memory, but it counts against a GPU's capacity: the CUDA context and kernels
-# (typically 300-600 MiB; varies with the driver, not measured here: no GPU).
-CUDA_CONTEXT_BYTES = 500 * 2**20
 DEFAULT_MARGIN = 0.10
 # The prediction counts tensors; glibc's default heap keeps freed blocks that small objects then
 # fragment, so over a run the process grows past the tensors alive by 0.3-1.5x the step's working
@@ -138,7 +136,10 @@ class Plan:
             # On CUDA the plan fits this: the allocator's reserved peak and the BLAS workspaces.
             "predicted_allocated_peak_bytes": self.prediction.peak_bytes,
             "predicted_reserved_bytes": self.prediction.reserved_bytes or None,
-            "breakdown": self.prediction.parts(),
+            "breakdown": {
+                **self.prediction.parts(),
+                **({"cuda_context": self.overhead_bytes} if self.prediction.reserved_bytes else {}),
+            },
             "curve": self.curve,
             "predictions": self.predictions,
             "notes": self.prediction.notes,
@@ -174,12 +175,15 @@ device_total_bytes = total_bytes
 
 
 def overhead_bytes(device: str | torch.device) -> int:
-    """Memory a training process needs besides the step's tensors: the CUDA context on a GPU;
-    on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB), read after
+    """Memory a training process needs besides the step's tensors: on a GPU the CUDA context
+    with the cuBLAS and cuDNN handles, measured where the GPU is here, else the documented
+    H100 / CUDA 13 figure (:mod:`bigbatch.memory.cuda_runtime`); on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB), read after
     what training loads anyway has been loaded (:func:`_load_training_libraries`) and with the
     free memory glibc's heap holds given back (training would reuse it, not add to it)."""
     if torch.device(device).type == "cuda":
-        return CUDA_CONTEXT_BYTES
+        if torch.cuda.is_available():
+            return measured_context_bytes(device)
+        return default_context_bytes()
     _load_training_libraries()
     gc.collect()
     trim_cpu_heap()

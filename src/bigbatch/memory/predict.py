@@ -17,7 +17,7 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -27,9 +27,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from bigbatch.memory.budget import format_bytes
-from bigbatch.memory.cuda_allocator import cuda_library_workspace_bytes, simulate
+from bigbatch.memory.cuda_allocator import simulate
+from bigbatch.memory.cuda_autocast import cuda_autocast_rules
+from bigbatch.memory.cuda_runtime import CudaLibraries
 from bigbatch.memory.fake_branches import real_branches
 from bigbatch.memory.measure import measure_step_peak
+from bigbatch.memory.meta import build_on_meta, to_empty_shared, unfakeable_op
 from bigbatch.memory.step import (
     PRECISIONS,
     StepSpec,
@@ -68,10 +71,13 @@ class MemoryPrediction:
     precision: str
     optimizer: str
     workspace_bytes: int = 0  # added by CPU calibration (kernel workspaces fake tensors miss)
-    # CUDA only: what the caching allocator reserves for the traced allocations (rounding, pools,
-    # fragmentation; see bigbatch.memory.cuda_allocator), and cuBLAS/cuBLASLt's workspaces.
+    # CUDA only (bigbatch.memory.cuda_allocator, .cuda_runtime): the caching allocator's peaks
+    # for the traced allocations and the cuBLAS workspaces it holds (rounding, pools,
+    # fragmentation), and the cuBLAS handle autograd's thread adds outside it.
     reserved_bytes: int = 0
+    allocated_bytes: int = 0
     library_workspace_bytes: int = 0
+    cuda_handle_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -80,9 +86,9 @@ class MemoryPrediction:
 
     @property
     def planning_bytes(self) -> int:
-        """What a plan must fit: the peak, or on CUDA what the allocator reserves for it plus
-        the BLAS libraries' workspaces (a CUDA OOM is a segment that cannot be reserved)."""
-        return max(self.peak_bytes, self.reserved_bytes) + self.library_workspace_bytes
+        """What a plan must fit: the peak, or on CUDA what the allocator reserves (a CUDA OOM is
+        a segment that cannot be reserved) and the handles the step adds outside it."""
+        return max(self.peak_bytes, self.reserved_bytes) + self.cuda_handle_bytes
 
     def parts(self) -> dict[str, int]:
         """Bytes at the peak, by kind (kernel workspaces count as temporaries); on CUDA also
@@ -95,8 +101,11 @@ class MemoryPrediction:
             "temporaries": self.temporaries + self.workspace_bytes,
         }
         if self.reserved_bytes:
-            parts["allocator_cache"] = max(0, self.reserved_bytes - self.peak_bytes)
             parts["blas_workspaces"] = self.library_workspace_bytes
+            parts["allocator_cache"] = max(
+                0, self.reserved_bytes - self.peak_bytes - self.library_workspace_bytes
+            )
+            parts["cuda_handles"] = self.cuda_handle_bytes
         return parts
 
     def breakdown(self) -> str:
@@ -104,7 +113,8 @@ class MemoryPrediction:
             "parameters": "weights",
             "optimizer_state": f"{self.optimizer} state",
             "allocator_cache": "CUDA allocator rounding and cache",
-            "blas_workspaces": "cuBLAS/cuBLASLt workspaces",
+            "blas_workspaces": "cuBLAS workspaces",
+            "cuda_handles": "autograd thread's cuBLAS handle",
         }
         return ", ".join(
             f"{labels.get(kind, kind)} {format_bytes(b)}" for kind, b in self.parts().items() if b
@@ -197,7 +207,8 @@ class _StorageTracker(TorchDispatchMode):
         self._refs: dict[int, list[tuple[weakref.ref[Any], int]]] = {}
         self._next_uid = 0
         # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model.
-        self.events: list[tuple[str, int, int]] | None = None
+        self.events: list[tuple[str, Any, int]] | None = None
+        self.cuda: CudaLibraries | None = None  # with events: cuBLAS's and cuDNN's memory
         self.observing = True  # False: tensors are tracked, the peak is not moved
         # While an optimizer phase is recorded (:meth:`optimizer_phase`), its points.
         self.recording: list[tuple[int, int]] | None = None
@@ -287,6 +298,8 @@ class _StorageTracker(TorchDispatchMode):
             # Fake mode's own metadata queries (prim.device, two per aten op): a real run has
             # none and they allocate nothing.
             return func(*args, **(kwargs or {}))
+        if self.cuda is not None and self.events is not None:
+            self.events += self.cuda.before(str(func), self.phase)
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         counted = self.counting
@@ -309,6 +322,8 @@ class _StorageTracker(TorchDispatchMode):
         if matched is not None:
             # The kernel's scratch memory was alive together with its outputs.
             self._observe(self.calibration.workspace(matched, self.batch_size))
+        if self.cuda is not None and self.events is not None:
+            self.events += self.cuda.after(str(func), args, out)
         if counted:
             self.op_index += 1
         return out
@@ -365,54 +380,6 @@ class _StorageTracker(TorchDispatchMode):
             self.recording = None
 
 
-def _build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception as exc:
-        if _unfakeable_op(exc) is None:
-            raise
-        # The constructor itself computes with an op meta tensors lack (timm's RegNets size
-        # their stages with torch.unique): build on the CPU, then keep only the shapes.
-        model = factory()
-        if isinstance(model, nn.Module):
-            model = model.to(device="meta")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-    lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
-    if lazy:
-        raise ValueError(
-            f"the model has lazy parameters ({', '.join(lazy[:3])}): their sizes are unknown "
-            "until a forward pass. Run one in the factory, e.g. `model(torch.zeros(1, "
-            "*input_shape)); return model` (free on the meta device), or give the layers "
-            "their input sizes"
-        )
-    return model
-
-
-def to_empty_shared(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """``model.to_empty(device)`` that keeps shared parameters shared and converts each once.
-
-    ``Module.to_empty`` converts a module once per parent, so a module held by two parents
-    (MONAI's DynUNet keeps its output block in its skip list too; tied embeddings) is converted
-    twice, and under fake tensors the second conversion fails ("Couldn't swap").
-    """
-    done: dict[int, torch.Tensor] = {}
-    for module in model.modules():  # each module once
-        for table in (module._parameters, module._buffers):
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    # Not empty_like: that fakes the meta input first, 4x the time here.
-                    new = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
-                    if isinstance(t, nn.Parameter):
-                        new = nn.Parameter(new, requires_grad=t.requires_grad)
-                    done[id(t)] = new
-                table[name] = done[id(t)]  # type: ignore[assignment]
-    return model
-
-
 def predict_peak(
     spec: StepSpec, *, calibration: Any = None, optimizer_trace: OptimizerTrace | None = None
 ) -> MemoryPrediction:
@@ -445,7 +412,7 @@ def _fake_or_measured(
     try:
         return _predict_on_fake(spec, calibration, optimizer_trace, keep)
     except Exception as exc:
-        op = _unfakeable_op(exc)
+        op = unfakeable_op(exc)
         if op is None:
             raise
     return _measured_fallback(spec, op)
@@ -460,7 +427,7 @@ def check_forward(spec: StepSpec) -> None:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    model = _build_on_meta(spec.model)
+    model = build_on_meta(spec.model)
     device = "cpu" if torch.device(spec.device).type == "cuda" else spec.device
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), real_branches():
@@ -468,23 +435,8 @@ def check_forward(spec: StepSpec) -> None:
             with torch.no_grad():
                 run_step_loss(spec, model, make_inputs(spec, device), torch.device(device).type)
     except Exception as exc:
-        if _unfakeable_op(exc) is None:
+        if unfakeable_op(exc) is None:
             raise  # an op without a fake kernel is not the model's fault: training will tell
-
-
-def _unfakeable_op(exc: BaseException) -> str | None:
-    """The op fake tensors could not run, when that is what ``exc`` says; else None."""
-    from torch._subclasses.fake_tensor import (
-        DynamicOutputShapeException,
-        UnsupportedOperatorException,
-    )
-
-    if isinstance(exc, DynamicOutputShapeException | UnsupportedOperatorException):
-        return str(exc.func)
-    text = str(exc)
-    if isinstance(exc, NotImplementedError) and "Meta" in text:
-        return text.split(":", 1)[0]  # "aten::_unique2: attempted to run this operator ..."
-    return None
 
 
 def _measured_fallback(spec: StepSpec, op: str) -> MemoryPrediction:
@@ -496,7 +448,7 @@ def _measured_fallback(spec: StepSpec, op: str) -> MemoryPrediction:
     (a, peak_a), (b, peak_b) = _measured_line(replace(spec, batch_size=1, device="cpu"))
     slope = (peak_b - peak_a) / (b - a)
     peak = max(peak_a, round(peak_a + slope * (spec.batch_size - a)))
-    params = sum(p.numel() * p.element_size() for p in _build_on_meta(spec.model).parameters())
+    params = sum(p.numel() * p.element_size() for p in build_on_meta(spec.model).parameters())
     where = "" if spec.device == "cpu" else f" on the CPU, standing in for {spec.device}"
     return MemoryPrediction(
         peak_bytes=peak,
@@ -675,14 +627,15 @@ def _predict_on_fake(
     # step is traced on CPU-placed fake tensors with what differs on CUDA: 512-byte allocator
     # blocks and the multi-tensor (foreach) optimizers CUDA defaults to.
     device = torch.device("cpu") if target.type == "cuda" else target
-    model = _build_on_meta(spec.model)
+    model = build_on_meta(spec.model)
     tracker = _StorageTracker(
         round_to=CUDA_BLOCK if target.type == "cuda" else 1,
         calibration=calibration,
         batch_size=spec.batch_size,
     )
     if target.type == "cuda":
-        tracker.events = []
+        tracker.cuda = CudaLibraries()
+        tracker.events = tracker.cuda.start()
     elif keep is not None and calibration is None:
         tracker.log = []
     grads_uids: set[int] = set()
@@ -696,7 +649,8 @@ def _predict_on_fake(
     if trace is not None and not trace.on_meta:
         trace.on_meta = True
         _optimizer_on_meta(model, spec.optimizer, trace)
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
+    rules = cuda_autocast_rules() if target.type == "cuda" else contextlib.nullcontext()
+    with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
         model = to_empty_shared(model, device)
         model.train()
         param_uids = set()
@@ -781,15 +735,18 @@ def _assemble(
         notes.append(
             f"op sequence left the calibration at op {tracker.left_at}: workspaces after it are not counted"
         )
-    reserved = library = 0
-    if tracker.events is not None:
-        reserved = simulate(tracker.events).reserved_bytes
-        library = cuda_library_workspace_bytes()
+    reserved = allocated = library = handles = 0
+    if tracker.events is not None and tracker.cuda is not None:
+        allocator = simulate(tracker.events)
+        reserved, allocated = allocator.reserved_bytes, allocator.allocated_bytes
+        library, handles = tracker.cuda.workspace_bytes, tracker.cuda.handle_bytes
     return MemoryPrediction(
         peak_bytes=tracker.peak_bytes,
         workspace_bytes=tracker.peak_workspace,
         reserved_bytes=reserved,
+        allocated_bytes=allocated,
         library_workspace_bytes=library,
+        cuda_handle_bytes=handles,
         notes=notes,
         batch_size=spec.batch_size,
         device=device_type,

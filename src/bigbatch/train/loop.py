@@ -13,7 +13,6 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from bigbatch.train.state import (
     Phase,
     Run,
     TrainingDiverged,
+    TrainResult,
     build_phase,
     diverged,
     epoch_loader,
@@ -71,14 +71,6 @@ __all__ = [
 ]
 
 Log = Callable[[str], None]
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    best_metric: float
-    history: list[dict[str, Any]] = field(default_factory=list)
-    classes: list[str] = field(default_factory=list)
 
 
 def evaluate(
@@ -147,7 +139,9 @@ def _loop(run: Run) -> TrainResult:
     if run.main_rank:
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
-    return TrainResult(run.run_dir, run.best, run.history, run.task.classes)
+    return TrainResult(
+        run.run_dir, run.best, run.history, run.task.classes, run.monitor, run.backoff.events
+    )
 
 
 def _setup(

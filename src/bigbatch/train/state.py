@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
-from bigbatch.backoff import OOMBackoff
+from bigbatch.backoff import BackoffEvent, OOMBackoff
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
@@ -26,6 +26,7 @@ from bigbatch.train.tasks import Task
 __all__ = [
     "Phase",
     "Run",
+    "TrainResult",
     "TrainingDiverged",
     "build_phase",
     "diverged",
@@ -35,6 +36,19 @@ __all__ = [
 ]
 
 Log = Callable[[str], None]
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports: its folder, the best value of ``monitor`` (``train_loss``
+    where there is no validation set), the history, and every change the OOM back-off made."""
+
+    run_dir: Path
+    best_metric: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
+    monitor: str = "valid_loss"
+    backoff_events: list[BackoffEvent] = field(default_factory=list)
 
 
 @dataclass

@@ -1,0 +1,181 @@
+"""What a CUDA training process holds besides its tensors: the libraries' workspaces (inside the
+caching allocator) and the context (outside it).
+
+Measured on an NVIDIA H100 80GB with CUDA 13.0, cuDNN 9.19 and torch 2.11 (the allocator traces
+in ``tests/memory/data/gpu_truth``), one process alone on the card, ``mem_get_info`` stage by
+stage:
+
+- CUDA initialisation: 621 MiB;
+- the first cuBLAS call of a thread: a handle (64 MiB outside the allocator) and one 32 MiB
+  workspace, which cuBLAS and cuBLASLt share, taken from the caching allocator. The backward
+  runs on autograd's own thread, so a backward that multiplies matrices makes a second handle
+  and a second workspace (seen in every trace whose model has a matmul; not in the 3D U-Net's);
+- the first cuDNN convolution: 8 MiB;
+- kernels loaded lazily as the model first runs them: about 10 MiB more after training.
+
+So a process holds 703 MiB besides the allocator's segments (the U-Net: 702.8 measured), 767
+MiB where its backward calls cuBLAS (758.8-772.8 measured). These figures differ by GPU, driver
+and CUDA version: where a GPU is present the context is measured (:func:`measured_context_bytes`);
+where none is, these defaults stand, and ``--overhead`` / ``overhead=`` overrides them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CUBLAS_HANDLE_BYTES",
+    "CUBLAS_OPS",
+    "CUDA_CONTEXT_BYTES",
+    "CudaLibraries",
+    "cublas_workspace_bytes",
+    "cudnn_workspaces",
+    "default_context_bytes",
+    "measured_context_bytes",
+]
+
+MiB = 2**20
+CUDA_INIT_BYTES = 621 * MiB
+CUBLAS_HANDLE_BYTES = 64 * MiB
+CUDNN_HANDLE_BYTES = 8 * MiB
+LAZY_KERNEL_BYTES = 10 * MiB
+# The main thread's context: CUDA, one cuBLAS handle, cuDNN, the kernels a step loads.
+CUDA_CONTEXT_BYTES = CUDA_INIT_BYTES + CUBLAS_HANDLE_BYTES + CUDNN_HANDLE_BYTES + LAZY_KERNEL_BYTES
+
+# The aten ops that call cuBLAS on a CUDA device (a thread's first one creates its handle and
+# workspace).
+CUBLAS_OPS = frozenset(
+    f"aten.{op}.default"
+    for op in [
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "addbmm",
+        "_addmm_activation",
+    ]
+)
+
+
+def cublas_workspace_bytes() -> int:
+    """One cuBLAS handle's workspace, taken from the caching allocator: ``CUBLASLT_WORKSPACE_SIZE``
+    (KiB) where set, else 32 MiB (Hopper's size; 1-4 MiB on older cards, so the default errs
+    high there).
+
+    >>> cublas_workspace_bytes() // MiB if "CUBLASLT_WORKSPACE_SIZE" not in os.environ else 32
+    32
+    """
+    kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
+    return int(kib) * 1024 if kib.isdigit() else 32 * MiB
+
+
+def default_context_bytes() -> int:
+    """The context to plan with where no GPU can be asked: :data:`CUDA_CONTEXT_BYTES`."""
+    return CUDA_CONTEXT_BYTES
+
+
+def measured_context_bytes(device: torch.device | str = "cuda") -> int:
+    """This process's memory on ``device`` outside the caching allocator, after a matmul and a
+    convolution have made the cuBLAS and cuDNN handles, plus the kernels a training step will
+    still load (:data:`LAZY_KERNEL_BYTES`). Counts what other processes hold on the card too:
+    pass an overhead where the card is shared."""
+    device = torch.device(device)
+    with torch.device(device):
+        a = torch.ones(64, 64)
+        (a @ a).sum().item()
+        x = torch.ones(1, 1, 8, 8)
+        torch.nn.functional.conv2d(x, torch.ones(1, 1, 3, 3)).sum().item()
+        del a, x
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device) + LAZY_KERNEL_BYTES
+
+
+# cuDNN's 16-bit convolutions on NCHW tensors run NHWC tensor-core kernels on transposed copies
+# of their operands, in a workspace that is freed when the kernel is done: the bytes of every
+# operand whose two layouts differ, plus 16 (the traces: resnet18's forward and data-gradient
+# workspaces, to the byte). Where a channel count is not a multiple of 8 (an RGB input), there
+# is no tensor-core kernel and no such copy.
+_CUDNN_EXTRA = 16
+
+
+def _layouts_differ(t: torch.Tensor) -> bool:
+    """Whether a conv operand's NCHW and NHWC layouts differ (more than one channel and more
+    than one position; a 1x1 kernel's weight is the same in both)."""
+    return t.dim() >= 3 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
+
+
+def _tensor_core(*channels: int) -> bool:
+    return all(c % 8 == 0 for c in channels)
+
+
+def cudnn_workspaces(func: str, args: tuple[Any, ...], out: Any) -> list[int]:
+    """The transient workspaces cuDNN takes for one convolution op (forward, or backward: one
+    for the input's gradient and one for the weight's), by the rule above; ``[]`` for other
+    ops, 32-bit tensors, grouped convolutions and channels-last inputs (no copy needed)."""
+    if func not in ("aten.convolution.default", "aten.convolution_backward.default"):
+        return []
+    if func == "aten.convolution.default":
+        x, w, groups = args[0], args[1], args[8]
+        operands = [(x, w, out)]
+    else:
+        grad_out, x, w, groups = args[0], args[1], args[2], args[9]
+        grad_x, grad_w = out[0], out[1]
+        operands = [(grad_out, w, grad_x)] if grad_x is not None else []
+        operands += [(grad_out, x, grad_w)] if grad_w is not None else []
+    if (
+        groups != 1
+        or x.dtype not in (torch.float16, torch.bfloat16)
+        or not x.is_contiguous()
+        or not _tensor_core(w.shape[0], w.shape[1])
+    ):
+        return []
+    return [
+        sum(t.numel() * t.element_size() for t in trio if _layouts_differ(t)) + _CUDNN_EXTRA
+        for trio in operands
+    ]
+
+
+class CudaLibraries:
+    """What cuBLAS and cuDNN add to a traced CUDA step's allocations, as allocator events:
+    the main thread's cuBLAS workspace from the start (a training process's first matmul makes
+    it), autograd's thread's handle and workspace at the backward's first matmul, and cuDNN's
+    transient convolution workspaces."""
+
+    def __init__(self) -> None:
+        self.autograd_blas = False
+        self._transients = 0
+
+    def start(self) -> list[tuple[str, Any, int]]:
+        return [("malloc", "cublas:main", cublas_workspace_bytes())]
+
+    def before(self, func: str, phase: str) -> list[tuple[str, Any, int]]:
+        if self.autograd_blas or phase != "backward" or func not in CUBLAS_OPS:
+            return []
+        self.autograd_blas = True
+        return [("malloc", "cublas:autograd", cublas_workspace_bytes())]
+
+    def after(self, func: str, args: tuple[Any, ...], out: Any) -> list[tuple[str, Any, int]]:
+        events: list[tuple[str, Any, int]] = []
+        for size in cudnn_workspaces(func, args, out):
+            self._transients += 1
+            key = ("cudnn", self._transients)
+            events += [("malloc", key, size), ("free", key, 0)]
+        return events
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The cuBLAS workspaces held (cuDNN's are transient)."""
+        return cublas_workspace_bytes() * (1 + self.autograd_blas)
+
+    @property
+    def handle_bytes(self) -> int:
+        """Outside the allocator: autograd's thread's cuBLAS handle, where it made one."""
+        return CUBLAS_HANDLE_BYTES * self.autograd_blas
