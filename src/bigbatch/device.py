@@ -26,6 +26,7 @@ __all__ = [
     "free_bytes",
     "free_memory",
     "peak_memory_text",
+    "pins_memory",
     "process_rss",
     "return_freed_cpu_memory",
     "rng_state",
@@ -61,6 +62,16 @@ def auto_precision(device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "fp32"
+
+
+def pins_memory(device: torch.device) -> bool:
+    """Whether loaders for ``device`` page-lock their batches: on CUDA a pinned batch's copy
+    (``non_blocking``) overlaps the computation; elsewhere there is no such copy to overlap.
+
+    >>> pins_memory(torch.device("cuda")), pins_memory(torch.device("cpu"))
+    (True, False)
+    """
+    return device.type == "cuda"
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,4 +1,5 @@
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +136,55 @@ def test_merged_last_window_for_batchnorm() -> None:
     sizes = [len(b[0]) for b in merged]
     assert sizes == [16, 17] and len(merged) == 2 == windows_per_epoch(33, 16, min_last=2)
     assert sorted(torch.cat([b[0] for b in merged]).tolist()) == list(range(33))
+
+
+class _Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A sample and the augmentation noise drawn for it from torch's and Python's generators."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import random
+
+        return torch.tensor([float(i), float(torch.rand(())), random.random()])
+
+
+def _epochs(loader: Any, seeds: list[int]) -> list[torch.Tensor]:
+    out = []
+    for seed in seeds:
+        loader.batch_sampler.set_epoch(seed)
+        out.append(torch.cat(list(loader)))
+    return out
+
+
+@pytest.mark.slow
+def test_workers_persist_across_epochs_and_augmentation_follows_the_seed_alone() -> None:
+    """One loader for the run: its workers are not started again each epoch, each epoch's
+    order follows its seed, and a sample's augmentation depends on (seed, index) only: the
+    same with one worker or two, and in a run resumed mid-epoch (skip)."""
+    two = make_loader(_Noisy(), 4, shuffle=True, seed=0, num_workers=2, pin_memory=False)
+    one = make_loader(_Noisy(), 4, shuffle=True, seed=0, num_workers=1)
+    assert two.persistent_workers and two.num_workers == 2
+    a, b = _epochs(two, [7, 8]), _epochs(one, [7, 8])
+    assert two._iterator is not None  # the workers of the first epoch served the second
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[0][:, 0], a[1][:, 0])  # another epoch, another order
+    two.batch_sampler.set_epoch(7, skip=1)  # resumed after one window of epoch 7
+    assert torch.equal(torch.cat(list(two)), a[0][4:])
+    in_process = make_loader(_Noisy(), 4, shuffle=True, seed=7, num_workers=0)
+    assert not in_process.persistent_workers
+    assert torch.equal(torch.cat(list(in_process))[:, 0], a[0][:, 0])  # the same order
+
+
+def test_epoch_batches_fold_a_lone_sample_and_skip() -> None:
+    from bigbatch.train.data import EpochBatches
+
+    batches = EpochBatches(9, 4, shuffle=False, min_last=2)
+    batches.set_epoch(0, skip=1)
+    assert list(batches) == [[4, 5, 6, 7, 8]] and len(batches) == 1
+    seeded = EpochBatches(3, 2, shuffle=False, seeded=True)
+    seeded.set_epoch(5)
+    keys = [key for batch in seeded for key in batch]
+    assert [i for _, i in keys] == [0, 1, 2] and len({s for s, _ in keys}) == 3

@@ -278,8 +278,20 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
         assert resolve_threads(auto, cpu) == (2, 0)  # small machine: load in-process
         m.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
         assert resolve_threads(auto, cpu) == (6, 2)
-        assert resolve_threads(auto, cuda) == (8, 4)
         assert resolve_threads(load_config(overrides=["data=x", "threads=3"]), cpu) == (3, 2)
+        # A GPU run: every core but one decodes and augments; the trainer keeps the last.
+        assert resolve_threads(auto, cuda) == (1, 7)
+        m.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+        assert resolve_threads(auto, cuda) == (1, 15)
+        assert resolve_threads(auto, cpu) == (12, 4)
+        m.setattr(os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
+        assert resolve_threads(auto, cuda) == (48, 16)
+        m.setattr(os, "sched_getaffinity", lambda _: set(range(2)), raising=False)
+        assert resolve_threads(auto, cuda) == (1, 1)
+        # Under torchrun the local ranks share the cores.
+        m.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+        m.setenv("LOCAL_WORLD_SIZE", "2")
+        assert resolve_threads(auto, cuda) == (1, 7)
 
     before = torch.get_num_threads()
     overrides = [*base_overrides(image_folder, tiny_model), "threads=1"]

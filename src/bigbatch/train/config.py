@@ -308,7 +308,7 @@ HELP: dict[str, str] = {
     "palette": "segmentation: the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
     "regions": "segmentation: score unions of labels as structures, e.g. wt:1,2,3;tc:1,3;et:3 (BraTS's nested regions)",
     "seed": "seeds the split, the order, augmentation and initialisation",
-    "num_workers": "data-loading processes (0: in the training process; -1: auto, 0 on a CPU run with 2 cores or fewer)",
+    "num_workers": "data-loading processes, kept across epochs (0: in the training process; -1: auto: on a GPU every core but one, at most 16; on a CPU run 0 with 2 cores or fewer)",
     "threads": "torch's CPU threads (0: auto, the cores the data loaders leave); kept on resume",
     "bad_images": "unreadable images: skip (and count them) or error",
     "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",

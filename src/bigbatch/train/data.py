@@ -21,6 +21,8 @@ from bigbatch.images import UnreadableImageError, probe
 __all__ = [
     "IMAGE_SUFFIXES",
     "DataError",
+    "EpochBatches",
+    "SeededSamples",
     "check_readable",
     "images_to_predict",
     "list_images",
@@ -91,6 +93,73 @@ def list_images(folder: Path) -> list[Path]:
     )
 
 
+class EpochBatches:
+    """A loader's batches, epoch by epoch, in an order that depends only on the seed
+    :meth:`set_epoch` gives: one batch sampler for the whole run, so a loader's workers live
+    across epochs (``persistent_workers``) and the order still changes with each epoch.
+
+    ``min_last=2`` folds a last batch of one sample into the one before it (BatchNorm cannot
+    normalise a lone sample in training); ``skip`` leaves out the batches a resumed run has
+    done. With ``seeded``, each index comes with its sample's seed (:class:`SeededSamples`).
+
+    >>> batches = EpochBatches(5, 2, shuffle=False, min_last=2)
+    >>> batches.set_epoch(0); list(batches)
+    [[0, 1], [2, 3, 4]]
+    """
+
+    def __init__(
+        self, n: int, batch_size: int, *, shuffle: bool, min_last: int = 1, seeded: bool = False
+    ) -> None:
+        self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
+        self.min_last, self.seeded = min_last, seeded
+        self.batches: list[list[Any]] = []
+
+    def set_epoch(self, seed: int, skip: int = 0) -> None:
+        order = (
+            torch.randperm(self.n, generator=torch.Generator().manual_seed(seed)).tolist()
+            if self.shuffle
+            else list(range(self.n))
+        )
+        batches = [order[i : i + self.batch_size] for i in range(0, self.n, self.batch_size)]
+        if len(batches) > 1 and len(batches[-1]) < self.min_last:
+            short = batches.pop()
+            batches[-1] = batches[-1] + short
+        if self.seeded:
+            batches = [[(sample_seed(seed, i), i) for i in batch] for batch in batches]
+        self.batches = batches[skip:]
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """A sample's seed in an epoch: distinct for each (epoch seed, index), any worker."""
+    return (seed * 0x9E3779B97F4A7C15 + index) % 2**63
+
+
+class SeededSamples(Dataset[Any]):
+    """``dataset[index]`` with torch's and Python's generators seeded for that sample first,
+    from ``(seed, index)`` keys (:class:`EpochBatches` with ``seeded``): in loader workers a
+    sample's augmentation then depends on the seed alone, not on which worker loads it or what
+    it loaded before, so persistent workers, any ``num_workers`` and a run resumed mid-epoch
+    draw the same augmentation."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        seed, index = key
+        torch.manual_seed(seed)
+        random.seed(seed)
+        return self.dataset[index]
+
+
 def make_loader(
     dataset: Dataset[Any],
     batch_size: int,
@@ -102,34 +171,29 @@ def make_loader(
     skip: int = 0,
     pin_memory: bool = False,
 ) -> DataLoader[Any]:
-    """A DataLoader whose order (and augmentation, through worker seeds) depends only on ``seed``.
-
-    The epoch's batches are drawn up front from a generator of their own, so a run resumed in
-    the middle of an epoch skips the first ``skip`` batches without loading them and sees the
-    same ones after. ``min_last=2`` folds a last batch of one sample into the one before it
-    (BatchNorm cannot normalise a lone sample in training).
+    """A DataLoader whose order (and augmentation) depends only on ``seed``: its batches are
+    drawn up front (:class:`EpochBatches`), so a run resumed in the middle of an epoch skips
+    the first ``skip`` batches without loading them and sees the same ones after. With workers,
+    each sample's augmentation is seeded from ``(seed, index)`` (:class:`SeededSamples`) and the
+    workers persist: call ``loader.batch_sampler.set_epoch(seed, skip)`` for the next epoch
+    instead of making a new loader (no workers started again each epoch).
 
     >>> [len(b) for b in make_loader(list(range(33)), 16, shuffle=True, seed=0, num_workers=0, min_last=2).batch_sampler]
     [16, 17]
     """
     n = len(dataset)  # type: ignore[arg-type]
-    order = (
-        torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        if shuffle
-        else list(range(n))
+    batches = EpochBatches(
+        n, batch_size, shuffle=shuffle, min_last=min_last, seeded=num_workers > 0
     )
-    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
-    if len(batches) > 1 and len(batches[-1]) < min_last:
-        short = batches.pop()
-        batches[-1] = batches[-1] + short
+    batches.set_epoch(seed, skip)
     return DataLoader(
-        dataset,
-        batch_sampler=batches[skip:],
+        SeededSamples(dataset) if num_workers > 0 else dataset,
+        batch_sampler=batches,
         # Worker seeds from their own generator: the global RNG (augmentation, dropout) is
         # not consumed by starting an epoch, so a restored RNG state replays it exactly.
         generator=torch.Generator().manual_seed(seed + 1),
         num_workers=num_workers,
-        persistent_workers=False,
+        persistent_workers=num_workers > 0,
         pin_memory=pin_memory,  # page-locked batches: copies to a GPU that overlap compute
     )
 

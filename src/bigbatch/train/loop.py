@@ -23,6 +23,7 @@ from bigbatch.accumulate import NonFiniteGradientWarning
 from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
 from bigbatch.device import (
     autocast_for,
+    pins_memory,
     rng_state,
     set_rng_state,
 )
@@ -45,6 +46,7 @@ from bigbatch.train.runtime import (
     resolve_device,
     resolve_precision,
     resolve_threads,
+    slow_data_fix,
     threads_for_run,
     train_mode,
 )
@@ -180,7 +182,7 @@ def _setup(
         })  # fmt: skip
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
-    pin = device.type == "cuda"  # page-locked batches: copies to a GPU that overlap compute
+    pin = pins_memory(device)
     train_mode(core, cfg)
     lone_ok = note_inexact(core, cfg, log)
     if not lone_ok:
@@ -238,7 +240,10 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
         set_rng_state({"cpu": resumed["rng"], "cuda": resumed.get("cuda_rng")})
     title, shown = f"epoch {e + 1}/{ph.end_epoch} ({ph.name})", run.progress and run.main_rank
-    show = progress(shown, ph.windows, title, log=run.log, log_every=cfg.log_every)
+    fix = slow_data_fix(run.workers, device) if e == run.start_epoch else ""  # said once a run
+    show = progress(
+        shown, ph.windows, title, log=run.log, log_every=cfg.log_every, slow_data_fix=fix
+    )
     every_steps, every_seconds = cfg.checkpoint_interval()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +254,7 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         return run.task.loss(forward(batch[0]), batch[1].to(device, non_blocking=True))
 
     mix = getattr(run.task, "mix_window", None)  # Mixup/CutMix over the window, before it splits
-    for x, y in loader:
+    for x, y in show.batches(loader):
         x, y = mix(x, y) if mix else (x, y)
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.

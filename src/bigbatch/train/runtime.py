@@ -23,9 +23,11 @@ __all__ = [
     "init_distributed",
     "note_inexact",
     "place_model",
+    "process_cores",
     "resolve_device",
     "resolve_precision",
     "resolve_threads",
+    "slow_data_fix",
     "threads_for_run",
     "train_mode",
     "training_threads",
@@ -52,24 +54,53 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def resolve_threads(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
-    """(torch threads, data-loader workers), chosen rather than left to chance.
+    """(torch threads, data-loader workers), chosen rather than left to chance, from this
+    process's share of the cores (under torchrun, the cores over ``LOCAL_WORLD_SIZE``).
 
     torch's default takes every core, and each loader worker wants one too: on a 2-core machine
-    that oversubscription took a small run from 45 s to 3 min 44 s. Auto: on a CPU run with 2
-    cores or fewer, load in the training process and give torch every core; with more, a
-    quarter of the cores (at most 4) load and the rest compute. On a GPU torch's threads matter
-    little: up to 4 loaders, torch keeps the rest."""
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
+    that oversubscription took a small run from 45 s to 3 min 44 s. On a CPU run with 2 cores
+    or fewer, load in the training process and give torch every core; with more, a quarter of
+    the cores (at most 4) load and the rest compute. On a GPU the model runs on the device, and
+    decoding and augmenting images is the host's work: every core but one loads (at most 16;
+    4 loaders fed an H100 at 0.56x a hand-written loop with 8), and the training process keeps
+    what is left, so its threads do not compete with the workers.
+
+    >>> from bigbatch.train.config import TrainConfig
+    >>> threads, workers = resolve_threads(TrainConfig(threads=2, num_workers=0), torch.device("cpu"))
+    >>> (threads, workers)
+    (2, 0)
+    """
+    cores = process_cores()
     workers = cfg.num_workers
     if workers < 0:
         if device.type == "cpu":
             workers = 0 if cores <= 2 else min(4, cores // 4)
         else:
-            workers = min(4, max(0, cores - 1))
-    threads = cfg.threads or max(1, cores - (workers if device.type == "cpu" else 0))
+            workers = min(16, max(1, cores - 1))
+    threads = cfg.threads or max(1, cores - workers)
     return threads, workers
+
+
+def process_cores() -> int:
+    """The cores this process may use: its affinity, shared among torchrun's local ranks."""
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def slow_data_fix(workers: int, device: torch.device) -> str:
+    """What to do when a run on ``device`` waits for its loader ('' on a CPU run, whose
+    loading and training share the cores)."""
+    if device.type == "cpu":
+        return ""
+    cores = process_cores()
+    if workers < cores - 1:
+        return f"raise num_workers (now {workers}; this process has {cores} cores)"
+    return (
+        f"all {cores} cores load already: store the images at the training size, or train "
+        "on a machine with more cores per GPU"
+    )
 
 
 def training_threads() -> int:

@@ -82,6 +82,7 @@ class Run:
     best: float = math.inf
     start_epoch: int = 0
     mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
+    train_loader: Any = None  # with workers: one loader for the run, its workers persistent
     last_checkpoint: float = 0.0
     ema: Any = None  # timm's ModelEmaV3 of core, with ema= (validated and saved instead)
 
@@ -129,11 +130,6 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         if run.mid
         else f"resuming {run.run_dir} after epoch {run.start_epoch} of {total}"
     )
-    if run.mid and run.workers > 0:
-        run.log(
-            "note: resuming mid-epoch with num_workers > 0: the rest of this epoch's "
-            "augmentation is drawn by other worker streams (bit-identical with num_workers=0)"
-        )
 
 
 def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase:
@@ -189,16 +185,23 @@ def epoch_loader(run: Run, e: int, skip: int) -> Any:
         return torch.utils.data.DataLoader(
             run.train_ds, batch_size=run.rank_batch, sampler=run.sampler, num_workers=run.workers
         )
-    return make_loader(
+    seed = run.cfg.seed * 1000 + e
+    if run.train_loader is not None:  # its workers live on: the next epoch's batches
+        run.train_loader.batch_sampler.set_epoch(seed, skip)
+        return run.train_loader
+    loader = make_loader(
         run.train_ds,
         run.cfg.batch,
         shuffle=True,
-        seed=run.cfg.seed * 1000 + e,
+        seed=seed,
         num_workers=run.workers,
         min_last=1 if run.lone_ok else 2,
         skip=skip,
         pin_memory=run.pin,
     )
+    if run.workers > 0:
+        run.train_loader = loader
+    return loader
 
 
 def make_ema(core: nn.Module, decay: float) -> Any:
