@@ -1,11 +1,13 @@
 """Time per window: each framework adapter against the framework's own accumulation.
 
 Same framework, same model (an MLP, 512 -> 1024 -> 1024 -> 10), same batches (4 per window), in
-one process; only the accumulation differs. Each run trains two epochs and times the second
+one process; only the accumulation differs. Keras runs on its torch backend here, and on
+tensorflow and jax each in a process of its own (``keras-tensorflow``, ``keras-jax``: Keras fixes
+its backend at import). Each run trains two epochs and times the second
 (warm) one; runs alternate between the two sides, and the ratio printed is the median over rounds
 of adapter time / built-in time (1.00 = no overhead; the target is <= 1.03).
 
-    python benchmarks/integrations.py                 # lightning, fastai, keras, hf
+    python benchmarks/integrations.py                 # lightning, fastai, keras (3 backends), hf
     python benchmarks/integrations.py --json --rounds 5
 """
 
@@ -142,7 +144,7 @@ def fastai_run(batches: list, exact: bool) -> float:
 def keras_run(batches: list, exact: bool) -> float:
     import keras
 
-    from bigbatch.integrations.keras import ExactAccumulation
+    from bigbatch.integrations.keras import AccumulatingModel
 
     timer = EpochTimer()
 
@@ -163,7 +165,7 @@ def keras_run(batches: list, exact: bool) -> float:
         ]
     )
     if exact:
-        model = ExactAccumulation(inner, micro_batches=WINDOW)
+        model = AccumulatingModel(inner, micro_batches=WINDOW)
         optimizer = keras.optimizers.SGD(0.01)
     else:
         model = inner
@@ -239,13 +241,32 @@ FRAMEWORKS: dict[str, Callable[[list, bool], float]] = {
     "keras": keras_run,
     "hf": hf_run,
 }
+OTHER_KERAS_BACKENDS = ("keras-tensorflow", "keras-jax")
+
+
+def keras_elsewhere(name: str, args: argparse.Namespace) -> dict[str, float] | None:
+    """The keras row on another backend, from this script in a process of its own; None
+    where that backend is not installed."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    backend = name.removeprefix("keras-")
+    if importlib.util.find_spec(backend) is None:
+        return None
+    argv = [sys.executable, __file__, "--frameworks", "keras", "--json"]
+    argv += ["--batches", str(args.batches), "--batch", str(args.batch)]
+    argv += ["--rounds", str(args.rounds)]
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
+    return dict(json.loads(done.stdout[done.stdout.index("{") :])["rows"]["keras"])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    p.add_argument("--frameworks", default=",".join([*FRAMEWORKS, *OTHER_KERAS_BACKENDS]))
     p.add_argument("--batches", type=int, default=32, help="micro-batches per epoch")
     p.add_argument("--batch", type=int, default=64, help="samples per micro-batch")
     p.add_argument("--rounds", type=int, default=3)
@@ -258,6 +279,10 @@ def main() -> None:
     windows = args.batches / WINDOW
     rows = {}
     for name in args.frameworks.split(","):
+        if name in OTHER_KERAS_BACKENDS:
+            if (row := keras_elsewhere(name, args)) is not None:
+                rows[name] = row
+            continue
         run = FRAMEWORKS[name]
         ratios, exact_s, builtin_s = [], [], []
         for r in range(args.rounds):
@@ -273,7 +298,8 @@ def main() -> None:
             "ratio": statistics.median(ratios),
         }
     if args.json:
-        print(json.dumps({"window": WINDOW, "rows": rows, "torch": torch.__version__}, indent=1))
+        versions = {"torch": torch.__version__, "keras_backend": os.environ["KERAS_BACKEND"]}
+        print(json.dumps({"window": WINDOW, "rows": rows, **versions}, indent=1))
         return
     print(f"{'framework':<10} {'built-in s/window':>18} {'bigbatch s/window':>18} {'ratio':>7}")
     for name, row in rows.items():

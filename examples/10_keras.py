@@ -1,4 +1,5 @@
-"""A standard Keras 3 script (torch backend) with exact accumulation: one line changes.
+"""A standard Keras 3 script with exact accumulation: one line changes, on any backend
+(`KERAS_BACKEND=tensorflow python examples/10_keras.py`, or jax; torch when unset).
 
 Keras's `SGD(gradient_accumulation_steps=4)` averages the 4 batch gradients with equal weights,
 so the short last batch (100 = 3 x 32 + 4) would weigh as much as a full one.
@@ -25,4 +26,5 @@ model.compile(
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
 )
 model.fit(x, y, batch_size=32, epochs=2, verbose=0)
-print(f"optimizer steps: {int(model.optimizer.iterations)} (one window of 32+32+32+4 per epoch)")
+steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+print(f"optimizer steps: {steps} (one window of 32+32+32+4 per epoch)")

@@ -57,7 +57,7 @@ def test_ddp_benchmark_json() -> None:
 def test_integrations_benchmark_json() -> None:
     out = _run("benchmarks/integrations.py", "--batches", "8", "--rounds", "1", "--json")
     rows = json.loads(out[out.index("{") :])["rows"]
-    assert set(rows) == {"lightning", "fastai", "keras", "hf"}
+    assert set(rows) == {"lightning", "fastai", "keras", "keras-tensorflow", "keras-jax", "hf"}
     assert all(row["ratio"] > 0 for row in rows.values())
 
 

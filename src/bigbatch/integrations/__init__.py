@@ -5,7 +5,8 @@ install when the framework is missing:
 
 - :mod:`bigbatch.integrations.lightning`: ``pip install 'bigbatch[lightning]'``
 - :mod:`bigbatch.integrations.fastai`: ``pip install 'bigbatch[fastai]'``
-- :mod:`bigbatch.integrations.keras`: ``pip install 'bigbatch[keras]'`` (torch backend)
+- :mod:`bigbatch.integrations.keras`: ``pip install 'bigbatch[keras]'`` (torch backend),
+  ``'bigbatch[keras-tensorflow-cpu]'``, ``'bigbatch[keras-tensorflow]'`` or ``'bigbatch[keras-jax]'``
 - :mod:`bigbatch.integrations.hf`: ``pip install 'bigbatch[hf]'``
 """
 
