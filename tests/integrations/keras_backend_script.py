@@ -15,17 +15,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import (
-    CLASSES,
-    FEATURES,
-    SCENARIOS,
-    SEQ,
-    Batch,
-    reference_update,
-    rel_err,
-    roundoff_tol,
-    windows_of,
-)
+import reference as ref
 
 # Imported in setup(), once KERAS_BACKEND is read: importing this file does nothing else
 # (pytest collects it for doctests).
@@ -65,8 +55,8 @@ def setup() -> None:
 
 def build(tokens: bool) -> Any:
     keras.utils.set_random_seed(0)
-    shape = (SEQ, FEATURES) if tokens else (FEATURES,)
-    return keras.Sequential([keras.Input(shape), keras.layers.Dense(CLASSES)])
+    shape = (ref.SEQ, ref.FEATURES) if tokens else (ref.FEATURES,)
+    return keras.Sequential([keras.Input(shape), keras.layers.Dense(ref.CLASSES)])
 
 
 def weights(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +66,7 @@ def weights(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return kernel.T.double().clone(), bias.double().clone()
 
 
-def batches_for_keras(batches: list[Batch], tokens: bool) -> list[tuple[np.ndarray, ...]]:
+def batches_for_keras(batches: list[ref.Batch], tokens: bool) -> list[tuple[np.ndarray, ...]]:
     """Padding (-100) becomes label 0 with sample weight 0: Keras's way to mask a token loss."""
     if not tokens:
         return [(x.numpy(), y.numpy()) for x, y in batches]
@@ -84,7 +74,7 @@ def batches_for_keras(batches: list[Batch], tokens: bool) -> list[tuple[np.ndarr
 
 
 def fit(name: str, how: str, epochs: int = 1, n: int | None = None, sized: bool = True) -> float:
-    batches, window = SCENARIOS[name]
+    batches, window = ref.SCENARIOS[name]
     n = n or window
     tokens = name == "tokens"
     inner = build(tokens)
@@ -111,12 +101,12 @@ def fit(name: str, how: str, epochs: int = 1, n: int | None = None, sized: bool 
                 return iter(data)
 
         model.fit(torch.utils.data.DataLoader(Stream(), batch_size=None), epochs=epochs, verbose=0)
-    want_windows = windows_of(batches, n) * epochs
+    want_windows = ref.windows_of(batches, n) * epochs
     want = init
     for w in want_windows:
-        want = reference_update(*want, [w], LR)
+        want = ref.reference_update(*want, [w], LR)
     got = weights(inner)
-    result = rel_err(got, want, init)
+    result = ref.rel_err(got, want, init)
     if how == "bigbatch":
         steps = int(keras.ops.convert_to_numpy(optimizer.iterations))
         assert steps == len(want_windows), (steps, len(want_windows))
@@ -126,7 +116,7 @@ def fit(name: str, how: str, epochs: int = 1, n: int | None = None, sized: bool 
 def custom_loop(name: str) -> float:
     """The seeds' hand-written loop: gradients of the batch's mean loss, in the backend's own
     terms, handed to AccumulatingOptimizer with the batch's count."""
-    batches, n = SCENARIOS[name]
+    batches, n = ref.SCENARIOS[name]
     tokens = name == "tokens"
     model = build(tokens)
     init = weights(model)
@@ -137,8 +127,8 @@ def custom_loop(name: str) -> float:
         grads = _grads(model, x.numpy(), y.numpy(), count)
         opt.apply(grads, variables, count=count)
     opt.flush(variables)
-    want = reference_update(*init, windows_of(batches, n), LR)
-    return rel_err(weights(model), want, init)
+    want = ref.reference_update(*init, ref.windows_of(batches, n), LR)
+    return ref.rel_err(weights(model), want, init)
 
 
 def _grads(model: Any, x: np.ndarray, y: np.ndarray, count: float) -> list[Any]:
@@ -171,7 +161,7 @@ def _grads(model: Any, x: np.ndarray, y: np.ndarray, count: float) -> list[Any]:
         v.value.grad = None
     logits = model(torch.as_tensor(x), training=True)
     per = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, CLASSES), torch.as_tensor(labels).reshape(-1), reduction="none"
+        logits.reshape(-1, ref.CLASSES), torch.as_tensor(labels).reshape(-1), reduction="none"
     )
     (per * torch.as_tensor(mask).reshape(-1)).sum().div(count).backward()
     return [v.value.grad for v in model.trainable_variables]
@@ -203,7 +193,7 @@ def misuse() -> dict[str, str]:
             from_logits=True, reduction="mean_with_sample_weight"
         ),
     )
-    (x, y), _ = SCENARIOS["tokens"][0][0], None
+    (x, y), _ = ref.SCENARIOS["tokens"][0][0], None
     x, y = x.numpy(), y.clamp(min=0).numpy()
     ones, zeros = np.ones(y.shape), np.zeros(y.shape)
     batches = [(x, y, ones), (x, y, ones), (x, y, zeros), (x, y, zeros)]
@@ -218,14 +208,14 @@ def misuse() -> dict[str, str]:
 def main() -> None:
     setup()
     out: dict[str, Any] = {"backend": keras.backend.backend(), "jit": JIT}
-    for name in sorted(SCENARIOS):
-        batches, n = SCENARIOS[name]
+    for name in sorted(ref.SCENARIOS):
+        batches, n = ref.SCENARIOS[name]
         out[name] = {
             "bigbatch": fit(name, "bigbatch"),
             "keras": fit(name, "keras"),
             "custom_loop": custom_loop(name),
-            "float32_roundoff": roundoff_tol(
-                weights(build(name == "tokens")), windows_of(batches, n), LR
+            "float32_roundoff": ref.roundoff_tol(
+                weights(build(name == "tokens")), ref.windows_of(batches, n), LR
             ),
         }
     out["two_epochs_partial_window"] = fit("uneven", "bigbatch", epochs=2, n=3)
