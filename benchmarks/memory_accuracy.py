@@ -24,7 +24,8 @@ from torch import nn
 
 from bigbatch.memory.calibrate import calibrate
 from bigbatch.memory.measure import measure_step_peak
-from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
 from bigbatch.models import timm_factory
 from bigbatch.segmentation.models import UNet
 from bigbatch.segmentation.networks import build_network

@@ -102,7 +102,7 @@ def test_negative_counts_on_a_device_are_refused_at_step_time() -> None:
     x, y = make_data(4)
     for c in (2, -2):
         loss = F.cross_entropy(model(x[:2]), y[:2])
-        factor = acc.record(MicroBatchCount(torch.tensor(float(c)), 2, 0), loss.detach())
+        factor = acc.add_micro_batch(MicroBatchCount(torch.tensor(float(c)), 2, 0), loss.detach())
         (loss * factor).backward()
     with pytest.raises(ValueError, match="micro-batch 2 of this window has a negative count"):
         acc.step()

@@ -195,7 +195,7 @@ def test_misuse_is_refused() -> None:
 def test_plan_leaves_room_for_the_gradient_cache() -> None:
     from bigbatch.coupled import cache_bytes
     from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
-    from bigbatch.memory.predict import StepSpec
+    from bigbatch.memory.step import StepSpec
 
     def spec_at(b: int) -> StepSpec:
         wide = lambda: nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 6))  # noqa: E731

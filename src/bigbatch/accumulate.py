@@ -305,8 +305,6 @@ class Accumulator:
         self._tokens_seen = self._tokens_seen + mb.tokens
         return factor
 
-    record = add_micro_batch  # the name before 0.2; kept as an alias
-
     @property
     def samples_seen(self) -> int:
         """Samples backpropagated so far (over all windows, on this rank)."""

@@ -19,7 +19,8 @@ from bigbatch.device import torch_threads
 from bigbatch.io import atomic_path, atomic_write_csv, atomic_write_text
 from bigbatch.memory.calibrate import calibrate, calibration_need
 from bigbatch.memory.plan import DEFAULT_MARGIN
-from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
 from bigbatch.models import timm_factory
 from bigbatch.segmentation.networks import build_network
 from bigbatch.segmentation.synthetic import (

@@ -22,7 +22,8 @@ import torch
 
 from bigbatch.io import atomic_write_csv
 from bigbatch.memory.plan import overhead_bytes
-from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
 from bigbatch.models import UnknownArchitectureError, resolve_arch
 from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
 from bigbatch.train.data import DataError, images_to_predict

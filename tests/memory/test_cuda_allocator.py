@@ -98,7 +98,8 @@ def test_a_cuda_plan_fits_what_the_allocator_reserves() -> None:
     autograd's thread makes outside the allocator, above the allocated peak."""
     import torch
 
-    from bigbatch.memory.predict import StepSpec, predict_peak
+    from bigbatch.memory.predict import predict_peak
+    from bigbatch.memory.step import StepSpec
 
     def net() -> torch.nn.Module:
         return torch.nn.Sequential(

@@ -266,16 +266,6 @@ def test_real_limit_a_few_mib_above_a_clean_start_lands_there(
         assert float((got[name] - p).abs().max()) <= 1e-4 * float(update) + 1e-7, name
 
 
-def test_old_import_path_of_the_back_off_still_works_with_a_deprecation_warning() -> None:
-    import bigbatch
-    from bigbatch.memory import oom
-
-    with pytest.warns(DeprecationWarning, match="import it from bigbatch"):
-        assert oom.run_window is bigbatch.run_window
-    with pytest.raises(AttributeError):
-        _ = oom.no_such_name
-
-
 def test_oom_while_adam_creates_its_state_backs_off_and_keeps_the_update() -> None:
     """As on a GPU where the freed activations' cached blocks leave no room for Adam's two
     state copies at the first step: the window is redone at a smaller micro-batch."""

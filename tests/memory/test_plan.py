@@ -12,7 +12,8 @@ from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
-from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
 
 
 def cnn() -> nn.Module:
@@ -111,7 +112,7 @@ def test_parse_bytes_rejects_with_the_fix(text: str) -> None:
         parse_bytes(text)
 
 
-def test_top_level_plan_and_the_deprecated_accum_steps_name() -> None:
+def test_top_level_plan_and_its_micro_batches() -> None:
     import bigbatch
     from bigbatch.memory.plan import plan_under_budget
 
@@ -122,9 +123,8 @@ def test_top_level_plan_and_the_deprecated_accum_steps_name() -> None:
         "1GiB",
         overhead=0,
     )
-    assert plan.to_dict()["micro_batches"] == plan.to_dict()["accum_steps"] == plan.micro_batches
-    with pytest.warns(DeprecationWarning, match="micro_batches"):
-        assert plan.accum_steps == plan.micro_batches
+    assert plan.to_dict()["micro_batches"] == plan.micro_batches == 1
+    assert "accum_steps" not in plan.to_dict()  # the name before micro_batches is gone
 
 
 def test_a_plan_traces_its_floor_once_and_never_micro_batch_4_for_the_calibration(

@@ -10,7 +10,8 @@ from torch import nn
 
 from bigbatch.memory.calibrate import calibrate
 from bigbatch.memory.measure import measure_step_peak
-from bigbatch.memory.predict import StepSpec, predict_peak
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
 
 
 def mlp() -> nn.Module:

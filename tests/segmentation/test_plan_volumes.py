@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bigbatch.memory.plan import DoesNotFitError, plan_micro_batch
-from bigbatch.memory.predict import StepSpec
+from bigbatch.memory.step import StepSpec
 from bigbatch.segmentation.models import unet3d
 
 

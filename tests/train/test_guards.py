@@ -17,7 +17,8 @@ from conftest import base_overrides, write_images
 from bigbatch.io import lock_folder
 from bigbatch.train.checkpoint import load_state
 from bigbatch.train.config import ConfigError, load_config
-from bigbatch.train.loop import TrainingDiverged, train
+from bigbatch.train.loop import train
+from bigbatch.train.state import TrainingDiverged
 
 
 def quiet(_: str) -> None:
@@ -269,7 +270,7 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
     import os
 
     import bigbatch.train.loop as loop
-    from bigbatch.train.loop import resolve_threads
+    from bigbatch.train.runtime import resolve_threads
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = load_config(overrides=["data=x"])

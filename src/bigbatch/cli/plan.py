@@ -14,12 +14,11 @@ import torch
 from torch import nn
 
 from bigbatch.cli import UserError, freeze_loaded
-from bigbatch.device import torch_threads
+from bigbatch.device import torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     RETURN_FREED_NOTE,
     DoesNotFitError,
-    device_total_bytes,
     fastest,
     overhead_bytes,
     plan_under_budget,
@@ -286,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     notes = []
-    total = device_total_bytes(args.device)
+    total = total_bytes(args.device)
     if total is not None and budget > total:
         notes.append(
             f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "

@@ -137,7 +137,7 @@ def measure_peak(
 
 
 def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
-    """Really run ``steps`` training steps of a :class:`~bigbatch.memory.predict.StepSpec` on its
+    """Really run ``steps`` training steps of a :class:`~bigbatch.memory.step.StepSpec` on its
     device and return the peak (the number :func:`predict_peak` predicts).
     """
 
@@ -161,7 +161,7 @@ def real_step_setup(
     spec: Any, steps: int, *, seed: int = 0
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
     """The real model (in train mode), its optimizer and ``steps`` input batches of a
-    :class:`~bigbatch.memory.predict.StepSpec`, on its device, from a fixed seed."""
+    :class:`~bigbatch.memory.step.StepSpec`, on its device, from a fixed seed."""
 
     device = torch.device(spec.device)
     torch.manual_seed(seed)

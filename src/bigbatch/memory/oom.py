@@ -6,8 +6,6 @@ freeing memory after one is :func:`bigbatch.device.free_memory`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = ["HOST_OOM_MESSAGES", "is_oom"]
@@ -51,22 +49,3 @@ def is_oom(exc: BaseException) -> bool:
     # a configuration (an LSTM under bf16 autocast on a CPU without bf16): no smaller
     # micro-batch helps, so it is not an OOM.
     return any(m in text for m in OOM_MESSAGES) and NOT_OOM_MESSAGE not in text
-
-
-_MOVED = ("BackoffEvent", "OOMBackoff", "OutOfMemoryAtMinimumError", "run_window")
-
-
-def __getattr__(name: str) -> Any:
-    # The back-off lived here before 0.2; its old import path keeps working for one release.
-    if name in _MOVED:
-        import warnings
-
-        from bigbatch import backoff
-
-        warnings.warn(
-            f"bigbatch.memory.oom.{name} moved: import it from bigbatch (or bigbatch.backoff)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(backoff, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

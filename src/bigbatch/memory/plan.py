@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.device import free_bytes, process_rss, total_bytes, trim_cpu_heap
+from bigbatch.device import free_bytes, process_rss, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
 from bigbatch.memory.cuda_runtime import default_context_bytes, measured_context_bytes
@@ -35,8 +35,6 @@ from bigbatch.memory.step import StepSpec
 __all__ = [
     "DoesNotFitError",
     "Plan",
-    "device_free_bytes",
-    "device_total_bytes",
     "overhead_bytes",
     "plan_micro_batch",
     "plan_under_budget",
@@ -106,25 +104,12 @@ class Plan:
             return False
         return self.predicted_peak_bytes + growth > self.usable_bytes
 
-    @property
-    def accum_steps(self) -> int:
-        """Deprecated: :attr:`micro_batches`, the name the Accumulator and the CLI use."""
-        import warnings
-
-        warnings.warn(
-            "Plan.accum_steps is now Plan.micro_batches (micro-batches per optimizer step)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.micro_batches
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "arch": self.arch,
             "size": self.size,
             "micro_batch": self.micro_batch,
             "micro_batches": self.micro_batches,
-            "accum_steps": self.micro_batches,  # deprecated name of micro_batches (0.1)
             "target_batch": self.target_batch,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "budget_bytes": self.budget_bytes,
@@ -169,11 +154,6 @@ RETURN_FREED_NOTE = (
 )
 
 
-# Kept under their planning names: the device module owns how they are read.
-device_free_bytes = free_bytes
-device_total_bytes = total_bytes
-
-
 def overhead_bytes(device: str | torch.device) -> int:
     """Memory a training process needs besides the step's tensors: on a GPU the CUDA context
     with the cuBLAS and cuDNN handles, measured where the GPU is here, else the documented
@@ -203,9 +183,7 @@ def resolve_budget(budget: str | int, device: str | torch.device) -> int:
     """``"8GB"``, ``"16GiB"``, bytes, or ``"auto"`` (the device's free memory now)."""
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         # The free memory already excludes what this process holds.
-        return device_free_bytes(device) + (
-            0 if torch.device(device).type == "cuda" else process_rss()
-        )
+        return free_bytes(device) + (0 if torch.device(device).type == "cuda" else process_rss())
     return parse_bytes(budget)
 
 

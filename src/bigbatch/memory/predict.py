@@ -42,16 +42,9 @@ from bigbatch.memory.step import (
     make_optimizer,
     optimizer_state_tensors,
     run_step_loss,
-    run_training_step,
 )
 
-__all__ = [
-    "MemoryPrediction",
-    "StepSpec",  # defined in bigbatch.memory.step; here too, where planning code looks for it
-    "make_optimizer",
-    "predict_peak",
-    "run_training_step",
-]
+__all__ = ["MemoryPrediction", "predict_peak"]
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 

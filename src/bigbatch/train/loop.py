@@ -31,7 +31,7 @@ from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader
-from bigbatch.train.optim import PLAN_OPTIMIZER, mode_line, phases
+from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import plan_for
 from bigbatch.train.progress import progress
 from bigbatch.train.report import plot_history, write_history
@@ -43,9 +43,7 @@ from bigbatch.train.runtime import (
     init_distributed,
     note_inexact,
     place_model,
-    resolve_device,
     resolve_precision,
-    resolve_threads,
     slow_data_fix,
     threads_for_run,
     train_mode,
@@ -53,7 +51,6 @@ from bigbatch.train.runtime import (
 from bigbatch.train.state import (
     Phase,
     Run,
-    TrainingDiverged,
     TrainResult,
     build_phase,
     diverged,
@@ -63,14 +60,7 @@ from bigbatch.train.state import (
 )
 from bigbatch.train.tasks import Metrics, lower_is_better, task_for
 
-__all__ = [
-    "PLAN_OPTIMIZER",  # from bigbatch.train.optim, and the three below from .runtime: where
-    "TrainResult",  # callers of the training command look for them
-    "TrainingDiverged",
-    "resolve_device",
-    "resolve_threads",
-    "train",
-]
+__all__ = ["train"]
 
 Log = Callable[[str], None]
 

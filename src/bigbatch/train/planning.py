@@ -10,12 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.device import return_freed_cpu_memory
+from bigbatch.device import return_freed_cpu_memory, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.plan import (
     DoesNotFitError,
     batchnorm_on_one_sample,
-    device_total_bytes,
     plan_under_budget,
     resolve_budget,
 )
@@ -61,7 +60,7 @@ def plan_for(
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return cfg.micro_batch, cfg.micro_batch
         budget = resolve_budget(cfg.budget, device)
-        total = device_total_bytes(device)
+        total = total_bytes(device)
         if explicit_budget and total is not None and budget > total:
             raise ConfigError(
                 f"budget={cfg.budget} is more than all the memory this {device.type} has "

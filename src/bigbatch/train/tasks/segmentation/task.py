@@ -33,9 +33,6 @@ __all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model", "seg
 
 Log = Callable[[str], None]
 
-# The loss names before MONAI, kept as aliases.
-LOSS_ALIASES = {"bce_dice": "dice_ce", "bce": "ce"}
-
 
 @dataclass(frozen=True)
 class SegSettings:
@@ -274,7 +271,7 @@ class SegmentationTask:
         return self.cfg.loss in BATCH_LOSSES
 
     def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        name = LOSS_ALIASES.get(self.cfg.loss, self.cfg.loss)
+        name = self.cfg.loss
         make = batch_loss if name in BATCH_LOSSES else per_sample_loss
         return make(name, num_classes=self.num_classes, ignore_index=self.void)
 
