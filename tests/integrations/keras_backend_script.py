@@ -205,6 +205,37 @@ def misuse() -> dict[str, str]:
     return said
 
 
+def keras_own_parts() -> dict[str, Any]:
+    """Validation, predict, save and load_model around a wrapped fit: Keras's own."""
+    import tempfile
+
+    batches, n = ref.SCENARIOS["uneven"]
+    inner = build(False)
+    model = AccumulatingModel(inner, micro_batches=n)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=LR),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    data = batches_for_keras(batches, False)
+    history = model.fit(
+        torch.utils.data.DataLoader(data, batch_size=None),
+        validation_data=torch.utils.data.DataLoader(data[:1], batch_size=None),
+        epochs=1,
+        verbose=0,
+    )
+    x = data[0][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        inner.save(f"{tmp}/m.keras")
+        loaded = keras.models.load_model(f"{tmp}/m.keras")
+    same = np.allclose(
+        keras.ops.convert_to_numpy(loaded.predict(x, verbose=0)),
+        keras.ops.convert_to_numpy(model.predict(x, verbose=0)),
+        rtol=0,
+        atol=1e-12,
+    )
+    return {"val_loss": "val_loss" in history.history, "saved_and_loaded": bool(same)}
+
+
 def main() -> None:
     setup()
     out: dict[str, Any] = {"backend": keras.backend.backend(), "jit": JIT}
@@ -221,6 +252,7 @@ def main() -> None:
     out["two_epochs_partial_window"] = fit("uneven", "bigbatch", epochs=2, n=3)
     out["unknown_epoch_length"] = fit("uneven", "bigbatch", epochs=2, n=3, sized=False)
     out["misuse"] = misuse()
+    out["keras_own_parts"] = keras_own_parts()
     print(json.dumps(out))
 
 
