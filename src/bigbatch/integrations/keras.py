@@ -103,8 +103,9 @@ class AccumulatingModel(keras.Model):
                         "`model.build(input_shape)`): the window's sums take its weights' shapes"
                     )
                 self._make_state()
-            if not self.optimizer.built:  # its variables cannot be made in a compiled step
-                self.optimizer.build(self.trainable_variables)
+            optimizer = getattr(self, "optimizer", None)  # None before compile: Keras says so
+            if optimizer is not None and not optimizer.built:  # not in a compiled step
+                optimizer.build(self.trainable_variables)
         return super().fit(*args, callbacks=[*(callbacks or []), _SettleWindow(self)], **kwargs)
 
     def train_step(self, *args: Any) -> Any:
