@@ -338,3 +338,20 @@ def test_16_bit_2d_images_are_scaled_not_clipped(tmp_path: Path) -> None:
     image = read_image([tmp_path / "images" / "x.png"], 2)
     # PIL's convert("RGB") would give 255 for every non-zero pixel.
     assert np.allclose(image[0], pixels / 4095 * 255, atol=1e-3) and image.shape == (3, 2, 2)
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_batch_loss_leaves_room_for_the_window(tmp_path: Path) -> None:
+    """loss=dice_batch: the planner counts what gradient caching holds for the window (its
+    outputs, their gradient, the loss at the whole window) and says so."""
+    from bigbatch.train.loop import train
+
+    data = shapes(tmp_path / "d", n=6)
+    said: list[str] = []
+    cfg = load_config(
+        overrides=[f"data={data}", *COMMON, "size=16", "batch=4", "epochs=1", "valid_pct=0.34",
+                   "loss=dice_batch", "optimizer=sgd", "budget=4GB"]
+    )  # fmt: skip
+    train(cfg, tmp_path / "run", progress=False, log=said.append)
+    line = next(s for s in said if "couples the samples" in s)
+    assert "held for the window of 4" in line, said

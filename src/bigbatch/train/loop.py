@@ -156,9 +156,7 @@ def _setup(
     factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
-    micro, max_micro = plan_for(
-        cfg, factory, device, precision, log, target=rank_batch, input_shape=task.input_shape()
-    )
+    micro, max_micro = plan_for(cfg, factory, device, precision, log, target=rank_batch, task=task)
     if world > 1:
         split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
         log(f"distributed: {split}")

@@ -36,12 +36,15 @@ def plan_for(
     log: Log,
     *,
     target: int | None = None,
-    input_shape: tuple[int, ...] | None = None,
+    task: Any = None,
 ) -> tuple[int, int]:
     """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
     Either way the model runs once on fake tensors first, so a model that cannot take the input
     size fails here, in a second, not after the data is loaded and an epoch is half done. A fixed
-    ``micro_batch`` with an explicit ``budget`` is checked against it."""
+    ``micro_batch`` with an explicit ``budget`` is checked against it. A task whose loss couples
+    the samples holds the window's outputs and their gradients besides each step
+    (``task.window_cache_bytes``): the plan leaves room for them."""
+    input_shape = task.input_shape() if task is not None else None
 
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
@@ -74,6 +77,7 @@ def plan_for(
             device=device.type,
             overhead=None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True),
             max_micro_batch=cfg.micro_batch or None,
+            extra_bytes=_window_cache(task, target or cfg.batch, precision, log),
         )
         if plan.calibration_note:
             log(f"plan: {plan.calibration_note}")
@@ -99,6 +103,18 @@ def plan_for(
     if cfg.micro_batch:
         return cfg.micro_batch, cfg.micro_batch
     return plan.micro_batch, plan.max_micro_batch
+
+
+def _window_cache(task: Any, window: int, precision: str, log: Log) -> int:
+    """What a coupled window holds besides its steps (0 for a loss of per-sample terms)."""
+    if task is None or not getattr(task, "couples_samples", False):
+        return 0
+    need = int(task.window_cache_bytes(window, precision))
+    log(
+        f"plan: the {task.loss_name} loss couples the samples: {format_bytes(need)} held for "
+        f"the window of {window} (its outputs, their gradient, the loss at the whole window)"
+    )
+    return need
 
 
 def _return_freed_memory(plan: Any, log: Log) -> None:

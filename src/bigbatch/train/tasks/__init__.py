@@ -73,13 +73,16 @@ class Task(Protocol):
         ...
 
 
-# Optional hooks a task may define (the loop reads them with getattr):
+# Optional hooks a task may define (the loop and the planner read them with getattr):
 #   valid_batch_size: int              validation batch (0: twice the micro-batch); segmentation
 #                                      of whole volumes of different sizes takes 1
 #   infer(model, x) -> logits          validation's forward (default model(x)); segmentation
 #                                      runs sliding windows over whole volumes
 #   couples_samples: bool              the loss couples the samples (a batch Dice): windows run
 #                                      through gradient caching (bigbatch.backoff.run_coupled_window)
+#   window_cache_bytes(window, precision) -> int, loss_name: str
+#                                      with couples_samples: what the window holds besides its
+#                                      steps, which the plan leaves room for
 
 
 @dataclass(frozen=True)

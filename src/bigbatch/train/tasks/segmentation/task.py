@@ -270,6 +270,22 @@ class SegmentationTask:
         """A batch loss: the loop runs it through gradient caching (``run_coupled_window``)."""
         return self.cfg.loss in BATCH_LOSSES
 
+    @property
+    def loss_name(self) -> str:
+        return self.cfg.loss
+
+    def window_cache_bytes(self, window: int, precision: str) -> int:
+        """What gradient caching holds for a window of ``window`` patches besides each
+        micro-batch's step (:func:`bigbatch.memory.window_cache.window_cache_bytes`)."""
+        from bigbatch.memory.window_cache import window_cache_bytes
+
+        spatial = (self.cfg.size,) * self.dims
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        targets = torch.zeros((window, *spatial), dtype=torch.long)
+        return window_cache_bytes(
+            self.loss, (max(self.num_classes, 1), *spatial), targets, dtype=dtype
+        )
+
     def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         name = self.cfg.loss
         make = batch_loss if name in BATCH_LOSSES else per_sample_loss
