@@ -8,6 +8,7 @@ lines without a terminal."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -341,3 +342,36 @@ def test_channels_last_and_compile_are_applied_when_asked(
     assert not any("_orig_mod" in k for k in load_file(tmp_path / "run" / "last.safetensors"))
     cfg = load_config(overrides=["data=x"])
     assert cfg.channels_last == "auto" and not cfg.compile
+
+
+@pytest.mark.slow
+def test_the_loop_reads_the_loss_from_the_device_at_the_epochs_end_not_every_window(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a window's loss waits for the device: the loop keeps the results and reads them
+    together (every 32 windows, at a checkpoint, at the epoch's end), and the epoch's exact mean
+    is the same."""
+    import bigbatch.train.loop as loop
+    from bigbatch.accumulate import StepResult
+
+    stepped = 0
+    read_after: list[int] = []  # windows stepped when each loss was read
+    real_run_window, real_loss = loop.run_window, StepResult.loss
+
+    def counted_window(*args: object, **kwargs: object) -> object:
+        nonlocal stepped
+        stepped += 1
+        return real_run_window(*args, **kwargs)  # type: ignore[arg-type]
+
+    def read(self: StepResult) -> float:
+        read_after.append(stepped)
+        return real_loss.fget(self)  # type: ignore[attr-defined, no-any-return]
+
+    monkeypatch.setattr(loop, "run_window", counted_window)
+    monkeypatch.setattr(StepResult, "loss", property(read))
+    overrides = [*base_overrides(image_folder, tiny_model), "batch=4", "valid_pct=0.25"]
+    result = train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
+    per_epoch = stepped // 2
+    assert per_epoch >= 3  # several windows an epoch
+    assert sorted(set(read_after)) == [per_epoch, 2 * per_epoch]  # each epoch's end, once
+    assert all(math.isfinite(row["train_loss"]) for row in result.history)

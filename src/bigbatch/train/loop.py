@@ -49,6 +49,7 @@ from bigbatch.train.runtime import (
     train_mode,
 )
 from bigbatch.train.state import (
+    EpochLoss,
     Phase,
     Run,
     TrainResult,
@@ -220,12 +221,11 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     resumed = run.mid if run.mid is not None and e == run.start_epoch else None
     run.mid = None
     loader = epoch_loader(run, e, skip=int(resumed["windows"]) if resumed else 0)
-    loss_sum = count = 0.0
-    windows_done = 0
+    tally, windows_done = EpochLoss(), 0
     if resumed:
         # Where the checkpoint left the epoch: its windows, sums and random streams.
         windows_done = int(resumed["windows"])
-        loss_sum, count = float(resumed["loss_sum"]), float(resumed["count"])
+        tally = EpochLoss(float(resumed["loss_sum"]), float(resumed["count"]))
         set_rng_state({"cpu": resumed["rng"], "cuda": resumed.get("cuda_rng")})
     title, shown = f"epoch {e + 1}/{ph.end_epoch} ({ph.name})", run.progress and run.main_rank
     fix = slow_data_fix(run.workers, device) if e == run.start_epoch else ""  # said once a run
@@ -250,28 +250,30 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
             result = _step_window(run, acc, (x, y), forward, loss_fn)
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
-        if result.non_finite or not math.isfinite(result.loss):
-            show.close()
-            raise diverged(run, ph, e, result.loss)
-        loss_sum += result.loss * result.count
-        count += result.count
         windows_done += 1
         now = time.perf_counter()
         due = (every_steps and acc.optimizer_step % every_steps == 0) or (
             every_seconds and now - run.last_checkpoint >= every_seconds
         )
         # One process only: a DistributedSampler cannot skip the windows already done.
-        if due and run.world == 1 and windows_done < ph.windows:
+        due = due and run.world == 1 and windows_done < ph.windows
+        bad = result.loss if result.non_finite else tally.add(result, read_now=bool(due))
+        if bad is not None:
+            show.close()
+            raise diverged(run, ph, e, bad)
+        if due:
             run.last_checkpoint = now
             rng = rng_state()
-            mid = {"windows": windows_done, "loss_sum": loss_sum, "count": count}
+            mid = {"windows": windows_done, "loss_sum": tally.loss_sum, "count": tally.count}
             mid |= {"rng": rng["cpu"], "cuda_rng": rng.get("cuda", [])}
             ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
         acc_steps = math.ceil(len(y) / backoff.micro_batch)
         show.advance(len(y), backoff.micro_batch, acc_steps=acc_steps, device=device)
     acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
     show.close()
-    return loss_sum, count
+    if (bad := tally.read()) is not None:
+        raise diverged(run, ph, e, bad)
+    return tally.loss_sum, tally.count
 
 
 def _step_window(run: Run, acc: Any, batch: Any, forward: Any, loss_fn: Any) -> Any:

@@ -24,6 +24,7 @@ from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Task
 
 __all__ = [
+    "EpochLoss",
     "Phase",
     "Run",
     "TrainResult",
@@ -36,6 +37,35 @@ __all__ = [
 ]
 
 Log = Callable[[str], None]
+
+
+@dataclass
+class EpochLoss:
+    """An epoch's exact mean loss (count-weighted sums), read from the device every
+    :attr:`READ_EVERY` windows, at a checkpoint and at the epoch's end: a window's loss is a
+    value on the device until read, and reading it waits for the device to finish the step, so
+    reading each one would drain the GPU's queue every optimizer step."""
+
+    loss_sum: float = 0.0
+    count: float = 0.0
+    pending: list[Any] = field(default_factory=list)  # windows' StepResults not read yet
+
+    READ_EVERY = 32
+
+    def add(self, result: Any, read_now: bool = False) -> float | None:
+        """Keep a window's result; when it is time to read, the first non-finite loss read
+        (the run diverged) or None."""
+        self.pending.append(result)
+        return self.read() if read_now or len(self.pending) >= self.READ_EVERY else None
+
+    def read(self) -> float | None:
+        pending, self.pending = self.pending, []
+        for result in pending:
+            if not math.isfinite(result.loss):
+                return float(result.loss)
+            self.loss_sum += result.loss * result.count
+            self.count += result.count
+        return None
 
 
 @dataclass
