@@ -49,7 +49,8 @@ for entry in "$SITE"/*; do
     case "$name" in
         timm* | pil | pillow* | torchvision* | safetensors* | rich* | torchmetrics* | \
         matplotlib* | monai* | nibabel* | einops* | scipy* | pydicom* | sklearn* | \
-        scikit_learn* | lightning* | fastai* | keras* | transformers* | bigbatch* | \
+        scikit_learn* | lightning* | fastai* | keras* | tensorflow* | jax* | transformers* | \
+        bigbatch* | \
         __editable__* | *.pth) ;;
         *) ln -s "$entry" "$T/core-deps/" ;;
     esac
