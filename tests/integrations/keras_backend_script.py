@@ -37,6 +37,13 @@ def setup() -> None:
 
         jax.config.update("jax_enable_x64", True)  # float64, for the 1e-12 check
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if backend == "tensorflow":  # two logical CPUs, for a strategy with two replicas
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
     import keras as keras_module
     import numpy
     import torch as torch_module
@@ -185,6 +192,7 @@ def misuse() -> dict[str, str]:
             said[name] = ""
         except (ValueError, TypeError) as exc:
             said[name] = str(exc)
+    said["distributed"] = distributed(inner)
     model = AccumulatingModel(build(True), micro_batches=2, count="weights")
     optimizer = keras.optimizers.SGD(learning_rate=LR)
     model.compile(
@@ -203,6 +211,27 @@ def misuse() -> dict[str, str]:
     said["zero window"] = " ".join(str(w.message) for w in caught if "bigbatch" in str(w.message))
     said["steps after a zero window"] = str(int(keras.ops.convert_to_numpy(optimizer.iterations)))
     return said
+
+
+def distributed(inner: Any) -> str:
+    """A strategy with two replicas (tensorflow) or a keras.distribution (jax): refused."""
+    try:
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+                AccumulatingModel(build(False), micro_batches=2).compile(
+                    optimizer="sgd", loss="mse"
+                )
+        elif backend == "jax":
+            keras.distribution.set_distribution(keras.distribution.DataParallel())
+            try:
+                AccumulatingModel(inner, micro_batches=2).compile(optimizer="sgd", loss="mse")
+            finally:
+                keras.distribution.set_distribution(None)
+        return ""
+    except ValueError as exc:
+        return str(exc)
 
 
 def keras_own_parts() -> dict[str, Any]:

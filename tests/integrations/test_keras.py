@@ -149,5 +149,6 @@ def test_each_backend_in_its_own_process(backend: str, jit: bool) -> None:
     assert "remove it" in said["keras's own accumulation"]
     if backend != "torch":
         assert "mixed_bfloat16" in said["loss scaling"]
+        assert "is not supported by bigbatch's Keras wrapper" in said["distributed"]
     assert "count of 0" in said["zero window"] and said["steps after a zero window"] == "1"
     assert out["keras_own_parts"] == {"val_loss": True, "saved_and_loaded": True}
