@@ -122,3 +122,10 @@ def test_plan_time_benchmark_json() -> None:
     result = json.loads(out[out.index("{") :])
     assert set(result) == {"imports", "resnet10t@32"}
     assert result["resnet10t@32"]["seconds"] > result["imports"]["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_truth_benchmark_json() -> None:
+    out = _run("benchmarks/gpu_truth.py", "--only", "resnet18-128-b8-fp16-adamw", "--json")
+    (row,) = json.loads(out[out.index("{") :])["rows"]
+    assert abs(row["reserved"]["error_pct"]) <= 5 and row["breakdown_mib"]["blas_workspaces"] == 64

@@ -20,7 +20,6 @@ import torch
 
 from bigbatch.memory.cuda_allocator import CachingAllocatorModel
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, cudnn_workspaces
-from bigbatch.memory.step import StepSpec
 
 DATA = Path(__file__).parent / "data" / "gpu_truth"
 MiB = 2**20
@@ -63,11 +62,11 @@ def test_the_allocator_model_replays_each_trace_to_its_measured_peaks(name: str)
     assert abs(model.peak_reserved - measured) <= 4 * MiB
 
 
-def _benchmarks() -> Any:
+def _benchmark() -> Any:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import cuda_memory
+    import gpu_truth
 
-    return cuda_memory
+    return gpu_truth
 
 
 @dataclass(frozen=True)
@@ -91,26 +90,6 @@ PREDICTED = [
 # cuDNN's benchmark mode (its trials' workspaces depend on the free memory).
 
 
-def spec_of(truth: dict[str, Any]) -> StepSpec:
-    bench = _benchmarks()
-    common: dict[str, Any] = {
-        "optimizer": truth["optimizer"],
-        "precision": truth["precision"],
-        "device": "cuda",
-    }
-    if truth["kind"] == "timm":
-        size = truth["size"]
-        return StepSpec(bench._timm(truth["arch"], num_classes=10), (3, size, size), truth["batch"], **common)  # fmt: skip
-    if truth["kind"] == "unet3d":
-        size = truth["size"]
-        model = bench._unet3d((32, 64, 128, 256))
-        return StepSpec(model, (4, size, size, size), truth["batch"], step=bench.seg_step, **common)
-    return StepSpec(
-        bench._llama(8, 1024, 32000), (truth["size"],), truth["batch"], input_dtype=torch.long,
-        vocab=32000, step=bench.lm_step, **common,
-    )  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("row", PREDICTED, ids=[r.name for r in PREDICTED])
 def test_each_workload_is_predicted_from_a_cpu(row: Row) -> None:
@@ -122,7 +101,7 @@ def test_each_workload_is_predicted_from_a_cpu(row: Row) -> None:
     from bigbatch.memory.predict import predict_peak
 
     truth = load(row.name)
-    p = predict_peak(spec_of(truth))
+    p = predict_peak(_benchmark().spec_of(truth))
     allocated, reserved = truth["max_allocated_bytes"], truth["max_reserved_bytes"]
     process = truth["process_used_mib_by_stage"]["after_two_steps"] * MiB
     predicted_process = p.planning_bytes + CUDA_CONTEXT_BYTES

@@ -1,0 +1,110 @@
+"""bigbatch's CUDA predictions, made on this machine (no GPU), against the real allocator traces
+recorded on an H100 (tests/memory/data/gpu_truth): allocated, reserved and process peaks.
+
+    python benchmarks/gpu_truth.py            # the table
+    python benchmarks/gpu_truth.py --json
+
+Process memory is the plan's need (reserved, and the handles outside the allocator) plus the
+default context (bigbatch.memory.cuda_runtime.CUDA_CONTEXT_BYTES); the measured one is the
+device's used memory after the two recorded steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cuda_memory import _llama, _timm, _unet3d, lm_step, seg_step
+
+from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
+
+DATA = Path(__file__).parents[1] / "tests" / "memory" / "data" / "gpu_truth"
+MiB = 2**20
+
+
+def load(name: str) -> dict[str, Any]:
+    with gzip.open(DATA / f"{name}.json.gz") as f:
+        return json.load(f)
+
+
+def spec_of(truth: dict[str, Any]) -> StepSpec:
+    """The recorded workload as a StepSpec for a CUDA target (timm models have 10 classes, as
+    recorded; the U-Net's loss and the LM's are cuda_memory.py's)."""
+    common: dict[str, Any] = {
+        "optimizer": truth["optimizer"],
+        "precision": truth["precision"],
+        "device": "cuda",
+    }
+    size, batch = truth["size"], truth["batch"]
+    if truth["kind"] == "timm":
+        return StepSpec(_timm(truth["arch"], num_classes=10), (3, size, size), batch, **common)
+    if truth["kind"] == "unet3d":
+        model = _unet3d((32, 64, 128, 256))
+        return StepSpec(model, (4, size, size, size), batch, step=seg_step, **common)
+    model = _llama(8, 1024, 32000)
+    return StepSpec(
+        model, (size,), batch, input_dtype=torch.long, vocab=32000, step=lm_step, **common
+    )
+
+
+def row(name: str) -> dict[str, Any]:
+    truth = load(name)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = predict_peak(spec_of(truth))
+    process = truth["process_used_mib_by_stage"]["after_two_steps"] * MiB
+    predicted_process = p.planning_bytes + CUDA_CONTEXT_BYTES
+
+    def pair(predicted: int, measured: float) -> dict[str, float]:
+        return {
+            "predicted_mib": round(predicted / MiB, 1),
+            "measured_mib": round(measured / MiB, 1),
+            "error_pct": round(100 * (predicted - measured) / measured, 1),
+        }
+
+    return {
+        "workload": name,
+        "allocated": pair(p.allocated_bytes, truth["max_allocated_bytes"]),
+        "reserved": pair(p.reserved_bytes, truth["max_reserved_bytes"]),
+        "process": pair(predicted_process, process),
+        "breakdown_mib": {k: round(v / MiB, 1) for k, v in p.parts().items()},
+        "predict_seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--only", default="", help="workload names, comma-separated")
+    args = p.parse_args()
+    names = sorted(f.name.removesuffix(".json.gz") for f in DATA.glob("*.json.gz"))
+    if args.only:
+        names = [n for n in names if n in args.only.split(",")]
+    rows = [row(n) for n in names]
+    if args.json:
+        print(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+        return
+    print("| workload | allocated | reserved | process |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        cells = [
+            f"{r[k]['predicted_mib']:,.0f} / {r[k]['measured_mib']:,.0f} ({r[k]['error_pct']:+.1f} %)"
+            for k in ("allocated", "reserved", "process")
+        ]
+        print(f"| {r['workload']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
