@@ -8,8 +8,6 @@ today, with the reason where that is looser than 5 %."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +19,12 @@ import torch
 from bigbatch.memory.cuda_allocator import CachingAllocatorModel
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, cudnn_workspaces
 
-DATA = Path(__file__).parent / "data" / "gpu_truth"
-MiB = 2**20
+# The traces, their loading and the workloads as StepSpecs: benchmarks/gpu_truth.py's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from gpu_truth import DATA, MiB, load, spec_of
+
 CUDNN_WGRAD = "cuDNN's weight-gradient workspaces (another algorithm than the forward's copy)"
 DEPTHWISE = "cuDNN's depthwise-convolution backward workspaces (38-96 MiB, not modelled)"
-
-
-def load(name: str) -> dict[str, Any]:
-    with gzip.open(DATA / f"{name}.json.gz") as f:
-        return json.load(f)
 
 
 def replay(events: list[list[Any]]) -> CachingAllocatorModel:
@@ -60,13 +55,6 @@ def test_the_allocator_model_replays_each_trace_to_its_measured_peaks(name: str)
         return
     assert abs(model.peak_allocated - truth["max_allocated_bytes"]) < MiB
     assert abs(model.peak_reserved - measured) <= 4 * MiB
-
-
-def _benchmark() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import gpu_truth
-
-    return gpu_truth
 
 
 @dataclass(frozen=True)
@@ -101,7 +89,7 @@ def test_each_workload_is_predicted_from_a_cpu(row: Row) -> None:
     from bigbatch.memory.predict import predict_peak
 
     truth = load(row.name)
-    p = predict_peak(_benchmark().spec_of(truth))
+    p = predict_peak(spec_of(truth))
     allocated, reserved = truth["max_allocated_bytes"], truth["max_reserved_bytes"]
     process = truth["process_used_mib_by_stage"]["after_two_steps"] * MiB
     predicted_process = p.planning_bytes + CUDA_CONTEXT_BYTES

@@ -34,7 +34,6 @@ __all__ = [
     "CudaLibraries",
     "cublas_workspace_bytes",
     "cudnn_workspaces",
-    "default_context_bytes",
     "measured_context_bytes",
 ]
 
@@ -75,11 +74,6 @@ def cublas_workspace_bytes() -> int:
     """
     kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
     return int(kib) * 1024 if kib.isdigit() else 32 * MiB
-
-
-def default_context_bytes() -> int:
-    """The context to plan with where no GPU can be asked: :data:`CUDA_CONTEXT_BYTES`."""
-    return CUDA_CONTEXT_BYTES
 
 
 def measured_context_bytes(device: torch.device | str = "cuda") -> int:

@@ -20,7 +20,7 @@ import torch
 from bigbatch.device import free_bytes, process_rss, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
-from bigbatch.memory.cuda_runtime import default_context_bytes, measured_context_bytes
+from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, measured_context_bytes
 from bigbatch.memory.predict import (
     MemoryPrediction,
     OptimizerTrace,
@@ -157,13 +157,14 @@ RETURN_FREED_NOTE = (
 def overhead_bytes(device: str | torch.device) -> int:
     """Memory a training process needs besides the step's tensors: on a GPU the CUDA context
     with the cuBLAS and cuDNN handles, measured where the GPU is here, else the documented
-    H100 / CUDA 13 figure (:mod:`bigbatch.memory.cuda_runtime`); on CPU the process itself (interpreter, torch and its libraries, ~300-800 MiB), read after
-    what training loads anyway has been loaded (:func:`_load_training_libraries`) and with the
-    free memory glibc's heap holds given back (training would reuse it, not add to it)."""
+    H100 / CUDA 13 figure (:mod:`bigbatch.memory.cuda_runtime`); on CPU the process itself
+    (interpreter, torch and its libraries, ~300-800 MiB), read after what training loads
+    anyway has been loaded (:func:`_load_training_libraries`) and with the free memory glibc's
+    heap holds given back (training would reuse it, not add to it)."""
     if torch.device(device).type == "cuda":
         if torch.cuda.is_available():
             return measured_context_bytes(device)
-        return default_context_bytes()
+        return CUDA_CONTEXT_BYTES
     _load_training_libraries()
     gc.collect()
     trim_cpu_heap()

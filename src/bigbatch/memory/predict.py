@@ -618,7 +618,8 @@ def _predict_on_fake(
     target = torch.device(spec.device)
     # The autograd engine wants a real CUDA context for CUDA tensors, even fake ones, so a CUDA
     # step is traced on CPU-placed fake tensors with what differs on CUDA: 512-byte allocator
-    # blocks and the multi-tensor (foreach) optimizers CUDA defaults to.
+    # blocks, the multi-tensor (foreach) optimizers CUDA defaults to, CUDA autocast's op lists
+    # and cuBLAS's and cuDNN's allocations (bigbatch.memory.cuda_autocast, .cuda_runtime).
     device = torch.device("cpu") if target.type == "cuda" else target
     model = build_on_meta(spec.model)
     tracker = _StorageTracker(
