@@ -91,6 +91,9 @@ def main() -> None:
     args = p.parse_args()
     names = sorted(f.name.removesuffix(".json.gz") for f in DATA.glob("*.json.gz"))
     if args.only:
+        unknown = sorted(set(args.only.split(",")) - set(names))
+        if unknown:
+            p.error(f"--only {','.join(unknown)}: no such trace; choose from {', '.join(names)}")
         names = [n for n in names if n in args.only.split(",")]
     rows = [row(n) for n in names]
     if args.json:
