@@ -6,7 +6,7 @@
 3. naive:     the usual (loss / 4).backward() accumulation.
 
 Runs in float64 so that "equal" means equal to ~1e-15, not "close". No download: the digits
-ship with bigbatch (bigbatch.demo.load_digits).
+ship with bigbatch (bigbatch.train.demo.load_digits).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bigbatch
-from bigbatch.demo import load_digits
+from bigbatch.train.demo import load_digits
 
 BIG, MICRO, EPOCHS = 256, 64, 5
 

@@ -129,3 +129,42 @@ def test_return_freed_cpu_memory_gives_a_freed_tensor_back_to_the_system() -> No
 
     assert kept("returned") < 2**20
     assert kept("default") >= 3 * 2**20  # the negative control: glibc's heap kept it
+
+
+def test_each_device_kind_is_policy_as_data() -> None:
+    cpu, cuda, mps = (device.device_kind(d) for d in ("cpu", "cuda:1", "mps"))
+    assert cuda.dedicated_memory and not cpu.dedicated_memory and not mps.dedicated_memory
+    assert (cuda.allocator_block, cpu.allocator_block) == (512, 1)
+    assert cpu.float64 and cuda.float64 and not mps.float64
+    assert (cuda.distributed_backend, cpu.distributed_backend) == ("nccl", "gloo")
+    assert cuda.pin_memory and not cpu.pin_memory
+    with pytest.raises(ValueError, match="bigbatch trains on cpu, cuda, mps, not meta"):
+        device.device_kind("meta")
+
+
+def test_the_training_code_reads_the_kind_not_the_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind's entry decides: a CPU that said it pins memory and prefers channels_last (a new
+    backend is an entry) changes the loader and the model's memory format with no other edit."""
+    from dataclasses import replace
+
+    from bigbatch.train.runtime import place_model
+
+    kinds = dict(device.DEVICE_KINDS)
+    kinds["cpu"] = replace(kinds["cpu"], pin_memory=True, channels_last=True)
+    monkeypatch.setattr(device, "DEVICE_KINDS", kinds)
+    cpu = torch.device("cpu")
+    assert device.pins_memory(cpu)
+    _, memory_format = place_model(torch.nn.Conv2d(3, 4, 3), "auto", cpu)
+    assert memory_format == torch.channels_last
+
+
+def test_counts_without_float64_are_summed_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from bigbatch.counts import weights
+
+    assert weights(torch.tensor(2.0)).normaliser.dtype == torch.float64  # type: ignore[union-attr]
+    kinds = dict(device.DEVICE_KINDS)
+    kinds["cpu"] = replace(kinds["cpu"], float64=False)  # as MPS
+    monkeypatch.setattr(device, "DEVICE_KINDS", kinds)
+    assert weights(torch.tensor(2.0)).normaliser.dtype == torch.float32  # type: ignore[union-attr]

@@ -1,10 +1,12 @@
-"""The house rules of the source tree, checked: the library never imports the command line, the
-imports made at module top form no cycle (a lazy import inside a function says why), and the
+"""The house rules of the source tree, checked: the library never imports the command line,
+module-top imports form no cycle and never reach up a layer (a lazy import inside a function
+says why), a task never reaches into the loop, the formatter is never switched off, and the
 loop, the Accumulator and every function stay a readable size."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src"
@@ -66,6 +68,73 @@ def test_module_top_imports_have_no_cycle() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def _layer(module: str) -> int:
+    """0: the library (accumulation, memory, verify, integrations, segmentation's parts);
+    1: the training command's library (bigbatch.train); 2: the command line."""
+    if module.startswith("bigbatch.cli") or module == "bigbatch.__main__":
+        return 2
+    return 1 if module.startswith("bigbatch.train") else 0
+
+
+def test_module_top_imports_never_reach_up_a_layer() -> None:
+    modules = _modules()
+    upward = sorted(
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        for dep in _imports(path, modules, top_only=True)
+        if _layer(dep) > _layer(name)
+    )
+    assert not upward, f"module-top imports of a higher layer: {upward}"
+
+
+# The loop's own modules: a task fills in the Task base class and never reaches into these.
+LOOP_MODULES = ("loop", "state", "planning", "run_dir", "progress")
+
+
+def test_tasks_never_import_the_loop() -> None:
+    modules = _modules()
+    loop = {f"bigbatch.train.{m}" for m in LOOP_MODULES}
+    offenders = sorted(
+        f"{name} -> {dep}"
+        for name, path in modules.items()
+        if name.startswith("bigbatch.train.tasks")
+        for dep in _imports(path, modules, top_only=False) & loop
+    )
+    assert not offenders, f"tasks importing the loop's modules: {offenders}"
+
+
+def test_the_formatter_is_never_switched_off() -> None:
+    """Sizes are met by structure, not by ``fmt: off`` blocks that hide the formatted length."""
+    marks = ("fmt: off", "fmt: skip", "fmt: on")
+    found = [
+        f"{path.relative_to(SRC)}:{i}"
+        for path in (SRC / "bigbatch").rglob("*.py")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if any(f"# {mark}" in line for mark in marks)
+    ]
+    assert not found, f"formatter switched off at {found}"
+
+
+# Where a device's kind may be compared by name: device.py (the policy, DeviceKind) and the
+# CUDA memory model, whose branches are what differs on CUDA.
+DEVICE_NAMED_IN = {"device.py", "memory/predict.py", "memory/measure.py"}
+
+
+def test_device_kinds_are_asked_of_device_py() -> None:
+    """``device.type == "cuda"`` elsewhere is a policy decision made outside the one place that
+    knows devices: it asks ``bigbatch.device.device_kind(device)`` instead."""
+    compared = re.compile(r'[!=]= "(cuda|mps)"')
+    found = [
+        f"{path.relative_to(SRC / 'bigbatch')}:{i}"
+        for path in (SRC / "bigbatch").rglob("*.py")
+        if str(path.relative_to(SRC / "bigbatch")) not in DEVICE_NAMED_IN
+        and not path.name.startswith("cuda_")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if compared.search(line)
+    ]
+    assert not found, f"device kinds compared by name outside bigbatch.device: {found}"
 
 
 def _comment_above(lines: list[str], lineno: int) -> bool:

@@ -75,8 +75,13 @@ __all__ = [
 # load torch until something needs it.
 _LAZY = {
     **dict.fromkeys(
-        ("Accumulator", "EmptyWindowWarning", "NonFiniteGradientWarning", "StepResult",
-         "scale_grads_"),
+        (
+            "Accumulator",
+            "EmptyWindowWarning",
+            "NonFiniteGradientWarning",
+            "StepResult",
+            "scale_grads_",
+        ),
         "bigbatch.accumulate",
     ),
     **dict.fromkeys(("OOMBackoff", "run_window"), "bigbatch.backoff"),
@@ -93,7 +98,7 @@ _LAZY = {
     "StepSpec": "bigbatch.memory.step",
     "plan": "bigbatch.memory.plan:plan_under_budget",
     "AccumulatingOptimizer": "bigbatch.optim",
-}  # fmt: skip
+}
 
 
 def __getattr__(name: str) -> Any:

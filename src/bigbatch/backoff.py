@@ -106,17 +106,21 @@ class OOMBackoff:
 def run_window(
     acc: Accumulator,
     batch: Any,
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor | tuple[torch.Tensor, Any]],
     backoff: OOMBackoff,
     *,
     count_fn: Callable[[Any], dict[str, Any]] | None = None,
+    split: Callable[[Any, int, int], list[Any]] | None = None,
     device: torch.device | str = "cpu",
 ) -> StepResult:
     """Train one window on ``batch`` (all its samples), in micro-batches that fit, then step.
 
-    ``loss_fn(micro_batch)`` runs the forward pass and returns the loss (a mean by default);
-    ``count_fn(micro_batch)`` returns the count keywords for :meth:`Accumulator.backward`
-    (default ``{"count": len(micro_batch)}``; ``{"labels": ...}`` for tokens).
+    ``loss_fn(micro_batch)`` runs the forward pass and returns the loss (a mean by default), or
+    ``(loss, count)`` when it knows the micro-batch's count; else ``count_fn(micro_batch)``
+    returns the count keywords for :meth:`Accumulator.backward` (default
+    ``{"count": len(micro_batch)}``; ``{"labels": ...}`` for tokens). ``split(batch, size,
+    min_size)`` cuts the window into micro-batches (default
+    :func:`~bigbatch.batching.split_batch`; a batch of per-sample target lists needs its own).
 
     >>> import torch, torch.nn.functional as F
     >>> model = torch.nn.Linear(4, 2)
@@ -127,12 +131,17 @@ def run_window(
     20.0
     """
     counts = count_fn or (lambda micro: {"count": batch_len(micro)})
+    cut = split or (lambda window, size, min_size: split_batch(window, size, min_size=min_size))
 
     def backward_all(micro_batch: int) -> None:
-        for micro in split_batch(batch, micro_batch, min_size=backoff.min_micro_batch):
+        for micro in cut(batch, micro_batch, backoff.min_micro_batch):
             # No collective runs inside a micro-batch (sync='step'), so ranks can fail apart.
             with acc.no_sync():
-                acc.backward(loss_fn(micro), **counts(micro))
+                out = loss_fn(micro)
+                if isinstance(out, tuple):
+                    acc.backward(out[0], count=out[1])
+                else:
+                    acc.backward(out, **counts(micro))
 
     return _step_fitting(acc, backoff, device, backward_all, "run_window")
 

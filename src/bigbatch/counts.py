@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bigbatch.device import device_kind
+
 __all__ = ["MicroBatchCount", "count_tokens", "resolve_count", "samples", "tokens", "weights"]
 
 Number = int | float | torch.Tensor
@@ -122,11 +124,8 @@ def _check_weight(weight: object) -> Number:
             )
         if weight.device.type == "cpu" and not float(weight) >= 0:  # on a device: at step time
             raise ValueError(f"weight must be >= 0, got {float(weight)}")
-        return (
-            weight.detach()
-            .reshape(())
-            .to(torch.float64 if weight.device.type != "mps" else torch.float32)
-        )
+        wide = torch.float64 if device_kind(weight.device).float64 else torch.float32
+        return weight.detach().reshape(()).to(wide)
     if isinstance(weight, numbers.Real) and not isinstance(weight, bool):
         if not float(weight) >= 0:  # also rejects nan
             raise ValueError(f"weight must be >= 0, got {weight}")

@@ -1,9 +1,11 @@
-"""What bigbatch knows about devices, in one place: which device and precision ``auto`` means,
-free and total memory, the process's size and peak, cache release and random-number state, for
-cpu, cuda and mps.
+"""What bigbatch knows about devices, in one place: each kind's policy as data
+(:class:`DeviceKind`), which device and precision ``auto`` means, whether a device is here, free
+and total memory, the process's size and peak, cache release and random-number state, for cpu,
+cuda and mps.
 
-Everything else asks here instead of testing ``torch.cuda``/``torch.backends.mps`` itself, so a
-new backend is one module's change.
+Everything else asks here instead of testing ``torch.cuda``/``torch.backends.mps`` or comparing
+``device.type`` itself, so a new backend is one module's change: an entry in ``DEVICE_KINDS``
+and its branches below.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import gc
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 __all__ = [
+    "DEVICE_KINDS",
+    "DeviceKind",
     "auto_device",
     "auto_precision",
     "autocast_for",
     "bound_onednn_cache",
+    "device_kind",
     "empty_cache",
     "free_bytes",
     "free_memory",
@@ -35,12 +41,66 @@ __all__ = [
     "torch_threads",
     "total_bytes",
     "trim_cpu_heap",
+    "unavailable_reason",
 ]
 
 log = logging.getLogger("bigbatch")
 
 # torch's CPU process baseline on Linux, for a platform that does not say its resident size.
 _RSS_FALLBACK = 300 * 2**20
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """One kind of device's policy, as data: what the planner, the loop and the Accumulator
+    ask of a device besides running kernels on it.
+
+    >>> device_kind("cuda:1").distributed_backend, device_kind("cpu").distributed_backend
+    ('nccl', 'gloo')
+    """
+
+    name: str
+    # Memory of its own (a discrete GPU's): a budget counts its free memory alone, and the
+    # process around the step is a context on it. Otherwise the step shares the system's memory
+    # with the process (CPU; MPS's unified memory), which the budget counts in.
+    dedicated_memory: bool
+    allocator_block: int  # bytes its caching allocator rounds each block up to (1: none)
+    float64: bool  # float64 kernels exist (MPS has none: counts are summed in float32)
+    distributed_backend: str  # torch.distributed's backend for several processes on it
+    pin_memory: bool  # page-locked batches let the copy to it overlap compute
+    channels_last: bool  # convolutions run faster NHWC (tensor cores): the default there
+    per_rank_device: bool  # under torchrun each rank takes its own (LOCAL_RANK)
+
+
+DEVICE_KINDS = {
+    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False),
+    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True),
+    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False),
+}
+
+
+def device_kind(device: str | torch.device) -> DeviceKind:
+    """The policy of ``device``'s kind (``"cuda:1"`` is ``cuda``'s)."""
+    name = torch.device(device).type
+    if name not in DEVICE_KINDS:
+        raise ValueError(f"bigbatch trains on {', '.join(DEVICE_KINDS)}, not {name}")
+    return DEVICE_KINDS[name]
+
+
+def unavailable_reason(device: torch.device) -> str:
+    """Why ``device`` cannot be used on this machine ('' when it can), with the fix.
+
+    >>> unavailable_reason(torch.device("cpu"))
+    ''
+    """
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is available; use cpu or auto"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS is not available here; use cpu or auto"
+    return ""
 
 
 def auto_device() -> torch.device:
@@ -71,7 +131,7 @@ def pins_memory(device: torch.device) -> bool:
     >>> pins_memory(torch.device("cuda")), pins_memory(torch.device("cpu"))
     (True, False)
     """
-    return device.type == "cuda"
+    return device_kind(device).pin_memory
 
 
 def synchronize(device: torch.device) -> None:

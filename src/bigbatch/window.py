@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 import torch
 
 from bigbatch.counts import MicroBatchCount
+from bigbatch.device import device_kind
 
 __all__ = ["Reduction", "Window"]
 
@@ -269,4 +270,4 @@ def _exact(x: Count) -> Count:
     """A count in float64 (float32 on MPS, which has no float64), so sums of counts stay exact."""
     if not isinstance(x, torch.Tensor):
         return float(x)
-    return x.detach().to(torch.float32 if x.device.type == "mps" else torch.float64)
+    return x.detach().to(torch.float64 if device_kind(x.device).float64 else torch.float32)

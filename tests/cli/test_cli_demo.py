@@ -59,7 +59,7 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_brats_demo_trains_at_micro_batch_1_and_scores_each_region(tmp_path: Path) -> None:
     import nibabel as nib
 
-    from bigbatch.demo import run_brats_demo
+    from bigbatch.train.demo import run_brats_demo
 
     lines: list[str] = []
     dice = run_brats_demo(tmp_path, epochs=1, log=lines.append, cases=6)
@@ -77,7 +77,7 @@ def test_brats_demo_trains_at_micro_batch_1_and_scores_each_region(tmp_path: Pat
 def test_brats_demo_command_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    import bigbatch.demo
+    import bigbatch.train.demo
 
     seen = {}
 
@@ -85,7 +85,7 @@ def test_brats_demo_command_line(
         seen["epochs"] = epochs
         return {"wt": 0.9, "tc": 0.8, "et": 0.7}
 
-    monkeypatch.setattr(bigbatch.demo, "run_brats_demo", fake)
+    monkeypatch.setattr(bigbatch.train.demo, "run_brats_demo", fake)
     assert main(["demo", "--task", "brats", "--out", str(tmp_path)]) == 0
     assert seen["epochs"] == 10  # brats' own default
     assert "wt 0.900, tc 0.800, et 0.700" in capsys.readouterr().out

@@ -189,9 +189,9 @@ def test_mixup_mixes_the_whole_window_before_it_is_split(
     task.classes = ["a", "b", "c"]
     x, y = torch.randn(7, 3, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0])
     torch.manual_seed(0)
-    mixed, soft = task.mix_window(x, y)
+    mixed, soft = task.transform_window((x, y))
     torch.manual_seed(0)
-    again, _ = task.mix_window(x, y)
+    again, _ = task.transform_window((x, y))
     assert torch.equal(mixed, again)  # replayable from torch's seed
     assert soft.shape == (7, 3) and torch.allclose(soft.sum(1), torch.ones(7))
     assert torch.equal(mixed[6], x[6])  # an odd last sample stays as it is

@@ -32,7 +32,7 @@ class MeanAbsoluteError:
         return {"valid_loss": self.loss / self.count, "mae": self.total / self.count}
 
 
-class ToyRegression:
+class ToyRegression(tasks.Task):
     """y = x . w on generated data; a linear model learns it."""
 
     name = "toy_regression"

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 import bigbatch.train.loop as loop
 from bigbatch.cli.main import main
-from bigbatch.ensemble import run_ensemble
 from bigbatch.train.config import ConfigError, load_config
+from bigbatch.train.ensemble import run_ensemble
 from bigbatch.train.loop import train
 from bigbatch.train.tasks.classification.predict import (
     load_predictions,

@@ -34,12 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.cli import ensemble as ensemble_cli
-    from bigbatch.demo import write_digits_competition
+    from bigbatch.train.demo import write_digits_competition
 
     t0 = time.perf_counter()
     if args.task == "brats":
         # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-        from bigbatch.demo import run_brats_demo
+        from bigbatch.train.demo import run_brats_demo
 
         dice = run_brats_demo(args.out, epochs=args.epochs or 10)
         print(
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     args.epochs = args.epochs or 4
     if args.task == "segmentation":
         # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-        from bigbatch.demo import run_segmentation_demo
+        from bigbatch.train.demo import run_segmentation_demo
 
         scores = run_segmentation_demo(args.out, epochs=args.epochs)
         print(

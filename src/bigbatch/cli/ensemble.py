@@ -18,9 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-    from bigbatch.ensemble import run_ensemble
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
+    from bigbatch.train.ensemble import run_ensemble
 
     try:
         result = run_ensemble(args.experiments, args.out, overrides=args.overrides)

@@ -186,9 +186,14 @@ def _monai_row(arch: str, args: argparse.Namespace) -> Row:
             f"--input-shape {args.input_shape}: {arch} needs sizes divisible by {multiple}"
         )
     factory = functools.partial(
-        build_network, arch, shape[0], args.num_classes, dims=len(shape) - 1, size=shape[1],
+        build_network,
+        arch,
+        shape[0],
+        args.num_classes,
+        dims=len(shape) - 1,
+        size=shape[1],
         widths=widths,
-    )  # fmt: skip
+    )
     return (arch, None, factory, shape)
 
 

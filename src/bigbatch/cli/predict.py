@@ -44,47 +44,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-    from bigbatch.io import check_writable
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
-    from bigbatch.train.tasks.classification.predict import predict_folder, save_predictions
-    from bigbatch.train.tasks.segmentation.predict import is_segmentation_run, predict_masks
+    from bigbatch.train.tasks import PredictRequest, run_task_name, task_entry
 
+    # A task's own options, passed only when set: a task refuses those it does not take.
+    options = {"patch": args.patch} if args.patch else {}
+    options |= {"overlap": args.overlap} if args.overlap != 0.5 else {}
+    request = PredictRequest(
+        args.run, args.images, args.out, args.tta, args.checkpoint, args.device, options
+    )
     try:
-        segmentation = is_segmentation_run(args.run)
-    except ConfigError as exc:
-        raise UserError(str(exc)) from exc
-    if segmentation:
-        out = args.out or args.run / "masks"
-        try:
-            check_writable(out / "probe", "--out")
-            masks = predict_masks(
-                args.run,
-                args.images,
-                out,
-                tta=args.tta,
-                checkpoint=args.checkpoint,
-                device=args.device,
-                patch=args.patch,
-                overlap=args.overlap,
+        name = run_task_name(args.run)
+        entry = task_entry(name)
+        if entry.predict is None:
+            raise ValueError(
+                f"task={name} registered no prediction: bigbatch predict cannot run it"
             )
-        except (ConfigError, DataError, ValueError, OSError) as exc:
-            raise UserError(str(exc)) from exc
-        print(f"{len(masks)} mask(s), {args.tta} TTA pass(es) (flips): {out}")
-        return 0
-    if args.patch:
-        raise UserError("--patch is for segmentation runs; this run classifies images")
-    if args.overlap != 0.5:
-        raise UserError("--overlap is for segmentation runs; this run classifies images")
-    try:
-        check_writable((args.out or args.run / "predictions").with_suffix(".npz"), "--out")
-        pred = predict_folder(
-            args.run, args.images, tta=args.tta, checkpoint=args.checkpoint, device=args.device
-        )
+        print(entry.predict(request))
+    except KeyError as exc:
+        raise UserError(
+            f"{args.run} was trained for a task not registered here: {exc.args[0]}"
+        ) from exc
     except (ConfigError, DataError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from exc
-    npz, csv_path = save_predictions(pred, args.out or args.run / "predictions")
-    print(
-        f"{len(pred.files)} images, {args.tta} TTA pass(es): probabilities in {npz}, labels in {csv_path}"
-    )
     return 0

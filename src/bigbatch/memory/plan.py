@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.device import free_bytes, process_rss, trim_cpu_heap
+from bigbatch.device import device_kind, free_bytes, process_rss, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, measured_context_bytes
@@ -161,7 +161,7 @@ def overhead_bytes(device: str | torch.device) -> int:
     (interpreter, torch and its libraries, ~300-800 MiB), read after what training loads
     anyway has been loaded (:func:`_load_training_libraries`) and with the free memory glibc's
     heap holds given back (training would reuse it, not add to it)."""
-    if torch.device(device).type == "cuda":
+    if device_kind(device).dedicated_memory:
         if torch.cuda.is_available():
             return measured_context_bytes(device)
         return CUDA_CONTEXT_BYTES
@@ -184,7 +184,8 @@ def resolve_budget(budget: str | int, device: str | torch.device) -> int:
     """``"8GB"``, ``"16GiB"``, bytes, or ``"auto"`` (the device's free memory now)."""
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         # The free memory already excludes what this process holds.
-        return free_bytes(device) + (0 if torch.device(device).type == "cuda" else process_rss())
+        shared = not device_kind(device).dedicated_memory
+        return free_bytes(device) + (process_rss() if shared else 0)
     return parse_bytes(budget)
 
 

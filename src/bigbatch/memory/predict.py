@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bigbatch.device import device_kind
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cuda_allocator import simulate
 from bigbatch.memory.cuda_autocast import cuda_autocast_rules
@@ -45,8 +46,6 @@ from bigbatch.memory.step import (
 )
 
 __all__ = ["MemoryPrediction", "predict_peak"]
-
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 
 @dataclass
@@ -166,11 +165,21 @@ class OptimizerTrace:
 _VIEW_OPS = frozenset(
     f"aten.{op}"
     for op in (
-        "view.default", "_unsafe_view.default", "detach.default", "alias.default",
-        "as_strided.default", "expand.default", "t.default", "transpose.int",
-        "permute.default", "slice.Tensor", "select.int", "unsqueeze.default", "squeeze.dim",
+        "view.default",
+        "_unsafe_view.default",
+        "detach.default",
+        "alias.default",
+        "as_strided.default",
+        "expand.default",
+        "t.default",
+        "transpose.int",
+        "permute.default",
+        "slice.Tensor",
+        "select.int",
+        "unsqueeze.default",
+        "squeeze.dim",
     )
-)  # fmt: skip
+)
 _LOOKAHEAD = 8  # calibration ops a fake op may skip when aligning
 # Fake-only ops in a row before the sequences count as parted (convnext's LayerNorm dispatches
 # 5 in fake mode: squeeze twice, new_zeros, as_strided, copy_).
@@ -623,7 +632,7 @@ def _predict_on_fake(
     device = torch.device("cpu") if target.type == "cuda" else target
     model = build_on_meta(spec.model)
     tracker = _StorageTracker(
-        round_to=CUDA_BLOCK if target.type == "cuda" else 1,
+        round_to=device_kind(target).allocator_block,
         calibration=calibration,
         batch_size=spec.batch_size,
     )

@@ -164,9 +164,12 @@ class CaseScores:
             self.dice.append(compute_dice(p, t, include_background=True, ignore_empty=False))
             if self.hd95:
                 hd = compute_hausdorff_distance(
-                    p, t, include_background=True, percentile=95,
+                    p,
+                    t,
+                    include_background=True,
+                    percentile=95,
                     spacing=list(self.spacing) or None,
-                )  # fmt: skip
+                )
                 self.distance.append(self._conventions(hd, p, t))
 
     def _conventions(self, hd: torch.Tensor, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

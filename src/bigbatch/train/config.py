@@ -335,25 +335,18 @@ def check_device(name: str, what: str, *, here: bool = True) -> None:
         return
     import torch
 
+    from bigbatch.device import DEVICE_KINDS, unavailable_reason
+
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(
             f"{what}={name!r} is not a device: use auto, cpu, cuda, cuda:N or mps"
         ) from exc
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"{what}={name!r}: bigbatch trains on cpu, cuda or mps")
-    if not here:
-        return
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"{what}={name} but no CUDA device is available; use cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"{what}={name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"{what}={name} but MPS is not available here; use cpu or auto")
+    if device.type not in DEVICE_KINDS:
+        raise ConfigError(f"{what}={name!r}: bigbatch trains on {', '.join(DEVICE_KINDS)}")
+    if here and (why := unavailable_reason(device)):
+        raise ConfigError(f"{what}={name} but {why}")
 
 
 def _coerce(name: str, raw: Any, annotation: Any) -> Any:

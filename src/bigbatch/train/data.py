@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -170,13 +170,15 @@ def make_loader(
     min_last: int = 1,
     skip: int = 0,
     pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader[Any]:
     """A DataLoader whose order (and augmentation) depends only on ``seed``: its batches are
     drawn up front (:class:`EpochBatches`), so a run resumed in the middle of an epoch skips
     the first ``skip`` batches without loading them and sees the same ones after. With workers,
     each sample's augmentation is seeded from ``(seed, index)`` (:class:`SeededSamples`) and the
     workers persist: call ``loader.batch_sampler.set_epoch(seed, skip)`` for the next epoch
-    instead of making a new loader (no workers started again each epoch).
+    instead of making a new loader (no workers started again each epoch). ``collate_fn`` joins
+    samples into a batch (the task's; default torch's ``default_collate``).
 
     >>> [len(b) for b in make_loader(list(range(33)), 16, shuffle=True, seed=0, num_workers=0, min_last=2).batch_sampler]
     [16, 17]
@@ -195,6 +197,7 @@ def make_loader(
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory,  # page-locked batches: copies to a GPU that overlap compute
+        collate_fn=collate_fn,
     )
 
 

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from bigbatch.accumulate import NonFiniteGradientWarning
 from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
+from bigbatch.batching import batch_len
 from bigbatch.device import (
-    autocast_for,
     pins_memory,
     rng_state,
     set_rng_state,
@@ -30,7 +29,6 @@ from bigbatch.device import (
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.data import make_loader
 from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import plan_for
 from bigbatch.train.progress import progress
@@ -52,41 +50,19 @@ from bigbatch.train.state import (
     EpochLoss,
     Phase,
     Run,
+    RunData,
     TrainResult,
     build_phase,
     diverged,
-    epoch_loader,
     make_ema,
+    make_valid_loader,
     restore,
 )
-from bigbatch.train.tasks import Metrics, lower_is_better, task_for
+from bigbatch.train.tasks import Placement, lower_is_better, task_for
 
 __all__ = ["train"]
 
 Log = Callable[[str], None]
-
-
-def evaluate(
-    model: nn.Module,
-    loader: Any,
-    device: torch.device,
-    precision: str,
-    metrics: Metrics,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    infer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-) -> Metrics:
-    """Run the validation set through ``model`` (or the task's ``infer(model, x)``: sliding
-    windows over whole volumes) into ``metrics`` (the task's)."""
-    model.eval()
-    forward = infer or (lambda m, x: m(x))
-    with torch.no_grad():
-        for x, y in loader:
-            x = x.to(device, non_blocking=True, memory_format=memory_format)
-            with autocast_for(precision, device.type):
-                logits = forward(model, x)
-            metrics.update(logits, y.to(device))
-    model.train()
-    return metrics
 
 
 def train(
@@ -164,11 +140,10 @@ def _setup(
     if cfg.mode == "auto":
         log(mode_line(cfg))
     if rank == 0:
-        write_run_files(run_dir, cfg, task, {
-            "micro_batch": micro, "max_micro_batch": max_micro, "target_batch": cfg.batch,
-            "precision": precision, "device": str(device), "seed": cfg.seed, "world_size": world,
-            "threads": threads, "num_workers": workers,
-        })  # fmt: skip
+        plan = {"micro_batch": micro, "max_micro_batch": max_micro, "target_batch": cfg.batch}
+        where = {"precision": precision, "device": str(device), "world_size": world}
+        loading = {"seed": cfg.seed, "threads": threads, "num_workers": workers}
+        write_run_files(run_dir, cfg, task, plan | where | loading)
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = pins_memory(device)
@@ -178,26 +153,41 @@ def _setup(
         check_no_lone_sample(len(train_items), rank_batch, world, log)
     train_ds, valid_ds = task.datasets(train_items, valid_items)
     sampler = distributed_sampler(train_ds, rank, world, cfg.seed)
-    has_valid = len(valid_ds) > 0
-    run = Run(
-        cfg=cfg, run_dir=run_dir, log=log, progress=progress, task=task, rank=rank, world=world,
-        device=device, precision=precision, workers=workers, core=core,
-        memory_format=memory_format, pin=pin, lone_ok=lone_ok, rank_batch=rank_batch,
-        train_ds=train_ds,
-        # No gradients in validation: twice the micro-batch fits (unless the task says).
-        valid_loader=make_loader(valid_ds, getattr(task, "valid_batch_size", 0) or 2 * micro,
-                                 shuffle=False, seed=cfg.seed, num_workers=workers,
-                                 pin_memory=pin),
-        has_valid=has_valid,
-        monitor=cfg.monitor if has_valid else "train_loss",
+    loaders = RunData(
+        train_ds,
+        make_valid_loader(task, valid_ds, micro, cfg.seed, workers, pin),
+        len(valid_ds) > 0,
+        task.collate,
+        rank_batch,
+        workers,
+        pin,
+        min_last=1 if lone_ok else 2,
         sampler=sampler,
+    )
+    backoff = OOMBackoff(
+        micro_batch=micro,
+        max_micro_batch=max_micro,
+        grow_after=cfg.grow_after,
+        min_micro_batch=1 if lone_ok else min(2, micro),
+    )
+    run = Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        log=log,
+        progress=progress,
+        task=task,
+        rank=rank,
+        world=world,
+        where=Placement(device, precision, memory_format),
+        core=core,
+        data=loaders,
+        monitor=cfg.monitor if loaders.has_valid else "train_loss",
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
-        backoff=OOMBackoff(micro_batch=micro, max_micro_batch=max_micro, grow_after=cfg.grow_after,
-                           min_micro_batch=1 if lone_ok else min(2, micro)),
+        backoff=backoff,
         state=state,
         last_checkpoint=time.perf_counter(),
         ema=make_ema(core, cfg.ema),
-    )  # fmt: skip
+    )
     if state is not None:
         restore(run, state)
     return run
@@ -213,14 +203,14 @@ def _train_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> None
 
 def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     """One epoch's windows; returns the epoch's loss sum and count (for the exact mean)."""
-    cfg, device, acc, backoff = run.cfg, run.device, ph.acc, run.backoff
+    cfg, device, acc, backoff = run.cfg, run.where.device, ph.acc, run.backoff
     # Order, augmentation and dropout depend only on (seed, epoch): a resumed run replays
     # exactly what the uninterrupted run would have done.
     torch.manual_seed(cfg.seed + e)
     train_mode(run.core, cfg)  # evaluation left the model in train mode, BatchNorm too
     resumed = run.mid if run.mid is not None and e == run.start_epoch else None
     run.mid = None
-    loader = epoch_loader(run, e, skip=int(resumed["windows"]) if resumed else 0)
+    loader = run.data.epoch(cfg.seed, e, skip=int(resumed["windows"]) if resumed else 0)
     tally, windows_done = EpochLoss(), 0
     if resumed:
         # Where the checkpoint left the epoch: its windows, sums and random streams.
@@ -228,26 +218,18 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         tally = EpochLoss(float(resumed["loss_sum"]), float(resumed["count"]))
         set_rng_state({"cpu": resumed["rng"], "cuda": resumed.get("cuda_rng")})
     title, shown = f"epoch {e + 1}/{ph.end_epoch} ({ph.name})", run.progress and run.main_rank
-    fix = slow_data_fix(run.workers, device) if e == run.start_epoch else ""  # said once a run
+    fix = slow_data_fix(run.data.workers, device) if e == run.start_epoch else ""  # said once a run
     show = progress(
         shown, ph.windows, title, log=run.log, log_every=cfg.log_every, slow_data_fix=fix
     )
     every_steps, every_seconds = cfg.checkpoint_interval()
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        with autocast_for(run.precision, device.type):
-            return ph.model(x.to(device, non_blocking=True, memory_format=run.memory_format))
-
-    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return run.task.loss(forward(batch[0]), batch[1].to(device, non_blocking=True))
-
-    mix = getattr(run.task, "mix_window", None)  # Mixup/CutMix over the window, before it splits
-    for x, y in show.batches(loader):
-        x, y = mix(x, y) if mix else (x, y)
+    for window in show.batches(loader):
+        window = run.task.transform_window(window)  # Mixup/CutMix, before it splits
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.
             warnings.simplefilter("ignore", NonFiniteGradientWarning)
-            result = _step_window(run, acc, (x, y), forward, loss_fn)
+            result = _step_window(run, ph, window)
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         windows_done += 1
@@ -267,8 +249,9 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
             mid = {"windows": windows_done, "loss_sum": tally.loss_sum, "count": tally.count}
             mid |= {"rng": rng["cpu"], "cuda_rng": rng.get("cuda", [])}
             ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
-        acc_steps = math.ceil(len(y) / backoff.micro_batch)
-        show.advance(len(y), backoff.micro_batch, acc_steps=acc_steps, device=device)
+        samples = batch_len(window)
+        acc_steps = math.ceil(samples / backoff.micro_batch)
+        show.advance(samples, backoff.micro_batch, acc_steps=acc_steps, device=device)
     acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
     show.close()
     if (bad := tally.read()) is not None:
@@ -276,16 +259,28 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     return tally.loss_sum, tally.count
 
 
-def _step_window(run: Run, acc: Any, batch: Any, forward: Any, loss_fn: Any) -> Any:
+def _step_window(run: Run, ph: Phase, window: Any) -> Any:
     """One window with the OOM back-off: through gradient caching when the task's loss couples
     the samples (a batch Dice), else micro-batch by micro-batch; then the EMA's update."""
-    if getattr(run.task, "couples_samples", False):
-        pair = (batch[0], batch[1].to(run.device))
-        result = run_coupled_window(
-            acc, pair, forward, run.task.loss, run.backoff, device=run.device
-        )
+    task, model, acc, where = run.task, ph.model, ph.acc, run.where
+    if task.couples_samples:
+        x, y = window
+
+        def encode(inputs: torch.Tensor) -> torch.Tensor:
+            with where.autocast():
+                return model(where.inputs(inputs))
+
+        pair = (x, where.targets(y))
+        result = run_coupled_window(acc, pair, encode, task.loss, run.backoff, device=where.device)
     else:
-        result = run_window(acc, batch, loss_fn, run.backoff, device=run.device)
+        result = run_window(
+            acc,
+            window,
+            lambda micro: task.step(model, micro, where),
+            run.backoff,
+            split=task.split,
+            device=where.device,
+        )
     if run.ema is not None and not result.skipped:
         run.ema.update(run.core, step=acc.optimizer_step)
     return result
@@ -294,15 +289,12 @@ def _step_window(run: Run, acc: Any, batch: Any, forward: Any, loss_fn: Any) -> 
 def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0: float) -> None:
     """Validation, the plateau schedule, the history, the best and last checkpoints, the log."""
     row: dict[str, Any] = {"epoch": e + 1, "phase": ph.name, "train_loss": loss_sum / max(count, 1)}
-    if run.has_valid:
+    if run.data.has_valid:
         # Every rank evaluates the whole validation set: identical metrics everywhere.
-        metrics = evaluate(
-            run.scored, run.valid_loader, run.device, run.precision, run.task.metrics(),
-            run.memory_format, getattr(run.task, "infer", None),
-        )  # fmt: skip
+        metrics = run.task.evaluate(run.scored, run.data.valid_loader, run.where)
         row |= metrics.as_dict()  # valid_loss, then the task's scores
     if ph.plateau:
-        ph.sched.step(row["valid_loss" if run.has_valid else "train_loss"])
+        ph.sched.step(row["valid_loss" if run.data.has_valid else "train_loss"])
     row |= {
         "lr": ph.opt.param_groups[0]["lr"],
         "micro_batch": run.backoff.micro_batch,
@@ -326,7 +318,7 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     run.last_checkpoint = time.perf_counter()
     write_history(run.history, run_dir / "history.csv")
     plot_history(run.history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
-    scores = run.task.scores(row) if run.has_valid else ""
+    scores = run.task.scores(row) if run.data.has_valid else ""
     run.log(
         f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"
         f"({row['seconds']} s, micro-batch {run.backoff.micro_batch})"

@@ -22,6 +22,7 @@ from bigbatch.memory.predict import check_forward, predict_peak
 from bigbatch.memory.step import StepSpec
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.optim import PLAN_OPTIMIZER
+from bigbatch.train.tasks import Placement, Task
 
 __all__ = ["plan_for"]
 
@@ -36,24 +37,29 @@ def plan_for(
     log: Log,
     *,
     target: int | None = None,
-    task: Any = None,
+    task: Task | None = None,
 ) -> tuple[int, int]:
     """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
     Either way the model runs once on fake tensors first, so a model that cannot take the input
     size fails here, in a second, not after the data is loaded and an epoch is half done. A fixed
     ``micro_batch`` with an explicit ``budget`` is checked against it. A task whose loss couples
     the samples holds the window's outputs and their gradients besides each step
-    (``task.window_cache_bytes``): the plan leaves room for them."""
-    input_shape = task.input_shape() if task is not None else None
+    (``task.window_cache_bytes``): the plan leaves room for them. A task that gives an
+    ``example_batch`` is planned on its own ``step``, else on the generic step of its input
+    shape."""
+    input_shape = task.input_shape() if task is not None else (3, cfg.size, cfg.size)
+    step, batch = _task_step(task)
 
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
             factory,
-            input_shape or (3, cfg.size, cfg.size),
+            input_shape,
             b,
             PLAN_OPTIMIZER[cfg.optimizer],
             precision,  # type: ignore[arg-type]
             device.type,
+            step=step,
+            batch=batch,
         )
 
     explicit_budget = cfg.budget.strip().lower() != "auto"
@@ -105,9 +111,26 @@ def plan_for(
     return plan.micro_batch, plan.max_micro_batch
 
 
-def _window_cache(task: Any, window: int, precision: str, log: Log) -> int:
+def _task_step(task: Task | None) -> tuple[Any, Any]:
+    """(step, batch) for :class:`StepSpec`: the task's own step on its example batches, where it
+    gives them; made once, so that every micro-batch size's spec shares them (the planner
+    caches its traces by step)."""
+    if task is None or task.example_batch(1, "cpu") is None:
+        return None, None
+
+    def step(model: nn.Module, micro: Any) -> torch.Tensor:
+        # On the device the planner made the batch on (the CPU while a CUDA step is traced);
+        # the planner's autocast is around the step already.
+        leaves = torch.utils._pytree.tree_flatten(micro)[0]
+        first = next(t for t in leaves if isinstance(t, torch.Tensor))
+        return task.step(model, micro, Placement(first.device))[0]
+
+    return step, task.example_batch
+
+
+def _window_cache(task: Task | None, window: int, precision: str, log: Log) -> int:
     """What a coupled window holds besides its steps (0 for a loss of per-sample terms)."""
-    if task is None or not getattr(task, "couples_samples", False):
+    if task is None or not task.couples_samples:
         return 0
     need = int(task.window_cache_bytes(window, precision))
     log(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.device import auto_device, auto_precision
+from bigbatch.device import auto_device, auto_precision, device_kind
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.train.config import ConfigError, TrainConfig, check_device
 
@@ -140,8 +140,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int]:
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(device_kind(resolve_device(cfg.device)).distributed_backend)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -196,8 +195,8 @@ def train_mode(model: nn.Module, cfg: TrainConfig) -> None:
 def device_for_rank(name: str, rank: int, world: int) -> torch.device:
     """The configured device; under torchrun on GPUs, this rank's own (``LOCAL_RANK``)."""
     device = resolve_device(name)
-    if world > 1 and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if world > 1 and device_kind(device).per_rank_device:
+        device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", rank)))
     return device
 
 
@@ -208,7 +207,8 @@ def place_model(
     it; opt-in elsewhere with channels_last=true); returns the memory format inputs take."""
     model = model.to(device)
     has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    if channels_last == "true" or (channels_last == "auto" and device.type == "cuda" and has_conv):
+    pays = device_kind(device).channels_last and has_conv
+    if channels_last == "true" or (channels_last == "auto" and pays):
         return model.to(memory_format=torch.channels_last), torch.channels_last
     return model, torch.contiguous_format
 

@@ -21,18 +21,19 @@ from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
 from bigbatch.train.run_dir import save_checkpoint
 from bigbatch.train.runtime import wrap_ddp
-from bigbatch.train.tasks import Task
+from bigbatch.train.tasks import Placement, Task
 
 __all__ = [
     "EpochLoss",
     "Phase",
     "Run",
+    "RunData",
     "TrainResult",
     "TrainingDiverged",
     "build_phase",
     "diverged",
-    "epoch_loader",
     "make_ema",
+    "make_valid_loader",
     "restore",
 ]
 
@@ -82,6 +83,59 @@ class TrainResult:
 
 
 @dataclass
+class RunData:
+    """The run's data: the training set, read a window at a time in an order that depends only
+    on (seed, epoch), and the validation loader."""
+
+    train_ds: Any
+    valid_loader: Any
+    has_valid: bool  # a validation set with samples (else best is chosen by train_loss)
+    collate: Any  # the task's (None: torch's default)
+    window: int  # samples per window on this rank (the target batch, or its share under torchrun)
+    workers: int
+    pin: bool  # page-locked batches (a GPU run)
+    min_last: int  # 2 where BatchNorm cannot train a lone sample, so no window of one is made
+    sampler: Any = None  # torchrun's DistributedSampler
+    train_loader: Any = None  # with workers: one loader for the run, its workers persistent
+
+    def windows_per_epoch(self) -> int:
+        if self.sampler is not None:
+            return math.ceil(len(self.sampler) / self.window)
+        return windows_per_epoch(len(self.train_ds), self.window, self.min_last)
+
+    def epoch(self, seed: int, e: int, skip: int) -> Any:
+        """Epoch ``e``'s windows, in an order that depends only on (seed, epoch); ``skip``:
+        the windows a mid-epoch checkpoint had done."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(e)
+            return torch.utils.data.DataLoader(
+                self.train_ds,
+                batch_size=self.window,
+                sampler=self.sampler,
+                num_workers=self.workers,
+                collate_fn=self.collate,
+            )
+        epoch_seed = seed * 1000 + e
+        if self.train_loader is not None:  # its workers live on: the next epoch's batches
+            self.train_loader.batch_sampler.set_epoch(epoch_seed, skip)
+            return self.train_loader
+        loader = make_loader(
+            self.train_ds,
+            self.window,
+            shuffle=True,
+            seed=epoch_seed,
+            num_workers=self.workers,
+            min_last=self.min_last,
+            skip=skip,
+            pin_memory=self.pin,
+            collate_fn=self.collate,
+        )
+        if self.workers > 0:
+            self.train_loader = loader
+        return loader
+
+
+@dataclass
 class Run:
     """What the loop shares between its steps: set up once by :func:`_setup`."""
 
@@ -92,19 +146,10 @@ class Run:
     task: Task
     rank: int
     world: int
-    device: torch.device
-    precision: str
-    workers: int
+    where: Placement  # device, precision's autocast, the inputs' memory format
     core: nn.Module
-    memory_format: torch.memory_format
-    pin: bool
-    lone_ok: bool
-    rank_batch: int
-    train_ds: Any
-    valid_loader: Any
-    has_valid: bool
+    data: RunData
     monitor: str
-    sampler: Any
     scaler: Any
     backoff: OOMBackoff
     state: dict[str, Any] | None
@@ -112,7 +157,6 @@ class Run:
     best: float = math.inf
     start_epoch: int = 0
     mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
-    train_loader: Any = None  # with workers: one loader for the run, its workers persistent
     last_checkpoint: float = 0.0
     ema: Any = None  # timm's ModelEmaV3 of core, with ema= (validated and saved instead)
 
@@ -166,11 +210,7 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
     """The phase's optimizer, schedule and accumulator, the model wrapped for it (DDP, compile),
     restored from ``last.pt`` when the run resumes inside this phase."""
     cfg = run.cfg
-    windows = (
-        math.ceil(len(run.sampler) / run.rank_batch)
-        if run.sampler is not None
-        else windows_per_epoch(len(run.train_ds), cfg.batch, 1 if run.lone_ok else 2)
-    )
+    windows = run.data.windows_per_epoch()
     opt, sched = make_optimizer(cfg, run.core, phase, (end_epoch - phase_start) * windows)
     plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
     model: nn.Module = run.core
@@ -190,9 +230,17 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
         sync="step",
     )
     checkpoint = functools.partial(
-        save_checkpoint, run.run_dir, run.core, opt, sched, acc, run.scaler, run.backoff,
-        phase=phase, ema=run.ema,
-    )  # fmt: skip
+        save_checkpoint,
+        run.run_dir,
+        run.core,
+        opt,
+        sched,
+        acc,
+        run.scaler,
+        run.backoff,
+        phase=phase,
+        ema=run.ema,
+    )
     state = run.state
     if (
         state is not None
@@ -207,31 +255,20 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
     return Phase(phase, end_epoch, windows, model, opt, sched, plateau, acc, checkpoint)
 
 
-def epoch_loader(run: Run, e: int, skip: int) -> Any:
-    """Epoch ``e``'s windows, in an order that depends only on (seed, epoch); ``skip``: the
-    windows a mid-epoch checkpoint had done."""
-    if run.sampler is not None:
-        run.sampler.set_epoch(e)
-        return torch.utils.data.DataLoader(
-            run.train_ds, batch_size=run.rank_batch, sampler=run.sampler, num_workers=run.workers
-        )
-    seed = run.cfg.seed * 1000 + e
-    if run.train_loader is not None:  # its workers live on: the next epoch's batches
-        run.train_loader.batch_sampler.set_epoch(seed, skip)
-        return run.train_loader
-    loader = make_loader(
-        run.train_ds,
-        run.cfg.batch,
-        shuffle=True,
+def make_valid_loader(
+    task: Task, dataset: Any, micro_batch: int, seed: int, workers: int, pin: bool
+) -> Any:
+    """The validation loader: no gradients are kept, so twice the training micro-batch fits,
+    unless the task says (whole volumes of different sizes: one at a time)."""
+    return make_loader(
+        dataset,
+        task.valid_batch_size or 2 * micro_batch,
+        shuffle=False,
         seed=seed,
-        num_workers=run.workers,
-        min_last=1 if run.lone_ok else 2,
-        skip=skip,
-        pin_memory=run.pin,
+        num_workers=workers,
+        pin_memory=pin,
+        collate_fn=task.collate,
     )
-    if run.workers > 0:
-        run.train_loader = loader
-    return loader
 
 
 def make_ema(core: nn.Module, decay: float) -> Any:

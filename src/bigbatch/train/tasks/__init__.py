@@ -5,93 +5,71 @@ checkpoints, history, progress); a task fills in the rest, and the loop never as
 runs. Tasks are chosen by the ``task`` key from a registry: ``classification``
 (:class:`~bigbatch.train.tasks.classification.ClassificationTask`) and ``segmentation``
 (:class:`~bigbatch.train.tasks.segmentation.SegmentationTask`) are registered here; a new task
-is a module implementing :class:`Task` plus one :func:`register_task` call.
+is a folder with a subclass of :class:`~bigbatch.train.tasks.base.Task` plus one
+:func:`register_task` call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from bigbatch.train.tasks.base import Log, Metrics, Placement, Task
 
 if TYPE_CHECKING:  # config imports this registry to check task= and monitor=
     from bigbatch.train.config import TrainConfig
 
 __all__ = [
+    "Log",
     "Metrics",
+    "Placement",
+    "PredictRequest",
     "Task",
     "TaskEntry",
     "lower_is_better",
     "register_task",
+    "run_task_name",
     "task_entry",
     "task_for",
     "task_names",
 ]
 
-Log = Callable[[str], None]
 
+@dataclass(frozen=True)
+class PredictRequest:
+    """What ``bigbatch predict`` asks of a trained run: its inputs (a folder, or a CSV a task
+    reads), where to write (None: the task's default inside the run), TTA passes, which
+    checkpoint, the device, and the task's own options (segmentation's ``patch``, ``overlap``),
+    given only when the user set them."""
 
-class Metrics(Protocol):
-    """Validation metrics accumulated over batches by count (never a mean of batch means)."""
+    run_dir: Path
+    inputs: Path
+    out: Path | None = None
+    tta: int = 2
+    checkpoint: str = "best"
+    device: str = "cpu"
+    options: Mapping[str, Any] = field(default_factory=dict)
 
-    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
-
-    def as_dict(self) -> dict[str, float]: ...
-
-
-class Task(Protocol):
-    name: str
-    classes: list[str]
-
-    def prepare(self, log: Log, data: Any = None) -> tuple[Any, Any]:
-        """Scan and check the data: (training items, validation items), each with ``len()``."""
-        ...
-
-    def model_factory(self) -> Callable[[], nn.Module]: ...
-
-    def input_shape(self) -> tuple[int, ...]:
-        """One sample's shape, for planning."""
-        ...
-
-    def datasets(self, train_items: Any, valid_items: Any) -> tuple[Any, Any]: ...
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The training loss: a mean of per-sample terms (so that accumulation is exact)."""
-        ...
-
-    def metrics(self) -> Metrics: ...
-
-    def scores(self, row: dict[str, Any]) -> str:
-        """The validation part of an epoch's log line."""
-        ...
-
-    def run_info(self) -> dict[str, Any]:
-        """What ``predict`` needs besides config.json (written as task.json)."""
-        ...
-
-
-# Optional hooks a task may define (the loop and the planner read them with getattr):
-#   valid_batch_size: int              validation batch (0: twice the micro-batch); segmentation
-#                                      of whole volumes of different sizes takes 1
-#   infer(model, x) -> logits          validation's forward (default model(x)); segmentation
-#                                      runs sliding windows over whole volumes
-#   couples_samples: bool              the loss couples the samples (a batch Dice): windows run
-#                                      through gradient caching (bigbatch.backoff.run_coupled_window)
-#   window_cache_bytes(window, precision) -> int, loss_name: str
-#                                      with couples_samples: what the window holds besides its
-#                                      steps, which the plan leaves room for
+    def refuse_options(self, task: str, allowed: tuple[str, ...] = ()) -> None:
+        """ValueError naming an option this task's prediction does not take."""
+        for name in self.options:
+            if name not in allowed:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} is not an option of a {task} run's prediction; drop it")
 
 
 @dataclass(frozen=True)
 class TaskEntry:
-    """A registered task: how to build it, and the validation metrics ``monitor=`` may name."""
+    """A registered task: how to build it, the validation metrics ``monitor=`` may name, and how
+    ``bigbatch predict`` runs a trained run of it (a one-line summary back)."""
 
     build: Callable[[TrainConfig], Task]
     metrics: tuple[str, ...]
     lower_is_better: frozenset[str] = frozenset()  # the metrics where less is better
+    predict: Callable[[PredictRequest], str] | None = None
 
 
 _TASKS: dict[str, TaskEntry] = {}
@@ -103,9 +81,11 @@ def register_task(
     *,
     metrics: tuple[str, ...],
     lower_is_better: tuple[str, ...] = (),
+    predict: Callable[[PredictRequest], str] | None = None,
 ) -> None:
     """Make ``task=name`` build ``build(cfg)``; ``metrics`` are the names its
-    :meth:`Metrics.as_dict` returns that ``monitor=`` may choose.
+    :meth:`Metrics.as_dict` returns that ``monitor=`` may choose; ``predict`` is what
+    ``bigbatch predict`` calls for a run of it.
 
     >>> "classification" in task_names()
     True
@@ -115,7 +95,7 @@ def register_task(
     unknown = set(lower_is_better) - set(metrics)
     if unknown:
         raise ValueError(f"lower_is_better names metrics the task does not have: {sorted(unknown)}")
-    _TASKS[name] = TaskEntry(build, tuple(metrics), frozenset(lower_is_better))
+    _TASKS[name] = TaskEntry(build, tuple(metrics), frozenset(lower_is_better), predict)
 
 
 def task_names() -> tuple[str, ...]:
@@ -134,7 +114,32 @@ def lower_is_better(task: str, metric: str) -> bool:
 
 
 def task_for(cfg: TrainConfig) -> Task:
-    return task_entry(cfg.task).build(cfg)
+    task = task_entry(cfg.task).build(cfg)
+    if not isinstance(task, Task):
+        kind = type(task).__name__
+        raise TypeError(
+            f"task={cfg.task} built a {kind}, which is not a bigbatch Task: subclass it, "
+            f"`class {kind}(bigbatch.train.tasks.Task)`, for the defaults the loop relies on"
+        )
+    return task
+
+
+def run_task_name(run_dir: str | Path) -> str:
+    """The task a run folder was trained for, from its ``task.json`` (a run without one is a
+    classification run: that file came later); a damaged file is refused with the fix."""
+    path = Path(run_dir) / "task.json"
+    if not path.is_file():
+        return "classification"
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(
+            f"{path} is damaged ({type(exc).__name__}: {str(exc)[:80]}): bigbatch train writes "
+            "it; restore it from a copy, or train the run again"
+        ) from None
+    if not isinstance(info, dict) or not isinstance(info.get("task"), str):
+        raise ValueError(f"{path} is not a bigbatch task file: restore it, or train again")
+    return info["task"]
 
 
 # The built-in tasks' modules load timm, PIL and friends: imported when the task is chosen.
@@ -150,12 +155,29 @@ def _segmentation(cfg: TrainConfig) -> Task:
     return SegmentationTask(cfg)
 
 
+def _predict_classification(request: PredictRequest) -> str:
+    from bigbatch.train.tasks.classification.predict import predict_request
+
+    return predict_request(request)
+
+
+def _predict_segmentation(request: PredictRequest) -> str:
+    from bigbatch.train.tasks.segmentation.predict import predict_request
+
+    return predict_request(request)
+
+
 register_task(
     "classification",
     _classification,
     metrics=("accuracy", "error_rate", "top5", "f1_macro", "f1_micro", "auroc", "kappa"),
     lower_is_better=("error_rate",),
+    predict=_predict_classification,
 )
 register_task(
-    "segmentation", _segmentation, metrics=("dice", "jaccard", "hd95"), lower_is_better=("hd95",)
+    "segmentation",
+    _segmentation,
+    metrics=("dice", "jaccard", "hd95"),
+    lower_is_better=("hd95",),
+    predict=_predict_segmentation,
 )

@@ -373,14 +373,19 @@ def build_transforms(
     }
     if train and augment:
         out = create_transform(
-            **common, is_training=True, scale=(0.75, 1.0), color_jitter=0.0,
+            **common,
+            is_training=True,
+            scale=(0.75, 1.0),
+            color_jitter=0.0,
             auto_augment=auto_augment or None,
-        )  # fmt: skip
+        )
     else:
         out = create_transform(
-            **common, is_training=False, crop_pct=1.0 if item_transform == "squish" else data["crop_pct"],
+            **common,
+            is_training=False,
+            crop_pct=1.0 if item_transform == "squish" else data["crop_pct"],
             crop_mode="squash" if item_transform == "squish" else "center",
-        )  # fmt: skip
+        )
     return T.Compose([T.RandomHorizontalFlip(p=1.0), out]) if flip else out
 
 

@@ -15,15 +15,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.io import atomic_path, atomic_write_csv
+from bigbatch.io import atomic_path, atomic_write_csv, check_writable
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import images_to_predict, make_loader
 from bigbatch.train.runtime import resolve_device
+from bigbatch.train.tasks import PredictRequest
 from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
 from bigbatch.train.tasks.classification.task import build_model
 
-__all__ = ["Predictions", "load_predictions", "predict_files", "predict_folder", "save_predictions"]
+__all__ = [
+    "Predictions",
+    "load_predictions",
+    "predict_files",
+    "predict_folder",
+    "predict_request",
+    "save_predictions",
+]
 
 
 class Predictions:
@@ -95,9 +103,14 @@ def predict_files(
     total = np.zeros((len(files), len(classes)), dtype=np.float64)
     for k in range(tta):
         transform = build_transforms(
-            cfg.size, cfg.item_transform, train=k >= 2, augment=k >= 2, flip=k == 1,
-            data=info.get("data"), fmt=fmt,
-        )  # fmt: skip
+            cfg.size,
+            cfg.item_transform,
+            train=k >= 2,
+            augment=k >= 2,
+            flip=k == 1,
+            data=info.get("data"),
+            fmt=fmt,
+        )
         torch.manual_seed(seed + k)
         loader = make_loader(
             ImageDataset(files, None, transform, fmt),
@@ -118,6 +131,26 @@ def predict_folder(run_dir: str | Path, folder: str | Path, **kwargs: object) ->
     """:func:`predict_files` on every image under ``folder``; the folder, the run and the
     images are checked before the model runs."""
     return predict_files(run_dir, images_to_predict(folder), **kwargs)  # type: ignore[arg-type]
+
+
+def predict_request(request: PredictRequest) -> str:
+    """``bigbatch predict`` on a classification run: probabilities (.npz) and labels (.csv) of
+    every image under ``request.inputs``; the summary line."""
+    request.refuse_options("classification")
+    out = request.out or request.run_dir / "predictions"
+    check_writable(out.with_suffix(".npz"), "--out")
+    pred = predict_folder(
+        request.run_dir,
+        request.inputs,
+        tta=request.tta,
+        checkpoint=request.checkpoint,
+        device=request.device,
+    )
+    npz, csv_path = save_predictions(pred, out)
+    return (
+        f"{len(pred.files)} images, {request.tta} TTA pass(es): probabilities in {npz}, "
+        f"labels in {csv_path}"
+    )
 
 
 def save_predictions(pred: Predictions, out: str | Path) -> tuple[Path, Path]:

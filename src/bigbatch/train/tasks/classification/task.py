@@ -14,6 +14,7 @@ from torch import nn
 from bigbatch.models import UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
+from bigbatch.train.tasks.base import Task
 from bigbatch.train.tasks.classification.data import (
     ImageDataset,
     ImageFormat,
@@ -102,7 +103,7 @@ def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageI
     return train_items, valid
 
 
-class ClassificationTask:
+class ClassificationTask(Task):
     name = "classification"
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -140,9 +141,13 @@ class ClassificationTask:
         cfg, fmt = self.cfg, self.format
         common: dict[str, Any] = {"data": self.data, "fmt": fmt}
         train_tf = build_transforms(
-            cfg.size, cfg.item_transform, train=True, augment=cfg.augment,
-            auto_augment=cfg.auto_augment, **common,
-        )  # fmt: skip
+            cfg.size,
+            cfg.item_transform,
+            train=True,
+            augment=cfg.augment,
+            auto_augment=cfg.auto_augment,
+            **common,
+        )
         valid_tf = build_transforms(
             cfg.size, cfg.item_transform, train=False, augment=False, **common
         )
@@ -151,18 +156,23 @@ class ClassificationTask:
             ImageDataset(valid_items.files, valid_items.labels, valid_tf, fmt),
         )
 
-    def mix_window(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def transform_window(
+        self, window: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mixup/CutMix over the whole window (timm's ``Mixup``), before it is split into
         micro-batches: each micro-batch then holds exactly the samples the big batch would have
         mixed, and the soft-target loss is a per-sample mean, so accumulation stays exact."""
+        x, y = window
         if not (self.cfg.mixup or self.cfg.cutmix) or len(y) < 2:
             return x, y
         from timm.data import Mixup
 
         mixer = Mixup(
-            mixup_alpha=self.cfg.mixup, cutmix_alpha=self.cfg.cutmix,
-            label_smoothing=self.cfg.label_smoothing, num_classes=len(self.classes),
-        )  # fmt: skip
+            mixup_alpha=self.cfg.mixup,
+            cutmix_alpha=self.cfg.cutmix,
+            label_smoothing=self.cfg.label_smoothing,
+            num_classes=len(self.classes),
+        )
         # timm draws from numpy's global generator: seeded here from torch's, so a seed (and a
         # resumed run, which restores torch's state) replays the same mixing.
         np.random.seed(int(torch.randint(0, 2**31 - 1, ())))

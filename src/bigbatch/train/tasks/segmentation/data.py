@@ -338,19 +338,9 @@ def _dims_of(path: Path) -> int:
     return 2 if volume_suffix(path) in IMAGE_SUFFIXES else 3
 
 
-def scan_segmentation(
-    data: str | Path,
-    image_root: str = "",
-    num_classes: int = 0,
-    *,
-    ignore_index: int = 255,
-    palette: str = "",
-    like: SegItems | None = None,
-) -> SegItems:
-    """Pair and check every image with its mask. ``num_classes`` 0 infers the classes from the
-    masks (values 0/1 or 0/255: binary). ``ignore_index`` is the void label (-1: none); masks
-    holding only 0 and 255 are binary. ``like``: the training items a validation set must match
-    (dimensions, channels, labels)."""
+def _pairs_of(data: str | Path, image_root: str) -> tuple[list[Any], int]:
+    """Each case's image file(s) and mask, from a folder or a CSV, and their dimensions (one
+    run trains 2D images or 3D volumes, not both)."""
     path = Path(data)
     if path.is_dir():
         pairs = _pairs_from_folder(path)
@@ -365,6 +355,23 @@ def scan_segmentation(
                 f"{images[0]} is a {_dims_of(images[0])}D file among {dims}D ones ({pairs[0][0][0]}"
                 "): train images and volumes in separate runs"
             )
+    return pairs, dims
+
+
+def scan_segmentation(
+    data: str | Path,
+    image_root: str = "",
+    num_classes: int = 0,
+    *,
+    ignore_index: int = 255,
+    palette: str = "",
+    like: SegItems | None = None,
+) -> SegItems:
+    """Pair and check every image with its mask. ``num_classes`` 0 infers the classes from the
+    masks (values 0/1 or 0/255: binary). ``ignore_index`` is the void label (-1: none); masks
+    holding only 0 and 255 are binary. ``like``: the training items a validation set must match
+    (dimensions, channels, labels)."""
+    pairs, dims = _pairs_of(data, image_root)
     if like is not None and (why := _unlike(data, dims, like.channels, like)):
         raise DataError(why)
     colours = parse_palette(palette)
@@ -407,9 +414,15 @@ def scan_segmentation(
     top = max(values - {void} if void is not None else values, default=0)
     classes = num_classes or (1 if binary_255 or top <= 1 else top + 1)
     items = SegItems(
-        [p[0] for p in pairs], [p[1] for p in pairs], classes, dims, channels or 1, void,
-        binary_255, colours,
-    )  # fmt: skip
+        [p[0] for p in pairs],
+        [p[1] for p in pairs],
+        classes,
+        dims,
+        channels or 1,
+        void,
+        binary_255,
+        colours,
+    )
     if like is not None:  # a validation set keeps the training set's meaning of its labels
         items.num_classes, items.binary_255 = like.num_classes, like.binary_255
         items.void = like.void if items.void is None else items.void

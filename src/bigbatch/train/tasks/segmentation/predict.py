@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.device import autocast_for
-from bigbatch.io import atomic_path
+from bigbatch.io import atomic_path, check_writable
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
 from bigbatch.train.runtime import resolve_device, resolve_precision
+from bigbatch.train.tasks import PredictRequest
 from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES,
     VolumeRecipe,
@@ -41,17 +42,9 @@ from bigbatch.train.tasks.segmentation.data import (
 )
 from bigbatch.train.tasks.segmentation.task import build_seg_model, seg_settings
 
-__all__ = ["is_segmentation_run", "predict_masks", "with_tta"]
+__all__ = ["predict_masks", "predict_request", "with_tta"]
 
 Probabilities = Callable[[torch.Tensor], torch.Tensor]
-
-
-def is_segmentation_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a segmentation run; a damaged ``task.json`` is refused."""
-    path = Path(run_dir) / "task.json"
-    if not path.is_file():
-        return False
-    return _task_info(path).get("task") == "segmentation"
 
 
 def _task_info(path: Path) -> dict[str, Any]:
@@ -86,8 +79,9 @@ def _inputs(source: Path, dims: int) -> tuple[list[Case], Path]:
             case = tuple(source.parent / p.strip() for p in cell.split(";") if p.strip())
             missing = [f for f in case if not f.is_file()]
             if not case or missing:
-                raise DataError(f"{source}, line {line}: {missing[0] if missing else 'no image'}"
-                                " does not exist")  # fmt: skip
+                raise DataError(
+                    f"{source}, line {line}: {missing[0] if missing else 'no image'} does not exist"
+                )
             cases.append(case)
         return cases, source.parent
     if dims == 2:
@@ -148,6 +142,24 @@ def with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.T
         axes = [flips[(k - 1) % len(flips)]]
         total = total + probabilities(x.flip(axes)).flip(axes)
     return total / tta
+
+
+def predict_request(request: PredictRequest) -> str:
+    """``bigbatch predict`` on a segmentation run: a mask for every image or volume under
+    ``request.inputs`` (options ``patch``, ``overlap``); the summary line."""
+    request.refuse_options("segmentation", ("patch", "overlap"))
+    out = request.out or request.run_dir / "masks"
+    check_writable(out / "probe", "--out")
+    masks = predict_masks(
+        request.run_dir,
+        request.inputs,
+        out,
+        tta=request.tta,
+        checkpoint=request.checkpoint,
+        device=request.device,
+        **request.options,
+    )
+    return f"{len(masks)} mask(s), {request.tta} TTA pass(es) (flips): {out}"
 
 
 def predict_masks(
@@ -239,9 +251,15 @@ def _volume_probs(
 
     def windows(v: torch.Tensor) -> torch.Tensor:
         out = sliding_window_inference(
-            v, roi, 1, probabilities, overlap=overlap, mode="gaussian", sw_device=v.device,
+            v,
+            roi,
+            1,
+            probabilities,
+            overlap=overlap,
+            mode="gaussian",
+            sw_device=v.device,
             device=torch.device("cpu"),
-        )  # fmt: skip
+        )
         return torch.as_tensor(out)
 
     probs = with_tta(windows, torch.as_tensor(image)[None], tta)[0]

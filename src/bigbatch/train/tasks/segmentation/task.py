@@ -20,6 +20,7 @@ from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_mult
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.optim import head_parameters
+from bigbatch.train.tasks.base import Task
 from bigbatch.train.tasks.segmentation.data import (
     SegDataset,
     SegItems,
@@ -95,9 +96,14 @@ def build_seg_model(
 
         def build() -> nn.Module:
             return build_network(
-                cfg.arch, in_channels, num_classes, dims=dims, size=cfg.size, widths=widths,
+                cfg.arch,
+                in_channels,
+                num_classes,
+                dims=dims,
+                size=cfg.size,
+                widths=widths,
                 norm=cfg.norm,
-            )  # fmt: skip
+            )
     elif dims == 3:
         raise ConfigError(
             f"arch={cfg.arch}: timm encoders are 2D; train volumes with one of MONAI's "
@@ -107,9 +113,11 @@ def build_seg_model(
 
         def build() -> nn.Module:
             return timm_unet(
-                cfg.arch, in_channels=in_channels, num_classes=num_classes,
+                cfg.arch,
+                in_channels=in_channels,
+                num_classes=num_classes,
                 pretrained=cfg.pretrained,
-            )  # fmt: skip
+            )
 
     if not cfg.weights:
         return build
@@ -165,7 +173,7 @@ class SegmentationValidation:
         return {"valid_loss": loss} | self.scores.compute()
 
 
-class SegmentationTask:
+class SegmentationTask(Task):
     name = "segmentation"
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -189,9 +197,13 @@ class SegmentationTask:
             )
             if cfg.valid:
                 valid_items = scan_segmentation(
-                    cfg.valid, cfg.image_root, items.num_classes, ignore_index=void,
-                    palette=palette, like=items,
-                )  # fmt: skip
+                    cfg.valid,
+                    cfg.image_root,
+                    items.num_classes,
+                    ignore_index=void,
+                    palette=palette,
+                    like=items,
+                )
                 train_items = items
             else:
                 train_items, valid_items = split_items(items, cfg.valid_pct, cfg.seed)
@@ -298,9 +310,12 @@ class SegmentationTask:
 
     def metrics(self) -> SegmentationValidation:
         scores = CaseScores(
-            self.num_classes, names=self.classes, regions=self.settings.regions,
-            void=self.void, spacing=self.settings.spacing,
-        )  # fmt: skip
+            self.num_classes,
+            names=self.classes,
+            regions=self.settings.regions,
+            void=self.void,
+            spacing=self.settings.spacing,
+        )
         return SegmentationValidation(self._loss_fn(), scores, names=self.classes)
 
     def scores(self, row: dict[str, Any]) -> str:

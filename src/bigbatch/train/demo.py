@@ -236,11 +236,22 @@ def run_brats_demo(
     log(f"\n== BraTS-shaped: {data} (4 modalities per case, 1 x 1 x 2 mm voxels)")
     cfg = load_config(
         overrides=[
-            f"data={data}", "task=segmentation", "arch=segresnet", "widths=8,16,32",
-            "spacing=1,1,1", "size=32", "batch=4", "micro_batch=1", f"regions={BRATS_REGIONS}",
-            f"epochs={epochs}", "lr=2e-3", "monitor=dice", "valid_pct=0.25", "schedule=cosine",
+            f"data={data}",
+            "task=segmentation",
+            "arch=segresnet",
+            "widths=8,16,32",
+            "spacing=1,1,1",
+            "size=32",
+            "batch=4",
+            "micro_batch=1",
+            f"regions={BRATS_REGIONS}",
+            f"epochs={epochs}",
+            "lr=2e-3",
+            "monitor=dice",
+            "valid_pct=0.25",
+            "schedule=cosine",
         ]
-    )  # fmt: skip
+    )
     run_dir = out / "runs" / "brats"
     if (run_dir / "done.json").exists():  # a rerun keeps the finished run
         log(f"{run_dir} is finished already: kept")

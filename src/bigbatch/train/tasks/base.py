@@ -1,0 +1,197 @@
+"""The base class of a training task: everything the loop and the planner assume about a batch,
+with defaults for a task whose windows are ``(inputs, targets)`` tensors.
+
+A task subclasses :class:`Task`, fills in its data, model, loss and metrics, and overrides a
+default only where its batches differ: per-image target lists (``collate``, ``split``,
+``step``), Mixup over the window (``transform_window``), sliding-window validation
+(``infer``), a loss that couples the samples (``couples_samples``). The loop calls these and
+never asks which task it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from bigbatch.batching import batch_len, split_batch
+from bigbatch.device import autocast_for
+
+__all__ = ["Log", "Metrics", "Placement", "Task"]
+
+Log = Callable[[str], None]
+
+
+class Metrics(Protocol):
+    """Validation metrics accumulated over batches by count (never a mean of batch means)."""
+
+    def update(self, logits: torch.Tensor, targets: Any) -> None: ...
+
+    def as_dict(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the loop runs a step: the device, the precision's autocast and the inputs' memory
+    format (channels_last where it pays). The loop decides these; a task's ``step`` and
+    ``evaluate`` use them rather than deciding again.
+
+    >>> where = Placement(torch.device("cpu"))
+    >>> where.inputs(torch.zeros(2, 3)).device.type
+    'cpu'
+    """
+
+    device: torch.device
+    precision: str = "fp32"
+    memory_format: torch.memory_format = torch.contiguous_format
+
+    def inputs(self, x: Any) -> Any:
+        """A batch's inputs on the device (each tensor of a tuple, list or dict too), in the
+        memory format the model was placed in."""
+        return tree_map_only(
+            torch.Tensor,
+            lambda t: t.to(self.device, non_blocking=True, memory_format=self.memory_format),
+            x,
+        )
+
+    def targets(self, y: Any) -> Any:
+        """A batch's targets on the device: a tensor, or per-sample lists of them."""
+        return tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), y)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The forward pass's autocast (none at fp32); losses run outside it, in float32."""
+        return autocast_for(self.precision, self.device.type)
+
+
+class Task:
+    """What a training task owns besides the loop: subclass it, fill in the methods that raise
+    :class:`NotImplementedError`, and register it with
+    :func:`bigbatch.train.tasks.register_task`.
+
+    The defaults suit windows of ``(inputs, targets)`` tensors that share their first
+    dimension, with a loss that is a mean of per-sample terms.
+
+    >>> class Constant(Task):
+    ...     name = "constant"
+    ...     def loss(self, logits, targets):
+    ...         return (logits - targets).pow(2).mean()
+    >>> task, model = Constant(), torch.nn.Linear(3, 1)
+    >>> loss, count = task.step(model, (torch.ones(4, 3), torch.zeros(4, 1)), Placement(torch.device("cpu")))
+    >>> count
+    4
+    """
+
+    name: str = ""
+    classes: list[str]  # set by prepare(); a class attribute would be shared by instances
+
+    @property
+    def valid_batch_size(self) -> int:
+        """Validation's batch (0: twice the training micro-batch, as no gradients are kept); a
+        task whose validation samples differ in size (whole volumes) says 1."""
+        return 0
+
+    @property
+    def couples_samples(self) -> bool:
+        """The loss couples the samples (a batch Dice): the loop runs each window through
+        gradient caching (:func:`bigbatch.backoff.run_coupled_window`), and the plan leaves room
+        for what that holds (:meth:`window_cache_bytes`). Such a task's windows are
+        ``(inputs, targets)``."""
+        return False
+
+    @property
+    def loss_name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def collate(self) -> Callable[[list[Any]], Any] | None:
+        """How the loader joins samples into a batch (None: torch's ``default_collate``); a
+        module-level function, so that loader workers can be spawned with it."""
+        return None
+
+    # -- what every task fills in ------------------------------------------------------------
+
+    def prepare(self, log: Log, data: Any = None) -> tuple[Any, Any]:
+        """Scan and check the data: (training items, validation items), each with ``len()``;
+        ``data`` is that pair when the caller has scanned it already."""
+        raise NotImplementedError(f"{type(self).__name__}.prepare")
+
+    def model_factory(self) -> Callable[[], nn.Module]:
+        """A zero-argument function building the model (called once under the meta device by
+        the planner, then for real)."""
+        raise NotImplementedError(f"{type(self).__name__}.model_factory")
+
+    def input_shape(self) -> tuple[int, ...]:
+        """One sample's input shape, for the planner's generic step."""
+        raise NotImplementedError(f"{type(self).__name__}.input_shape")
+
+    def datasets(self, train_items: Any, valid_items: Any) -> tuple[Any, Any]:
+        """The training and validation datasets of the items :meth:`prepare` returned."""
+        raise NotImplementedError(f"{type(self).__name__}.datasets")
+
+    def loss(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
+        """The training loss: a mean of per-sample terms (so that accumulation is exact), or,
+        with ``couples_samples``, the loss of the whole window's outputs."""
+        raise NotImplementedError(f"{type(self).__name__}.loss")
+
+    def metrics(self) -> Metrics:
+        """A fresh validation tally (its ``as_dict`` has ``valid_loss``, then the scores)."""
+        raise NotImplementedError(f"{type(self).__name__}.metrics")
+
+    def scores(self, row: dict[str, Any]) -> str:
+        """The validation part of an epoch's log line."""
+        return f"valid loss {row['valid_loss']:.4f}  "
+
+    def run_info(self) -> dict[str, Any]:
+        """What ``predict`` needs besides config.json (written as task.json)."""
+        return {"task": self.name, "classes": self.classes}
+
+    # -- defaults a task overrides where its batches differ ----------------------------------
+
+    def transform_window(self, window: Any) -> Any:
+        """The whole window before it is split (Mixup/CutMix mixes across it here, so that
+        each micro-batch holds exactly the samples the big batch would have)."""
+        return window
+
+    def split(self, window: Any, size: int, min_size: int = 1) -> list[Any]:
+        """The window in balanced micro-batches of at most ``size`` (none under ``min_size``)."""
+        return split_batch(window, size, min_size=min_size)
+
+    def step(self, model: nn.Module, micro: Any, where: Placement) -> tuple[torch.Tensor, Any]:
+        """One micro-batch's forward pass and loss: ``(loss, count)``, the loss a mean over
+        ``count`` (the micro-batch's samples; a task whose loss is a mean over something else,
+        boxes or tokens, returns that count), which the Accumulator weighs it by."""
+        x, y = micro
+        with where.autocast():
+            logits = model(where.inputs(x))
+        return self.loss(logits, where.targets(y)), batch_len(x)
+
+    def example_batch(self, size: int, device: torch.device | str) -> Any:
+        """A micro-batch of ``size`` samples for the planner to trace :meth:`step` on, or None
+        (the default) to plan the generic step on :meth:`input_shape`."""
+        return None
+
+    def window_cache_bytes(self, window: int, precision: str) -> int:
+        """With ``couples_samples``: what a window of ``window`` samples holds besides its
+        micro-batches' steps (outputs, their gradient, the loss at the whole window)."""
+        return 0
+
+    def infer(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Validation's forward pass (sliding windows over whole volumes, for one)."""
+        return model(x)
+
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], where: Placement) -> Metrics:
+        """The validation set through ``model`` into a fresh :meth:`metrics` tally."""
+        metrics = self.metrics()
+        model.eval()
+        with torch.no_grad():
+            for x, y in loader:
+                with where.autocast():
+                    logits = self.infer(model, where.inputs(x))
+                metrics.update(logits, where.targets(y))
+        model.train()
+        return metrics

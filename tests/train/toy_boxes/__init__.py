@@ -1,0 +1,17 @@
+"""A third training task in one folder: box regression with a list of boxes per image.
+
+It exists to prove the training half's promise: a task whose batches are not ``(x, y)``
+tensors (per-image target lists, a loss averaged over boxes rather than images) trains through
+:func:`bigbatch.train.loop.train` from this folder plus one ``register_task`` line, touching no
+other file.
+"""
+
+from bigbatch.train.tasks import register_task
+from toy_boxes.task import ToyBoxes
+
+__all__ = ["ToyBoxes", "register"]
+
+
+def register() -> None:
+    """The one registry line."""
+    register_task("toy_boxes", ToyBoxes, metrics=("box_l1",), lower_is_better=("box_l1",))

@@ -1,0 +1,134 @@
+"""Images of 1-3 bright squares; the model regresses each square's box (x0, y0, x1, y1 in
+[0, 1]) into one of three slots, in the order of x0. The loss is the L1 error averaged over the
+micro-batch's *boxes*, not its images: ``step`` returns that count, so an image with three boxes
+weighs three times one with one, in every split of the window."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.batching import split_batch
+from bigbatch.train.config import TrainConfig
+from bigbatch.train.tasks import Log, Placement, Task
+
+SIZE = 16
+SLOTS = 3
+
+Boxes = list[torch.Tensor]  # one [k, 4] tensor per image, k from 1 to SLOTS
+
+
+def collate(samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, Boxes]:
+    """Images stacked, boxes kept as one tensor per image (their counts differ)."""
+    return torch.stack([x for x, _ in samples]), [b for _, b in samples]
+
+
+def generate(n: int, seed: int) -> tuple[torch.Tensor, Boxes]:
+    g = torch.Generator().manual_seed(seed)
+    images, boxes = torch.zeros(n, 1, SIZE, SIZE), []
+    for i in range(n):
+        k = int(torch.randint(1, SLOTS + 1, (), generator=g))
+        corners = torch.randint(0, SIZE - 4, (k, 2), generator=g)
+        corners = corners[corners[:, 0].argsort()]
+        for x0, y0 in corners.tolist():
+            images[i, 0, y0 : y0 + 4, x0 : x0 + 4] = 1.0
+        boxes.append(torch.cat([corners, corners + 4], dim=1).float() / SIZE)
+    return images, boxes
+
+
+def box_l1_sum(predicted: torch.Tensor, boxes: Boxes) -> torch.Tensor:
+    """The summed L1 error of each image's boxes against its first k slots."""
+    slots = predicted.view(len(boxes), SLOTS, 4)
+    return sum(
+        ((slots[i, : len(b)] - b).abs().sum() for i, b in enumerate(boxes)), slots.new_zeros(())
+    )
+
+
+class BoxItems:
+    def __init__(self, images: torch.Tensor, boxes: Boxes) -> None:
+        self.images, self.boxes = images, boxes
+
+    def __len__(self) -> int:
+        return len(self.boxes)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.boxes[i]
+
+
+class BoxL1:
+    """Validation: the mean L1 error per box coordinate set, weighted by boxes."""
+
+    def __init__(self) -> None:
+        self.total, self.boxes = 0.0, 0
+
+    def update(self, logits: torch.Tensor, targets: Boxes) -> None:
+        self.total += float(box_l1_sum(logits.float(), targets))
+        self.boxes += sum(len(b) for b in targets)
+
+    def as_dict(self) -> dict[str, float]:
+        mean = self.total / max(self.boxes, 1)
+        return {"valid_loss": mean, "box_l1": mean}
+
+
+class ToyBoxes(Task):
+    name = "toy_boxes"
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.classes = ["box"]
+
+    def prepare(self, log: Log, data: Any = None) -> tuple[BoxItems, BoxItems]:
+        images, boxes = generate(48, self.cfg.seed)
+        log(f"data: {len(boxes)} generated images, {sum(len(b) for b in boxes)} boxes")
+        return BoxItems(images[:36], boxes[:36]), BoxItems(images[36:], boxes[36:])
+
+    def model_factory(self) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            return nn.Sequential(
+                nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                nn.Linear(8 * SIZE * SIZE, SLOTS * 4),
+            )  # fmt: skip
+
+        return build
+
+    def input_shape(self) -> tuple[int, ...]:
+        return (1, SIZE, SIZE)
+
+    def datasets(self, train_items: BoxItems, valid_items: BoxItems) -> tuple[Any, Any]:
+        return train_items, valid_items
+
+    @property
+    def collate(self) -> Callable[[list[Any]], Any]:
+        return collate
+
+    def split(self, window: Any, size: int, min_size: int = 1) -> list[Any]:
+        images, boxes = window
+        parts, start = [], 0
+        for part in split_batch(images, size, min_size=min_size):
+            parts.append((part, boxes[start : start + len(part)]))
+            start += len(part)
+        return parts
+
+    def loss(self, logits: torch.Tensor, targets: Boxes) -> torch.Tensor:
+        # In float32 at least (a 16-bit forward's outputs), float64 where the model is.
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return box_l1_sum(wide, targets) / sum(len(b) for b in targets)
+
+    def step(self, model: nn.Module, micro: Any, where: Placement) -> tuple[torch.Tensor, int]:
+        images, boxes = micro
+        with where.autocast():
+            logits = model(where.inputs(images))
+        return self.loss(logits, where.targets(boxes)), sum(len(b) for b in boxes)
+
+    def example_batch(self, size: int, device: torch.device | str) -> Any:
+        boxes = [torch.rand(SLOTS, 4, device=device) for _ in range(size)]
+        return torch.randn(size, *self.input_shape(), device=device), boxes
+
+    def metrics(self) -> BoxL1:
+        return BoxL1()
+
+    def scores(self, row: dict[str, Any]) -> str:
+        return f"valid box L1 {row['box_l1']:.4f}  "
