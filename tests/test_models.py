@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import sys, torch
     from bigbatch.models import timm_factory
     from bigbatch.train.config import ConfigError, load_config
-    from bigbatch.train.tasks.classification import build_model
+    from bigbatch.train.tasks.classification.task import build_model
     try:
         factory = timm_factory("resnet10t", num_classes=3, pretrained=True)
     except ValueError as exc:

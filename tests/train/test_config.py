@@ -49,3 +49,60 @@ def test_the_training_command_is_importable_for_notebooks() -> None:
 
     assert bigbatch.train.train is train and bigbatch.train.load_config is load_config
     assert bigbatch.train.load_config(None, ["data=x", "epochs=3"]).epochs == 3
+
+
+def test_a_tasks_own_keys_live_in_its_options() -> None:
+    seg = load_config(overrides=["data=x", "task=segmentation", "loss=dice", "num_classes=3"])
+    assert (seg.options.loss, seg.options.num_classes) == ("dice", 3)
+    assert not hasattr(seg, "loss")  # the shared config knows no task's keys
+    cls = load_config(overrides=["data=x", "mixup=0.4"])
+    assert cls.options.mixup == 0.4 and cls.fine_tunes is False
+    assert load_config(overrides=["data=x", "pretrained=true"]).fine_tunes  # a head to train
+    assert not load_config(overrides=["data=x", "task=segmentation", "weights="]).fine_tunes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        # Another task's key is refused with the task that reads it, not ignored.
+        (["data=x", "loss=dice"], "loss .in the overrides. is a key of task=segmentation, and "
+         "this run is task=classification, which does not read it: drop it, or set "
+         "task=segmentation"),
+        (["data=x", "task=segmentation", "mixup=0.2"], "mixup .* is a key of task=classification"),
+        # Each task checks its own values.
+        (["data=x", "task=segmentation", "loss=focal"], "loss='focal' is not one of dice_ce"),
+        (["data=x", "task=segmentation", "pos_neg=-1"], "pos_neg must be >= 0"),
+        (["data=x", "task=segmentation", "mode=fine_tune"], "mode=fine_tune trains a classifier"),
+        (["data=x", "label_smoothing=1"], "label_smoothing must be in .0, 1."),
+        (["data=x", "auto_augment=bogus"], "auto_augment='bogus': give a timm policy"),
+        (["data=x", "task=segmentation", "num_clases=2"], "did you mean num_classes"),
+    ],
+)  # fmt: skip
+def test_task_keys_are_checked_by_their_task(overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=overrides)
+
+
+def test_task_in_the_overrides_decides_for_the_files_keys(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('data = "x"\nloss = "dice"\n')  # a segmentation key; task= comes after
+    assert load_config(f, ["task=segmentation"]).options.loss == "dice"
+    with pytest.raises(ConfigError, match=rf"loss \(in {f}\) is a key of task=segmentation"):
+        load_config(f)
+
+
+def test_the_saved_config_round_trips_flat(tmp_path: Path) -> None:
+    import json
+
+    from bigbatch.train.config import config_from_json
+    from bigbatch.train.run_dir import config_toml
+
+    cfg = load_config(overrides=["data=x", "task=segmentation", "loss=dice", "regions=wt:1,2"])
+    saved = cfg.to_dict()
+    assert saved["loss"] == "dice" and "mixup" not in saved and "options" not in saved
+    assert config_from_json(json.dumps(saved)).to_dict() == saved
+    (tmp_path / "config.toml").write_text(config_toml(cfg))
+    assert load_config(tmp_path / "config.toml").to_dict() == saved
+    # A config.json that an older bigbatch wrote with every task's keys still reads.
+    old = saved | {"mixup": 0.0, "item_transform": "squish"}
+    assert config_from_json(json.dumps(old)).to_dict() == saved

@@ -247,7 +247,7 @@ def test_a_folder_that_cannot_be_written_fails_first(
 ) -> None:
     """A read-only place for the run folder (simulated: this suite runs as root in CI, where
     chmod does not stop writes) fails before the data is scanned, in one line."""
-    import bigbatch.train.tasks.classification as classification
+    import bigbatch.train.tasks.classification.task as classification
 
     real_mkdir = Path.mkdir
 

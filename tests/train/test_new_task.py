@@ -36,7 +36,9 @@ def _cfg(*overrides: str) -> Any:
 @pytest.mark.slow
 def test_the_toy_task_trains_from_its_folder(registered: None, tmp_path: Path) -> None:
     # Windows of 8 in micro-batches of 3 (3, 3, 2): the boxes lists split with their images.
-    result = train(_cfg("micro_batch=3", "monitor=box_l1"), tmp_path / "run", log=lambda _: None)
+    cfg = _cfg("micro_batch=3", "monitor=box_l1", "max_boxes=2")  # max_boxes: the task's own
+    assert cfg.options.max_boxes == 2 and "max_boxes" in cfg.to_dict()
+    result = train(cfg, tmp_path / "run", log=lambda _: None)
     errors = [row["box_l1"] for row in result.history]
     assert errors[-1] < errors[0]  # it learns
     best = json.loads((tmp_path / "run" / "best.json").read_text())
@@ -110,6 +112,17 @@ def test_the_box_weighted_window_equals_the_big_batch(registered: None, micro_ba
 
 def test_weighing_micro_batches_equally_is_not_the_big_batch(registered: None) -> None:
     assert _max_error(_grads(3, equal_weights=True), _grads(None)) > 1e-4
+
+
+def test_the_tasks_own_key_is_checked_by_the_task(registered: None) -> None:
+    from bigbatch.train.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"max_boxes must be in 1..3 \(the model's slots\), got 4"
+    ):
+        _cfg("max_boxes=4")
+    with pytest.raises(ConfigError, match=r"max_boxes .* is a key of task=toy_boxes"):
+        load_config(overrides=["data=x", "max_boxes=2"])  # a classification run
 
 
 def test_a_task_that_is_not_a_task_subclass_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

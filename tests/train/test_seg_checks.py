@@ -142,7 +142,7 @@ def test_weights_load_for_segmentation_and_misfits_are_refused(tmp_path: Path) -
     from bigbatch.train.optim import mode_line
 
     assert mode_line(cfg) == f"mode: fit (every layer trains, starting from weights={weights})"
-    cfg.widths = "8,16"
+    cfg.options.widths = "8,16"
     with pytest.raises(ConfigError, match="does not fit this network"):
         build_seg_model(cfg, 3, 3, 2)()
 

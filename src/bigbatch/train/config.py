@@ -8,7 +8,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +28,9 @@ class ConfigError(ValueError):
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "item_transform": ("squish", "crop"),
     "precision": ("auto", "fp32", "bf16", "fp16"),
     "mode": ("auto", "fine_tune", "fit"),
     "schedule": ("one_cycle", "cosine", "plateau"),
-    "loss": (
-        "dice_ce",
-        "dice",
-        "dice_focal",
-        "ce",
-        "dice_batch",
-        "dice_ce_batch",
-    ),
-    "norm": ("instance", "group", "batch"),
-    "class_weights": ("none", "auto"),
-    "bad_images": ("skip", "error"),
     "optimizer": ("adamw", "sgd"),
     "channels_last": ("auto", "true", "false"),
 }
@@ -51,7 +39,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
 @dataclass
 class TrainConfig:
     """Everything ``bigbatch train`` needs; every field can be set in the file or as key=value.
-    What each key means is in :data:`HELP` (and ``bigbatch train --help``)."""
+    These are the keys every task shares (what each means is in :data:`HELP`); a task's own keys
+    are its options dataclass's, in ``options``, set in the same flat file or ``key=value``
+    (``bigbatch train --help`` lists both)."""
 
     task: str = "classification"
     data: str = ""
@@ -63,7 +53,6 @@ class TrainConfig:
     weights: str = ""
     pretrained: bool = False
     size: int = 224
-    item_transform: str = "squish"
     augment: bool = True
     freeze_bn: bool = False
     batch: int = 64
@@ -80,31 +69,22 @@ class TrainConfig:
     weight_decay: float = 0.01
     schedule: str = "one_cycle"
     monitor: str = "valid_loss"
-    label_smoothing: float = 0.0
-    class_weights: str = "none"
-    auto_augment: str = ""
-    mixup: float = 0.0
-    cutmix: float = 0.0
     ema: float = 0.0
-    window: str = ""
-    loss: str = "dice_ce"
-    num_classes: int = 0
-    widths: str = ""
-    norm: str = "instance"
-    spacing: str = ""
-    pos_neg: float = 1.0
-    ignore_index: int = 255
-    palette: str = ""
-    regions: str = ""
     seed: int = 42
     num_workers: int = -1
     threads: int = 0
-    bad_images: str = "skip"
     grow_after: int = 100
     log_every: float = 30.0
     checkpoint_every: str = ""
     channels_last: str = "auto"
     compile: bool = False
+    # The task's own keys: its options dataclass (ClassificationOptions, SegmentationOptions),
+    # made for the task when not given.
+    options: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.options is None and self.task in task_names():
+            self.options = task_entry(self.task).options()
 
     def validate(self) -> None:
         """Every check that needs no data and no model: before any work starts."""
@@ -112,17 +92,15 @@ class TrainConfig:
             raise ConfigError(
                 "data is not set: give data=path/to/folder (one sub-folder per class) or a CSV"
             )
-        if self.task not in task_names():
-            raise ConfigError(f"task={self.task!r} is not one of {', '.join(task_names())}")
+        _check_task(self.task)
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
                     f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}"
                 )
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for key, value in self.to_dict().items():
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name} must be a finite number, got {value}")
+                raise ConfigError(f"{key} must be a finite number, got {value}")
         for key in ("size", "batch", "epochs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -168,43 +146,34 @@ class TrainConfig:
                 f"monitor={self.monitor} is not a {self.task} metric: use valid_loss, "
                 + " or ".join(metrics)
             )
-        if self.num_classes < 0:
-            raise ConfigError(
-                f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
-            )
-        self._check_recipe()
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"ema is a decay in [0, 1) (0.999 is common; 0: off), got {self.ema}")
+        self._check_options()
         if self.micro_batch > self.batch:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
                 "is a part of the batch; lower it, or raise batch"
             )
 
-    def _check_recipe(self) -> None:
-        """The task recipes' keys (augmentation, losses, EMA, patches)."""
-        if self.task == "segmentation" and self.mode == "fine_tune":
+    def _check_options(self) -> None:
+        """The task's own keys: of its options dataclass, each among its choices, and as the
+        task's ``check`` wants them."""
+        kind = task_entry(self.task).options
+        if not isinstance(self.options, kind):
             raise ConfigError(
-                "mode=fine_tune trains a classifier's head alone first; segmentation trains "
-                "every layer (from weights= or pretrained= when given): use mode=auto or fit"
+                f"options are {type(self.options).__name__}, not task={self.task}'s "
+                f"{kind.__name__}: build the config with load_config"
             )
-        if not 0 <= self.ema < 1:
-            raise ConfigError(f"ema is a decay in [0, 1) (0.999 is common; 0: off), got {self.ema}")
-        if self.mixup < 0 or self.cutmix < 0:
-            raise ConfigError(
-                f"mixup and cutmix are Beta alphas >= 0 (0: off), got {self.mixup}, {self.cutmix}"
-            )
-        if self.auto_augment and not self.auto_augment.startswith(
-            ("rand", "augmix", "original", "v0", "3a", "trivial")
-        ):
-            raise ConfigError(
-                f"auto_augment={self.auto_augment!r}: give a timm policy, e.g. rand-m9-mstd0.5 "
-                "(RandAugment), trivialaugment, augmix-m5-w3"
-            )
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.pos_neg < 0:
-            raise ConfigError(
-                f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
-            )
+        for f in fields(self.options):
+            allowed = f.metadata.get("choices", ())
+            if allowed and getattr(self.options, f.name) not in allowed:
+                raise ConfigError(
+                    f"{f.name}={getattr(self.options, f.name)!r} is not one of {', '.join(allowed)}"
+                )
+        try:
+            self.options.check(self)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def checkpoint_interval(self) -> tuple[int, float]:
         """(optimizer steps, seconds) between mid-epoch checkpoints; (0, 0) for none."""
@@ -234,14 +203,16 @@ class TrainConfig:
     def fine_tunes(self) -> bool:
         """Whether the head trains alone first: mode=fine_tune, or auto with starting weights
         (random weights have no features worth keeping, so auto trains everything)."""
-        if self.task == "segmentation":
+        if not self.options.fine_tunes_head:
             return False  # a decoder's last layer is no classifier head worth training alone
         return self.mode == "fine_tune" or (
             self.mode == "auto" and (bool(self.weights) or self.pretrained)
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every key, flat: the shared ones, then the task's own (as a file sets them)."""
+        shared = {f.name: getattr(self, f.name) for f in shared_fields()}
+        return shared | dataclasses.asdict(self.options)
 
     def training_keys(self) -> dict[str, Any]:
         """What decides the trained weights (a resumed run must match these)."""
@@ -258,6 +229,7 @@ class TrainConfig:
             "checkpoint_every",
             "compile",
         }
+        ignore |= {f.name for f in fields(self.options) if not f.metadata.get("trains", True)}
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
 
 
@@ -272,7 +244,6 @@ HELP: dict[str, str] = {
     "weights": "a local weights file (safetensors or a state dict; never unpickled, never downloaded)",
     "pretrained": "timm's pretrained weights, through the Hugging Face cache (downloaded once, then offline)",
     "size": "input size: images are resized to size x size; volumes are cropped to size^3 patches",
-    "item_transform": "squish: resize to size x size; crop: resize, then centre crop",
     "augment": "random flips and crops while training",
     "freeze_bn": "BatchNorm uses its running statistics: accumulation becomes exact",
     "batch": "the target batch: samples per optimizer step",
@@ -289,26 +260,10 @@ HELP: dict[str, str] = {
     "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
     "monitor": "what picks best.safetensors: valid_loss; classification: accuracy, error_rate, top5, f1_macro, f1_micro, auroc or kappa (quadratic); segmentation: dice, jaccard or hd95",
-    "label_smoothing": "classification: the share of each target spread over the other classes (0.1 is common); 0: none",
-    "auto_augment": "classification: timm's augmentation policy for 8-bit images, e.g. rand-m9-mstd0.5 (RandAugment), trivialaugment; empty: crops and flips only",
-    "mixup": "classification: Mixup's Beta alpha (0.2-0.8 is common), mixing over each whole window so accumulation stays exact; 0: off",
-    "cutmix": "classification: CutMix's Beta alpha (1.0 is common), as mixup; both set: one or the other per window",
     "ema": "an exponential moving average of the weights with this decay (0.999, 0.9998), updated after every optimizer step, validated and saved as best/last.safetensors; 0: off",
-    "window": "classification of DICOM: the intensity window centre,width (e.g. 40,400 for CT soft tissue in HU); empty: the header's",
-    "class_weights": "classification: auto weighs each sample by its class's inverse frequency (imbalanced data); none",
-    "loss": "segmentation loss, MONAI's, per sample (exact under accumulation): dice_ce, dice, dice_focal or ce; dice_batch and dice_ce_batch couple the samples and train through gradient caching (exact, one more forward)",
-    "num_classes": "segmentation classes: 0 infers them from the masks (0/1 or 0/255: binary)",
-    "widths": "segmentation: channels per level of a MONAI network, e.g. 16,32,64,128 (their number is the depth); empty: the network's default",
-    "norm": "segmentation: normalisation of a MONAI network: instance (exact under accumulation), group, or batch (inexact: see freeze_bn)",
-    "spacing": "segmentation: resample volumes to this voxel size in mm (e.g. 1,1,1), from each NIfTI header, after orienting them to RAS; empty: as stored",
-    "pos_neg": "segmentation: odds of a training patch centred on a labelled voxel against one centred on background (MONAI's pos/neg ratio)",
-    "ignore_index": "segmentation: the void label, counted in no loss or score (255 by default; masks of only 0 and 255 are binary); -1: none",
-    "palette": "segmentation: the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
-    "regions": "segmentation: score unions of labels as structures, e.g. wt:1,2,3;tc:1,3;et:3 (BraTS's nested regions)",
     "seed": "seeds the split, the order, augmentation and initialisation",
     "num_workers": "data-loading processes, kept across epochs (0: in the training process; -1: auto: on a GPU every core but one, at most 16; on a CPU run 0 with 2 cores or fewer)",
     "threads": "torch's CPU threads (0: auto, the cores the data loaders leave); kept on resume",
-    "bad_images": "unreadable images: skip (and count them) or error",
     "grow_after": "clean windows before the OOM back-off tries a larger micro-batch (0: never)",
     "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
     "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
@@ -317,15 +272,30 @@ HELP: dict[str, str] = {
 }
 
 
+def shared_fields() -> list[dataclasses.Field[Any]]:
+    """TrainConfig's keys every task shares (its fields less ``options``)."""
+    return [f for f in fields(TrainConfig) if f.name != "options"]
+
+
 def keys_help() -> str:
-    """Every config key with its default and meaning: the epilog of ``bigbatch train --help``."""
+    """Every config key with its default and meaning: the epilog of ``bigbatch train --help``,
+    the shared keys, then each task's own."""
     defaults = TrainConfig()
     lines = ["config keys (in the TOML file, or key=value):"]
-    for f in fields(TrainConfig):
-        default = getattr(defaults, f.name)
-        shown = json.dumps(default) if isinstance(default, str) else str(default).lower()
-        lines.append(f"  {f.name} = {shown}\n      {HELP[f.name]}")
+    for f in shared_fields():
+        lines.append(_key_line(f.name, getattr(defaults, f.name), HELP[f.name]))
+    for task in task_names():
+        own = fields(task_entry(task).options)
+        if own:
+            lines.append(f"task={task}'s own keys:")
+        for f in own:
+            lines.append(_key_line(f.name, f.default, f.metadata["help"]))
     return "\n".join(lines)
+
+
+def _key_line(name: str, default: Any, meaning: str) -> str:
+    shown = json.dumps(default) if isinstance(default, str) else str(default).lower()
+    return f"  {name} = {shown}\n      {meaning}"
 
 
 def check_device(name: str, what: str, *, here: bool = True) -> None:
@@ -369,18 +339,57 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
         raise ConfigError(f"{name} takes {noun}, got {raw!r}") from exc
 
 
-def _apply(cfg: TrainConfig, values: dict[str, Any], where: str) -> None:
-    known = {f.name: f for f in fields(TrainConfig)}
+def _check_task(task: str) -> None:
+    if task not in task_names():
+        raise ConfigError(f"task={task!r} is not one of {', '.join(task_names())}")
+
+
+def _owner(key: str) -> str:
+    """The registered task whose own key ``key`` is ('' when none)."""
+    for task in task_names():
+        if key in {f.name for f in fields(task_entry(task).options)}:
+            return task
+    return ""
+
+
+def _apply(
+    cfg: TrainConfig, values: dict[str, Any], where: str | dict[str, str], *, lenient: bool = False
+) -> None:
+    """Set ``values`` on ``cfg``: ``task`` first (it decides which keys are the task's own),
+    then each key on the config or its options. A key of another task is refused with the task
+    that reads it (``lenient``: skipped, for a config.json an older bigbatch wrote with every
+    task's keys). ``where`` names the source, or each key's."""
+
+    def source(key: str) -> str:
+        return where if isinstance(where, str) else where[key]
+
+    if "task" in values:
+        cfg.task = _coerce("task", values["task"], "str")
+        _check_task(cfg.task)
+        if not isinstance(cfg.options, task_entry(cfg.task).options):
+            cfg.options = task_entry(cfg.task).options()
+    shared = {f.name: f for f in shared_fields()}
+    own = {f.name: f for f in fields(cfg.options)}
     for key, raw in values.items():
-        if key not in known:
+        if key in shared:
+            setattr(cfg, key, _coerce(key, raw, shared[key].type))
+        elif key in own:
+            setattr(cfg.options, key, _coerce(key, raw, own[key].type))
+        elif owner := _owner(key):
+            if not lenient:
+                raise ConfigError(
+                    f"{key} (in {source(key)}) is a key of task={owner}, and this run is "
+                    f"task={cfg.task}, which does not read it: drop it, or set task={owner}"
+                )
+        else:
+            known = [*shared, *own]
             close = difflib.get_close_matches(key, known, n=3)
             hint = (
                 f"; did you mean {', '.join(close)}?"
                 if close
                 else f"; known keys: {', '.join(known)}"
             )
-            raise ConfigError(f"unknown key {key!r} in {where}{hint}")
-        setattr(cfg, key, _coerce(key, raw, known[key].type))
+            raise ConfigError(f"unknown key {key!r} in {source(key)}{hint}")
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
@@ -401,15 +410,17 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     3
     """
     cfg = TrainConfig()
-    if path is not None:
-        _apply(cfg, read_toml(path, "config file"), str(path))
-    pairs = {}
+    # One pass over the file's keys and the overrides (which win): task= in either decides
+    # which keys are the task's own.
+    values = read_toml(path, "config file") if path is not None else {}
+    sources = dict.fromkeys(values, str(path))
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"overrides look like key=value, got {item!r}")
-        pairs[key.strip()] = value.strip()
-    _apply(cfg, pairs, "the overrides")
+        values[key.strip()] = value.strip()
+        sources[key.strip()] = "the overrides"
+    _apply(cfg, values, sources)
     cfg.validate()
     return cfg
 
@@ -426,5 +437,5 @@ def config_from_json(text: str, where: str = "the saved config") -> TrainConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"{where} is not a bigbatch config (a JSON {type(values).__name__})")
     cfg = TrainConfig()
-    _apply(cfg, values, where)
+    _apply(cfg, values, where, lenient=True)
     return cfg

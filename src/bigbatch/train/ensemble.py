@@ -30,10 +30,10 @@ from bigbatch.train.data import DataError, images_to_predict
 from bigbatch.train.loop import train
 from bigbatch.train.optim import PLAN_OPTIMIZER
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks.classification import build_model, prepare_data
 from bigbatch.train.tasks.classification.data import ImageItems
 from bigbatch.train.tasks.classification.metrics import METRICS, ClassificationMetrics
 from bigbatch.train.tasks.classification.predict import Predictions, predict_files, save_predictions
+from bigbatch.train.tasks.classification.task import build_model, prepare_data
 from bigbatch.user_code import UserCodeError, load_callable
 
 __all__ = [
@@ -64,6 +64,11 @@ MEMBER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # The keys that decide the validation set: members must share it, or their scores and the
 # ensemble's would be measured on different images.
 SPLIT_KEYS = ("data", "image_root", "valid", "valid_pct", "seed", "bad_images")
+
+
+def _key(cfg: TrainConfig, key: str) -> Any:
+    """A config key's value, shared or the task's own."""
+    return cfg.to_dict()[key]
 
 
 def load_experiments(
@@ -123,7 +128,7 @@ def load_experiments(
         raise ConfigError(f"{path}: the members' weights add up to 0")
     first = members[0]
     for m in members[1:]:
-        differ = [k for k in SPLIT_KEYS if getattr(m.config, k) != getattr(first.config, k)]
+        differ = [k for k in SPLIT_KEYS if _key(m.config, k) != _key(first.config, k)]
         if differ:
             raise ConfigError(
                 f"members {first.name} and {m.name} differ in {', '.join(differ)}: their "
@@ -275,7 +280,7 @@ def _scan_and_check(
     and every member's model built and run on the input size (one step on fake tensors)."""
     scans: dict[tuple[Any, ...], tuple[ImageItems, ImageItems]] = {}
     for m in members:
-        key = tuple(getattr(m.config, k) for k in SPLIT_KEYS)
+        key = tuple(_key(m.config, k) for k in SPLIT_KEYS)
         if key not in scans:
             scans[key] = prepare_data(m.config, log=log)
         c = m.config
@@ -324,10 +329,10 @@ def run_ensemble(
     classes: list[str] | None = None
     for m in members:
         c = m.config
-        data = scans[tuple(getattr(c, k) for k in SPLIT_KEYS)]
+        data = scans[tuple(_key(c, k) for k in SPLIT_KEYS)]
         run_dir = out_dir / m.name
         log(
-            f"\n== member {m.name}: {c.model_name} @ {c.size} ({c.item_transform}), weight {m.weight}"
+            f"\n== member {m.name}: {c.model_name} @ {c.size} ({c.options.item_transform}), weight {m.weight}"
         )
         if (run_dir / "done.json").exists():
             log(f"   finished earlier in {run_dir}: skipped")
@@ -349,9 +354,7 @@ def run_ensemble(
             test_probs.append((m.weight, tp))
     if classes is None:
         raise ConfigError("no member was trained")
-    valid_labels = np.array(
-        scans[tuple(getattr(members[0].config, k) for k in SPLIT_KEYS)][1].labels
-    )
+    valid_labels = np.array(scans[tuple(_key(members[0].config, k) for k in SPLIT_KEYS)][1].labels)
     _write_ensemble(result, valid_probs, valid_labels, test_probs, classes, options, out_dir)
     return result
 

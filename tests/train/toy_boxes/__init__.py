@@ -3,15 +3,21 @@
 It exists to prove the training half's promise: a task whose batches are not ``(x, y)``
 tensors (per-image target lists, a loss averaged over boxes rather than images) trains through
 :func:`bigbatch.train.loop.train` from this folder plus one ``register_task`` line, touching no
-other file.
+other file. Its own configuration key (``max_boxes``) is a dataclass beside it.
 """
 
 from bigbatch.train.tasks import register_task
-from toy_boxes.task import ToyBoxes
+from toy_boxes.task import ToyBoxes, ToyBoxesOptions
 
 __all__ = ["ToyBoxes", "register"]
 
 
 def register() -> None:
-    """The one registry line."""
-    register_task("toy_boxes", ToyBoxes, metrics=("box_l1",), lower_is_better=("box_l1",))
+    """The one registry line (its own options, metrics and their direction)."""
+    register_task(
+        "toy_boxes",
+        ToyBoxes,
+        metrics=("box_l1",),
+        lower_is_better=("box_l1",),
+        options=ToyBoxesOptions,
+    )

@@ -6,7 +6,8 @@ weighs three times one with one, in every split of the window."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch import nn
 from bigbatch.batching import split_batch
 from bigbatch.train.config import TrainConfig
 from bigbatch.train.tasks import Log, Placement, Task
+from bigbatch.train.tasks.options import TaskOptions, option
 
 SIZE = 16
 SLOTS = 3
@@ -26,11 +28,24 @@ def collate(samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch
     return torch.stack([x for x, _ in samples]), [b for _, b in samples]
 
 
-def generate(n: int, seed: int) -> tuple[torch.Tensor, Boxes]:
+@dataclass
+class ToyBoxesOptions(TaskOptions):
+    """The task's own key, set as ``max_boxes=2`` beside the shared ones."""
+
+    max_boxes: int = option(SLOTS, f"most squares in a generated image (1 to {SLOTS})")
+
+    def check(self, cfg: Any) -> None:
+        if not 1 <= self.max_boxes <= SLOTS:
+            raise ValueError(
+                f"max_boxes must be in 1..{SLOTS} (the model's slots), got {self.max_boxes}"
+            )
+
+
+def generate(n: int, seed: int, max_boxes: int = SLOTS) -> tuple[torch.Tensor, Boxes]:
     g = torch.Generator().manual_seed(seed)
     images, boxes = torch.zeros(n, 1, SIZE, SIZE), []
     for i in range(n):
-        k = int(torch.randint(1, SLOTS + 1, (), generator=g))
+        k = int(torch.randint(1, max_boxes + 1, (), generator=g))
         corners = torch.randint(0, SIZE - 4, (k, 2), generator=g)
         corners = corners[corners[:, 0].argsort()]
         for x0, y0 in corners.tolist():
@@ -78,10 +93,11 @@ class ToyBoxes(Task):
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.options = cast(ToyBoxesOptions, cfg.options)
         self.classes = ["box"]
 
     def prepare(self, log: Log, data: Any = None) -> tuple[BoxItems, BoxItems]:
-        images, boxes = generate(48, self.cfg.seed)
+        images, boxes = generate(48, self.cfg.seed, self.options.max_boxes)
         log(f"data: {len(boxes)} generated images, {sum(len(b) for b in boxes)} boxes")
         return BoxItems(images[:36], boxes[:36]), BoxItems(images[36:], boxes[36:])
 

@@ -3,8 +3,8 @@
 :func:`bigbatch.train.loop.train` is the loop (plan, exact accumulation, OOM back-off,
 checkpoints, history, progress); a task fills in the rest, and the loop never asks which task it
 runs. Tasks are chosen by the ``task`` key from a registry: ``classification``
-(:class:`~bigbatch.train.tasks.classification.ClassificationTask`) and ``segmentation``
-(:class:`~bigbatch.train.tasks.segmentation.SegmentationTask`) are registered here; a new task
+(:class:`~bigbatch.train.tasks.classification.task.ClassificationTask`) and ``segmentation``
+(:class:`~bigbatch.train.tasks.segmentation.task.SegmentationTask`) are registered here; a new task
 is a folder with a subclass of :class:`~bigbatch.train.tasks.base.Task` plus one
 :func:`register_task` call.
 """
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bigbatch.train.tasks.base import Log, Metrics, Placement, Task
+from bigbatch.train.tasks.classification.options import ClassificationOptions
+from bigbatch.train.tasks.options import TaskOptions
+from bigbatch.train.tasks.segmentation.options import SegmentationOptions
 
 if TYPE_CHECKING:  # config imports this registry to check task= and monitor=
     from bigbatch.train.config import TrainConfig
@@ -70,6 +73,7 @@ class TaskEntry:
     metrics: tuple[str, ...]
     lower_is_better: frozenset[str] = frozenset()  # the metrics where less is better
     predict: Callable[[PredictRequest], str] | None = None
+    options: type[TaskOptions] = TaskOptions  # its own configuration keys (a dataclass)
 
 
 _TASKS: dict[str, TaskEntry] = {}
@@ -82,10 +86,12 @@ def register_task(
     metrics: tuple[str, ...],
     lower_is_better: tuple[str, ...] = (),
     predict: Callable[[PredictRequest], str] | None = None,
+    options: type[TaskOptions] = TaskOptions,
 ) -> None:
     """Make ``task=name`` build ``build(cfg)``; ``metrics`` are the names its
     :meth:`Metrics.as_dict` returns that ``monitor=`` may choose; ``predict`` is what
-    ``bigbatch predict`` calls for a run of it.
+    ``bigbatch predict`` calls for a run of it; ``options``, the dataclass of its own
+    configuration keys (:mod:`bigbatch.train.tasks.options`), reached as ``cfg.options``.
 
     >>> "classification" in task_names()
     True
@@ -95,7 +101,7 @@ def register_task(
     unknown = set(lower_is_better) - set(metrics)
     if unknown:
         raise ValueError(f"lower_is_better names metrics the task does not have: {sorted(unknown)}")
-    _TASKS[name] = TaskEntry(build, tuple(metrics), frozenset(lower_is_better), predict)
+    _TASKS[name] = TaskEntry(build, tuple(metrics), frozenset(lower_is_better), predict, options)
 
 
 def task_names() -> tuple[str, ...]:
@@ -144,13 +150,13 @@ def run_task_name(run_dir: str | Path) -> str:
 
 # The built-in tasks' modules load timm, PIL and friends: imported when the task is chosen.
 def _classification(cfg: TrainConfig) -> Task:
-    from bigbatch.train.tasks.classification import ClassificationTask
+    from bigbatch.train.tasks.classification.task import ClassificationTask
 
     return ClassificationTask(cfg)
 
 
 def _segmentation(cfg: TrainConfig) -> Task:
-    from bigbatch.train.tasks.segmentation import SegmentationTask
+    from bigbatch.train.tasks.segmentation.task import SegmentationTask
 
     return SegmentationTask(cfg)
 
@@ -173,6 +179,7 @@ register_task(
     metrics=("accuracy", "error_rate", "top5", "f1_macro", "f1_micro", "auroc", "kappa"),
     lower_is_better=("error_rate",),
     predict=_predict_classification,
+    options=ClassificationOptions,
 )
 register_task(
     "segmentation",
@@ -180,4 +187,5 @@ register_task(
     metrics=("dice", "jaccard", "hd95"),
     lower_is_better=("hd95",),
     predict=_predict_segmentation,
+    options=SegmentationOptions,
 )

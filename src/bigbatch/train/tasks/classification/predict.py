@@ -104,7 +104,7 @@ def predict_files(
     for k in range(tta):
         transform = build_transforms(
             cfg.size,
-            cfg.item_transform,
+            cfg.options.item_transform,
             train=k >= 2,
             augment=k >= 2,
             flip=k == 1,

@@ -4,7 +4,7 @@ accuracy and error rate."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from bigbatch.train.tasks.classification.data import (
     resolve_data_config,
 )
 from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
+from bigbatch.train.tasks.classification.options import ClassificationOptions
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = ["ClassificationTask", "build_model", "prepare_data"]
@@ -58,10 +59,10 @@ def build_model(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> Callab
 
 
 def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageItems]:
-    items = load_items(cfg.data, cfg.image_root, bad_images=cfg.bad_images)
+    items = load_items(cfg.data, cfg.image_root, bad_images=cfg.options.bad_images)
     if cfg.valid:
         valid = load_items(
-            cfg.valid, cfg.image_root, classes=items.classes, bad_images=cfg.bad_images
+            cfg.valid, cfg.image_root, classes=items.classes, bad_images=cfg.options.bad_images
         )
         train_items = items
     else:
@@ -73,12 +74,12 @@ def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageI
         grey=not cfg.model and train_items.format.grey and (valid.format.grey or not len(valid)),
         wide=train_items.format.wide or valid.format.wide,
         scale=max(train_items.format.scale, valid.format.scale),
-        window=parse_window(cfg.window),
+        window=parse_window(cfg.options.window),
     )
     train_items.format = valid.format = fmt
-    if fmt.wide and cfg.auto_augment:
+    if fmt.wide and cfg.options.auto_augment:
         raise ConfigError(
-            f"auto_augment={cfg.auto_augment} works on 8-bit images (its operations are PIL's); "
+            f"auto_augment={cfg.options.auto_augment} works on 8-bit images (its operations are PIL's); "
             "these are 16-bit, float or DICOM: drop auto_augment (crops and flips still apply)"
         )
     skipped = items.skipped + (valid.skipped if cfg.valid else [])
@@ -108,6 +109,7 @@ class ClassificationTask(Task):
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.options = cast(ClassificationOptions, cfg.options)  # its own keys
         self.classes: list[str] = []
         self.class_weights: torch.Tensor | None = None
         self.format = ImageFormat()
@@ -118,7 +120,7 @@ class ClassificationTask(Task):
         train_items, valid_items = data if data is not None else prepare_data(self.cfg, log)
         self.classes, self.format = train_items.classes, train_items.format
         self.data = resolve_data_config(self.model_factory(), self.format.channels)
-        if self.cfg.class_weights == "auto":
+        if self.options.class_weights == "auto":
             counts = torch.tensor(list(class_counts(train_items).values()), dtype=torch.float64)
             # Inverse frequency, normalised so a balanced set weighs every sample 1.
             weights = counts.sum() / (len(counts) * counts.clamp(min=1))
@@ -142,14 +144,14 @@ class ClassificationTask(Task):
         common: dict[str, Any] = {"data": self.data, "fmt": fmt}
         train_tf = build_transforms(
             cfg.size,
-            cfg.item_transform,
+            cfg.options.item_transform,
             train=True,
             augment=cfg.augment,
-            auto_augment=cfg.auto_augment,
+            auto_augment=cfg.options.auto_augment,
             **common,
         )
         valid_tf = build_transforms(
-            cfg.size, cfg.item_transform, train=False, augment=False, **common
+            cfg.size, cfg.options.item_transform, train=False, augment=False, **common
         )
         return (
             ImageDataset(train_items.files, train_items.labels, train_tf, fmt),
@@ -163,14 +165,14 @@ class ClassificationTask(Task):
         micro-batches: each micro-batch then holds exactly the samples the big batch would have
         mixed, and the soft-target loss is a per-sample mean, so accumulation stays exact."""
         x, y = window
-        if not (self.cfg.mixup or self.cfg.cutmix) or len(y) < 2:
+        if not (self.options.mixup or self.options.cutmix) or len(y) < 2:
             return x, y
         from timm.data import Mixup
 
         mixer = Mixup(
-            mixup_alpha=self.cfg.mixup,
-            cutmix_alpha=self.cfg.cutmix,
-            label_smoothing=self.cfg.label_smoothing,
+            mixup_alpha=self.options.mixup,
+            cutmix_alpha=self.options.cutmix,
+            label_smoothing=self.options.label_smoothing,
             num_classes=len(self.classes),
         )
         # timm draws from numpy's global generator: seeded here from torch's, so a seed (and a
@@ -181,14 +183,16 @@ class ClassificationTask(Task):
         if even == len(y):
             return mixed_x, soft
         rest = F.one_hot(y[even:], len(self.classes)).float()
-        rest = rest * (1 - self.cfg.label_smoothing) + self.cfg.label_smoothing / len(self.classes)
+        rest = rest * (1 - self.options.label_smoothing) + self.options.label_smoothing / len(
+            self.classes
+        )
         return torch.cat([mixed_x, x[even:]]), torch.cat([soft, rest])
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy (with ``label_smoothing`` and ``class_weights``) as a plain mean over
         the samples: torch's weighted mean divides by the batch's summed weights instead, which
         would make the micro-batches' losses unequal parts of the window's."""
-        smoothing = self.cfg.label_smoothing if targets.dim() == 1 else 0.0  # mixup smoothed
+        smoothing = self.options.label_smoothing if targets.dim() == 1 else 0.0  # mixup smoothed
         per_sample = F.cross_entropy(
             logits.float(), targets, reduction="none", label_smoothing=smoothing
         )

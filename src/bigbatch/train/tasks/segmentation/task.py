@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from bigbatch.train.tasks.segmentation.data import (
     scan_segmentation,
     volume_suffix,
 )
+from bigbatch.train.tasks.segmentation.options import SegmentationOptions
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model", "seg_settings"]
@@ -48,25 +49,25 @@ class SegSettings:
 def seg_settings(cfg: TrainConfig, dims: int | None = None) -> SegSettings:
     """Parse ``widths``, ``spacing`` and ``regions``; ConfigError with the fix."""
     try:
-        widths = tuple(int(w) for w in cfg.widths.replace(" ", "").split(",") if w)
-        spacing = tuple(float(s) for s in cfg.spacing.replace(" ", "").split(",") if s)
+        widths = tuple(int(w) for w in cfg.options.widths.replace(" ", "").split(",") if w)
+        spacing = tuple(float(s) for s in cfg.options.spacing.replace(" ", "").split(",") if s)
     except ValueError as exc:
         raise ConfigError(
-            f"widths={cfg.widths!r} / spacing={cfg.spacing!r}: give numbers separated by "
+            f"widths={cfg.options.widths!r} / spacing={cfg.options.spacing!r}: give numbers separated by "
             "commas, e.g. widths=16,32,64,128 spacing=1,1,1"
         ) from exc
     if widths and (len(widths) < 2 or min(widths) < 1):
-        raise ConfigError(f"widths={cfg.widths!r}: two or more positive channel counts")
+        raise ConfigError(f"widths={cfg.options.widths!r}: two or more positive channel counts")
     if len(spacing) == 1:
         spacing = spacing * 3
     if spacing and (len(spacing) != 3 or min(spacing) <= 0 or not all(map(math.isfinite, spacing))):
-        raise ConfigError(f"spacing={cfg.spacing!r}: a voxel size in mm, e.g. 1,1,1 (or 1)")
+        raise ConfigError(f"spacing={cfg.options.spacing!r}: a voxel size in mm, e.g. 1,1,1 (or 1)")
     if spacing and dims == 2:
         raise ConfigError(
             "spacing= resamples volumes (from their NIfTI header); 2D images are resized to size="
         )
     try:
-        regions = parse_regions(cfg.regions)
+        regions = parse_regions(cfg.options.regions)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     multiple = size_multiple(cfg.arch, widths) if cfg.arch in MONAI_ARCHS and not cfg.model else 32
@@ -102,7 +103,7 @@ def build_seg_model(
                 dims=dims,
                 size=cfg.size,
                 widths=widths,
-                norm=cfg.norm,
+                norm=cfg.options.norm,
             )
     elif dims == 3:
         raise ConfigError(
@@ -178,6 +179,7 @@ class SegmentationTask(Task):
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.options = cast(SegmentationOptions, cfg.options)  # its own keys
         self.classes: list[str] = []
         self.num_classes = 1
         self.dims = 2
@@ -191,9 +193,13 @@ class SegmentationTask(Task):
         if data is not None:
             train_items, valid_items = data
         else:
-            void, palette = cfg.ignore_index, cfg.palette
+            void, palette = cfg.options.ignore_index, cfg.options.palette
             items = scan_segmentation(
-                cfg.data, cfg.image_root, cfg.num_classes, ignore_index=void, palette=palette
+                cfg.data,
+                cfg.image_root,
+                cfg.options.num_classes,
+                ignore_index=void,
+                palette=palette,
             )
             if cfg.valid:
                 valid_items = scan_segmentation(
@@ -240,7 +246,7 @@ class SegmentationTask(Task):
         top = max((max(r) for r in s.regions.values()), default=0)
         if top >= max(self.num_classes, 2):
             raise ConfigError(
-                f"regions={cfg.regions!r} names label {top}, but the masks have "
+                f"regions={cfg.options.regions!r} names label {top}, but the masks have "
                 f"{self.num_classes} classes (0..{max(self.num_classes, 2) - 1})"
             )
 
@@ -252,7 +258,7 @@ class SegmentationTask(Task):
 
     def recipe(self) -> VolumeRecipe:
         return VolumeRecipe(
-            self.cfg.size, self.settings.spacing, self.cfg.pos_neg, self.settings.multiple
+            self.cfg.size, self.settings.spacing, self.options.pos_neg, self.settings.multiple
         )
 
     def datasets(self, train_items: SegItems, valid_items: SegItems) -> tuple[Any, Any]:
@@ -280,11 +286,11 @@ class SegmentationTask(Task):
     @property
     def couples_samples(self) -> bool:
         """A batch loss: the loop runs it through gradient caching (``run_coupled_window``)."""
-        return self.cfg.loss in BATCH_LOSSES
+        return self.options.loss in BATCH_LOSSES
 
     @property
     def loss_name(self) -> str:
-        return self.cfg.loss
+        return self.options.loss
 
     def window_cache_bytes(self, window: int, precision: str) -> int:
         """What gradient caching holds for a window of ``window`` patches besides each
@@ -299,7 +305,7 @@ class SegmentationTask(Task):
         )
 
     def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        name = self.cfg.loss
+        name = self.options.loss
         make = batch_loss if name in BATCH_LOSSES else per_sample_loss
         return make(name, num_classes=self.num_classes, ignore_index=self.void)
 

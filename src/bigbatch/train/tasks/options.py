@@ -1,0 +1,46 @@
+"""A task's own configuration keys: a dataclass in the task's folder, registered with the task.
+
+``bigbatch train`` reads one flat set of keys (a TOML file, ``key=value``); the keys every task
+shares are :class:`~bigbatch.train.config.TrainConfig`'s, and a task's own keys (a
+segmentation loss, Mixup's alpha) are its options dataclass's, reached as ``cfg.options``. A key
+of another task is refused with the task that reads it, instead of being ignored.
+
+This module loads nothing but :mod:`dataclasses`: the configuration imports it to check keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = ["TaskOptions", "option"]
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] = (), trains: bool = True) -> Any:
+    """A task option's field: its default, the line ``bigbatch train --help`` shows, the values
+    it may take, and whether it changes the trained weights (a resumed run must keep those).
+
+    >>> from dataclasses import dataclass, fields
+    >>> @dataclass
+    ... class Example(TaskOptions):
+    ...     alpha: float = option(0.0, "Mixup's alpha")
+    >>> fields(Example)[0].metadata["help"]
+    "Mixup's alpha"
+    """
+    metadata = {"help": help, "choices": choices, "trains": trains}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class TaskOptions:
+    """The base of a task's options dataclass (and the options of a task without keys of its
+    own): subclass it as a dataclass of :func:`option` fields and check their values in
+    :meth:`check`."""
+
+    # The head-only epochs of mode=fine_tune apply (a classifier's head); a decoder's last
+    # layer is no head worth training alone.
+    fine_tunes_head: ClassVar[bool] = True
+
+    def check(self, cfg: Any) -> None:
+        """Raise ValueError, naming the key and the fix, for a value this task cannot use;
+        ``cfg`` is the whole configuration, for rules that involve shared keys."""

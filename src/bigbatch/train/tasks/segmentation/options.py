@@ -1,0 +1,76 @@
+"""Segmentation's own configuration keys (``cfg.options``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from bigbatch.train.tasks.options import TaskOptions, option
+
+__all__ = ["LOSSES", "SegmentationOptions"]
+
+# MONAI's losses per sample, then the batch forms that couple the samples (gradient caching).
+LOSSES = ("dice_ce", "dice", "dice_focal", "ce", "dice_batch", "dice_ce_batch")
+
+
+@dataclass
+class SegmentationOptions(TaskOptions):
+    fine_tunes_head: ClassVar[bool] = False  # a decoder's last layer is no classifier head
+
+    loss: str = option(
+        "dice_ce",
+        "MONAI's loss, per sample (exact under accumulation): dice_ce, dice, dice_focal or ce; "
+        "dice_batch and dice_ce_batch couple the samples and train through gradient caching "
+        "(exact, one more forward)",
+        choices=LOSSES,
+    )
+    num_classes: int = option(0, "classes: 0 infers them from the masks (0/1 or 0/255: binary)")
+    widths: str = option(
+        "",
+        "channels per level of a MONAI network, e.g. 16,32,64,128 (their number is the depth); "
+        "empty: the network's default",
+    )
+    norm: str = option(
+        "instance",
+        "normalisation of a MONAI network: instance (exact under accumulation), group, or batch "
+        "(inexact: see freeze_bn)",
+        choices=("instance", "group", "batch"),
+    )
+    spacing: str = option(
+        "",
+        "resample volumes to this voxel size in mm (e.g. 1,1,1), from each NIfTI header, after "
+        "orienting them to RAS; empty: as stored",
+    )
+    pos_neg: float = option(
+        1.0,
+        "odds of a training patch centred on a labelled voxel against one centred on "
+        "background (MONAI's pos/neg ratio)",
+    )
+    ignore_index: int = option(
+        255,
+        "the void label, counted in no loss or score (255 by default; masks of only 0 and 255 "
+        "are binary); -1: none",
+    )
+    palette: str = option(
+        "",
+        "the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
+    )
+    regions: str = option(
+        "",
+        "score unions of labels as structures, e.g. wt:1,2,3;tc:1,3;et:3 (BraTS's nested regions)",
+    )
+
+    def check(self, cfg: Any) -> None:
+        if cfg.mode == "fine_tune":
+            raise ValueError(
+                "mode=fine_tune trains a classifier's head alone first; segmentation trains "
+                "every layer (from weights= or pretrained= when given): use mode=auto or fit"
+            )
+        if self.num_classes < 0:
+            raise ValueError(
+                f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
+            )
+        if self.pos_neg < 0:
+            raise ValueError(
+                f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
+            )
