@@ -106,3 +106,33 @@ def test_negative_counts_on_a_device_are_refused_at_step_time() -> None:
         (loss * factor).backward()
     with pytest.raises(ValueError, match="micro-batch 2 of this window has a negative count"):
         acc.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+@pytest.mark.parametrize("fused", [True, False])  # False: a backend without the fused check
+def test_the_finite_check_finds_any_inf_or_nan_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bad: float | None, fused: bool
+) -> None:
+    from bigbatch.accumulate import _grads_finite
+
+    if not fused:
+
+        def missing(*args: object) -> None:
+            raise NotImplementedError("no such kernel on this backend")
+
+        monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (5, 300, 7)]
+    for p in params:
+        p.grad = (
+            torch.randn(p.shape, dtype=torch.float64).mul(10000).to(dtype)
+        )  # fp16: up to half its max
+    if bad is not None:
+        params[1].grad[123] = bad  # type: ignore[index]
+    before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    assert _grads_finite(params) is (bad is None)
+    # The same gradients, bit for bit (the nan put there read as 0 on both sides).
+    assert all(
+        torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))  # type: ignore[arg-type]
+        for a, b in zip([p.grad for p in params], before, strict=True)
+    )
