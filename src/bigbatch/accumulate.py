@@ -648,9 +648,7 @@ def _group_finite(grads: list[torch.Tensor]) -> torch.Tensor:
     device = grads[0].device
     found = torch.zeros(1, device=device)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            grads, found, torch.ones(1, device=device)
-        )
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=device))
     except NotImplementedError:
         return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()
     return found[0] == 0
