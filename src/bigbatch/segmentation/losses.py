@@ -22,10 +22,12 @@ import torch.nn.functional as F
 __all__ = [
     "BATCH_LOSSES",
     "MONAI_LOSSES",
+    "MULTILABEL_LOSSES",
     "batch_dice_loss",
     "batch_loss",
     "bce_dice_loss",
     "dice_loss",
+    "multilabel_loss",
     "per_sample_loss",
     "seg_bce_loss",
 ]
@@ -189,6 +191,46 @@ def per_sample_loss(
         if name == "dice_focal":
             fl = focal(logits, labels)
             terms = terms + (fl * mask).flatten(1).sum(1) / (voxels * fl.shape[1])
+        return terms.mean()
+
+    return loss
+
+
+MULTILABEL_LOSSES = ("dice_bce", "dice", "bce")
+
+
+def multilabel_loss(name: str = "dice_bce") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """For classes that overlap (a pixel can be Fish and Sugar): a sigmoid per class, each
+    sample's Dice per class (MONAI's) averaged over the classes, plus its binary cross-entropy
+    averaged over its pixels, then the mean over the samples: a mean of per-sample terms, so
+    accumulating micro-batches with ``count=len(batch)`` is exact.
+
+    Takes logits ``(N, C, *spatial)`` and masks of the same shape, 0/1 per class.
+
+    >>> loss = multilabel_loss("dice_bce")
+    >>> masks = torch.zeros(2, 4, 8, 8); masks[0, :2, 2:5, 2:5] = 1  # two classes overlap
+    >>> bool(loss(torch.zeros(2, 4, 8, 8, requires_grad=True), masks) > 0)
+    True
+    """
+    if name not in MULTILABEL_LOSSES:
+        raise ValueError(f"loss={name!r} is not one of {', '.join(MULTILABEL_LOSSES)}")
+    from monai.losses import DiceLoss
+
+    dice = DiceLoss(sigmoid=True, reduction="none")
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.shape != logits.shape:
+            raise ValueError(
+                f"multilabel masks have the logits' shape {tuple(logits.shape)} (a 0/1 plane "
+                f"per class), got {tuple(target.shape)}"
+            )
+        target = target.to(logits.dtype)
+        terms = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+        if name != "bce":
+            terms = terms + dice(logits, target).flatten(1).mean(1)
+        if name != "dice":
+            bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+            terms = terms + bce.flatten(1).mean(1)
         return terms.mean()
 
     return loss

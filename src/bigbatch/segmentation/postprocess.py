@@ -1,0 +1,160 @@
+"""From per-class probabilities to a Kaggle submission: each class's threshold and smallest
+kept component, chosen on the validation set by the competition's own score, then applied to
+the test set's probabilities at the submission's mask size.
+
+The score is the one Understanding Clouds and Severstal rank by: the Dice of every image-class
+pair (an empty prediction of an empty mask scores 1, a non-empty one 0; MONAI's ``compute_dice``
+with ``ignore_empty=False``), averaged over the pairs. Dropping components under a size is the
+standard trick there: a few stray pixels on an empty mask cost a whole pair.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ClassRule",
+    "apply_rules",
+    "competition_dice",
+    "load_rules",
+    "resize_probabilities",
+    "save_rules",
+    "tune_rules",
+]
+
+THRESHOLDS = tuple(round(0.05 * k, 2) for k in range(4, 16))  # 0.2 to 0.75
+# Smallest kept component, as shares of the mask's area (Clouds' kernels keep 5-14 %).
+MIN_SIZE_SHARES = (0.0, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """How one class's probabilities become its mask: above ``threshold``, then connected
+    components of fewer than ``min_size`` pixels (at the mask size) dropped."""
+
+    threshold: float = 0.5
+    min_size: int = 0
+
+
+def resize_probabilities(probs: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(N, C, H, W) probabilities at the mask size (bilinear, as they are averages already)."""
+    if tuple(probs.shape[-2:]) == size:
+        return probs
+    return F.interpolate(probs.float(), size=size, mode="bilinear", align_corners=False)
+
+
+def _keep_large(mask: np.ndarray, min_size: int) -> np.ndarray:
+    if min_size <= 0 or not mask.any():
+        return mask
+    from scipy import ndimage  # the segmentation extra's
+
+    labels, count = ndimage.label(mask)
+    sizes = np.bincount(labels.ravel(), minlength=count + 1)
+    keep = sizes >= min_size
+    keep[0] = False
+    return keep[labels]
+
+
+def apply_rules(probs: np.ndarray, rules: Sequence[ClassRule]) -> np.ndarray:
+    """(C, H, W) probabilities of one image -> its (C, H, W) boolean masks.
+
+    >>> probs = np.zeros((1, 4, 4)); probs[0, 0, 0] = 0.9; probs[0, 2:, 2:] = 0.8
+    >>> int(apply_rules(probs, [ClassRule(0.5, min_size=2)]).sum())  # the lone pixel dropped
+    4
+    """
+    if len(rules) != probs.shape[0]:
+        raise ValueError(f"{len(rules)} rules for {probs.shape[0]} classes")
+    return np.stack(
+        [_keep_large(p > r.threshold, r.min_size) for p, r in zip(probs, rules, strict=True)]
+    )
+
+
+def competition_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Each class's mean Dice over the images, (N, C, H, W) boolean masks in; an empty
+    prediction of an empty mask scores 1.
+
+    >>> empty = np.zeros((2, 1, 3, 3), dtype=bool)
+    >>> competition_dice(empty, empty).tolist()
+    [1.0]
+    """
+    from monai.metrics import compute_dice
+
+    scores = compute_dice(
+        torch.as_tensor(predicted).float(),
+        torch.as_tensor(truth).float(),
+        include_background=True,
+        ignore_empty=False,
+    )
+    return scores.mean(0).numpy().astype(np.float64)
+
+
+def tune_rules(
+    probs: np.ndarray,
+    truth: np.ndarray,
+    thresholds: Sequence[float] = THRESHOLDS,
+    min_size_shares: Sequence[float] = MIN_SIZE_SHARES,
+) -> tuple[list[ClassRule], np.ndarray]:
+    """Each class's rule that scores best on the validation set (``probs`` and ``truth``
+    (N, C, H, W) at the submission's mask size), and its score; ties keep the lower threshold
+    and the smaller size."""
+    if probs.shape != truth.shape:
+        raise ValueError(f"probabilities {probs.shape} and masks {truth.shape} differ in shape")
+    area = probs.shape[-2] * probs.shape[-1]
+    sizes = sorted({round(share * area) for share in min_size_shares})
+    rules, scores = [], []
+    for c in range(probs.shape[1]):
+        best = (-1.0, ClassRule())
+        for threshold in thresholds:
+            above = probs[:, c] > threshold
+            for size in sizes:
+                kept = np.stack([_keep_large(m, size) for m in above])[:, None]
+                score = float(competition_dice(kept, truth[:, c : c + 1])[0])
+                if score > best[0]:
+                    best = (score, ClassRule(float(threshold), size))
+        scores.append(best[0])
+        rules.append(best[1])
+    return rules, np.array(scores)
+
+
+def save_rules(
+    path: str | Path,
+    classes: Sequence[str],
+    rules: Sequence[ClassRule],
+    scores: Sequence[float],
+    mask_size: tuple[int, int],
+) -> None:
+    """``postprocess.json``: each class's rule and validation score, and the mask size they
+    were chosen at (a rule's ``min_size`` counts pixels at that size), written atomically."""
+    from bigbatch.io import atomic_write_text
+
+    body = {
+        "mask_size": list(mask_size),
+        "classes": {
+            name: asdict(rule) | {"valid_dice": round(float(score), 6)}
+            for name, rule, score in zip(classes, rules, scores, strict=True)
+        },
+    }
+    atomic_write_text(Path(path), json.dumps(body, indent=1))
+
+
+def load_rules(path: str | Path, classes: Sequence[str]) -> tuple[list[ClassRule], tuple[int, int]]:
+    """The rules of ``classes`` from ``postprocess.json``, and their mask size; a class it does
+    not hold is refused (it was not seen in training)."""
+    body = json.loads(Path(path).read_text())
+    known = body["classes"]
+    missing = [c for c in classes if c not in known]
+    if missing:
+        raise ValueError(
+            f"class {missing[0]!r} was not seen in training ({path} holds {', '.join(known)}): "
+            "predict with the run's own classes"
+        )
+    rules = [ClassRule(float(known[c]["threshold"]), int(known[c]["min_size"])) for c in classes]
+    height, width = body["mask_size"]
+    return rules, (int(height), int(width))

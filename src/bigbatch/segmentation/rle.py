@@ -1,0 +1,213 @@
+"""Kaggle's run-length encoded masks: the codec, the two CSV layouts, and their checks.
+
+A mask's pixels are numbered from 1, top to bottom, then left to right (column by column), and
+the encoding lists ``start length`` pairs of the runs of foreground pixels; an empty cell is an
+empty mask. Two layouts of a training CSV are in use:
+
+- ``Image_Label,EncodedPixels`` with ``image.jpg_Fish`` (Understanding Clouds): a row for every
+  image and class, overlapping classes allowed;
+- ``ImageId,ClassId,EncodedPixels`` (Severstal steel defects): rows only for non-empty masks, so
+  an image of the folder with no row has empty masks.
+
+Every malformed encoding is refused with the row and the fix: an odd number of values, a run
+past the image's end, runs unsorted or overlapping (decoding would silently merge or drop them).
+Only numpy is needed here.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "LAYOUTS",
+    "RLEError",
+    "RLETable",
+    "parse_mask_size",
+    "read_rle_csv",
+    "rle_decode",
+    "rle_encode",
+    "write_rle_csv",
+]
+
+# The header of each layout, as the competitions ship them.
+LAYOUTS = {
+    "image_label": ("Image_Label", "EncodedPixels"),
+    "image_class": ("ImageId", "ClassId", "EncodedPixels"),
+}
+
+
+class RLEError(ValueError):
+    """A run-length encoding or an RLE CSV that cannot be read faithfully, with the fix."""
+
+
+def rle_encode(mask: np.ndarray) -> str:
+    """The Kaggle encoding of a 2D mask (nonzero is foreground): '' for an empty mask.
+
+    >>> rle_encode(np.array([[0, 1], [1, 1]]))
+    '2 3'
+    >>> rle_decode("2 3", (2, 2)).astype(int).tolist()
+    [[0, 1], [1, 1]]
+    """
+    if mask.ndim != 2:
+        raise ValueError(f"a mask to encode is 2D (height, width), got shape {mask.shape}")
+    pixels = np.concatenate([[0], mask.flatten(order="F").astype(bool).view(np.uint8), [0]])
+    edges = np.flatnonzero(pixels[1:] != pixels[:-1]) + 1  # 1-based starts and ends
+    starts, ends = edges[0::2], edges[1::2]
+    return " ".join(f"{s} {e - s}" for s, e in zip(starts.tolist(), ends.tolist(), strict=True))
+
+
+def rle_decode(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.ndarray:
+    """The boolean mask of ``shape`` (height, width) an encoding describes; ``where`` names it
+    in errors (a CSV row)."""
+    values = rle.split()
+    if not values:
+        return np.zeros(shape, dtype=bool)
+    try:
+        numbers = np.array([int(v) for v in values], dtype=np.int64)
+    except ValueError:
+        raise RLEError(
+            f"{where}: {rle[:60]!r} is not a run-length encoding (whole numbers, start length "
+            "pairs)"
+        ) from None
+    if len(numbers) % 2:
+        raise RLEError(
+            f"{where}: {len(numbers)} numbers, an odd count: the encoding is start length pairs; "
+            "the row is cut short or was joined with another"
+        )
+    starts, lengths = numbers[0::2], numbers[1::2]
+    size = shape[0] * shape[1]
+    if (starts < 1).any() or (lengths < 1).any():
+        raise RLEError(
+            f"{where}: starts are numbered from 1 and lengths are at least 1; a 0 or a negative "
+            "number means another convention (0-based?): re-encode it"
+        )
+    ends = starts + lengths - 1
+    if ends[-1] > size or (ends > size).any():
+        raise RLEError(
+            f"{where}: a run ends at pixel {int(ends.max())}, past the image's {size} pixels "
+            f"({shape[0]} x {shape[1]}): the mask belongs to a larger image, or the image was "
+            "resized after it was encoded"
+        )
+    if (starts[1:] <= ends[:-1]).any():
+        at = int(np.flatnonzero(starts[1:] <= ends[:-1])[0]) + 1
+        raise RLEError(
+            f"{where}: run {at + 1} (start {int(starts[at])}) begins before run {at} ends "
+            f"({int(ends[at - 1])}): runs must be sorted and must not overlap; re-encode the mask"
+        )
+    flat = np.zeros(size + 1, dtype=np.int8)
+    np.add.at(flat, starts - 1, 1)
+    np.add.at(flat, ends, -1)
+    return np.cumsum(flat[:-1]).astype(bool).reshape(shape, order="F")
+
+
+def parse_mask_size(text: str) -> tuple[int, int]:
+    """``"350x525"`` -> (350, 525): a submission's mask height and width.
+
+    >>> parse_mask_size("350x525")
+    (350, 525)
+    """
+    parts = text.lower().replace(" ", "").split("x")
+    try:
+        height, width = (int(p) for p in parts)
+    except ValueError:
+        raise RLEError(
+            f"--mask-size {text!r} is not HEIGHTxWIDTH: give e.g. --mask-size 350x525"
+        ) from None
+    if height < 1 or width < 1:
+        raise RLEError(f"--mask-size {text!r}: height and width are at least 1")
+    return height, width
+
+
+@dataclass
+class RLETable:
+    """An RLE CSV read: its layout, the class names in the order they first appear, and each
+    image's encodings by class (an image-class pair absent from the file is an empty mask)."""
+
+    layout: str
+    classes: list[str]
+    masks: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def decode(self, image: str, shape: tuple[int, int]) -> np.ndarray:
+        """``image``'s masks, (classes, height, width) bool."""
+        own = self.masks.get(image, {})
+        return np.stack([rle_decode(own.get(c, ""), shape, f"{image} {c}") for c in self.classes])
+
+
+def _image_and_class(row: Sequence[str], layout: str, line: int, path: Path) -> tuple[str, str]:
+    if layout == "image_class":
+        return row[0].strip(), row[1].strip()
+    image, sep, name = row[0].strip().rpartition("_")
+    if not sep or not image or not name:
+        raise RLEError(
+            f"{path} line {line}: {row[0]!r} is not image_class (e.g. 0011165.jpg_Fish): the "
+            "Image_Label column joins the image's file name and the class with an underscore"
+        )
+    return image, name
+
+
+def read_rle_csv(path: str | Path) -> RLETable:
+    """Read a Kaggle RLE CSV in either layout (told by its header); each encoding is checked
+    when its image's size is known (:meth:`RLETable.decode`).
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "train.csv"
+    >>> _ = p.write_text("Image_Label,EncodedPixels\\na.jpg_Fish,1 3\\na.jpg_Sugar,\\n")
+    >>> t = read_rle_csv(p); (t.layout, t.classes, t.masks["a.jpg"]["Fish"])
+    ('image_label', ['Fish', 'Sugar'], '1 3')
+    """
+    path = Path(path)
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    header = tuple(h.strip() for h in rows[0]) if rows else ()
+    layout = next((name for name, columns in LAYOUTS.items() if header == columns), "")
+    if not layout:
+        accepted = " or ".join(",".join(c) for c in LAYOUTS.values())
+        raise RLEError(f"{path}: the header {','.join(header)!r} is not {accepted}")
+    table = RLETable(layout, [])
+    width = len(LAYOUTS[layout])
+    for line, row in enumerate(rows[1:], start=2):
+        if not row:
+            continue
+        if len(row) != width:
+            raise RLEError(f"{path} line {line}: {len(row)} cells, the header has {width}")
+        image, name = _image_and_class(row, layout, line, path)
+        if name not in table.classes:
+            table.classes.append(name)
+        own = table.masks.setdefault(image, {})
+        if own.get(name, "").strip() and row[-1].strip():
+            raise RLEError(f"{path} line {line}: a second mask for {image} {name}: keep one")
+        own[name] = row[-1].strip() or own.get(name, "")
+    if not table.masks:
+        raise RLEError(f"{path} has a header but no rows")
+    if layout == "image_class":  # Severstal's class ids, in their numeric order
+        table.classes.sort(key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
+    return table
+
+
+def write_rle_csv(
+    path: str | Path,
+    layout: str,
+    classes: Sequence[str],
+    masks: Iterable[tuple[str, Mapping[str, np.ndarray]]],
+) -> int:
+    """Write a submission in ``layout``: a row for every image and class (an empty cell for an
+    empty mask), in the order given. Returns the number of rows. The caller writes atomically.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
+    rows = 0
+    with Path(path).open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(LAYOUTS[layout])
+        for image, by_class in masks:
+            for name in classes:
+                rle = rle_encode(by_class[name])
+                cells = [f"{image}_{name}", rle] if layout == "image_label" else [image, name, rle]
+                writer.writerow(cells)
+                rows += 1
+    return rows
