@@ -33,6 +33,7 @@ __all__ = [
     "Task",
     "TaskEntry",
     "lower_is_better",
+    "read_task_info",
     "register_task",
     "run_task_name",
     "task_entry",
@@ -130,12 +131,13 @@ def task_for(cfg: TrainConfig) -> Task:
     return task
 
 
-def run_task_name(run_dir: str | Path) -> str:
-    """The task a run folder was trained for, from its ``task.json`` (a run without one is a
-    classification run: that file came later); a damaged file is refused with the fix."""
+def read_task_info(run_dir: str | Path) -> dict[str, Any]:
+    """A run folder's ``task.json`` (what its task needs to predict, and the task's name); a
+    run without one is a classification run (that file came later). A damaged file is a
+    ValueError with the fix."""
     path = Path(run_dir) / "task.json"
     if not path.is_file():
-        return "classification"
+        return {"task": "classification"}
     try:
         info = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -145,7 +147,12 @@ def run_task_name(run_dir: str | Path) -> str:
         ) from None
     if not isinstance(info, dict) or not isinstance(info.get("task"), str):
         raise ValueError(f"{path} is not a bigbatch task file: restore it, or train again")
-    return info["task"]
+    return info
+
+
+def run_task_name(run_dir: str | Path) -> str:
+    """The task a run folder was trained for (:func:`read_task_info`)."""
+    return str(read_task_info(run_dir)["task"])
 
 
 # The built-in tasks' modules load timm, PIL and friends: imported when the task is chosen.

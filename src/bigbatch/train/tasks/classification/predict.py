@@ -20,7 +20,7 @@ from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import images_to_predict, make_loader
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks import PredictRequest
+from bigbatch.train.tasks import PredictRequest, read_task_info
 from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
 from bigbatch.train.tasks.classification.task import build_model
 
@@ -60,14 +60,10 @@ def _load_run(
     weights = run_dir / f"{checkpoint}.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
-    info: dict[str, Any] = {}
-    if (run_dir / "task.json").is_file():
-        try:
-            info = json.loads((run_dir / "task.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(
-                f"{run_dir}/task.json is damaged ({exc}): restore it, or train the run again"
-            ) from None
+    try:
+        info = read_task_info(run_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     fmt = ImageFormat.from_dict(info.get("format"))
     cfg.weights, cfg.pretrained = "", False  # the run's own weights replace the starting ones
     model = build_model(cfg, len(classes), fmt.channels)()

@@ -13,7 +13,6 @@ volumes, NIfTI with the input's affine and header for NIfTI volumes; each file a
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
 from bigbatch.train.runtime import resolve_device, resolve_precision
-from bigbatch.train.tasks import PredictRequest
+from bigbatch.train.tasks import PredictRequest, read_task_info
 from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES,
     VolumeRecipe,
@@ -45,19 +44,6 @@ from bigbatch.train.tasks.segmentation.task import build_seg_model, seg_settings
 __all__ = ["predict_masks", "predict_request", "with_tta"]
 
 Probabilities = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _task_info(path: Path) -> dict[str, Any]:
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"{path} is damaged ({type(exc).__name__}: {str(exc)[:80]}): bigbatch train writes "
-            "it; restore it from a copy, or train the run again"
-        ) from None
-    if not isinstance(info, dict) or "task" not in info:
-        raise ConfigError(f"{path} is not a bigbatch task file: restore it, or train again")
-    return info
 
 
 Case = tuple[Path, ...]  # one case's files: an image, a volume, or a volume's modalities
@@ -183,7 +169,10 @@ def predict_masks(
     if not 0 <= overlap < 1:
         raise ConfigError(f"overlap is a fraction in [0, 1), got {overlap}")
     run_dir, folder, out = Path(run_dir), Path(folder), Path(out)
-    info = _task_info(run_dir / "task.json")
+    try:
+        info = read_task_info(run_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
     dims, channels, classes = int(info["dims"]), int(info["channels"]), int(info["num_classes"])
     multiple = int(info.get("multiple", 8))
