@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,16 @@ def test_negative_counts_on_a_device_are_refused_at_step_time() -> None:
         acc.step()
 
 
+def _with_default(make: Any, dtype: torch.dtype) -> Any:
+    """``torch.zeros``/``ones`` as under ``torch.set_default_dtype(dtype)``."""
+
+    def made(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.setdefault("dtype", dtype)
+        return make(*args, **kwargs)  # type: ignore[no-any-return]
+
+    return made
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
 @pytest.mark.parametrize("fused", [True, False])  # False: a backend without the fused check
@@ -115,6 +126,10 @@ def test_the_finite_check_finds_any_inf_or_nan_and_changes_nothing(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bad: float | None, fused: bool
 ) -> None:
     from bigbatch.accumulate import _grads_finite
+
+    # Under another default dtype too (Lightning's and users' float64 runs set it).
+    monkeypatch.setattr(torch, "zeros", _with_default(torch.zeros, torch.float64))
+    monkeypatch.setattr(torch, "ones", _with_default(torch.ones, torch.float64))
 
     if not fused:
 

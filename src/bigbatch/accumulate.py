@@ -646,9 +646,11 @@ def _group_finite(grads: list[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool on the gradients' device: none of ``grads`` (one device and dtype) holds
     inf or nan."""
     device = grads[0].device
-    found = torch.zeros(1, device=device)
+    # float32 whatever torch's default dtype is: the check takes no other.
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    one = torch.ones(1, dtype=torch.float32, device=device)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=device))
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     except NotImplementedError:
         return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()
     return found[0] == 0
