@@ -6,7 +6,8 @@ with the profiler's allocation events. Prints each error, the mean and worst |er
 time to predict (calibration included). Also shows the uncalibrated prediction beside it.
 
     python benchmarks/memory_accuracy.py          # MLP, BN CNN, transformer, resnet18, convnext_atto,
-                                                  # LSTM, GRU, GPT (tied embedding, SDPA), 2D/3D U-Net
+                                                  # LSTM, GRU, GPT (tied embedding, SDPA), 2D/3D U-Net,
+                                                  # MONAI's 3D nets, smp's U-Net and FPN
     python benchmarks/memory_accuracy.py --json   # {"mean_abs_err_pct": ..., "worst_abs_err_pct": ..., ...}
 """
 
@@ -27,6 +28,7 @@ from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import StepSpec
 from bigbatch.models import timm_factory
+from bigbatch.segmentation.decoders import smp_factory
 from bigbatch.segmentation.models import UNet
 from bigbatch.segmentation.networks import build_network
 
@@ -137,6 +139,18 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], torch.dtype]] 
     "dynunet3d": (
         lambda: build_network("dynunet", 4, 3, dims=3, size=32, widths=(8, 16, 32, 64)),
         (4, 32, 32, 32),
+        torch.float32,
+    ),
+    # segmentation_models_pytorch's decoders on timm encoders, as task=segmentation encoder=
+    # builds them, on non-square 2D frames (4 overlapping classes, as Understanding Clouds).
+    "smp_unet_effb0": (
+        smp_factory("unet", "efficientnet_b0", in_channels=3, num_classes=4),
+        (3, 96, 160),
+        torch.float32,
+    ),
+    "smp_fpn_resnet18": (
+        smp_factory("fpn", "resnet18", in_channels=3, num_classes=4),
+        (3, 96, 160),
         torch.float32,
     ),
 }

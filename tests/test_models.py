@@ -81,3 +81,50 @@ def test_pretrained_config_checks() -> None:
         load_config(overrides=["data=x", "pretrained=true", "weights=w.pt"])
     with pytest.raises(ConfigError, match="model= factory"):
         load_config(overrides=["data=x", "pretrained=true", "model=m:f"])
+
+
+SMP_SCRIPT = """
+import sys, torch
+from bigbatch.segmentation.decoders import smp_factory
+try:
+    factory = smp_factory("unet", "resnet10t", in_channels=3, num_classes=4, pretrained=True)
+except ValueError as exc:
+    print("ERROR", exc)
+    sys.exit(0)
+saved = torch.load(sys.argv[1], weights_only=True)
+encoder = factory().encoder.state_dict()
+same = [torch.equal(v, saved[k.removeprefix("model.")]) for k, v in encoder.items()
+        if k.removeprefix("model.") in saved]
+print("LOADED", len(same) > 10 and all(same))
+"""
+
+
+def _run_smp_offline(tmp_path: Path, cache: Path) -> str:
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    env.pop("HF_HOME", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SMP_SCRIPT, str(tmp_path / "saved.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_a_pretrained_smp_encoder_loads_offline_from_the_hub_cache(tmp_path: Path) -> None:
+    import timm
+
+    pytest.importorskip("segmentation_models_pytorch")
+    from helpers import write_hub_cache
+
+    torch.manual_seed(1)
+    weights = timm.create_model("resnet10t", num_classes=1000).state_dict()
+    torch.save(weights, tmp_path / "saved.pt")
+    write_hub_cache(tmp_path / "hub", "timm/resnet10t.c3_in1k", weights)
+    assert "LOADED True" in _run_smp_offline(tmp_path, tmp_path / "hub")
+    out = _run_smp_offline(tmp_path, tmp_path / "empty-hub")  # neither a network nor a cache
+    assert out.startswith("ERROR pretrained weights for the encoder resnet10t")
+    assert str(tmp_path / "empty-hub") in out and "weights=FILE" in out

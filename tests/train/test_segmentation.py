@@ -220,13 +220,18 @@ def test_segmentation_resume_after_sigkill_mid_epoch_is_bit_identical(tmp_path: 
 
 
 @pytest.mark.slow
-def test_a_timm_encoder_under_the_unet_decoder_trains(tmp_path: Path) -> None:
-    data = write_shapes_2d(tmp_path / "shapes", n=8, size=32)
+@pytest.mark.parametrize(
+    "network", [["arch=resnet10t"], ["arch=fpn", "encoder=resnet10t"]], ids=["timm-name", "fpn"]
+)
+def test_a_timm_encoder_under_an_smp_decoder_trains(tmp_path: Path, network: list[str]) -> None:
+    # arch=<timm name> is smp's U-Net on it; arch=fpn encoder=... its FPN (GroupNorm decoder).
+    data = write_shapes_2d(tmp_path / "shapes", n=8, size=64)
     lines: list[str] = []
     cfg = load_config(
-        overrides=[f"data={data}", *COMMON, "arch=resnet10t", "size=32", "batch=4",
-                   "micro_batch=2", "epochs=1"]
+        overrides=[f"data={data}", *COMMON, *network, "size=64", "batch=4", "micro_batch=2",
+                   "epochs=1"]
     )  # fmt: skip
     result = train(cfg, tmp_path / "run", progress=False, log=lines.append)
     assert "dice" in result.history[-1]
     assert any("BatchNorm layer(s)" in line for line in lines)  # the encoder's: said, with remedies
+    assert main(["predict", str(tmp_path / "run"), str(data / "images"), "--tta", "1"]) == 0

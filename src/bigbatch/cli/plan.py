@@ -43,7 +43,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--arch",
         help="timm architecture(s), comma-separated: resnet18,convnext_tiny; or one of MONAI's "
         "segmentation networks (unet, segresnet, dynunet, swinunetr, unetr) with --input-shape "
-        "C,D,H,W (3D) or C,H,W (2D)",
+        "C,D,H,W (3D) or C,H,W (2D); with --encoder, smp's decoder (unet, unetplusplus, fpn, "
+        "deeplabv3plus) on that timm encoder, --input-shape C,H,W",
     )
     src.add_argument(
         "--model", help="module:factory returning your nn.Module (built on the meta device)"
@@ -57,6 +58,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--widths", default="", help="a MONAI --arch's channels per level, e.g. 16,32,64,128"
+    )
+    p.add_argument(
+        "--encoder",
+        default="",
+        help="a timm encoder under --arch's segmentation_models_pytorch decoder, e.g. "
+        "efficientnet_b0 (as bigbatch train task=segmentation encoder=...)",
     )
     p.add_argument(
         "--step",
@@ -162,6 +169,8 @@ def _targets(args: argparse.Namespace) -> list[Row]:
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     rows: list[Row] = []
+    if args.encoder:
+        return [_smp_row(a, args) for a in archs]
     if args.input_shape and all(a in MONAI_ARCHS for a in archs):
         return [_monai_row(a, args) for a in archs]
     for arch in archs:
@@ -195,6 +204,29 @@ def _monai_row(arch: str, args: argparse.Namespace) -> Row:
         widths=widths,
     )
     return (arch, None, factory, shape)
+
+
+def _smp_row(arch: str, args: argparse.Namespace) -> Row:
+    """segmentation_models_pytorch's ``arch`` decoder on ``--encoder``, as ``bigbatch train
+    task=segmentation encoder=...`` builds it (its decoders halve the input 5 times)."""
+    from bigbatch.segmentation.decoders import smp_factory
+
+    if not args.input_shape:
+        raise UserError(f"--encoder needs --input-shape C,H,W, e.g. 3,1408,2112 for {arch}")
+    shape = tuple(_ints(args.input_shape, "--input-shape"))
+    if len(shape) != 3 or any(n % 32 for n in shape[1:]):
+        fit = "x".join(str(-(-n // 32) * 32) for n in shape[1:])
+        raise UserError(
+            f"--input-shape {args.input_shape}: smp's decoders take C,H,W with H and W "
+            f"multiples of 32 (pad the image: {fit})"
+        )
+    try:
+        factory = smp_factory(
+            arch, args.encoder, in_channels=shape[0], num_classes=args.num_classes
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    return (f"{arch}:{args.encoder}", None, factory, shape)
 
 
 INPUT_DTYPES = {

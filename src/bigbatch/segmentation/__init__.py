@@ -6,6 +6,10 @@ over a whole set, and compact U-Nets whose normalisation is per sample.
   the samples and says so (``couples_samples``).
 - :mod:`bigbatch.segmentation.metrics`: Dice and Jaccard per class from summed intersections
   and unions over the whole set, not means of per-batch means.
-- :mod:`bigbatch.segmentation.models`: ``UNet`` (2D or 3D, GroupNorm) and ``timm_unet`` (a 2D
-  U-Net decoder on any timm encoder).
+- :mod:`bigbatch.segmentation.models`: ``UNet`` (2D or 3D, GroupNorm, no dependency).
+- :mod:`bigbatch.segmentation.networks`: MONAI's networks by name (2D or 3D).
+- :mod:`bigbatch.segmentation.decoders`: segmentation_models_pytorch's U-Net, U-Net++, FPN and
+  DeepLabV3+ on any timm encoder (2D).
+- :mod:`bigbatch.segmentation.rle` and :mod:`bigbatch.segmentation.postprocess`: Kaggle's
+  run-length encoded masks, the competition's Dice, per-class post-processing, submissions.
 """

@@ -1,19 +1,19 @@
-"""Compact U-Nets: 2D or 3D with per-sample normalisation, and a 2D decoder on a timm encoder.
-
-Written here rather than taken from segmentation-models-pytorch or MONAI: each would add a
-dependency tree for a few dozen lines, and these normalise with GroupNorm, which works per
-sample, so accumulation stays exact (BatchNorm's batch statistics cannot be, see
-:mod:`bigbatch.inexact`). ``timm_unet`` reuses timm (already a dependency) for its encoders.
+"""A compact U-Net, 2D or 3D, with per-sample normalisation and no dependency beyond torch: for
+the tests, the examples and ``bigbatch verify``'s built-in cases, where the segmentation extra
+may be absent. It normalises with GroupNorm, which works per sample, so accumulation stays exact
+(BatchNorm's batch statistics cannot be, see :mod:`bigbatch.inexact`). Training uses MONAI's
+networks and segmentation_models_pytorch's decoders (:mod:`bigbatch.segmentation.networks`,
+:mod:`bigbatch.segmentation.decoders`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["UNet", "timm_unet", "unet2d", "unet3d"]
+__all__ = ["UNet", "unet2d", "unet3d"]
 
 
 def _groups(channels: int) -> int:
@@ -101,54 +101,3 @@ def unet3d(in_channels: int = 4, num_classes: int = 3, width: int = 16, depth: i
     """A 3D :class:`UNet`, by default for 4 MRI modalities and 3 tumour classes (BraTS-like):
     ``bigbatch plan --model bigbatch.segmentation.models:unet3d --input-shape 4,128,128,128``."""
     return UNet(in_channels, num_classes, dims=3, width=width, depth=depth)
-
-
-class _TimmUNet(nn.Module):
-    def __init__(self, encoder: nn.Module, num_classes: int) -> None:
-        super().__init__()
-        self.encoder = encoder
-        info: Any = encoder.feature_info  # timm's FeatureInfo
-        chans = list(info.channels())  # shallow to deep
-        self.up = nn.ModuleList()
-        self.merge = nn.ModuleList()
-        current = chans[-1]
-        for skip in reversed(chans[:-1]):  # each decoder stage ends with its skip's channels
-            self.up.append(nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False))
-            self.merge.append(_Block(current + skip, skip, 2))
-            current = skip
-        self.head = nn.Sequential(
-            nn.Upsample(scale_factor=info.reduction()[0], mode="bilinear"),
-            nn.Conv2d(current, num_classes, 1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        feats = self.encoder(x)
-        y = feats[-1]
-        for up, merge, skip in zip(self.up, self.merge, reversed(feats[:-1]), strict=True):
-            y = up(y)
-            if y.shape[2:] != skip.shape[2:]:
-                y = nn.functional.interpolate(y, size=skip.shape[2:], mode="bilinear")
-            y = merge(torch.cat([y, skip], dim=1))
-        return self.head(y)
-
-
-def timm_unet(
-    encoder: str = "resnet18",
-    *,
-    in_channels: int = 3,
-    num_classes: int = 1,
-    pretrained: bool = False,
-) -> nn.Module:
-    """A 2D U-Net: any timm encoder (``features_only``) and a GroupNorm decoder. Encoders with
-    BatchNorm are not exact under accumulation (bigbatch warns; ``freeze_batchnorm`` helps).
-
-    >>> net = timm_unet("resnet10t", num_classes=2)
-    >>> net(torch.randn(1, 3, 64, 64)).shape
-    torch.Size([1, 2, 64, 64])
-    """
-    import timm
-
-    enc = timm.create_model(
-        encoder, features_only=True, pretrained=pretrained, in_chans=in_channels
-    )
-    return _TimmUNet(enc, num_classes)

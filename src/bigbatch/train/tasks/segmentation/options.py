@@ -25,6 +25,13 @@ class SegmentationOptions(TaskOptions):
         choices=LOSSES,
     )
     num_classes: int = option(0, "classes: 0 infers them from the masks (0/1 or 0/255: binary)")
+    encoder: str = option(
+        "",
+        "2D: a timm encoder (e.g. efficientnet_b0) under arch's decoder from "
+        "segmentation_models_pytorch: arch=unet, unetplusplus, fpn or deeplabv3plus; "
+        "pretrained=true loads the encoder's weights through the Hugging Face cache; empty: "
+        "arch is MONAI's network (or a timm name: a U-Net on that encoder)",
+    )
     widths: str = option(
         "",
         "channels per level of a MONAI network, e.g. 16,32,64,128 (their number is the depth); "

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from bigbatch.models import read_weights
+from bigbatch.segmentation.decoders import smp_factory
 from bigbatch.segmentation.losses import BATCH_LOSSES, batch_loss, per_sample_loss
 from bigbatch.segmentation.metrics import CaseScores, parse_regions
-from bigbatch.segmentation.models import timm_unet
 from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_multiple
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
@@ -70,28 +70,54 @@ def seg_settings(cfg: TrainConfig, dims: int | None = None) -> SegSettings:
         regions = parse_regions(cfg.options.regions)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    multiple = size_multiple(cfg.arch, widths) if cfg.arch in MONAI_ARCHS and not cfg.model else 32
+    multiple = size_multiple(cfg.arch, widths) if _monai_network(cfg) else 32
     if cfg.model:
         multiple = 1
     return SegSettings(widths, spacing, regions, multiple)
 
 
+def _monai_network(cfg: TrainConfig) -> bool:
+    return cfg.arch in MONAI_ARCHS and not cfg.model and not cfg.options.encoder
+
+
 def build_seg_model(
     cfg: TrainConfig, in_channels: int, num_classes: int, dims: int
 ) -> Callable[[], nn.Module]:
-    """arch=unet|segresnet|dynunet|swinunetr|unetr: MONAI's network (2D or 3D); any other name:
-    a timm encoder under a U-Net decoder (2D); model=module:factory(in_channels, num_classes)
-    for your own. ``weights=`` loads a local weights file into it (an earlier run's, a MONAI
-    bundle's ``model.pt``)."""
+    """With ``encoder=``: smp's ``arch`` decoder (unet, unetplusplus, fpn, deeplabv3plus) on
+    that timm encoder (2D); arch=unet|segresnet|dynunet|swinunetr|unetr: MONAI's network (2D or
+    3D); any other name: smp's U-Net on that timm encoder (2D);
+    model=module:factory(in_channels, num_classes) for your own. ``weights=`` loads a local
+    weights file into it (an earlier run's, a MONAI bundle's ``model.pt``)."""
+    encoder = cfg.options.encoder
     if cfg.model:
         user = load_user_model(cfg.model)
         build: Callable[[], nn.Module] = lambda: user(in_channels, num_classes)  # noqa: E731
-    elif cfg.arch in MONAI_ARCHS:
+    elif dims == 3 and (encoder or cfg.arch not in MONAI_ARCHS):
+        raise ConfigError(
+            f"{'encoder=' + encoder if encoder else 'arch=' + cfg.arch}: timm encoders are 2D; "
+            f"train volumes with one of MONAI's networks ({', '.join(MONAI_ARCHS)}) or "
+            "model=module:factory"
+        )
+    elif encoder or cfg.arch not in MONAI_ARCHS:
+        # smp's decoder on a timm encoder; arch=<timm name> is its U-Net on that encoder.
+        arch, encoder = (cfg.arch, encoder) if encoder else ("unet", cfg.arch)
+        try:
+            build = smp_factory(
+                arch,
+                encoder,
+                in_channels=in_channels,
+                num_classes=num_classes,
+                norm=cfg.options.norm,
+                pretrained=cfg.pretrained,
+            )
+        except ValueError as exc:  # an unknown name, no cached weights, a norm it lacks
+            raise ConfigError(str(exc)) from exc
+    else:
         if cfg.pretrained:
             raise ConfigError(
                 f"arch={cfg.arch} has no pretrained weights to download: give weights=FILE (an "
                 "earlier run's best.safetensors, a MONAI bundle's model.pt), or a timm encoder "
-                "with pretrained=true (arch=resnet34, 2D)"
+                "under a decoder with pretrained=true (arch=unet encoder=resnet34, 2D)"
             )
         widths = seg_settings(cfg, dims).widths
 
@@ -104,20 +130,6 @@ def build_seg_model(
                 size=cfg.size,
                 widths=widths,
                 norm=cfg.options.norm,
-            )
-    elif dims == 3:
-        raise ConfigError(
-            f"arch={cfg.arch}: timm encoders are 2D; train volumes with one of MONAI's "
-            f"networks ({', '.join(MONAI_ARCHS)}) or model=module:factory"
-        )
-    else:
-
-        def build() -> nn.Module:
-            return timm_unet(
-                cfg.arch,
-                in_channels=in_channels,
-                num_classes=num_classes,
-                pretrained=cfg.pretrained,
             )
 
     if not cfg.weights:
@@ -231,7 +243,7 @@ class SegmentationTask(Task):
     def _check_settings(self, items: SegItems) -> None:
         cfg, s = self.cfg, self.settings
         # MONAI's networks normalise each sample at the bottom too: it needs 2 voxels there.
-        least = 2 * s.multiple if cfg.arch in MONAI_ARCHS and not cfg.model else s.multiple
+        least = 2 * s.multiple if _monai_network(cfg) else s.multiple
         if cfg.size % s.multiple or cfg.size < least:
             fit = max(least, cfg.size // s.multiple * s.multiple)
             raise ConfigError(

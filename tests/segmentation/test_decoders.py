@@ -1,0 +1,72 @@
+"""segmentation_models_pytorch's decoders on timm encoders, by name: every arch builds at a
+non-square size, the decoders' normalisation follows norm=, and bad names or combinations are
+refused before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.segmentation.decoders import SMP_ARCHS, smp_factory
+from bigbatch.train.config import ConfigError, load_config
+from bigbatch.train.tasks.segmentation.task import build_seg_model
+
+pytest.importorskip("segmentation_models_pytorch")
+
+
+@pytest.mark.parametrize("arch", SMP_ARCHS)
+def test_each_decoder_builds_on_a_timm_encoder(arch: str) -> None:
+    net = smp_factory(arch, "resnet10t", in_channels=4, num_classes=3)()
+    assert net(torch.zeros(2, 4, 64, 96)).shape == (2, 3, 64, 96)  # full frames are not square
+
+
+def test_the_unet_decoder_normalises_per_sample_by_default() -> None:
+    def norms(norm: str) -> set[str]:
+        net = smp_factory("unet", "resnet10t", in_channels=3, num_classes=1, norm=norm)()
+        return {type(m).__name__ for m in net.decoder.modules() if "Norm" in type(m).__name__}
+
+    assert norms("instance") == {"InstanceNorm2d"} and norms("batch") == {"BatchNorm2d"}
+    with pytest.raises(ValueError, match="norm=group for smp's unet decoder"):
+        smp_factory("unet", "resnet10t", in_channels=3, num_classes=1, norm="group")
+
+
+def test_a_meta_build_loads_nothing() -> None:
+    with torch.device("meta"):  # the planner's shapes-only build
+        net = smp_factory("unetplusplus", "resnet10t", in_channels=3, num_classes=2)()
+    assert all(p.is_meta for p in net.parameters())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dims", "match"),
+    [
+        (["arch=segresnet", "encoder=resnet10t"], 2, "with encoder= is one of unet, unetplus"),
+        (["arch=unet", "encoder=resnet1t"], 2, "unknown architecture 'resnet1t': did you mean"),
+        (["arch=unet", "encoder=resnet10t"], 3, "timm encoders are 2D"),
+        (["arch=resnet10t"], 3, "timm encoders are 2D"),
+    ],
+)
+def test_bad_networks_are_refused_with_the_fix(
+    overrides: list[str], dims: int, match: str, tmp_path: Path
+) -> None:
+    cfg = load_config(overrides=["data=x", "task=segmentation", *overrides])
+    with pytest.raises(ConfigError, match=match):
+        build_seg_model(cfg, 3, 2, dims)
+
+
+def test_bigbatch_plan_takes_an_smp_decoder_on_an_encoder(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bigbatch.cli.main import main
+
+    args = ["plan", "--arch", "unet,fpn", "--encoder", "resnet10t", "--input-shape", "3,64,96",
+            "--num-classes", "4", "--batch", "8", "--budget", "2GB", "--overhead", "0",
+            "--no-calibrate"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "unet:resnet10t" in out and "fpn:resnet10t" in out and "1 x 8" in out
+    assert main([*args[:6], "3,64,90", *args[7:]]) == 2  # not a multiple of 32
+    assert "multiples of 32 (pad the image: 64x96)" in capsys.readouterr().err
+    assert main([*args[:4], "resnet1t", *args[5:]]) == 2
+    assert "unknown architecture 'resnet1t'" in capsys.readouterr().err
