@@ -113,3 +113,22 @@ def test_a_written_submission_reads_back_to_its_masks(tmp_path: Path, layout: st
 def test_a_mask_size_that_is_not_hxw_is_refused(text: str) -> None:
     with pytest.raises(RLEError, match=r"HEIGHTxWIDTH|at least 1"):
         parse_mask_size(text)
+
+
+def test_the_listing_and_the_folder_must_agree(tmp_path: Path) -> None:
+    from bigbatch.segmentation.rle import RLETable, check_listing
+
+    images = tmp_path / "train_images"
+    images.mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        (images / name).write_bytes(b"")
+    clouds = RLETable("image_label", ["Fish"], {"a.jpg": {}, "b.jpg": {}})
+    assert [p.name for p in check_listing(clouds, images)] == ["a.jpg", "b.jpg"]
+    with pytest.raises(RLEError, match=r"1 image\(s\) listed in the CSV are not in .*, e.g. c.jpg"):
+        check_listing(RLETable("image_label", ["Fish"], {"c.jpg": {}, "a.jpg": {}}), images)
+    with pytest.raises(RLEError, match=r"have no rows in the CSV, e.g. b.jpg: Image_Label lists"):
+        check_listing(RLETable("image_label", ["Fish"], {"a.jpg": {}}), images)
+    # Severstal's layout lists non-empty masks only: an unlisted image is all empty.
+    assert len(check_listing(RLETable("image_class", ["1"], {"a.jpg": {}}), images)) == 1
+    with pytest.raises(RLEError, match="is not a folder"):
+        check_listing(clouds, tmp_path / "nowhere")

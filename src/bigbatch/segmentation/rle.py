@@ -27,6 +27,7 @@ __all__ = [
     "LAYOUTS",
     "RLEError",
     "RLETable",
+    "check_listing",
     "parse_mask_size",
     "read_rle_csv",
     "rle_decode",
@@ -187,6 +188,38 @@ def read_rle_csv(path: str | Path) -> RLETable:
     if layout == "image_class":  # Severstal's class ids, in their numeric order
         table.classes.sort(key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
     return table
+
+
+def check_listing(table: RLETable, image_root: str | Path, csv_name: str = "the CSV") -> list[Path]:
+    """The image files of ``table``, under ``image_root``; RLEError, before any training, for an
+    image listed but missing, or (``Image_Label``, which lists every image) an image of the
+    folder with no row. An ``ImageId,ClassId`` CSV lists only non-empty masks, so a folder's
+    image without a row is all empty there.
+
+    >>> import tempfile, pathlib
+    >>> root = pathlib.Path(tempfile.mkdtemp()); _ = (root / "a.jpg").write_bytes(b"")
+    >>> [p.name for p in check_listing(RLETable("image_label", ["Fish"], {"a.jpg": {}}), root)]
+    ['a.jpg']
+    """
+    root = Path(image_root)
+    if not root.is_dir():
+        raise RLEError(f"image_root={root} is not a folder: give the folder of {csv_name}'s images")
+    missing = [name for name in table.masks if not (root / name).is_file()]
+    if missing:
+        raise RLEError(
+            f"{len(missing)} image(s) listed in {csv_name} are not in {root}, e.g. {missing[0]}: "
+            "point image_root= at the images' folder, or remove their rows"
+        )
+    if table.layout == "image_label":
+        on_disk = {p.name for p in root.iterdir() if p.is_file() and not p.name.startswith(".")}
+        unlisted = sorted(on_disk - set(table.masks))
+        if unlisted:
+            raise RLEError(
+                f"{len(unlisted)} image(s) in {root} have no rows in {csv_name}, e.g. "
+                f"{unlisted[0]}: Image_Label lists every image (empty cells for empty masks); "
+                "move other images (a test set?) out of the folder, or add their rows"
+            )
+    return [root / name for name in table.masks]
 
 
 def write_rle_csv(
