@@ -36,11 +36,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, cache: Path) -> str:
+def _run(tmp_path: Path, cache: Path, script: str = SCRIPT) -> str:
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
     env.pop("HF_HOME", None)
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "saved.pt")],
+        [sys.executable, "-c", script, str(tmp_path / "saved.pt")],
         capture_output=True,
         text=True,
         env=env,
@@ -99,20 +99,6 @@ print("LOADED", len(same) > 10 and all(same))
 """
 
 
-def _run_smp_offline(tmp_path: Path, cache: Path) -> str:
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    env.pop("HF_HOME", None)
-    done = subprocess.run(
-        [sys.executable, "-c", SMP_SCRIPT, str(tmp_path / "saved.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 def test_a_pretrained_smp_encoder_loads_offline_from_the_hub_cache(tmp_path: Path) -> None:
     import timm
@@ -124,7 +110,7 @@ def test_a_pretrained_smp_encoder_loads_offline_from_the_hub_cache(tmp_path: Pat
     weights = timm.create_model("resnet10t", num_classes=1000).state_dict()
     torch.save(weights, tmp_path / "saved.pt")
     write_hub_cache(tmp_path / "hub", "timm/resnet10t.c3_in1k", weights)
-    assert "LOADED True" in _run_smp_offline(tmp_path, tmp_path / "hub")
-    out = _run_smp_offline(tmp_path, tmp_path / "empty-hub")  # neither a network nor a cache
+    assert "LOADED True" in _run(tmp_path, tmp_path / "hub", SMP_SCRIPT)
+    out = _run(tmp_path, tmp_path / "empty-hub", SMP_SCRIPT)  # neither a network nor a cache
     assert out.startswith("ERROR pretrained weights for the encoder resnet10t")
     assert str(tmp_path / "empty-hub") in out and "weights=FILE" in out

@@ -131,18 +131,24 @@ def pretrained_state(
     try:
         model = _create(arch, num_classes, img_size, in_chans, pretrained=True)
     except Exception as exc:
-        import timm
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        cfg = timm.models.get_pretrained_cfg(arch)
-        source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or arch
-        raise ValueError(
-            f"pretrained weights for {arch} ({source}) are not in the Hugging Face cache "
-            f"{HF_HUB_CACHE} and could not be downloaded ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}); run once "
-            "with a network, point HF_HUB_CACHE at a cache that has them, or give weights=FILE"
-        ) from None
+        raise not_cached_error(arch, arch, exc) from None
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def not_cached_error(what: str, arch: str, exc: Exception) -> ValueError:
+    """The one line for timm's pretrained weights of ``arch`` that could be neither read from
+    the Hugging Face cache nor downloaded (``what`` names them: the model, or an encoder)."""
+    import timm
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    cfg = timm.models.get_pretrained_cfg(arch)
+    source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or arch
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return ValueError(
+        f"pretrained weights for {what} ({source}) are not in the Hugging Face cache "
+        f"{HF_HUB_CACHE} and could not be downloaded ({type(exc).__name__}: {first}); run once "
+        "with a network, point HF_HUB_CACHE at a cache that has them, or give weights=FILE"
+    )
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

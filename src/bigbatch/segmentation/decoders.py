@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.models import resolve_arch
+from bigbatch.models import not_cached_error, resolve_arch
 
 __all__ = ["SMP_ARCHS", "smp_factory"]
 
@@ -72,18 +72,7 @@ def _pretrained_encoder(
     try:
         model = _create(arch, encoder, in_channels, num_classes, norm, "imagenet")
     except Exception as exc:
-        import timm
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        cfg = timm.models.get_pretrained_cfg(encoder)
-        source = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or encoder
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-        raise ValueError(
-            f"pretrained weights for the encoder {encoder} ({source}) are not in the Hugging "
-            f"Face cache {HF_HUB_CACHE} and could not be downloaded ({type(exc).__name__}: "
-            f"{first}); run once with a network, point HF_HUB_CACHE at a cache that has them, "
-            "or give weights=FILE"
-        ) from None
+        raise not_cached_error(f"the encoder {encoder}", encoder, exc) from None
     encoder_module: nn.Module = model.encoder  # type: ignore[assignment]
     return {k: v.detach().clone() for k, v in encoder_module.state_dict().items()}
 

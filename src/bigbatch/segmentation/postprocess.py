@@ -50,16 +50,24 @@ def resize_probabilities(probs: torch.Tensor, size: tuple[int, int]) -> torch.Te
     return F.interpolate(probs.float(), size=size, mode="bilinear", align_corners=False)
 
 
-def _keep_large(mask: np.ndarray, min_size: int) -> np.ndarray:
-    if min_size <= 0 or not mask.any():
-        return mask
+def _components(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each pixel's connected component (0: background) and each component's size."""
     from scipy import ndimage  # the segmentation extra's
 
     labels, count = ndimage.label(mask)
-    sizes = np.bincount(labels.ravel(), minlength=count + 1)
+    return labels, np.bincount(labels.ravel(), minlength=count + 1)
+
+
+def _kept(labels: np.ndarray, sizes: np.ndarray, min_size: int) -> np.ndarray:
     keep = sizes >= min_size
     keep[0] = False
     return keep[labels]
+
+
+def _keep_large(mask: np.ndarray, min_size: int) -> np.ndarray:
+    if min_size <= 0 or not mask.any():
+        return mask
+    return _kept(*_components(mask), min_size)
 
 
 def apply_rules(probs: np.ndarray, rules: Sequence[ClassRule]) -> np.ndarray:
@@ -112,9 +120,10 @@ def tune_rules(
     for c in range(probs.shape[1]):
         best = (-1.0, ClassRule())
         for threshold in thresholds:
-            above = probs[:, c] > threshold
+            # Each image's components once per threshold; every size only filters them.
+            parts = [_components(m) for m in probs[:, c] > threshold]
             for size in sizes:
-                kept = np.stack([_keep_large(m, size) for m in above])[:, None]
+                kept = np.stack([_kept(labels, counts, size) for labels, counts in parts])[:, None]
                 score = float(competition_dice(kept, truth[:, c : c + 1])[0])
                 if score > best[0]:
                     best = (score, ClassRule(float(threshold), size))

@@ -88,7 +88,7 @@ def rle_decode(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.
             "number means another convention (0-based?): re-encode it"
         )
     ends = starts + lengths - 1
-    if ends[-1] > size or (ends > size).any():
+    if (ends > size).any():
         raise RLEError(
             f"{where}: a run ends at pixel {int(ends.max())}, past the image's {size} pixels "
             f"({shape[0]} x {shape[1]}): the mask belongs to a larger image, or the image was "

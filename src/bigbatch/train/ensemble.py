@@ -66,9 +66,10 @@ MEMBER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SPLIT_KEYS = ("data", "image_root", "valid", "valid_pct", "seed", "bad_images")
 
 
-def _key(cfg: TrainConfig, key: str) -> Any:
-    """A config key's value, shared or the task's own."""
-    return cfg.to_dict()[key]
+def _split_of(cfg: TrainConfig) -> tuple[Any, ...]:
+    """The values of the keys that decide a member's data split (shared or the task's own)."""
+    values = cfg.to_dict()
+    return tuple(values[k] for k in SPLIT_KEYS)
 
 
 def load_experiments(
@@ -128,7 +129,8 @@ def load_experiments(
         raise ConfigError(f"{path}: the members' weights add up to 0")
     first = members[0]
     for m in members[1:]:
-        differ = [k for k in SPLIT_KEYS if _key(m.config, k) != _key(first.config, k)]
+        pairs = zip(SPLIT_KEYS, _split_of(m.config), _split_of(first.config), strict=True)
+        differ = [k for k, a, b in pairs if a != b]
         if differ:
             raise ConfigError(
                 f"members {first.name} and {m.name} differ in {', '.join(differ)}: their "
@@ -280,7 +282,7 @@ def _scan_and_check(
     and every member's model built and run on the input size (one step on fake tensors)."""
     scans: dict[tuple[Any, ...], tuple[ImageItems, ImageItems]] = {}
     for m in members:
-        key = tuple(_key(m.config, k) for k in SPLIT_KEYS)
+        key = _split_of(m.config)
         if key not in scans:
             scans[key] = prepare_data(m.config, log=log)
         c = m.config
@@ -329,7 +331,7 @@ def run_ensemble(
     classes: list[str] | None = None
     for m in members:
         c = m.config
-        data = scans[tuple(_key(c, k) for k in SPLIT_KEYS)]
+        data = scans[_split_of(c)]
         run_dir = out_dir / m.name
         log(
             f"\n== member {m.name}: {c.model_name} @ {c.size} ({c.options.item_transform}), weight {m.weight}"
@@ -354,7 +356,7 @@ def run_ensemble(
             test_probs.append((m.weight, tp))
     if classes is None:
         raise ConfigError("no member was trained")
-    valid_labels = np.array(scans[tuple(_key(members[0].config, k) for k in SPLIT_KEYS)][1].labels)
+    valid_labels = np.array(scans[_split_of(members[0].config)][1].labels)
     _write_ensemble(result, valid_probs, valid_labels, test_probs, classes, options, out_dir)
     return result
 

@@ -115,7 +115,7 @@ def _task_step(task: Task | None) -> tuple[Any, Any]:
     """(step, batch) for :class:`StepSpec`: the task's own step on its example batches, where it
     gives them; made once, so that every micro-batch size's spec shares them (the planner
     caches its traces by step)."""
-    if task is None or task.example_batch(1, "cpu") is None:
+    if task is None or task.example_batch(1, "meta") is None:  # shapes only: nothing made
         return None, None
 
     def step(model: nn.Module, micro: Any) -> torch.Tensor:
