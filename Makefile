@@ -53,6 +53,7 @@ demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/bigbatch demo --out demo_output
 	$(DEMO_VENV)/bin/bigbatch demo --task segmentation --out demo_output/segmentation
 	$(DEMO_VENV)/bin/bigbatch demo --task brats --out demo_output/brats
+	$(DEMO_VENV)/bin/bigbatch demo --task clouds --out demo_output/clouds
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

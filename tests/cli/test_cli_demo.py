@@ -89,3 +89,20 @@ def test_brats_demo_command_line(
     assert main(["demo", "--task", "brats", "--out", str(tmp_path)]) == 0
     assert seen["epochs"] == 10  # brats' own default
     assert "wt 0.900, tc 0.800, et 0.700" in capsys.readouterr().out
+
+
+def test_clouds_demo_from_csv_to_submission(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("albumentations")
+    from bigbatch.segmentation.rle import read_rle_csv
+
+    assert main(["demo", "--task", "clouds", "--epochs", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "validation Dice per class with the tuned rules" in out
+    run = tmp_path / "runs" / "clouds"
+    submission = read_rle_csv(run / "submission.csv")
+    assert submission.layout == "image_label" and len(submission.masks) == 8
+    assert submission.classes == ["Fish", "Flower", "Gravel", "Sugar"]
+    header = (run / "history.csv").read_text().splitlines()[0].split(",")
+    assert {"dice_Fish", "dice_Sugar"} <= set(header)

@@ -144,7 +144,7 @@ def test_model_that_cannot_take_the_size_fails_before_training(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:
     overrides = [*base_overrides(image_folder, "tinymodel:fixed_size"), "size=32"]
-    with pytest.raises(ConfigError, match="cannot train at size 32"):
+    with pytest.raises(ConfigError, match="cannot train on inputs of 3x32x32"):
         train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
     assert not (tmp_path / "run" / "last.pt").exists()
 

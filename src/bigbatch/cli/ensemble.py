@@ -1,4 +1,6 @@
-"""``bigbatch ensemble EXPERIMENTS.toml --out DIR``: train members, TTA, weighted average, submit."""
+"""``bigbatch ensemble EXPERIMENTS.toml --out DIR``: train members, TTA, weighted average, submit;
+``bigbatch ensemble RUN RUN ... --images DIR``: the submission of runs trained on a Kaggle RLE
+CSV, their probabilities averaged before the per-class thresholds."""
 
 from __future__ import annotations
 
@@ -10,16 +12,37 @@ from bigbatch.cli import UserError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "experiments", type=Path, help="TOML with [common], [ensemble] and [[member]] tables"
+        "experiments",
+        type=Path,
+        help="TOML with [common], [ensemble] and [[member]] tables; or the first of several "
+        "run folders trained on a Kaggle RLE CSV (with --images)",
     )
-    p.add_argument("overrides", nargs="*", help="key=value applied to every member, e.g. epochs=1")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value applied to every member, e.g. epochs=1; or the other run folders",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/ensemble"))
+    p.add_argument(
+        "--images", type=Path, help="run folders: the test images to write the submission for"
+    )
+    p.add_argument(
+        "--mask-size",
+        default="",
+        help="run folders: the submission's masks as HEIGHTxWIDTH; default: the size the "
+        "first run's postprocess.json was tuned at",
+    )
+    p.add_argument("--tta", type=int, default=2, help="run folders: passes (flips) per image")
+    p.add_argument("--device", default="cpu", help="run folders: cpu, cuda, cuda:N, mps or auto")
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
+
+    if args.experiments.is_dir():
+        return _run_folders(args)
     from bigbatch.train.ensemble import run_ensemble
 
     try:
@@ -32,4 +55,37 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nscores: {args.out / 'scores.csv'}")
     if result.submission:
         print(f"submission: {result.submission}\nensemble probabilities: {result.predictions}")
+    return 0
+
+
+def _run_folders(args: argparse.Namespace) -> int:
+    from bigbatch.train.config import ConfigError
+    from bigbatch.train.data import DataError
+    from bigbatch.train.tasks.segmentation.submit import write_submission
+
+    runs = [args.experiments, *map(Path, args.overrides)]
+    not_runs = [r for r in runs if not (r / "task.json").is_file()]
+    if not_runs:
+        raise UserError(
+            f"{not_runs[0]} is not a run folder (no task.json): give the folders bigbatch train "
+            "wrote, or an experiments TOML"
+        )
+    if args.images is None:
+        raise UserError(
+            "run folders need --images DIR: the test images to write the submission for"
+        )
+    try:
+        target, rows, note = write_submission(
+            runs,
+            args.images,
+            args.out / "submission.csv",
+            mask_size=args.mask_size,
+            tta=args.tta,
+            device=args.device,
+        )
+    except (ConfigError, DataError, ValueError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+    print(
+        f"submission of {len(runs)} run(s), probabilities averaged: {rows} rows, {note}: {target}"
+    )
     return 0

@@ -1,5 +1,6 @@
 """``bigbatch predict RUN_DIR IMAGES --tta N``: class probabilities (.npz) and labels (.csv), or,
-for a segmentation run, masks (PNG, .npy or NIfTI, as the inputs) in RUN/masks."""
+for a segmentation run, masks (PNG, .npy or NIfTI, as the inputs) in RUN/masks, or the
+submission CSV of a run trained on a Kaggle RLE CSV."""
 
 from __future__ import annotations
 
@@ -34,10 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="segmentation volumes: how much neighbouring windows overlap (0 to <1)",
     )
     p.add_argument(
+        "--mask-size",
+        default="",
+        help="a run trained on a Kaggle RLE CSV: the submission's masks as HEIGHTxWIDTH (e.g. "
+        "350x525); default: the size its postprocess.json was tuned at",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         help="output path without suffix (default: RUN/predictions); segmentation: a folder "
-        "(default: RUN/masks)",
+        "(default: RUN/masks), or the submission CSV of an RLE run (default: RUN/submission.csv)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
 
@@ -51,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     # A task's own options, passed only when set: a task refuses those it does not take.
     options = {"patch": args.patch} if args.patch else {}
     options |= {"overlap": args.overlap} if args.overlap != 0.5 else {}
+    options |= {"mask_size": args.mask_size} if args.mask_size else {}
     request = PredictRequest(
         args.run, args.images, args.out, args.tta, args.checkpoint, args.device, options
     )

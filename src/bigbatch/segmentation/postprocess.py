@@ -24,6 +24,7 @@ __all__ = [
     "apply_rules",
     "competition_dice",
     "load_rules",
+    "pair_dice",
     "resize_probabilities",
     "save_rules",
     "tune_rules",
@@ -84,14 +85,10 @@ def apply_rules(probs: np.ndarray, rules: Sequence[ClassRule]) -> np.ndarray:
     )
 
 
-def competition_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    """Each class's mean Dice over the images, (N, C, H, W) boolean masks in; an empty
-    prediction of an empty mask scores 1.
-
-    >>> empty = np.zeros((2, 1, 3, 3), dtype=bool)
-    >>> competition_dice(empty, empty).tolist()
-    [1.0]
-    """
+def pair_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """The Dice of every image-class pair, ``(N, C)`` float64, of (N, C, H, W) boolean masks;
+    an empty prediction of an empty mask scores 1 (MONAI's ``compute_dice``,
+    ``ignore_empty=False``)."""
     from monai.metrics import compute_dice
 
     scores = compute_dice(
@@ -100,7 +97,18 @@ def competition_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
         include_background=True,
         ignore_empty=False,
     )
-    return scores.mean(0).numpy().astype(np.float64)
+    return scores.numpy().astype(np.float64)
+
+
+def competition_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Each class's mean Dice over the images (:func:`pair_dice`), (N, C, H, W) boolean masks
+    in.
+
+    >>> empty = np.zeros((2, 1, 3, 3), dtype=bool)
+    >>> competition_dice(empty, empty).tolist()
+    [1.0]
+    """
+    return pair_dice(predicted, truth).mean(0)
 
 
 def tune_rules(

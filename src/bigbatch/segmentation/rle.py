@@ -32,6 +32,8 @@ __all__ = [
     "read_rle_csv",
     "rle_decode",
     "rle_encode",
+    "rle_runs",
+    "runs_overlap",
     "write_rle_csv",
 ]
 
@@ -62,12 +64,17 @@ def rle_encode(mask: np.ndarray) -> str:
     return " ".join(f"{s} {e - s}" for s, e in zip(starts.tolist(), ends.tolist(), strict=True))
 
 
-def rle_decode(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.ndarray:
-    """The boolean mask of ``shape`` (height, width) an encoding describes; ``where`` names it
-    in errors (a CSV row)."""
+def rle_runs(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.ndarray:
+    """The runs of an encoding as ``(runs, 2)`` int64 of 0-based first and one-past-last pixel
+    (column by column), each checked against ``shape`` (height, width); ``where`` names the
+    encoding in errors (a CSV row).
+
+    >>> rle_runs("2 3", (2, 2)).tolist()
+    [[1, 4]]
+    """
     values = rle.split()
     if not values:
-        return np.zeros(shape, dtype=bool)
+        return np.zeros((0, 2), dtype=np.int64)
     try:
         numbers = np.array([int(v) for v in values], dtype=np.int64)
     except ValueError:
@@ -100,10 +107,33 @@ def rle_decode(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.
             f"{where}: run {at + 1} (start {int(starts[at])}) begins before run {at} ends "
             f"({int(ends[at - 1])}): runs must be sorted and must not overlap; re-encode the mask"
         )
+    return np.stack([starts - 1, ends], axis=1)
+
+
+def rle_decode(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.ndarray:
+    """The boolean mask of ``shape`` (height, width) an encoding describes; ``where`` names it
+    in errors (a CSV row)."""
+    runs = rle_runs(rle, shape, where)
+    size = shape[0] * shape[1]
     flat = np.zeros(size + 1, dtype=np.int8)
-    np.add.at(flat, starts - 1, 1)
-    np.add.at(flat, ends, -1)
+    np.add.at(flat, runs[:, 0], 1)
+    np.add.at(flat, runs[:, 1], -1)
     return np.cumsum(flat[:-1]).astype(bool).reshape(shape, order="F")
+
+
+def runs_overlap(runs: Sequence[np.ndarray]) -> bool:
+    """Whether runs of several masks of one image (:func:`rle_runs`) share a pixel, without
+    decoding them.
+
+    >>> runs_overlap([rle_runs("1 3", (2, 2)), rle_runs("3 2", (2, 2))])
+    True
+    """
+    every = np.concatenate([np.zeros((0, 2), dtype=np.int64), *runs])
+    if len(every) < 2:
+        return False
+    every = every[np.argsort(every[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(every[:, 1])
+    return bool((every[1:, 0] < reach[:-1]).any())
 
 
 def parse_mask_size(text: str) -> tuple[int, int]:

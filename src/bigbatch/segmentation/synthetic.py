@@ -10,7 +10,14 @@ import numpy as np
 
 from bigbatch.io import atomic_path
 
-__all__ = ["BRATS_REGIONS", "write_blobs_3d", "write_brats_like", "write_shapes_2d"]
+__all__ = [
+    "BRATS_REGIONS",
+    "CLOUD_CLASSES",
+    "write_blobs_3d",
+    "write_brats_like",
+    "write_clouds_like",
+    "write_shapes_2d",
+]
 
 
 def write_shapes_2d(folder: str | Path, n: int = 64, size: int = 64, seed: int = 0) -> Path:
@@ -153,3 +160,70 @@ def _save_nifti(image: Any, path: Path) -> None:
         staged = tmp.with_name(tmp.name + ".nii.gz")
         nib.save(image, str(staged))
         staged.replace(tmp)
+
+
+# Clouds' classes, each drawn as its own texture: stripes, dots, checks and a plain bright patch.
+CLOUD_CLASSES = ("Fish", "Flower", "Gravel", "Sugar")
+
+
+def _cloud_texture(name: str, height: int, width: int) -> np.ndarray:
+    yy, xx = np.mgrid[:height, :width]
+    if name == "Fish":
+        return (yy // 2 % 2 == 0).astype(np.float32)  # horizontal stripes
+    if name == "Flower":
+        return ((yy // 2 % 2 == 0) & (xx // 2 % 2 == 0)).astype(np.float32)  # dots
+    if name == "Gravel":
+        return (xx // 2 % 2 == 0).astype(np.float32)  # vertical stripes
+    return np.full((height, width), 0.6, dtype=np.float32)  # Sugar: a plain bright patch
+
+
+def write_clouds_like(
+    folder: str | Path,
+    n: int = 48,
+    height: int = 64,
+    width: int = 96,
+    seed: int = 0,
+    n_test: int = 8,
+) -> Path:
+    """An Understanding-Clouds-shaped competition: ``train.csv`` in the ``Image_Label,
+    EncodedPixels`` layout over ``train_images/*.jpg``, and unlabelled ``test_images/``. Each
+    image holds up to four textured rectangles, one per class present, which may overlap (a
+    pixel can be Fish and Sugar). Existing files are rewritten alike (the same seed).
+
+    >>> import tempfile; d = write_clouds_like(tempfile.mkdtemp(), n=2, n_test=1)
+    >>> (d / "train.csv").read_text().splitlines()[0]
+    'Image_Label,EncodedPixels'
+    """
+    import csv
+
+    from PIL import Image
+
+    from bigbatch.segmentation.rle import rle_encode
+
+    root = Path(folder)
+    rng = np.random.default_rng(seed)
+    rows: list[tuple[str, str]] = []
+    for split, count in (("train_images", n), ("test_images", n_test)):
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            image = rng.normal(0.3, 0.05, (height, width)).astype(np.float32)
+            name = f"{split.removesuffix('_images')}_{i:04d}.jpg"
+            for c in CLOUD_CLASSES:
+                mask = np.zeros((height, width), dtype=bool)
+                if rng.random() < 0.6:
+                    h, w = (
+                        int(rng.integers(height // 4, height // 2)),
+                        int(rng.integers(width // 4, width // 2)),
+                    )
+                    top, left = int(rng.integers(0, height - h)), int(rng.integers(0, width - w))
+                    mask[top : top + h, left : left + w] = True
+                    texture = _cloud_texture(c, height, width)
+                    image[mask] = 0.5 * image[mask] + 0.5 * texture[mask]
+                rows.append((f"{name}_{c}", rle_encode(mask)))
+            rgb = (np.clip(image, 0, 1) * 255).astype(np.uint8)
+            with atomic_path(root / split / name) as tmp:
+                Image.fromarray(np.stack([rgb] * 3, -1)).save(tmp, format="JPEG", quality=95)
+        if split == "train_images":
+            with atomic_path(root / "train.csv") as tmp, tmp.open("w", newline="") as f:
+                csv.writer(f).writerows([("Image_Label", "EncodedPixels"), *rows])
+    return root

@@ -98,7 +98,7 @@ def plan_for(
                 "feature map): set micro_batch >= 2, or freeze_bn=true"
             ) from exc
         raise ConfigError(
-            f"{cfg.model_name} cannot train at size {cfg.size}: {type(exc).__name__}: {str(exc)[:300]}"
+            f"{cfg.model_name} cannot train on inputs of {'x'.join(map(str, input_shape))}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc
     if cfg.micro_batch:
         _check_fixed(cfg, plan, spec_at, log)

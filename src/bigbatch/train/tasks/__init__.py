@@ -163,9 +163,12 @@ def _classification(cfg: TrainConfig) -> Task:
 
 
 def _segmentation(cfg: TrainConfig) -> Task:
+    from bigbatch.train.tasks.segmentation.kaggle import KaggleSegmentationTask
+    from bigbatch.train.tasks.segmentation.rle_data import is_rle_csv
     from bigbatch.train.tasks.segmentation.task import SegmentationTask
 
-    return SegmentationTask(cfg)
+    # A Kaggle RLE CSV (told by its header) is read as the competitions ship it.
+    return KaggleSegmentationTask(cfg) if is_rle_csv(cfg.data) else SegmentationTask(cfg)
 
 
 def _predict_classification(request: PredictRequest) -> str:

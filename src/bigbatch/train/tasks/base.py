@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -183,6 +184,13 @@ class Task:
     def infer(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Validation's forward pass (sliding windows over whole volumes, for one)."""
         return model(x)
+
+    def finish(
+        self, model: nn.Module, loader: Iterable[Any], where: Placement, run_dir: Path, log: Log
+    ) -> None:
+        """After the last epoch, with the best weights in ``model``: anything the task derives
+        from the validation set (``loader``) for prediction, written into ``run_dir`` (a
+        segmentation run's per-class thresholds). Nothing by default."""
 
     def evaluate(self, model: nn.Module, loader: Iterable[Any], where: Placement) -> Metrics:
         """The validation set through ``model`` into a fresh :meth:`metrics` tally."""

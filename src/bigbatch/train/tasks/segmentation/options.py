@@ -62,6 +62,29 @@ class SegmentationOptions(TaskOptions):
         "",
         "the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
     )
+    labels: str = option(
+        "auto",
+        "Kaggle RLE CSV data: multilabel (a sigmoid per class, Dice + BCE per class; classes "
+        "may overlap), exclusive (one label per pixel, background included) or auto "
+        "(multilabel when a pixel carries two classes)",
+        choices=("auto", "multilabel", "exclusive"),
+    )
+    image_size: str = option(
+        "",
+        "RLE CSV data: train and validate at HxW (e.g. 704x1056; masks resized by nearest "
+        "neighbour); empty: the images' own size (full resolution)",
+    )
+    crop: str = option(
+        "",
+        "RLE CSV data: train on random HxW crops (e.g. 512x512) of the images; validation "
+        "sees whole images; empty: whole images",
+    )
+    mask_size: str = option(
+        "",
+        "RLE CSV data: the submission's mask size HxW (Clouds: 350x525), at which the "
+        "per-class thresholds and smallest components are tuned after training "
+        "(postprocess.json); empty: the images' size",
+    )
     regions: str = option(
         "",
         "score unions of labels as structures, e.g. wt:1,2,3;tc:1,3;et:3 (BraTS's nested regions)",

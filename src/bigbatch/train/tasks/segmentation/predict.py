@@ -132,7 +132,26 @@ def with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.T
 
 def predict_request(request: PredictRequest) -> str:
     """``bigbatch predict`` on a segmentation run: a mask for every image or volume under
-    ``request.inputs`` (options ``patch``, ``overlap``); the summary line."""
+    ``request.inputs`` (options ``patch``, ``overlap``), or, for a run trained on a Kaggle RLE
+    CSV, the submission CSV (option ``mask_size``); the summary line."""
+    try:
+        info = read_task_info(request.run_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if info.get("rle"):
+        from bigbatch.train.tasks.segmentation.submit import write_submission
+
+        request.refuse_options("Kaggle RLE segmentation", ("mask_size",))
+        target, rows, note = write_submission(
+            [request.run_dir],
+            request.inputs,
+            request.out or request.run_dir / "submission.csv",
+            mask_size=str(request.options.get("mask_size", "")),
+            tta=request.tta,
+            checkpoint=request.checkpoint,
+            device=request.device,
+        )
+        return f"submission: {rows} rows, {request.tta} TTA pass(es) (flips), {note}: {target}"
     request.refuse_options("segmentation", ("patch", "overlap"))
     out = request.out or request.run_dir / "masks"
     check_writable(out / "probe", "--out")

@@ -20,7 +20,7 @@ from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_mult
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.optim import head_parameters
-from bigbatch.train.tasks.base import Task
+from bigbatch.train.tasks.base import Metrics, Task
 from bigbatch.train.tasks.segmentation.data import (
     SegDataset,
     SegItems,
@@ -200,7 +200,7 @@ class SegmentationTask(Task):
         self.binary_255 = False
         self.settings = seg_settings(cfg)
 
-    def prepare(self, log: Log, data: Any = None) -> tuple[SegItems, SegItems]:
+    def prepare(self, log: Log, data: Any = None) -> tuple[Any, Any]:
         cfg = self.cfg
         if data is not None:
             train_items, valid_items = data
@@ -273,7 +273,7 @@ class SegmentationTask(Task):
             self.cfg.size, self.settings.spacing, self.options.pos_neg, self.settings.multiple
         )
 
-    def datasets(self, train_items: SegItems, valid_items: SegItems) -> tuple[Any, Any]:
+    def datasets(self, train_items: Any, valid_items: Any) -> tuple[Any, Any]:
         size, augment, recipe = self.cfg.size, self.cfg.augment, self.recipe()
         return (
             SegDataset(train_items, size, train=True, augment=augment, recipe=recipe),
@@ -324,9 +324,10 @@ class SegmentationTask(Task):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "_loss"):
             self._loss = self._loss_fn()
-        return self._loss(logits.float(), targets)
+        # Half-precision logits (autocast) in float32; float64 stays float64.
+        return self._loss(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
 
-    def metrics(self) -> SegmentationValidation:
+    def metrics(self) -> Metrics:
         scores = CaseScores(
             self.num_classes,
             names=self.classes,

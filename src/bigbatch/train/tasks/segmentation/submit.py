@@ -1,0 +1,248 @@
+"""A Kaggle submission from runs trained on an RLE CSV: each test image's class probabilities
+(test-time flips averaged), averaged over the runs when there are several, resized to the
+submission's mask size, thresholded and cleaned by the per-class rules tuned on validation
+(``postprocess.json``), and written in the training CSV's layout.
+
+Everything is checked before the first image is predicted: the runs' classes and layout agree,
+every test image is readable, the mask size is ``HxW``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bigbatch.device import autocast_for
+from bigbatch.images import read_pixels
+from bigbatch.io import atomic_path
+from bigbatch.models import MEAN, STD
+from bigbatch.segmentation.postprocess import (
+    ClassRule,
+    apply_rules,
+    load_rules,
+    resize_probabilities,
+)
+from bigbatch.segmentation.rle import RLEError, parse_mask_size, write_rle_csv
+from bigbatch.train.checkpoint import load_weights_file
+from bigbatch.train.config import ConfigError, config_from_json
+from bigbatch.train.data import images_to_predict
+from bigbatch.train.runtime import resolve_device, resolve_precision
+from bigbatch.train.tasks import read_task_info
+from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
+from bigbatch.train.tasks.segmentation.task import build_seg_model
+
+__all__ = ["SubmissionRun", "load_submission_run", "write_submission"]
+
+
+@dataclass
+class SubmissionRun:
+    """A trained RLE run, ready to predict: its model, classes, layout and rules."""
+
+    run_dir: Path
+    model: torch.nn.Module
+    classes: list[str]
+    layout: str
+    multilabel: bool
+    image_size: tuple[int, int] | None
+    rules: list[ClassRule] | None  # None: no validation set, nothing was tuned
+    rules_size: tuple[int, int]  # the mask size the rules' smallest components count at
+    precision: str
+    split: tuple[Any, ...]  # what decides its validation images (data, image_root, valid_pct, seed)
+    labels: str
+
+
+def load_submission_run(
+    run_dir: str | Path, checkpoint: str = "best", device: torch.device | None = None
+) -> SubmissionRun:
+    """Read a run trained on an RLE CSV (ConfigError with the fix for any other run)."""
+    run_dir = Path(run_dir)
+    try:
+        info = read_task_info(run_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    rle = info.get("rle")
+    if not rle:
+        raise ConfigError(
+            f"{run_dir} was not trained on a Kaggle RLE CSV: --mask-size and submissions are "
+            "for such runs; bigbatch predict writes its masks as images"
+        )
+    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
+    weights = run_dir / f"{checkpoint}.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
+    classes = [str(c) for c in info["classes"]]
+    cfg.pretrained, cfg.weights = False, ""  # the run's own weights replace any starting ones
+    model = build_seg_model(cfg, 3, int(info["num_classes"]), 2)()
+    load_weights_file(model, weights)
+    dev = device or torch.device("cpu")
+    model.to(dev).eval()
+    rules_file = run_dir / "postprocess.json"
+    rules, rules_size = None, tuple(rle["mask_size"] or (0, 0))
+    if rules_file.is_file():
+        try:
+            rules, rules_size = load_rules(rules_file, classes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return SubmissionRun(
+        run_dir,
+        model,
+        classes,
+        str(rle["layout"]),
+        bool(rle["multilabel"]),
+        tuple(rle["image_size"]) if rle.get("image_size") else None,
+        rules,
+        (int(rules_size[0]), int(rules_size[1])),
+        resolve_precision(cfg.precision, dev),
+        (cfg.data, cfg.image_root, cfg.valid_pct, cfg.seed),
+        str(getattr(cfg.options, "labels", "auto")),
+    )
+
+
+def _image_tensor(path: Path, image_size: tuple[int, int] | None) -> torch.Tensor:
+    """A ``(1, 3, H, W)`` input as in training's validation: [0, 1], resized, normalised."""
+    x = torch.from_numpy(read_pixels(path))[None]
+    if image_size and tuple(x.shape[-2:]) != image_size:
+        x = torch.nn.functional.interpolate(x, size=image_size, mode="bilinear", antialias=True)
+    return (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+
+
+def _probabilities(run: SubmissionRun, path: Path, tta: int, device: torch.device) -> torch.Tensor:
+    """One image's ``(classes, H, W)`` probabilities, the flips of ``tta`` passes averaged."""
+    from bigbatch.train.tasks.segmentation.predict import with_tta
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with autocast_for(run.precision, device.type):
+            logits = padded_forward(run.model, x.to(device))
+        return probabilities_of(logits, run.multilabel)
+
+    with torch.no_grad():
+        return with_tta(forward, _image_tensor(path, run.image_size), tta)[0].cpu()
+
+
+def _check_members(runs: Sequence[SubmissionRun]) -> None:
+    first = runs[0]
+    for other in runs[1:]:
+        if other.classes != first.classes or other.multilabel != first.multilabel:
+            raise ConfigError(
+                f"{other.run_dir} predicts {', '.join(other.classes)} "
+                f"({'multilabel' if other.multilabel else 'exclusive'}), {first.run_dir} "
+                f"{', '.join(first.classes)}: an ensemble's runs share their classes"
+            )
+        if other.layout != first.layout:
+            raise ConfigError(
+                f"{other.run_dir} was trained on a {other.layout} CSV, {first.run_dir} on a "
+                f"{first.layout} one: train them on the same competition's CSV"
+            )
+
+
+def write_submission(
+    run_dirs: Sequence[str | Path],
+    images: str | Path,
+    out: str | Path,
+    *,
+    mask_size: str = "",
+    tta: int = 2,
+    checkpoint: str = "best",
+    device: str = "cpu",
+) -> tuple[Path, int, str]:
+    """Write the submission CSV of every image under ``images`` to ``out``: the runs'
+    probabilities averaged (one run: its own), at ``mask_size`` (``HxW``; default the size the
+    rules were tuned at), through the run's rules (several runs validated on the same images:
+    rules tuned again on their averaged probabilities, saved beside ``out`` as
+    ``postprocess.json``); returns the path, the rows and a note on the rules used."""
+    if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
+        raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
+    try:
+        size = parse_mask_size(mask_size) if mask_size else None
+    except RLEError as exc:
+        raise ConfigError(str(exc)) from None
+    files = images_to_predict(images)  # every image readable, before any prediction
+    dev = resolve_device(device, "--device")
+    runs = [load_submission_run(r, checkpoint, dev) for r in run_dirs]
+    _check_members(runs)
+    lead = runs[0]
+    size = size or lead.rules_size
+    if not size[0]:
+        raise ConfigError("the run holds no mask size: give --mask-size HxW (e.g. 350x525)")
+    rules, note = _rules_at(lead, size)
+    if len(runs) > 1:
+        saved = Path(out).with_name("postprocess.json")
+        rules, note = _ensemble_rules(runs, size, tta, dev, (rules, note), saved)
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"two test images share a name under {images}: a submission row names one"
+        )
+
+    def rows() -> Any:
+        for path in files:
+            probs = sum(_probabilities(run, path, tta, dev) for run in runs) / len(runs)
+            at_size = resize_probabilities(torch.as_tensor(probs)[None], size)[0].numpy()
+            masks = apply_rules(at_size, rules)
+            yield path.name, dict(zip(lead.classes, masks, strict=True))
+
+    target = Path(out)
+    with atomic_path(target) as tmp:
+        count = write_rle_csv(tmp, lead.layout, lead.classes, rows())
+    return target, count, note
+
+
+def _ensemble_rules(
+    runs: Sequence[SubmissionRun],
+    size: tuple[int, int],
+    tta: int,
+    device: torch.device,
+    fallback: tuple[list[ClassRule], str],
+    saved: Path,
+) -> tuple[list[ClassRule], str]:
+    """Rules tuned again on the runs' averaged validation probabilities (the ensemble's own
+    threshold: averaging softens the probabilities); the first run's when the runs were not
+    validated on the same images."""
+    from bigbatch.segmentation.postprocess import save_rules, tune_rules
+    from bigbatch.train.data import split_items
+    from bigbatch.train.tasks.segmentation.rle_data import scan_rle
+
+    lead = runs[0]
+    if any(r.split != lead.split for r in runs) or not lead.split[2]:
+        rules, note = fallback
+        return rules, note + " (the runs were validated on different images: not tuned again)"
+    data, image_root, valid_pct, seed = lead.split
+    items = scan_rle(data, image_root, lead.labels)
+    _, valid = split_items(items, valid_pct, seed)
+    probs, truth = [], []
+    for i, path in enumerate(valid.images):
+        averaged = sum(_probabilities(run, path, tta, device) for run in runs) / len(runs)
+        probs.append(resize_probabilities(torch.as_tensor(averaged)[None], size)[0].numpy())
+        planes = torch.from_numpy(valid.masks(i)).float()[None]
+        truth.append(
+            torch.nn.functional.interpolate(planes, size=size, mode="nearest")[0].bool().numpy()
+        )
+    rules, scores = tune_rules(np.stack(probs), np.stack(truth))
+    save_rules(saved, lead.classes, rules, scores.tolist(), size)
+    return rules, (
+        f"per-class rules tuned on the {len(valid)} validation images' averaged probabilities "
+        f"(mean Dice {float(np.mean(scores)):.4f}; {saved})"
+    )
+
+
+def _rules_at(run: SubmissionRun, size: tuple[int, int]) -> tuple[list[ClassRule], str]:
+    """The rules for masks of ``size``: smallest components scaled by the area when the rules
+    were tuned at another size."""
+    if run.rules is None:
+        return [ClassRule()] * len(
+            run.classes
+        ), "threshold 0.5, no components dropped (the run had no validation set to tune them on)"
+    tuned = run.rules_size
+    if size == tuned:
+        return run.rules, f"per-class rules of {run.run_dir / 'postprocess.json'}"
+    scale = (size[0] * size[1]) / (tuned[0] * tuned[1])
+    rules = [ClassRule(r.threshold, round(r.min_size * scale)) for r in run.rules]
+    return rules, (
+        f"per-class rules of {run.run_dir / 'postprocess.json'}, tuned at {tuned[0]}x{tuned[1]}: "
+        f"smallest components scaled by the area to {size[0]}x{size[1]}"
+    )

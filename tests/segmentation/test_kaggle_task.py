@@ -1,0 +1,413 @@
+"""task=segmentation from a Kaggle RLE CSV: the checks before training, the samples, the
+per-class competition Dice, exact accumulation through the task's own step, and the trained
+run's submission (alone and as an ensemble), which decodes to the masks it predicted."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("monai")
+pytest.importorskip("albumentations")
+pytest.importorskip("segmentation_models_pytorch")
+
+from bigbatch import Accumulator, OOMBackoff, run_window
+from bigbatch.cli.main import main
+from bigbatch.segmentation.postprocess import (
+    apply_rules,
+    competition_dice,
+    resize_probabilities,
+    tune_rules,
+)
+from bigbatch.segmentation.rle import read_rle_csv, rle_encode, rle_runs, runs_overlap
+from bigbatch.segmentation.synthetic import CLOUD_CLASSES, write_clouds_like
+from bigbatch.train.config import ConfigError, load_config
+from bigbatch.train.data import DataError, split_items
+from bigbatch.train.loop import train
+from bigbatch.train.tasks import Placement, task_for
+from bigbatch.train.tasks.segmentation.kaggle import (
+    CompetitionScores,
+    KaggleSegmentationTask,
+    padded_forward,
+)
+from bigbatch.train.tasks.segmentation.rle_data import (
+    RLEDataset,
+    is_rle_csv,
+    scan_rle,
+)
+from bigbatch.train.tasks.segmentation.submit import (
+    _probabilities,
+    load_submission_run,
+)
+
+H, W = 32, 48
+
+
+def write_csv(path: Path, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> Path:
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    return path
+
+
+def competition(tmp_path: Path, masks: dict[str, dict[str, np.ndarray]]) -> Path:
+    """Images of H x W under tmp_path/images and their masks in an Image_Label CSV."""
+    from PIL import Image
+
+    (tmp_path / "images").mkdir(exist_ok=True)
+    rows = []
+    for name, by_class in masks.items():
+        Image.fromarray(np.full((H, W, 3), 90, np.uint8)).save(tmp_path / "images" / name)
+        rows += [(f"{name}_{c}", rle_encode(m)) for c, m in by_class.items()]
+    return write_csv(tmp_path / "train.csv", rows, ("Image_Label", "EncodedPixels"))
+
+
+def box(top: int, left: int, h: int = 8, w: int = 8) -> np.ndarray:
+    m = np.zeros((H, W), dtype=bool)
+    m[top : top + h, left : left + w] = True
+    return m
+
+
+# -- the checks, from the CSV and the headers ------------------------------------------------
+
+
+def test_overlapping_classes_read_as_multilabel_and_disjoint_as_exclusive(tmp_path: Path) -> None:
+    overlapping = competition(tmp_path, {"a.png": {"Fish": box(0, 0), "Sugar": box(4, 4)}})
+    assert is_rle_csv(overlapping)
+    items = scan_rle(overlapping, str(tmp_path / "images"))
+    assert items.multilabel and items.num_classes == 2 and items.shapes == [(H, W)]
+    with pytest.raises(DataError, match=r"a.png: two classes share pixels.*labels=multilabel"):
+        scan_rle(overlapping, str(tmp_path / "images"), labels="exclusive")
+    disjoint = competition(tmp_path, {"a.png": {"Fish": box(0, 0), "Sugar": box(20, 20)}})
+    items = scan_rle(disjoint, str(tmp_path / "images"))
+    assert not items.multilabel and items.num_classes == 3  # background + 2
+    assert scan_rle(disjoint, str(tmp_path / "images"), labels="multilabel").multilabel
+
+
+def test_runs_overlap_without_decoding() -> None:
+    shape = (4, 4)
+    assert not runs_overlap([rle_runs("1 2", shape), rle_runs("3 2", shape)])
+    assert runs_overlap([rle_runs("1 3", shape), rle_runs("3 2", shape)])
+    assert runs_overlap([rle_runs("1 10", shape), rle_runs("2 1", shape), rle_runs("", shape)])
+    assert not runs_overlap([rle_runs("", shape)])
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [
+        (f"{H * W - 1} 5", "past the image's"),
+        ("1 2 3", "odd count"),
+        ("5 3 1 2", "sorted and must not overlap"),
+    ],
+)
+def test_a_bad_encoding_is_refused_before_training(tmp_path: Path, cell: str, message: str) -> None:
+    competition(tmp_path, {"a.png": {"Fish": box(0, 0)}})
+    data = write_csv(tmp_path / "bad.csv", [("a.png_Fish", cell)], ("Image_Label", "EncodedPixels"))
+    with pytest.raises(DataError, match=message):
+        scan_rle(data, str(tmp_path / "images"))
+
+
+def test_images_missing_or_unlisted_are_refused(tmp_path: Path) -> None:
+    data = competition(tmp_path, {"a.png": {"Fish": box(0, 0)}})
+    (tmp_path / "images" / "extra.png").write_bytes((tmp_path / "images" / "a.png").read_bytes())
+    with pytest.raises(DataError, match=r"extra\.png: Image_Label lists every image"):
+        scan_rle(data, str(tmp_path / "images"))
+    (tmp_path / "images" / "extra.png").unlink()
+    (tmp_path / "images" / "a.png").unlink()
+    with pytest.raises(DataError, match=r"not in .*a.png: point image_root="):
+        scan_rle(data, str(tmp_path / "images"))
+
+
+def test_image_class_layout_gives_unlisted_images_empty_masks(tmp_path: Path) -> None:
+    competition(tmp_path, {"a.png": {"1": box(0, 0)}, "b.png": {"1": box(0, 0)}})
+    data = write_csv(
+        tmp_path / "steel.csv",
+        [("a.png", "3", rle_encode(box(2, 2)))],
+        ("ImageId", "ClassId", "EncodedPixels"),
+    )
+    items = scan_rle(data, str(tmp_path / "images"))
+    assert [p.name for p in items.images] == ["a.png", "b.png"]
+    assert not items.masks(1).any() and items.masks(0).sum() == 64
+
+
+# -- the samples and the scores -----------------------------------------------------------------
+
+
+def test_samples_are_whole_images_or_crops_with_masks_alike(tmp_path: Path) -> None:
+    data = competition(tmp_path, {"a.png": {"Fish": box(0, 0), "Sugar": box(4, 4)}})
+    items = scan_rle(data, str(tmp_path / "images"))
+    x, y = RLEDataset(items, train=False, augment=False)[0]
+    assert x.shape == (3, H, W) and y.shape == (2, H, W) and y.dtype == torch.uint8
+    assert torch.equal(y.bool(), torch.from_numpy(items.masks(0)))
+    torch.manual_seed(0)
+    x, y = RLEDataset(items, train=True, augment=True, crop=(16, 16))[0]
+    assert x.shape == (3, 16, 16) and y.shape == (2, 16, 16)
+    torch.manual_seed(0)  # a seed replays the random transforms
+    assert torch.equal(RLEDataset(items, train=True, augment=True, crop=(16, 16))[0][1], y)
+    exclusive = scan_rle(data, str(tmp_path / "images"), labels="multilabel")
+    exclusive.multilabel = False
+    _, labels = RLEDataset(exclusive, train=False, augment=False, image_size=(16, 24))[0]
+    assert labels.shape == (16, 24) and set(labels.unique().tolist()) <= {0, 1, 2}
+
+
+def test_competition_dice_per_class_does_not_depend_on_the_batches() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3, 8, 8, generator=g)
+    masks = (torch.rand(6, 3, 8, 8, generator=g) > 0.7).to(torch.uint8)
+    masks[2] = 0  # empty masks count: empty vs empty scores 1
+    whole = competition_dice((torch.sigmoid(logits) > 0.5).numpy(), masks.bool().numpy())
+    scores = CompetitionScores(lambda lg, t: lg.sum() * 0, ["a", "b", "c"], multilabel=True)
+    for part in ([0, 1, 2], [3], [4, 5]):
+        scores.update(logits[part], masks[part])
+    row = scores.as_dict()
+    assert [row[f"dice_{c}"] for c in "abc"] == pytest.approx(whole.tolist(), abs=1e-12)
+    assert row["dice"] == pytest.approx(float(whole.mean()), abs=1e-12)
+
+
+def test_padding_to_the_encoders_stride_is_cropped_back() -> None:
+    conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+    x = torch.randn(1, 3, 40, 50)
+    assert torch.equal(padded_forward(conv, x)[..., :30, :30], conv(x)[..., :30, :30])
+
+
+# -- exactness through the task's own step --------------------------------------------------
+
+
+def test_the_tasks_step_accumulates_exactly_and_loss_over_n_does_not(tmp_path: Path) -> None:
+    write_clouds_like(tmp_path, n=7, height=H, width=W, n_test=0)
+    cfg = load_config(
+        overrides=[
+            f"data={tmp_path / 'train.csv'}",
+            f"image_root={tmp_path / 'train_images'}",
+            "task=segmentation",
+            "valid_pct=0",
+        ]
+    )
+    task = task_for(cfg)
+    assert isinstance(task, KaggleSegmentationTask)
+    items, _ = task.prepare(lambda _: None)
+    assert task.multilabel
+    ds, _ = task.datasets(items, items)
+    window = torch.utils.data.default_collate([ds[i] for i in range(len(ds))])
+    window = (window[0].double(), window[1])
+    where = Placement(torch.device("cpu"))
+
+    def grads(micro_batch: int | None, equal_weights: bool = False) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Conv2d(3, len(CLOUD_CLASSES), 3, padding=1).double()
+        if micro_batch is None:  # the big batch, at once
+            task.step(model, window, where)[0].backward()
+            return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        grads: list[torch.Tensor] = []
+
+        class Keep(torch.optim.SGD):
+            def step(self, closure: Any = None) -> Any:  # the window's gradient, as stepped
+                grads.extend(p.grad.clone() for p in model.parameters())  # type: ignore[union-attr]
+
+        acc = Accumulator(Keep(model.parameters(), lr=0.1))
+        if equal_weights:  # each micro-batch's mean weighed alike: loss / N
+            run_window(
+                acc,
+                window,
+                lambda m: task.step(model, m, where)[0],
+                OOMBackoff(micro_batch),
+                count_fn=lambda m: {"count": 1},
+                split=task.split,
+            )
+        else:
+            run_window(
+                acc,
+                window,
+                lambda m: task.step(model, m, where),
+                OOMBackoff(micro_batch),
+                split=task.split,
+            )
+        return grads
+
+    def error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+    big = grads(None)
+    for micro in (1, 2, 3):
+        assert error(grads(micro), big) < 1e-12
+    assert (
+        error(grads(3, equal_weights=True), big) > 1e-6
+    )  # micro-batches of 3, 2 and 2 weighed alike
+
+
+# -- training, the submission, the ensemble ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("clouds")
+    data = write_clouds_like(root / "data", n=24, height=H, width=W, n_test=4)
+    cfg = load_config(
+        overrides=[
+            f"data={data / 'train.csv'}",
+            f"image_root={data / 'train_images'}",
+            "task=segmentation",
+            "arch=unet",
+            "encoder=resnet10t",
+            "batch=8",
+            "micro_batch=3",
+            "epochs=2",
+            "lr=3e-3",
+            "valid_pct=0.25",
+            "mask_size=16x24",
+        ]
+    )
+    train(cfg, root / "run", log=lambda _: None, progress=False)
+    return root / "run", data
+
+
+def test_a_run_from_an_rle_csv_scores_each_class_and_tunes_its_rules(
+    trained: tuple[Path, Path],
+) -> None:
+    run, _ = trained
+    with (run / "history.csv").open(newline="") as f:
+        header = next(csv.reader(f))
+    assert {"dice", *(f"dice_{c}" for c in CLOUD_CLASSES)} <= set(header)
+    rules = json.loads((run / "postprocess.json").read_text())
+    assert rules["mask_size"] == [16, 24] and list(rules["classes"]) == list(CLOUD_CLASSES)
+    info = json.loads((run / "task.json").read_text())
+    assert info["rle"]["layout"] == "image_label" and info["rle"]["multilabel"]
+
+
+def test_the_submission_decodes_to_the_predicted_masks(trained: tuple[Path, Path]) -> None:
+    run, data = trained
+    out = run.parent / "submission.csv"
+    assert main(["predict", str(run), str(data / "test_images"), "--out", str(out)]) == 0
+    table = read_rle_csv(out)
+    assert table.layout == "image_label" and table.classes == list(CLOUD_CLASSES)
+    loaded = load_submission_run(run)
+    assert loaded.rules is not None
+    for image in sorted((data / "test_images").iterdir()):
+        probs = _probabilities(loaded, image, 2, torch.device("cpu"))
+        at_size = resize_probabilities(probs[None], (16, 24))[0].numpy()
+        expected = apply_rules(at_size, loaded.rules)
+        assert np.array_equal(table.decode(image.name, (16, 24)), expected)
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+
+
+def test_an_ensemble_averages_runs_and_tunes_its_own_rules(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, data = trained
+    args = ["ensemble", str(run), str(run), "--images", str(data / "test_images")]
+    assert main([*args, "--out", str(tmp_path), "--mask-size", "16x24"]) == 0
+    assert "tuned on the 6 validation images' averaged probabilities" in capsys.readouterr().out
+    # Two copies of one run average to that run: its validation probabilities, tuned.
+    loaded = load_submission_run(run)
+    data_csv, image_root, valid_pct, seed = loaded.split
+    _, valid = split_items(scan_rle(data_csv, image_root), valid_pct, seed)
+    probs = [_probabilities(loaded, path, 2, torch.device("cpu")) for path in valid.images]
+    at_size = resize_probabilities(torch.stack(probs), (16, 24)).numpy()
+    truth = np.stack(
+        [
+            F.interpolate(torch.from_numpy(valid.masks(i)).float()[None], size=(16, 24))[0] > 0.5
+            for i in range(len(valid))
+        ]
+    )
+    rules, _ = tune_rules(at_size, truth)
+    saved = json.loads((tmp_path / "postprocess.json").read_text())["classes"]
+    assert [(r["threshold"], r["min_size"]) for r in saved.values()] == [
+        (r.threshold, r.min_size) for r in rules
+    ]
+    table = read_rle_csv(tmp_path / "submission.csv")
+    for image in sorted((data / "test_images").iterdir()):
+        p = _probabilities(loaded, image, 2, torch.device("cpu"))
+        expected = apply_rules(resize_probabilities(p[None], (16, 24))[0].numpy(), rules)
+        assert np.array_equal(table.decode(image.name, (16, 24)), expected)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--mask-size", "16by24"], "not HEIGHTxWIDTH"),
+        (["--patch", "64"], "--patch is not an option"),
+    ],
+)
+def test_predict_refuses_bad_options(
+    trained: tuple[Path, Path], extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, data = trained
+    assert main(["predict", str(run), str(data / "test_images"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_class_not_seen_in_training_is_refused(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run, _ = trained
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for f in run.iterdir():
+        if f.is_file():
+            (copy / f.name).write_bytes(f.read_bytes())
+    info = json.loads((copy / "task.json").read_text())
+    info["classes"] = [*CLOUD_CLASSES[:3], "Ice"]
+    (copy / "task.json").write_text(json.dumps(info))
+    with pytest.raises(ConfigError, match="class 'Ice' was not seen in training"):
+        load_submission_run(copy)
+
+
+def test_options_that_need_rle_data_are_checked(tmp_path: Path) -> None:
+    write_clouds_like(tmp_path, n=4, height=H, width=W, n_test=0)
+    base = [f"data={tmp_path / 'train.csv'}", f"image_root={tmp_path / 'train_images'}"]
+    with pytest.raises(ConfigError, match="crop='32by32' is not HEIGHTxWIDTH"):
+        task_for(load_config(overrides=[*base, "task=segmentation", "crop=32by32"]))
+    task = task_for(load_config(overrides=[*base, "task=segmentation", "crop=64x64"]))
+    with pytest.raises(ConfigError, match="larger than the images"):
+        task.prepare(lambda _: None)
+    task = task_for(load_config(overrides=[*base, "task=segmentation", "loss=dice_batch"]))
+    with pytest.raises(ConfigError, match="couples the samples"):
+        task.prepare(lambda _: None)
+
+
+def test_exclusive_classes_in_the_severstal_layout_train_and_submit(tmp_path: Path) -> None:
+    """ImageId,ClassId rows for non-empty masks only; classes that never share a pixel train as
+    a softmax with the background, and the submission keeps the layout."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "images").mkdir()
+    rows = []
+    for i in range(10):
+        image = rng.integers(0, 60, (H, W, 3)).astype(np.uint8)
+        for c, left in (("1", 2), ("3", 26)):
+            if rng.random() < 0.7:
+                image[4:20, left : left + 12] = 200 if c == "1" else 120
+                rows.append((f"s{i}.png", c, rle_encode(box(4, left, 16, 12))))
+        Image.fromarray(image).save(tmp_path / "images" / f"s{i}.png")
+    data = write_csv(tmp_path / "train.csv", rows, ("ImageId", "ClassId", "EncodedPixels"))
+    cfg = load_config(
+        overrides=[
+            f"data={data}",
+            f"image_root={tmp_path / 'images'}",
+            "task=segmentation",
+            "arch=unet",
+            "encoder=resnet10t",
+            "batch=4",
+            "epochs=1",
+            "valid_pct=0.3",
+        ]
+    )
+    lines: list[str] = []
+    train(cfg, tmp_path / "run", log=lines.append, progress=False)
+    assert any("exclusive classes" in line for line in lines)
+    info = json.loads((tmp_path / "run" / "task.json").read_text())
+    assert info["num_classes"] == 3 and not info["rle"]["multilabel"]
+    out = tmp_path / "submission.csv"
+    assert (
+        main(["predict", str(tmp_path / "run"), str(tmp_path / "images"), "--out", str(out)]) == 0
+    )
+    table = read_rle_csv(out)
+    assert table.layout == "image_class" and table.classes == ["1", "3"]
+    assert len(table.masks) == 10
