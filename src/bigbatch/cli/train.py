@@ -91,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
                 "with the same updates; the plan was too large for this device: lower budget= "
                 "(or set overhead=) next time"
             )
+        # What the task derived after training (a Kaggle segmentation run's tuned rules).
+        extra = ", postprocess.json" if (result.run_dir / "postprocess.json").is_file() else ""
         print(
             "  best.safetensors, last.safetensors, last.pt (resume), history.csv, history.png, "
-            "plan.json, config.json"
+            f"plan.json, config.json{extra}"
         )
     return 0
