@@ -560,16 +560,36 @@ class SegDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.from_prepared(self.prepared(i))
+
+    def prepared(self, i: int) -> tuple[Any, Any]:
+        """Case ``i`` read and through the deterministic steps: a 2D image resized and
+        normalised; a volume oriented, resampled and z-scored (:func:`preprocess`). What a
+        cache keeps (:mod:`bigbatch.train.tasks.segmentation.cache`)."""
         if self.items.dims == 2:
             image = torch.from_numpy(read_image(self.items.images[i], 2))
             mask = torch.from_numpy(self.items.labels(i))
-            x, y = self._image_2d(image, mask)
+            return self._image_2d(image, mask)
+        case = read_case(self.items.images[i], 3)
+        label = Volume(self.items.labels(i)[None].astype(np.float32), case.affine)
+        return preprocess(to_meta(case), to_meta(label), self.recipe)
+
+    def from_prepared(self, pair: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sample of a :meth:`prepared` case: in training, its random patch and
+        augmentation; in validation, the whole volume padded to the network's multiple."""
+        if self.items.dims == 2:
+            x, y = pair
             if self.train and self.augment:
                 for axis in (1, 2):
                     if torch.rand(()) < 0.5:
                         x, y = x.flip(axis), y.flip(axis - 1)
             return x.contiguous(), y.contiguous()
-        return self._volume(i)
+        image, mask = pair
+        if not self.train:
+            x, y = _pad_to_multiple(image.as_tensor(), mask.as_tensor(), self.recipe.multiple)
+            return x.float(), y[0].long()
+        sample = self._sample(image, mask)
+        return sample["image"].as_tensor().float(), sample["label"].as_tensor()[0].long()
 
     def _image_2d(
         self, image: torch.Tensor, mask: torch.Tensor
@@ -577,16 +597,6 @@ class SegDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         size = (self.size, self.size)
         y = F.interpolate(mask[None, None].float(), size=size, mode="nearest")[0, 0].long()
         return image_input(image, self.size), y
-
-    def _volume(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        case = read_case(self.items.images[i], 3)
-        label = Volume(self.items.labels(i)[None].astype(np.float32), case.affine)
-        image, mask = preprocess(to_meta(case), to_meta(label), self.recipe)
-        if not self.train:
-            x, y = _pad_to_multiple(image.as_tensor(), mask.as_tensor(), self.recipe.multiple)
-            return x.float(), y[0].long()
-        sample = self._sample(image, mask)
-        return sample["image"].as_tensor().float(), sample["label"].as_tensor()[0].long()
 
     def _sample(self, image: Any, mask: Any) -> dict[str, Any]:
         t = _monai_transforms()

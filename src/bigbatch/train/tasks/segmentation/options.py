@@ -62,6 +62,12 @@ class SegmentationOptions(TaskOptions):
         "",
         "the colours of RGB masks, one R,G,B per class, class 0 first: 0,0,0;255,0,0;0,255,0",
     )
+    cache: str = option(
+        "auto",
+        "image folders and volumes: keep each case in memory after its deterministic "
+        "preprocessing (reading, resampling, normalising; MONAI's CacheDataset), so epochs run "
+        "only the random part: auto (up to a quarter of the free memory), none, or a size (8GB)",
+    )
     labels: str = option(
         "auto",
         "Kaggle RLE CSV data: multilabel (a sigmoid per class, Dice + BCE per class; classes "
@@ -100,6 +106,15 @@ class SegmentationOptions(TaskOptions):
             raise ValueError(
                 f"num_classes must be >= 0 (0: from the masks), got {self.num_classes}"
             )
+        if self.cache.strip().lower() not in ("auto", "none"):
+            from bigbatch.memory.budget import parse_bytes
+
+            try:
+                parse_bytes(self.cache)
+            except ValueError:
+                raise ValueError(
+                    f"cache={self.cache!r}: give auto, none or a size such as 8GB"
+                ) from None
         if self.pos_neg < 0:
             raise ValueError(
                 f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"

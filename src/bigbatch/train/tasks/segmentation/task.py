@@ -5,6 +5,7 @@ the plan and exact accumulation."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -186,6 +187,10 @@ class SegmentationValidation:
         return {"valid_loss": loss} | self.scores.compute()
 
 
+def _silent(_: str) -> None:
+    pass
+
+
 class SegmentationTask(Task):
     name = "segmentation"
 
@@ -199,9 +204,11 @@ class SegmentationTask(Task):
         self.void: int | None = None
         self.binary_255 = False
         self.settings = seg_settings(cfg)
+        self.log: Log = _silent
 
     def prepare(self, log: Log, data: Any = None) -> tuple[Any, Any]:
         cfg = self.cfg
+        self.log = log
         if data is not None:
             train_items, valid_items = data
         else:
@@ -275,9 +282,34 @@ class SegmentationTask(Task):
 
     def datasets(self, train_items: Any, valid_items: Any) -> tuple[Any, Any]:
         size, augment, recipe = self.cfg.size, self.cfg.augment, self.recipe()
-        return (
+        sets = (
             SegDataset(train_items, size, train=True, augment=augment, recipe=recipe),
             SegDataset(valid_items, size, train=False, augment=False, recipe=recipe),
+        )
+        return self._cached(*sets)
+
+    def _cached(self, train_set: SegDataset, valid_set: SegDataset) -> tuple[Any, Any]:
+        """Each set's cases kept after preprocessing, as many as ``cache=`` allows (training's
+        first), through MONAI's CacheDataset."""
+        from bigbatch.train.tasks.segmentation.cache import CachedCases, cache_budget, case_bytes
+
+        budget = cache_budget(self.options.cache, max(self.cfg.num_workers, 0))
+        if not budget or not len(train_set):
+            return train_set, valid_set
+        per_case = case_bytes(train_set)
+        threads = min(4, os.cpu_count() or 1)
+        counts = []
+        for dataset in (train_set, valid_set):
+            counts.append(min(len(dataset), budget // per_case))
+            budget -= counts[-1] * per_case
+        self.log(
+            f"cache: {counts[0]} of {len(train_set)} training and {counts[1]} of "
+            f"{len(valid_set)} validation cases kept after preprocessing ({per_case / 2**20:.1f} "
+            "MiB each; MONAI's CacheDataset; cache=none reads them every epoch)"
+        )
+        return tuple(  # type: ignore[return-value]
+            CachedCases(d, n, threads) if n else d
+            for d, n in zip((train_set, valid_set), counts, strict=True)
         )
 
     @property
