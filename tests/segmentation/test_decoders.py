@@ -70,3 +70,9 @@ def test_bigbatch_plan_takes_an_smp_decoder_on_an_encoder(
     assert "multiples of 32 (pad the image: 64x96)" in capsys.readouterr().err
     assert main([*args[:4], "resnet1t", *args[5:]]) == 2
     assert "unknown architecture 'resnet1t'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["fpn", "deeplabv3plus"])
+def test_a_norm_these_decoders_cannot_take_is_refused(arch: str) -> None:
+    with pytest.raises(ValueError, match=f"norm=batch: smp's {arch} decoder normalises with"):
+        smp_factory(arch, "resnet18", in_channels=3, num_classes=2, norm="batch")

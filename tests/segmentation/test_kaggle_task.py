@@ -369,6 +369,9 @@ def test_options_that_need_rle_data_are_checked(tmp_path: Path) -> None:
     task = task_for(load_config(overrides=[*base, "task=segmentation", "loss=dice_batch"]))
     with pytest.raises(ConfigError, match="couples the samples"):
         task.prepare(lambda _: None)
+    task = task_for(load_config(overrides=[*base, "task=segmentation", "cache=2GB"]))
+    with pytest.raises(ConfigError, match="RLE data is decoded and augmented per sample"):
+        task.prepare(lambda _: None)
 
 
 def test_exclusive_classes_in_the_severstal_layout_train_and_submit(tmp_path: Path) -> None:

@@ -95,6 +95,12 @@ def smp_factory(
         raise ValueError(
             f"norm={norm} for smp's {arch} decoder: instance (exact under accumulation) or batch"
         )
+    fixed = {"fpn": "GroupNorm", "deeplabv3plus": "BatchNorm"}.get(arch)
+    if fixed and norm != "instance":  # instance: the default, which these decoders do not take
+        raise ValueError(
+            f"norm={norm}: smp's {arch} decoder normalises with {fixed}, which it does not let "
+            "you change; drop norm= (it chooses the U-Net and U-Net++ decoders' normalisation)"
+        )
     encoder = resolve_arch(encoder)
     _smp()  # a missing library fails now, not inside the planner
     state = (

@@ -130,6 +130,11 @@ class KaggleSegmentationTask(SegmentationTask):
                 f"loss={self.options.loss} couples the samples; RLE data trains per-sample "
                 "losses: loss=dice_ce (Dice + cross-entropy), dice or ce"
             )
+        if self.options.cache.strip().lower() not in ("auto", "none"):
+            raise ConfigError(
+                f"cache={self.options.cache}: RLE data is decoded and augmented per sample, not "
+                "cached (cache= keeps image folders and volumes); drop cache="
+            )
         if cfg.valid:
             raise ConfigError(
                 "valid= is a second data set of image folders; an RLE CSV holds out its "
