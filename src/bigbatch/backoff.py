@@ -134,7 +134,10 @@ def run_window(
     cut = split or (lambda window, size, min_size: split_batch(window, size, min_size=min_size))
 
     def backward_all(micro_batch: int) -> None:
-        for micro in cut(batch, micro_batch, backoff.min_micro_batch):
+        parts = list(cut(batch, micro_batch, backoff.min_micro_batch))
+        # Weighed against the whole window: equal micro-batches then need no rescaling pass.
+        acc.window.plan(len(parts))
+        for micro in parts:
             # No collective runs inside a micro-batch (sync='step'), so ranks can fail apart.
             with acc.no_sync():
                 out = loss_fn(micro)

@@ -77,7 +77,25 @@ class Window:
         self.losses: list[torch.Tensor] = []
         self.counts: list[Count] = []
         self.ref: Count | None = None
+        self.planned: int | None = None  # micro-batches a loop said the window will hold
         self._full_at: tuple[Count, bool] = (self.count, False)
+
+    def plan(self, micro_batches: int) -> None:
+        """Say that the window about to start holds ``micro_batches`` micro-batches (a loop
+        that splits its window up front knows): its losses are weighed against that many, so
+        a full window of equal micro-batches needs no rescaling pass over the gradients at
+        step time. A window with a size of its own keeps it.
+
+        >>> from bigbatch.counts import resolve_count
+        >>> w = Window(); w.plan(2)
+        >>> w.add(resolve_count(4)), w.add(resolve_count(4)), w.close()
+        (0.5, 0.5, 1.0)
+        """
+        if self.micro:
+            raise RuntimeError(
+                f"plan() comes before the window's first micro-batch; {self.micro} are in it"
+            )
+        self.planned = micro_batches
 
     # ------------------------------------------------------------------ size
     @property
@@ -150,7 +168,7 @@ class Window:
     def _expected(self, first: Count) -> Count:
         if self.target_count is not None:
             return float(self.target_count)
-        n = self.size or 1
+        n = self.size or self.planned or 1
         if isinstance(first, torch.Tensor):
             return torch.clamp(first, min=1.0) * n
         return (first if first > 0 else 1.0) * n

@@ -306,3 +306,35 @@ def test_oom_while_adam_creates_its_state_backs_off_and_keeps_the_update() -> No
     assert [(e.old, e.new) for e in backoff.events] == [(8, 4)]
     for a, b in zip(tight.parameters(), clean.parameters(), strict=True):
         assert float((a - b).abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize(("window", "micro_batch", "rescaled"), [(12, 4, False), (11, 4, True)])
+def test_a_window_of_equal_micro_batches_needs_no_rescaling_pass(
+    monkeypatch: pytest.MonkeyPatch, window: int, micro_batch: int, rescaled: bool
+) -> None:
+    """run_window says how many micro-batches the window holds, so equal ones are weighed
+    against the whole window (no pass over the gradients at step time); uneven ones still
+    are, and both equal the big batch in float64."""
+    import bigbatch.accumulate
+
+    calls: list[float] = []
+    real = bigbatch.accumulate.scale_grads_
+    monkeypatch.setattr(
+        bigbatch.accumulate, "scale_grads_", lambda p, f: (calls.append(f), real(p, f))
+    )
+    torch.manual_seed(0)
+    x, y = torch.randn(window, 5, dtype=torch.float64), torch.randint(0, 3, (window,))
+    model = nn.Linear(5, 3).double()
+    big = copy.deepcopy(model)
+    F.cross_entropy(big(x), y).backward()
+    grads: list[torch.Tensor] = []
+
+    class Keep(torch.optim.SGD):
+        def step(self, closure: object = None) -> None:  # the window's gradient, as stepped
+            grads.extend(p.grad.clone() for p in model.parameters())  # type: ignore[union-attr]
+
+    acc = Accumulator(Keep(model.parameters(), lr=0.1))
+    run_window(acc, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), OOMBackoff(micro_batch))
+    assert bool(calls) is rescaled
+    for got, p in zip(grads, big.parameters(), strict=True):
+        assert (got - p.grad).abs().max() <= 1e-12  # type: ignore[operator]
