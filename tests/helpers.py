@@ -180,3 +180,44 @@ def write_hub_cache(root: Any, repo_id: str, state: dict[str, torch.Tensor]) -> 
         str(repo / "snapshots" / sha / "model.safetensors"),
     )
     return root
+
+
+def window_gradients(
+    model: nn.Module,
+    window: Any,
+    step: Callable[[Any], Any],
+    micro_batch: int,
+    *,
+    split: Callable[[Any, int, int], list[Any]] | None = None,
+    equal_weights: bool = False,
+) -> list[torch.Tensor]:
+    """The gradient ``run_window`` steps with for ``window`` at ``micro_batch`` (``step(micro)``
+    returns ``(loss, count)`` or a loss); ``equal_weights``: each micro-batch's mean weighed
+    the same, the naive ``loss / N``."""
+    from bigbatch import OOMBackoff, run_window
+
+    grads: list[torch.Tensor] = []
+
+    class Keep(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # the window's gradient, as stepped
+            grads.extend(p.grad.clone() for p in model.parameters())  # type: ignore[union-attr]
+
+    acc = Accumulator(Keep(model.parameters(), lr=0.1))
+    if equal_weights:
+
+        def loss_only(micro: Any) -> Any:
+            out = step(micro)
+            return out[0] if isinstance(out, tuple) else out
+
+        count_one = {"count": 1}
+        run_window(
+            acc,
+            window,
+            loss_only,
+            OOMBackoff(micro_batch),
+            count_fn=lambda m: count_one,
+            split=split,
+        )
+    else:
+        run_window(acc, window, step, OOMBackoff(micro_batch), split=split)
+    return grads

@@ -17,6 +17,7 @@ from torch import nn
 from bigbatch import Accumulator
 from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError, run_window
 from bigbatch.memory.oom import is_oom
+from helpers import window_gradients
 
 TOL64 = 1e-12
 
@@ -327,14 +328,9 @@ def test_a_window_of_equal_micro_batches_needs_no_rescaling_pass(
     model = nn.Linear(5, 3).double()
     big = copy.deepcopy(model)
     F.cross_entropy(big(x), y).backward()
-    grads: list[torch.Tensor] = []
-
-    class Keep(torch.optim.SGD):
-        def step(self, closure: object = None) -> None:  # the window's gradient, as stepped
-            grads.extend(p.grad.clone() for p in model.parameters())  # type: ignore[union-attr]
-
-    acc = Accumulator(Keep(model.parameters(), lr=0.1))
-    run_window(acc, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), OOMBackoff(micro_batch))
+    grads = window_gradients(
+        model, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), micro_batch
+    )
     assert bool(calls) is rescaled
     for got, p in zip(grads, big.parameters(), strict=True):
         assert (got - p.grad).abs().max() <= 1e-12  # type: ignore[operator]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ pytest.importorskip("monai")
 pytest.importorskip("albumentations")
 pytest.importorskip("segmentation_models_pytorch")
 
-from bigbatch import Accumulator, OOMBackoff, run_window
 from bigbatch.cli.main import main
 from bigbatch.segmentation.postprocess import (
     apply_rules,
@@ -46,6 +44,7 @@ from bigbatch.train.tasks.segmentation.submit import (
     _probabilities,
     load_submission_run,
 )
+from helpers import window_gradients
 
 H, W = 32, 48
 
@@ -204,31 +203,14 @@ def test_the_tasks_step_accumulates_exactly_and_loss_over_n_does_not(tmp_path: P
         if micro_batch is None:  # the big batch, at once
             task.step(model, window, where)[0].backward()
             return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-        grads: list[torch.Tensor] = []
-
-        class Keep(torch.optim.SGD):
-            def step(self, closure: Any = None) -> Any:  # the window's gradient, as stepped
-                grads.extend(p.grad.clone() for p in model.parameters())  # type: ignore[union-attr]
-
-        acc = Accumulator(Keep(model.parameters(), lr=0.1))
-        if equal_weights:  # each micro-batch's mean weighed alike: loss / N
-            run_window(
-                acc,
-                window,
-                lambda m: task.step(model, m, where)[0],
-                OOMBackoff(micro_batch),
-                count_fn=lambda m: {"count": 1},
-                split=task.split,
-            )
-        else:
-            run_window(
-                acc,
-                window,
-                lambda m: task.step(model, m, where),
-                OOMBackoff(micro_batch),
-                split=task.split,
-            )
-        return grads
+        return window_gradients(
+            model,
+            window,
+            lambda m: task.step(model, m, where),
+            micro_batch,
+            split=task.split,
+            equal_weights=equal_weights,
+        )
 
     def error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))

@@ -15,11 +15,11 @@ import toy_boxes
 from toy_boxes.task import box_l1_sum, generate
 
 import bigbatch.train.tasks as tasks
-from bigbatch import Accumulator, OOMBackoff, run_window
 from bigbatch.train.config import load_config
 from bigbatch.train.loop import train
 from bigbatch.train.planning import plan_for
 from bigbatch.train.tasks import Placement
+from helpers import window_gradients
 
 
 @pytest.fixture
@@ -81,24 +81,14 @@ def _grads(micro_batch: int | None, equal_weights: bool = False) -> list[torch.T
         images, boxes = window
         (box_l1_sum(model(images), boxes) / sum(len(b) for b in boxes)).backward()
         return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-    grads: list[torch.Tensor] = []
-
-    class Keep(torch.optim.SGD):
-        def step(self, closure: Any = None) -> Any:  # the window's gradient, as stepped
-            grads.extend(p.grad.clone() for p in model.parameters())  # type: ignore[union-attr]
-
-    acc = Accumulator(Keep(model.parameters(), lr=0.1))
-    if equal_weights:
-        run_window(
-            acc, window, lambda m: task.step(model, m, where)[0], OOMBackoff(micro_batch),
-            count_fn=lambda m: {"count": 1}, split=task.split,
-        )  # fmt: skip
-    else:
-        run_window(
-            acc, window, lambda m: task.step(model, m, where), OOMBackoff(micro_batch),
-            split=task.split,
-        )  # fmt: skip
-    return grads
+    return window_gradients(
+        model,
+        window,
+        lambda m: task.step(model, m, where),
+        micro_batch,
+        split=task.split,
+        equal_weights=equal_weights,
+    )
 
 
 def _max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

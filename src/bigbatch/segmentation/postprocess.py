@@ -25,6 +25,7 @@ __all__ = [
     "competition_dice",
     "load_rules",
     "pair_dice",
+    "resize_masks",
     "resize_probabilities",
     "save_rules",
     "tune_rules",
@@ -49,6 +50,15 @@ def resize_probabilities(probs: torch.Tensor, size: tuple[int, int]) -> torch.Te
     if tuple(probs.shape[-2:]) == size:
         return probs
     return F.interpolate(probs.float(), size=size, mode="bilinear", align_corners=False)
+
+
+def resize_masks(masks: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    """(N, C, H, W) 0/1 masks at the mask size, by nearest neighbour, as booleans.
+
+    >>> resize_masks(torch.ones(1, 1, 4, 4), (2, 2)).shape
+    (1, 1, 2, 2)
+    """
+    return F.interpolate(masks.float(), size=size, mode="nearest").bool().numpy()
 
 
 def _components(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

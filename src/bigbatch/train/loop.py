@@ -27,7 +27,7 @@ from bigbatch.device import (
     set_rng_state,
 )
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
-from bigbatch.train.checkpoint import load_weights_file, save_weights
+from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import plan_for
@@ -106,9 +106,7 @@ def _loop(run: Run) -> TrainResult:
         if run.start_epoch < epoch:  # else a finished phase
             _train_phase(run, phase, phase_start, epoch)
     if run.main_rank:
-        best = run.run_dir / "best.safetensors"
-        if run.data.has_valid and best.is_file():
-            load_weights_file(run.scored, best)  # what the task derives, it derives from these
+        if run.data.has_valid:
             run.task.finish(run.scored, run.data.valid_loader, run.where, run.run_dir, run.log)
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))

@@ -188,9 +188,10 @@ class Task:
     def finish(
         self, model: nn.Module, loader: Iterable[Any], where: Placement, run_dir: Path, log: Log
     ) -> None:
-        """After the last epoch, with the best weights in ``model``: anything the task derives
-        from the validation set (``loader``) for prediction, written into ``run_dir`` (a
-        segmentation run's per-class thresholds). Nothing by default."""
+        """After the last epoch: anything the task derives from the validation set
+        (``loader``) for prediction, written into ``run_dir`` (a segmentation run's per-class
+        thresholds). ``model`` is the trained model; ``run_dir / "best.safetensors"`` holds the
+        best epoch's weights, for a task that derives from those. Nothing by default."""
 
     def evaluate(self, model: nn.Module, loader: Iterable[Any], where: Placement) -> Metrics:
         """The validation set through ``model`` into a fresh :meth:`metrics` tally."""

@@ -25,13 +25,16 @@ from bigbatch.batching import batch_len
 from bigbatch.segmentation.losses import BATCH_LOSSES, multilabel_loss, per_sample_loss
 from bigbatch.segmentation.postprocess import (
     pair_dice,
+    resize_masks,
     resize_probabilities,
     save_rules,
     tune_rules,
 )
+from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError
-from bigbatch.train.data import DataError, split_items
+from bigbatch.train.data import split_items
 from bigbatch.train.tasks.base import Log, Placement
+from bigbatch.train.tasks.segmentation.predict import with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     RLEDataset,
     RLEItems,
@@ -113,12 +116,9 @@ class KaggleSegmentationTask(SegmentationTask):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
-        try:
-            self.image_size = parse_size(self.options.image_size, "image_size")
-            self.crop = parse_size(self.options.crop, "crop")
-            self.mask_size = parse_size(self.options.mask_size, "mask_size")
-        except DataError as exc:
-            raise ConfigError(str(exc)) from None
+        self.image_size = parse_size(self.options.image_size, "image_size")
+        self.crop = parse_size(self.options.crop, "crop")
+        self.mask_size = parse_size(self.options.mask_size, "mask_size")
         self.multilabel = True
         self.layout = ""
         self.shape: tuple[int, int] | None = None  # every image's, when they share one
@@ -237,15 +237,18 @@ class KaggleSegmentationTask(SegmentationTask):
     def finish(
         self, model: nn.Module, loader: Iterable[Any], where: Placement, run_dir: Path, log: Log
     ) -> None:
-        """Tune each class's threshold and smallest component on the validation set at the
-        submission's mask size, by the competition's Dice, on the probabilities ``bigbatch
-        predict`` gives by default (the image and its flip averaged); write
-        ``postprocess.json``."""
+        """With the best epoch's weights, tune each class's threshold and smallest component on
+        the validation set at the submission's mask size, by the competition's Dice, on the
+        probabilities ``bigbatch predict`` gives by default (the image and its flip averaged);
+        write ``postprocess.json``."""
         mask_size = self.mask_size or self.shape
         if mask_size is None:
             log("postprocess: images differ in size; give mask_size=HxW to tune the thresholds")
             return
-        from bigbatch.train.tasks.segmentation.predict import with_tta
+        best = run_dir / "best.safetensors"
+        if not best.is_file():
+            return
+        load_weights_file(model, best)  # the rules belong to the weights predict uses
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             with where.autocast():
@@ -257,9 +260,10 @@ class KaggleSegmentationTask(SegmentationTask):
             for x, y in loader:
                 # The flips bigbatch predict averages by default (tta=2).
                 p = with_tta(forward, where.inputs(x), 2).cpu()
-                t = class_planes(y, self.multilabel, len(self.classes)).float()
                 probs.append(resize_probabilities(p, mask_size).half().numpy())
-                truth.append(F.interpolate(t, size=mask_size, mode="nearest").bool().numpy())
+                truth.append(
+                    resize_masks(class_planes(y, self.multilabel, len(self.classes)), mask_size)
+                )
         if not probs:
             return
         # float16: Clouds' 1,100 validation images x 4 classes at 350 x 525 take 1.6 GB so.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,19 @@ from bigbatch.segmentation.rle import (
     rle_runs,
     runs_overlap,
 )
+from bigbatch.train.config import ConfigError
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError
 
-__all__ = ["RLEDataset", "RLEItems", "is_rle_csv", "parse_size", "scan_rle"]
+__all__ = [
+    "RLEDataset",
+    "RLEItems",
+    "is_rle_csv",
+    "network_input",
+    "parse_size",
+    "read_rgb",
+    "scan_rle",
+    "transforms",
+]
 
 
 def is_rle_csv(path: str | Path) -> bool:
@@ -59,7 +69,7 @@ def parse_size(text: str, key: str) -> tuple[int, int] | None:
     try:
         return parse_mask_size(text)
     except RLEError:
-        raise DataError(f"{key}={text!r} is not HEIGHTxWIDTH: give e.g. {key}=512x512") from None
+        raise ConfigError(f"{key}={text!r} is not HEIGHTxWIDTH: give e.g. {key}=512x512") from None
 
 
 @dataclass
@@ -71,11 +81,6 @@ class RLEItems:
     images: list[Path]
     shapes: list[tuple[int, int]]  # (height, width) of each image, from its header
     multilabel: bool
-    dims: int = 2
-    channels: int = 3
-    void: int | None = None
-    binary_255: bool = False
-    skipped: list[tuple[Path, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -187,6 +192,19 @@ def transforms(
     return a.Compose(steps, seed=None)
 
 
+def network_input(pixels: np.ndarray) -> torch.Tensor:
+    """An ``(H, W, 3)`` image in [0, 1], after its transforms, as the network takes it:
+    ``(3, H, W)`` float32, ImageNet-normalised (training, validation and prediction alike)."""
+    image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))).float()
+    return (image - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+
+
+def read_rgb(path: Path) -> np.ndarray:
+    """An image as ``(H, W, 3)`` float32 in [0, 1], as albumentations expects float images (a
+    16-bit image scaled, not clipped)."""
+    return read_pixels(path).transpose(1, 2, 0)
+
+
 class RLEDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """(image, masks) tensors: the image ``(3, H, W)`` ImageNet-normalised; the masks
     ``(classes, H, W)`` uint8 0/1 (multilabel) or an ``(H, W)`` int64 label map (exclusive).
@@ -208,18 +226,15 @@ class RLEDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # In [0, 1] as albumentations expects of float images (a 16-bit image scaled, not
-        # clipped); the masks as one (H, W, classes) array, transformed with the image.
-        pixels = read_pixels(self.items.images[i]).transpose(1, 2, 0)
+        # The masks as one (H, W, classes) array, transformed with the image.
         masks = self.items.masks(i).transpose(1, 2, 0).astype(np.uint8)
         if self.train:
             self.pipeline.set_random_seed(int(torch.randint(0, 2**31 - 1, ())))
-        out = self.pipeline(image=pixels, mask=masks)
-        image = torch.from_numpy(np.ascontiguousarray(out["image"].transpose(2, 0, 1)))
-        x = (image - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+        out = self.pipeline(image=read_rgb(self.items.images[i]), mask=masks)
+        x = network_input(out["image"])
         planes = torch.from_numpy(np.ascontiguousarray(out["mask"].transpose(2, 0, 1)))
         if self.items.multilabel:
-            return x.float(), planes
+            return x, planes
         # Exclusive classes: the label of each pixel (0: none of them).
         labels = (planes.long() * torch.arange(1, len(planes) + 1).view(-1, 1, 1)).amax(0)
-        return x.float(), labels
+        return x, labels

@@ -18,22 +18,30 @@ import numpy as np
 import torch
 
 from bigbatch.device import autocast_for
-from bigbatch.images import read_pixels
 from bigbatch.io import atomic_path
-from bigbatch.models import MEAN, STD
 from bigbatch.segmentation.postprocess import (
     ClassRule,
     apply_rules,
     load_rules,
+    resize_masks,
     resize_probabilities,
+    save_rules,
+    tune_rules,
 )
 from bigbatch.segmentation.rle import RLEError, parse_mask_size, write_rle_csv
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, config_from_json
-from bigbatch.train.data import images_to_predict
+from bigbatch.train.data import images_to_predict, split_items
 from bigbatch.train.runtime import resolve_device, resolve_precision
 from bigbatch.train.tasks import read_task_info
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
+from bigbatch.train.tasks.segmentation.predict import with_tta
+from bigbatch.train.tasks.segmentation.rle_data import (
+    network_input,
+    read_rgb,
+    scan_rle,
+    transforms,
+)
 from bigbatch.train.tasks.segmentation.task import build_seg_model
 
 __all__ = ["SubmissionRun", "load_submission_run", "write_submission"]
@@ -48,7 +56,7 @@ class SubmissionRun:
     classes: list[str]
     layout: str
     multilabel: bool
-    image_size: tuple[int, int] | None
+    pipeline: Any  # validation's transforms: the resize to the run's image_size, if any
     rules: list[ClassRule] | None  # None: no validation set, nothing was tuned
     rules_size: tuple[int, int]  # the mask size the rules' smallest components count at
     precision: str
@@ -94,7 +102,7 @@ def load_submission_run(
         classes,
         str(rle["layout"]),
         bool(rle["multilabel"]),
-        tuple(rle["image_size"]) if rle.get("image_size") else None,
+        transforms(False, False, tuple(rle["image_size"]) if rle.get("image_size") else None, None),
         rules,
         (int(rules_size[0]), int(rules_size[1])),
         resolve_precision(cfg.precision, dev),
@@ -103,25 +111,27 @@ def load_submission_run(
     )
 
 
-def _image_tensor(path: Path, image_size: tuple[int, int] | None) -> torch.Tensor:
-    """A ``(1, 3, H, W)`` input as in training's validation: [0, 1], resized, normalised."""
-    x = torch.from_numpy(read_pixels(path))[None]
-    if image_size and tuple(x.shape[-2:]) != image_size:
-        x = torch.nn.functional.interpolate(x, size=image_size, mode="bilinear", antialias=True)
-    return (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
-
-
 def _probabilities(run: SubmissionRun, path: Path, tta: int, device: torch.device) -> torch.Tensor:
-    """One image's ``(classes, H, W)`` probabilities, the flips of ``tta`` passes averaged."""
-    from bigbatch.train.tasks.segmentation.predict import with_tta
+    """One image's ``(classes, H, W)`` probabilities, the flips of ``tta`` passes averaged; the
+    image prepared as training's validation prepared it (the same resize, the same
+    normalisation)."""
+    x = network_input(run.pipeline(image=read_rgb(path))["image"])[None]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(v: torch.Tensor) -> torch.Tensor:
         with autocast_for(run.precision, device.type):
-            logits = padded_forward(run.model, x.to(device))
+            logits = padded_forward(run.model, v.to(device))
         return probabilities_of(logits, run.multilabel)
 
     with torch.no_grad():
-        return with_tta(forward, _image_tensor(path, run.image_size), tta)[0].cpu()
+        return with_tta(forward, x, tta)[0].cpu()
+
+
+def _averaged_at(
+    runs: Sequence[SubmissionRun], path: Path, tta: int, device: torch.device, size: tuple[int, int]
+) -> np.ndarray:
+    """The runs' mean probabilities of one image, ``(classes, *size)``."""
+    probs = sum(_probabilities(run, path, tta, device) for run in runs) / len(runs)
+    return resize_probabilities(torch.as_tensor(probs)[None], size)[0].numpy()
 
 
 def _check_members(runs: Sequence[SubmissionRun]) -> None:
@@ -162,6 +172,11 @@ def write_submission(
     except RLEError as exc:
         raise ConfigError(str(exc)) from None
     files = images_to_predict(images)  # every image readable, before any prediction
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"two test images share a name under {images}: a submission row names one"
+        )
     dev = resolve_device(device, "--device")
     runs = [load_submission_run(r, checkpoint, dev) for r in run_dirs]
     _check_members(runs)
@@ -173,17 +188,10 @@ def write_submission(
     if len(runs) > 1:
         saved = Path(out).with_name("postprocess.json")
         rules, note = _ensemble_rules(runs, size, tta, dev, (rules, note), saved)
-    names = [f.name for f in files]
-    if len(set(names)) != len(names):
-        raise ConfigError(
-            f"two test images share a name under {images}: a submission row names one"
-        )
 
     def rows() -> Any:
         for path in files:
-            probs = sum(_probabilities(run, path, tta, dev) for run in runs) / len(runs)
-            at_size = resize_probabilities(torch.as_tensor(probs)[None], size)[0].numpy()
-            masks = apply_rules(at_size, rules)
+            masks = apply_rules(_averaged_at(runs, path, tta, dev, size), rules)
             yield path.name, dict(zip(lead.classes, masks, strict=True))
 
     target = Path(out)
@@ -203,12 +211,10 @@ def _ensemble_rules(
     """Rules tuned again on the runs' averaged validation probabilities (the ensemble's own
     threshold: averaging softens the probabilities); the first run's when the runs were not
     validated on the same images."""
-    from bigbatch.segmentation.postprocess import save_rules, tune_rules
-    from bigbatch.train.data import split_items
-    from bigbatch.train.tasks.segmentation.rle_data import scan_rle
-
     lead = runs[0]
-    if any(r.split != lead.split for r in runs) or not lead.split[2]:
+    if not lead.split[2]:
+        return fallback[0], fallback[1] + " (no validation set to tune the ensemble's rules on)"
+    if any(r.split != lead.split for r in runs):
         rules, note = fallback
         return rules, note + " (the runs were validated on different images: not tuned again)"
     data, image_root, valid_pct, seed = lead.split
@@ -216,12 +222,8 @@ def _ensemble_rules(
     _, valid = split_items(items, valid_pct, seed)
     probs, truth = [], []
     for i, path in enumerate(valid.images):
-        averaged = sum(_probabilities(run, path, tta, device) for run in runs) / len(runs)
-        probs.append(resize_probabilities(torch.as_tensor(averaged)[None], size)[0].numpy())
-        planes = torch.from_numpy(valid.masks(i)).float()[None]
-        truth.append(
-            torch.nn.functional.interpolate(planes, size=size, mode="nearest")[0].bool().numpy()
-        )
+        probs.append(_averaged_at(runs, path, tta, device, size))
+        truth.append(resize_masks(torch.from_numpy(valid.masks(i))[None], size)[0])
     rules, scores = tune_rules(np.stack(probs), np.stack(truth))
     save_rules(saved, lead.classes, rules, scores.tolist(), size)
     return rules, (
