@@ -162,7 +162,8 @@ def _save_nifti(image: Any, path: Path) -> None:
         staged.replace(tmp)
 
 
-# Clouds' classes, each drawn as its own texture: stripes, dots, checks and a plain bright patch.
+# Clouds' classes, each drawn as its own texture: horizontal stripes, dots, vertical stripes
+# and a plain bright patch.
 CLOUD_CLASSES = ("Fish", "Flower", "Gravel", "Sugar")
 
 

@@ -31,7 +31,7 @@ def cache_budget(setting: str, workers: int = 0) -> int:
     (0, 1000000)
     """
     text = setting.strip().lower()
-    if text in ("none", "0", "false", "off"):
+    if text == "none":
         return 0
     if text != "auto":
         try:
@@ -73,18 +73,16 @@ class CachedCases(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         last = final(func=dataset.from_prepared, track_meta=False)
         first = Lambda(func=dataset.prepared, track_meta=False)
         pipeline = Compose([first, last], map_items=False)
-        self.dataset = dataset
-        self.cache_num = min(cache_num, len(dataset))
         self.inner = CacheDataset(
             list(range(len(dataset))),
             pipeline,
-            cache_num=self.cache_num,
+            cache_num=cache_num,
             num_workers=max(threads, 1),
             progress=False,
         )
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.inner)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.inner[i]
