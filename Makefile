@@ -9,7 +9,7 @@ DEMO_VENV := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
 PATHS := src tests examples benchmarks docs/hooks
 
-.PHONY: venv test test-fast lint typecheck unit docs install-check demo bench clean
+.PHONY: venv test test-fast lint typecheck unit docs install-check demo bench gpu-evidence clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,18 @@ demo: $(DEMO_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+
+# Everything bigbatch measures on a GPU, in one time-boxed run (about 8 minutes on one GPU);
+# results under benchmarks/results/<gpu>-cuda<version>-<date>/ (commit them). On a machine
+# without a network, the wheels benchmarks/prepare_gpu_wheels.sh put in .whl/ are installed
+# first; its own python3 (with torch) runs it where there is no .venv. DRY=1: tiny workloads
+# on the CPU, every part (the tests run it too).
+EVIDENCE_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-evidence:
+	@if [ -z "$(DRY)" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then \
+		$(EVIDENCE_PY) -m pip install -q --no-index --no-deps --no-compile --target build/gpu-site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/build/gpu-site$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(EVIDENCE_PY) benchmarks/gpu_evidence.py $(if $(DRY),--dry-run)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) site .pytest_cache .mypy_cache .ruff_cache

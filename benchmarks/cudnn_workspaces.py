@@ -1,0 +1,134 @@
+"""cuDNN's workspaces as data: for each convolution signature and pass, the allocations the
+call makes beyond its inputs and outputs (workspaces, layout copies), recorded by the CUDA
+allocator itself. The result is a card profile (one per GPU architecture and cuDNN version)
+that the CUDA memory model can read.
+
+    python benchmarks/cudnn_workspaces.py --out profile.json [--seconds 45]
+    python benchmarks/cudnn_workspaces.py --dry-run --out p.json   # no GPU: the code path only
+
+Signatures: kernel 1/3/7, dense or depthwise, 64/256 channels, 28/56 px, batch 8/64,
+float16/float32, NCHW/NHWC, cuDNN's benchmark mode off/on; passes: forward, data gradient,
+weight gradient. The sweep stops at ``--seconds`` and says how far it got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MiB = 2**20
+
+
+def signatures() -> list[dict[str, Any]]:
+    rows = []
+    for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
+        (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
+        (64, 256), (56, 28), (64, 8),
+    ):  # fmt: skip
+        if depthwise and kernel == 1:
+            continue
+        rows.append({
+            "benchmark": bench, "layout": layout, "dtype": dtype, "kernel": kernel,
+            "groups": channels if depthwise else 1, "channels": channels, "size": size,
+            "batch": batch,
+        })  # fmt: skip
+    return rows
+
+
+def _allocs_during(fn: Any, device: str) -> tuple[list[int], int]:
+    """The sizes of the allocator's allocations while ``fn()`` runs, and the bytes of what it
+    returns (which are not workspaces)."""
+    if device != "cuda":
+        out = fn()
+        return [], sum(t.untyped_storage().nbytes() for t in out if t is not None)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(context=None, max_entries=100_000, clear_history=True)
+    out = fn()
+    torch.cuda.synchronize()
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    sizes = [e["size"] for e in events if e["action"] == "alloc"]
+    kept = sum(t.untyped_storage().nbytes() for t in out if t is not None)
+    return sizes, kept
+
+
+def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
+    torch.backends.cudnn.benchmark = sig["benchmark"]
+    dtype = getattr(torch, sig["dtype"])
+    fmt = torch.channels_last if sig["layout"] == "nhwc" else torch.contiguous_format
+    c, k, g = sig["channels"], sig["kernel"], sig["groups"]
+    x = torch.randn(sig["batch"], c, sig["size"], sig["size"], device=device, dtype=dtype)
+    x = x.contiguous(memory_format=fmt)
+    w = torch.randn(c, c // g, k, k, device=device, dtype=dtype).contiguous(memory_format=fmt)
+    conv: dict[str, Any] = {"stride": [1, 1], "padding": [k // 2] * 2, "dilation": [1, 1]}
+    y = torch.nn.functional.conv2d(x, w, None, groups=g, **conv)
+    grad = torch.randn_like(y)
+
+    def backward(mask: list[bool]) -> Any:
+        return torch.ops.aten.convolution_backward(
+            grad, x, w, None, conv["stride"], conv["padding"], conv["dilation"], False,
+            [0, 0], g, mask,
+        )  # fmt: skip
+
+    passes = {
+        "forward": lambda: (torch.nn.functional.conv2d(x, w, None, groups=g, **conv),),
+        "data_grad": lambda: backward([True, False, False]),
+        "weight_grad": lambda: backward([False, True, False]),
+    }
+    rows = []
+    for name, fn in passes.items():
+        fn()  # benchmark mode's trials happen on the first call: the second is what repeats
+        sizes, kept = _allocs_during(fn, device)
+        rows.append({**sig, "pass": name, "alloc_sizes": sizes, "output_bytes": kept,
+                     "extra_bytes": max(0, sum(sizes) - kept)})  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seconds", type=float, default=45.0)
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: run on an NVIDIA GPU, or --dry-run", file=sys.stderr)
+        return 2
+    sigs = signatures()[:4] if args.dry_run else signatures()
+    deadline = time.monotonic() + args.seconds
+    rows: list[dict[str, Any]] = []
+    for sig in sigs:
+        if time.monotonic() > deadline:
+            break
+        if device == "cpu" and sig["dtype"] == "float16":
+            sig = {**sig, "dtype": "float32"}
+        rows.extend(measure(sig, device))
+        torch.cuda.empty_cache() if device == "cuda" else None
+    profile = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
+        "compute_capability": (
+            "{}.{}".format(*torch.cuda.get_device_capability(0)) if device == "cuda" else None
+        ),
+        "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
+        "torch": torch.__version__,
+        "signatures_done": len(rows) // 3,
+        "signatures_total": len(sigs),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(profile) + "\n")
+    tmp.replace(args.out)
+    print(f"{profile['signatures_done']} of {len(sigs)} signatures: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""Everything bigbatch measures on a GPU, in one time-boxed run (`make gpu-evidence`).
+
+    python benchmarks/gpu_evidence.py                  # on a machine with one NVIDIA GPU
+    python benchmarks/gpu_evidence.py --dry-run        # no GPU: tiny workloads, every part
+
+Results go to ``benchmarks/results/<gpu>-cuda<version>-<date>/`` (``--out`` to choose; a dry
+run writes to ``build/gpu-evidence-dry/``): a JSON per part, the allocator traces, each
+part's log, ``summary.json`` and ``summary.md`` naming the card, driver, CUDA, cuDNN and torch.
+The parts, each in its own process under its own time box, the slowest last:
+
+1. ``gpu_tests``: ``pytest -m cuda tests/gpu`` (JUnit XML kept);
+2. ``cudnn_workspaces``: cuDNN's workspaces per convolution signature (a card profile);
+3. ``decode``: JPEG decoding and augmentation on the GPU against CPU workers;
+4. ``memory_matrix``: every row of benchmarks/gpu_matrix.py recorded in its own process as an
+   allocator trace (gzipped, in tests/memory/data/gpu_truth's format) while the same rows are
+   predicted from the CPU (``CUDA_VISIBLE_DEVICES=``) in parallel: predicted against measured
+   allocated, reserved and process peaks;
+5. ``speed``: the data already on the GPU (the loader-less limit), `bigbatch train` under a
+   budget (did it stay under, did the back-off fire), and `bigbatch train` against the
+   hand-written timm AMP loop (benchmarks/train_throughput.py; resnet50 fp16, ViT bf16).
+
+A part that runs out of its time keeps what it wrote; the summary says which parts finished.
+Nothing is fetched from the network: the packages a GPU machine lacks are installed from the
+wheels benchmarks/prepare_gpu_wheels.sh prepared (the Makefile's target does it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from gpu_matrix import matrix, row_name  # noqa: E402
+
+MiB = 2**20
+
+
+# ---- the parts that run in a process of their own (--part NAME) ----
+
+
+def predict_row(row: dict[str, Any]) -> dict[str, Any]:
+    """bigbatch's CUDA prediction of a matrix row, made without a GPU."""
+    import warnings
+
+    from gpu_matrix import spec_of
+
+    from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
+    from bigbatch.memory.predict import predict_peak
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = predict_peak(spec_of(row, "cuda"))
+    return {
+        "allocated_mib": round(p.allocated_bytes / MiB, 1),
+        "reserved_mib": round(p.reserved_bytes / MiB, 1),
+        "process_mib": round((p.planning_bytes + CUDA_CONTEXT_BYTES) / MiB, 1),
+        "breakdown_mib": {k: round(v / MiB, 1) for k, v in p.parts().items()},
+        "notes": list(p.notes),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def loaderless(dry_run: bool) -> dict[str, Any]:
+    """The step alone: resnet50 at 224 px, batch 128, fp16 AMP, channels_last, the batch
+    already on the GPU. What no loader can beat."""
+    import timm
+
+    device, batch, size, steps = ("cpu", 4, 32, 2) if dry_run else ("cuda", 128, 224, 20)
+    model = timm.create_model("resnet50", num_classes=10).to(device)
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> None:
+        with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {
+        "workload": f"resnet50 @ {size} px, batch {batch}, fp16 AMP, channels_last",
+        "images_per_s": round(steps * batch / (time.perf_counter() - t0), 1),
+    }
+
+
+def budget_train(dry_run: bool) -> dict[str, Any]:
+    """`bigbatch train` with a budget far below what the target batch needs: what it planned,
+    what the allocator reserved, whether the back-off fired."""
+    sys.path.insert(0, str(HERE))
+    from train_throughput import write_images
+
+    from bigbatch.memory.budget import parse_bytes
+    from bigbatch.train.config import load_config
+    from bigbatch.train.loop import train
+
+    arch, size, batch, per_class, budget = (
+        ("resnet10t", 32, 16, 8, "1GiB") if dry_run else ("resnet50", 224, 256, 64, "3GiB")
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "images"
+        write_images(data, per_class, size, 4, "jpg")
+        device = "cpu" if dry_run else "cuda"
+        overrides = [f"data={data}", f"arch={arch}", f"size={size}", f"batch={batch}",
+                     f"budget={budget}", "epochs=1", f"device={device}", "log_every=0",
+                     f"precision={'fp32' if dry_run else 'fp16'}"]  # fmt: skip
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        result = train(load_config(overrides=overrides), Path(tmp) / "run", log=lambda _: None,
+                       progress=False)  # fmt: skip
+        plan = json.loads((Path(tmp) / "run" / "plan.json").read_text())
+    out: dict[str, Any] = {
+        "workload": f"{arch} @ {size} px, batch {batch}, budget {budget}",
+        "budget_mib": round(parse_bytes(budget) / MiB, 1),
+        "plan": plan,
+        "backoff_events": [str(e) for e in result.backoff_events],
+    }
+    if device == "cuda":
+        reserved = torch.cuda.max_memory_reserved()
+        out["max_reserved_mib"] = round(reserved / MiB, 1)
+        out["max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
+        out["stayed_under_budget"] = reserved <= parse_bytes(budget)
+    return out
+
+
+def throughput(dry_run: bool, arch: str, precision: str, seconds_left: float) -> dict[str, Any]:
+    args = (
+        ["--arch", "resnet10t", "--size", "32", "--per-class", "8", "--batch", "8", "--micro",
+         "8", "--epochs", "1", "--rounds", "1"]
+        if dry_run else
+        ["--device", "cuda", "--precision", precision, "--arch", arch, "--size", "224",
+         "--batch", "128", "--micro", "128", "--classes", "10", "--per-class", "150",
+         "--stored-size", "256", "--format", "jpg", "--epochs", "3", "--rounds", "1",
+         "--workers", "8"]
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(HERE / "train_throughput.py"), *args, "--json"],
+        capture_output=True, text=True, timeout=max(1.0, seconds_left),
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout[done.stdout.index("{") :])
+
+
+def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    out: dict[str, Any] = {}
+    jobs: list[tuple[str, Any]] = [
+        ("loaderless", lambda: loaderless(dry_run)),
+        ("budget_train", lambda: budget_train(dry_run)),
+        (
+            "resnet50_fp16",
+            lambda: throughput(dry_run, "resnet50", "fp16", deadline - time.monotonic()),
+        ),
+        (
+            "vit_base_bf16",
+            lambda: throughput(
+                dry_run, "vit_base_patch16_224", "bf16", deadline - time.monotonic()
+            ),
+        ),
+    ]
+    for name, job in jobs:
+        if time.monotonic() > deadline:
+            out[name] = {"skipped": "out of time"}
+            continue
+        try:
+            out[name] = job()
+        except Exception as e:  # one job's failure is a result; the others still run
+            out[name] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+# ---- the orchestrator ----
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {
+            "gpu": props.name,
+            "gpu_memory_mib": props.total_memory // MiB,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        }
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        info["driver"] = smi.stdout.strip() or None
+    return info
+
+
+def results_dir(info: dict[str, Any], dry_run: bool) -> Path:
+    if dry_run:
+        return ROOT / "build" / "gpu-evidence-dry"
+    gpu = re.sub(r"[^a-z0-9]+", "-", info["gpu"].lower()).strip("-")
+    gpu = gpu.removeprefix("nvidia-")
+    return HERE / "results" / f"{gpu}-cuda{info['cuda']}-{info['date']}"
+
+
+class Parts:
+    """Runs each part in its own process under its time box, keeping its log and status."""
+
+    def __init__(self, out: Path, dry_run: bool) -> None:
+        self.out, self.dry_run = out, dry_run
+        self.status: dict[str, dict[str, Any]] = {}
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, cmd: list[str], seconds: float, env: dict[str, str] | None = None) -> bool:  # fmt: skip
+        t0 = time.monotonic()
+        log = self.out / "logs" / f"{name}.log"
+        with log.open("w") as f:
+            try:
+                done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=seconds,
+                                      env=env, cwd=ROOT)  # fmt: skip
+                state = "passed" if done.returncode == 0 else f"failed (exit {done.returncode})"
+            except subprocess.TimeoutExpired:
+                state = f"out of time ({seconds:.0f} s)"
+        self.status[name] = {"state": state, "seconds": round(time.monotonic() - t0, 1)}
+        print(f"[gpu-evidence] {name}: {state} in {self.status[name]['seconds']} s", flush=True)
+        return state == "passed"
+
+
+def memory_matrix(out: Path, dry_run: bool, seconds: float) -> dict[str, Any]:
+    """Record each row on the GPU in its own process, one at a time, while the CPU predicts
+    the rows in parallel; then pair them."""
+    deadline = time.monotonic() + seconds
+    rows = matrix(dry_run)
+    traces = out / "traces"
+    traces.mkdir(exist_ok=True)
+    cpu_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
+    flags = ["--dry-run"] if dry_run else []
+
+    def predict(row: dict[str, Any]) -> dict[str, Any]:
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--part", "predict", "--row", json.dumps(row)],
+                capture_output=True, text=True, env=cpu_env,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"error": "out of time"}
+        if done.returncode:
+            return {"error": done.stderr[-1500:]}
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def record(row: dict[str, Any]) -> dict[str, Any]:
+        path = traces / f"{row_name(row)}.json.gz"
+        try:
+            done = subprocess.run(
+                [sys.executable, str(HERE / "record_trace.py"), json.dumps(row), str(path), *flags],
+                capture_output=True, text=True, timeout=max(1.0, min(90.0, deadline - time.monotonic())),
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"error": "out of time"}
+        if done.returncode:
+            return {"error": done.stderr[-1500:]}
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            trace = json.load(f)
+        stages = trace["process_used_mib_by_stage"]
+        return {
+            "allocated_mib": round(trace["max_allocated_bytes"] / MiB, 1),
+            "reserved_mib": round(trace["max_reserved_bytes"] / MiB, 1),
+            "process_mib": stages.get("after_two_steps"),
+            "context_mib": stages.get("after_cudnn"),
+            "optimizer_steps_skipped": trace.get("optimizer_steps_skipped", 0),
+            "two_steps_seconds": trace.get("two_steps_seconds"),
+            "events": len(trace["events"]),
+        }
+
+    with ThreadPoolExecutor(max_workers=max(1, min(6, (os.cpu_count() or 2) // 3))) as pool:
+        predictions = [pool.submit(predict, r) for r in rows]
+        measured = []
+        for row in rows:
+            measured.append(
+                record(row) if time.monotonic() < deadline else {"error": "out of time"}
+            )
+        predicted = [p.result() for p in predictions]
+
+    def error(p: dict[str, Any], m: dict[str, Any], key: str) -> float | None:
+        if p.get(key) is None or not m.get(key):
+            return None
+        return round(100 * (p[key] - m[key]) / m[key], 2)
+
+    table = []
+    for row, p, m in zip(rows, predicted, measured, strict=True):
+        table.append({
+            "name": row_name(row), "row": row, "predicted": p, "measured": m,
+            "error_pct": {k: error(p, m, f"{k}_mib") for k in ("allocated", "reserved", "process")},
+        })  # fmt: skip
+    done = [r for r in table if r["error_pct"]["reserved"] is not None]
+    within = {
+        f"{key}_within_{pct}pct": sum(
+            1 for r in done if r["error_pct"][key] is not None and abs(r["error_pct"][key]) <= pct
+        )
+        for key in ("reserved", "process")
+        for pct in (3, 5)
+    }
+    return {"rows": table, "rows_measured": len(done), "rows_total": len(rows), **within}
+
+
+def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, Any]) -> str:
+    lines = [
+        f"# GPU evidence: {info.get('gpu', 'cpu (dry run)')}, {info['date']}",
+        "",
+        f"Driver {info.get('driver')}, CUDA {info.get('cuda')}, cuDNN {info.get('cudnn')}, "
+        f"torch {info['torch']}, Python {info['python']}, {info['cpus']} CPUs. "
+        "Made by `make gpu-evidence` (benchmarks/gpu_evidence.py).",
+        "",
+        "| part | state | seconds |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {k} | {v['state']} | {v['seconds']} |" for k, v in status.items()]
+    mm = results.get("memory_matrix")
+    if mm:
+        lines += [
+            "",
+            f"## Memory matrix: {mm['rows_measured']} of {mm['rows_total']} rows measured; "
+            f"reserved within 3 % on {mm['reserved_within_3pct']}, within 5 % on "
+            f"{mm['reserved_within_5pct']}; process within 3 % on {mm['process_within_3pct']}",
+            "",
+            "| row | allocated MiB pred / meas | reserved MiB pred / meas (error) | process MiB pred / meas (error) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in mm["rows"]:
+            p, m, e = r["predicted"], r["measured"], r["error_pct"]
+            if "error" in m or "error" in p:
+                lines.append(f"| {r['name']} | {(m.get('error') or p.get('error'))[:60]!r} | | |")
+                continue
+            lines.append(
+                f"| {r['name']} | {p['allocated_mib']:,.0f} / {m['allocated_mib']:,.0f} "
+                f"| {p['reserved_mib']:,.0f} / {m['reserved_mib']:,.0f} ({e['reserved']:+.1f} %) "
+                f"| {p['process_mib']:,.0f} / {m['process_mib'] or 0:,.0f} "
+                f"({e['process'] if e['process'] is not None else float('nan'):+.1f} %) |"
+            )
+    sp = results.get("speed") or {}
+    for key in ("resnet50_fp16", "vit_base_bf16"):
+        r = sp.get(key) or {}
+        if "ratio_vs_hand_loop" in r:
+            lines += ["", f"Speed, {r['workload']}: images/s hand {r['images_per_s']['hand']}, "
+                      f"bigbatch {r['images_per_s']['bigbatch']}; ratio per epoch "
+                      f"{r['ratio_vs_hand_loop']:.3f}, whole run {r['whole_run_ratio']:.3f}"]  # fmt: skip
+    if "images_per_s" in (sp.get("loaderless") or {}):
+        lines += ["", f"Loader-less limit: {sp['loaderless']['images_per_s']} images/s "
+                  f"({sp['loaderless']['workload']})"]  # fmt: skip
+    bt = sp.get("budget_train") or {}
+    if "max_reserved_mib" in bt:
+        lines += ["", f"`bigbatch train` under a budget ({bt['workload']}): reserved "
+                  f"{bt['max_reserved_mib']} MiB of {bt['budget_mib']} MiB, stayed under: "
+                  f"{bt['stayed_under_budget']}, back-off events: {len(bt['backoff_events'])}"]  # fmt: skip
+    dec = results.get("decode")
+    if dec:
+        lines += ["", f"Decoding ({dec['workload']}): {dec['images_per_s']} images/s, GPU / CPU "
+                  f"workers {dec['gpu_over_cpu']}"]  # fmt: skip
+    cu = results.get("cudnn_workspaces")
+    if cu:
+        lines += ["", f"cuDNN profile: {cu['signatures_done']} of {cu['signatures_total']} "
+                  "signatures (cudnn-profile.json)"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device here: run on a machine with an NVIDIA GPU, or DRY=1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    info = machine()
+    out = args.out or results_dir(info, args.dry_run)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = Parts(out, args.dry_run)
+    scale = args.seconds / 450  # the boxes below add up to 450 s
+    dry = ["--dry-run"] if args.dry_run else []
+    me = [sys.executable, __file__, *dry, "--out", str(out)]
+    results: dict[str, Any] = {}
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/gpu",
+                  "-p", "no:cacheprovider", "--timeout=90", f"--junitxml={out / 'tests-gpu.xml'}"]  # fmt: skip
+    plan: list[tuple[str, list[str], float]] = [
+        ("gpu_tests", pytest_cmd, 90),
+        (
+            "cudnn_workspaces",
+            [
+                sys.executable,
+                str(HERE / "cudnn_workspaces.py"),
+                *dry,
+                "--out",
+                str(out / "cudnn-profile.json"),
+                "--seconds",
+                str(30 * scale),
+            ],
+            40,
+        ),
+        ("decode", [*me, "--part", "decode"], 40),
+        (
+            "memory_matrix",
+            [*me, "--part", "memory_matrix", "--part-seconds", str(170 * scale)],
+            180,
+        ),
+        ("speed", [*me, "--part", "speed", "--part-seconds", str(90 * scale)], 100),
+    ]
+    for name, cmd, box in plan:
+        if args.only and name not in args.only.split(","):
+            continue
+        parts.run(name, cmd, box * scale)
+    if (out / "cudnn-profile.json").exists():
+        profile = json.loads((out / "cudnn-profile.json").read_text())
+        results["cudnn_workspaces"] = {k: v for k, v in profile.items() if k != "rows"}
+    summary = {"machine": info, "parts": parts.status, "dry_run": args.dry_run}
+    for name in ("memory_matrix", "speed", "decode"):
+        if (out / f"{name}.json").exists():
+            results[name] = json.loads((out / f"{name}.json").read_text())
+    summary["results"] = {
+        "memory_matrix": {k: v for k, v in results.get("memory_matrix", {}).items() if k != "rows"},
+        "speed": results.get("speed"),
+        "decode": results.get("decode"),
+        "cudnn_workspaces": results.get("cudnn_workspaces"),
+    }
+    write_json(out / "summary.json", summary)
+    (out / "summary.md").write_text(summary_md(info, parts.status, results))
+    print((out / "summary.md").read_text())
+    print(f"[gpu-evidence] results in {out}")
+    return 0 if all(s["state"] == "passed" for s in parts.status.values()) else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--dry-run", action="store_true", help="no GPU: tiny workloads on the CPU")
+    p.add_argument("--out", type=Path, help="the results folder (default: see above)")
+    p.add_argument("--seconds", type=float, default=450.0, help="all parts' time boxes together")
+    p.add_argument("--only", default="", help="parts to run, comma-separated")
+    p.add_argument("--part", help=argparse.SUPPRESS)  # one part, in the process the box runs
+    p.add_argument("--part-seconds", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.part == "predict":
+        print(json.dumps(predict_row(json.loads(args.row))))
+        return 0
+    if args.part == "memory_matrix":
+        write_json(args.out / "memory_matrix.json",
+                   memory_matrix(args.out, args.dry_run, args.part_seconds))  # fmt: skip
+        return 0
+    if args.part == "speed":
+        result = speed(args.dry_run, args.part_seconds)
+        write_json(args.out / "speed.json", result)
+        return 1 if any("error" in v for v in result.values()) else 0
+    if args.part == "decode":
+        done = subprocess.run(
+            [sys.executable, str(HERE / "gpu_decode.py"), "--json",
+             *(["--dry-run"] if args.dry_run else [])],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        write_json(args.out / "decode.json", json.loads(done.stdout))
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The CUDA memory matrix: the training steps whose peaks `make gpu-evidence` records on a GPU
+(benchmarks/record_trace.py, one process each) and whose recorded traces test the CUDA model
+from a CPU (tests/memory/test_gpu_truth.py).
+
+A row is plain data (JSON in the trace it produces), so a trace recorded today can be turned
+back into the same :class:`~bigbatch.memory.step.StepSpec` by any later checkout
+(:func:`spec_of`). Its keys: ``kind`` (timm, smp, unet3d, llama), ``arch``, ``size`` (image
+side, volume side or tokens), ``batch``, ``precision``, ``optimizer``, and per kind:
+``classes`` (timm, default 10), ``encoder`` (smp), ``widths`` (unet3d), ``layers``,
+``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``cudnn_benchmark`` (default off).
+
+    python benchmarks/gpu_matrix.py          # the rows, one name a line
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigbatch.memory.step import StepSpec
+
+
+def _timm(arch: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(arch, **kwargs)
+
+    build.__name__ = arch
+    return build
+
+
+def _unet3d(widths: tuple[int, ...]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from monai.networks.nets import UNet
+
+        strides = (2,) * (len(widths) - 1)
+        return UNet(3, 4, 4, channels=widths, strides=strides, num_res_units=2)
+
+    return build
+
+
+def _smp(arch: str, encoder: str, classes: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import segmentation_models_pytorch as smp
+
+        return smp.create_model(arch, encoder_name=encoder, encoder_weights=None, classes=classes)
+
+    return build
+
+
+def _llama(layers: int, hidden: int, vocab: int, *, frozen: bool = True, ckpt: bool = True):  # type: ignore[no-untyped-def]
+    def build() -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+            num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+            num_key_value_heads=max(1, hidden // 64), max_position_embeddings=4096,
+            use_cache=False, attn_implementation="sdpa",
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+        if frozen:  # the frozen base; the head trains (what LoRA's memory looks like)
+            model.model.requires_grad_(False)
+            model.lm_head.requires_grad_(True)
+        if ckpt:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        return model
+
+    return build
+
+
+def lm_step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def seg_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return F.cross_entropy(out.float(), (x[:, 0] > 0).long())
+
+
+def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
+    """The row's training step as a StepSpec on ``device``."""
+    common: dict[str, Any] = {
+        "optimizer": row["optimizer"],
+        "precision": row["precision"],
+        "device": device,
+    }
+    size, batch, kind = row["size"], row["batch"], row["kind"]
+    if kind == "timm":
+        model = _timm(row["arch"], num_classes=row.get("classes", 10))
+        return StepSpec(model, (3, size, size), batch, **common)
+    if kind == "smp":
+        model = _smp(row["arch"], row["encoder"], row.get("classes", 4))
+        return StepSpec(model, (3, size, size), batch, step=seg_step, **common)
+    if kind == "unet3d":
+        model = _unet3d(tuple(row.get("widths", (32, 64, 128, 256))))
+        return StepSpec(model, (4, size, size, size), batch, step=seg_step, **common)
+    if kind == "llama":
+        vocab = row.get("vocab", 32000)
+        model = _llama(
+            row.get("layers", 8), row.get("hidden", 1024), vocab,
+            frozen=row.get("frozen", True), ckpt=row.get("ckpt", True),
+        )  # fmt: skip
+        return StepSpec(
+            model, (size,), batch, input_dtype=torch.long, vocab=vocab, step=lm_step, **common
+        )
+    raise ValueError(f"row kind {kind!r}: not one of timm, smp, unet3d, llama")
+
+
+def row_name(row: dict[str, Any]) -> str:
+    """A file name that says what the row is: arch-size-bBATCH-precision-optimizer[-extras]."""
+    arch = row["arch"] if row["kind"] != "smp" else f"smp_{row['arch']}_{row['encoder']}"
+    if row["kind"] == "llama":
+        arch = f"llama{row.get('layers', 8)}L-{row.get('hidden', 1024)}"
+    size = str(row["size"])
+    if row["kind"] == "llama" and row["size"] % 1024 == 0:
+        size = f"{row['size'] // 1024}k"  # tokens
+    parts = [arch, size, f"b{row['batch']}", row["precision"], row["optimizer"]]
+    if row["kind"] == "llama":
+        parts += [p for p, on in (("ckpt", row.get("ckpt", True)),) if on]
+        parts += ["frozen" if row.get("frozen", True) else "full"]
+    if row.get("cudnn_benchmark"):
+        parts.append("bench")
+    return "-".join(parts)
+
+
+def _timm_row(arch: str, size: int, batch: int, precision: str, opt: str) -> dict[str, Any]:
+    return {"kind": "timm", "arch": arch, "size": size, "batch": batch, "precision": precision,
+            "optimizer": opt}  # fmt: skip
+
+
+def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
+    """The rows, cheapest first within each family (a time box cuts the costly ones)."""
+    if dry_run:  # tiny, on the CPU: the harness's code paths in seconds
+        return [
+            _timm_row("resnet10t", 32, 2, "fp32", "adamw"),
+            {"kind": "smp", "arch": "unet", "encoder": "resnet18", "size": 64, "batch": 1,
+             "precision": "fp32", "optimizer": "adamw"},
+            {"kind": "unet3d", "arch": "unet3d", "widths": [8, 16], "size": 16, "batch": 1,
+             "precision": "fp32", "optimizer": "adamw"},
+            {"kind": "llama", "arch": "llama", "layers": 2, "hidden": 64, "vocab": 256,
+             "size": 64, "batch": 1, "precision": "fp32", "optimizer": "adamw"},
+        ]  # fmt: skip
+    return [
+        # The batch sweep of one CNN, 32 to 256 (the large-batch fragmentation).
+        _timm_row("resnet50", 224, 32, "fp16", "adamw"),
+        _timm_row("resnet50", 224, 64, "fp16", "adamw"),
+        _timm_row("resnet50", 224, 128, "fp16", "adamw"),
+        _timm_row("resnet50", 224, 256, "fp16", "adamw"),
+        _timm_row("resnet50", 224, 64, "bf16", "sgd"),
+        _timm_row("resnet50", 224, 32, "fp32", "adam"),
+        # The recorded H100 rows again (another card, the same stack).
+        _timm_row("resnet18", 128, 8, "fp16", "adamw"),
+        _timm_row("resnet18", 128, 32, "fp16", "adamw"),
+        # A plain CNN at a large batch, fp32 (the row that regressed).
+        _timm_row("resnet18", 224, 256, "fp32", "sgd"),
+        _timm_row("convnext_small", 128, 32, "fp16", "adam"),
+        _timm_row("convnext_small", 128, 64, "fp16", "adam"),
+        _timm_row("efficientnet_b0", 224, 64, "fp16", "adamw"),
+        # Transformers.
+        _timm_row("vit_small_patch16_224", 224, 128, "fp16", "adam"),
+        _timm_row("vit_base_patch16_224", 224, 32, "bf16", "adamw"),
+        _timm_row("vit_base_patch16_224", 224, 64, "bf16", "adamw"),
+        _timm_row("vit_base_patch16_224", 224, 64, "fp32", "adamw"),
+        # 2D segmentation at a high resolution; 3D volumes.
+        {"kind": "smp", "arch": "unet", "encoder": "resnet34", "size": 1024, "batch": 2,
+         "precision": "fp16", "optimizer": "adamw"},
+        {"kind": "smp", "arch": "unet", "encoder": "resnet34", "size": 512, "batch": 8,
+         "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "unet3d", "arch": "unet3d", "size": 96, "batch": 2, "precision": "fp16",
+         "optimizer": "adamw"},
+        {"kind": "unet3d", "arch": "unet3d", "size": 128, "batch": 1, "precision": "bf16",
+         "optimizer": "adamw"},
+        # Language models: a frozen base with checkpointing (LoRA's memory), a full fine-tune.
+        {"kind": "llama", "arch": "llama", "size": 2048, "batch": 1, "precision": "bf16",
+         "optimizer": "adamw"},
+        {"kind": "llama", "arch": "llama", "size": 2048, "batch": 4, "precision": "bf16",
+         "optimizer": "adamw"},
+        {"kind": "llama", "arch": "llama", "layers": 4, "hidden": 512, "size": 1024, "batch": 4,
+         "precision": "bf16", "optimizer": "adamw", "frozen": False, "ckpt": False},
+        # cuDNN's benchmark mode (trials whose workspaces depend on the free memory).
+        {**_timm_row("resnet50", 224, 64, "fp16", "adamw"), "cudnn_benchmark": True},
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    for r in matrix():
+        print(row_name(r))

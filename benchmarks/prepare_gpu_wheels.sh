@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine without a network may lack, for its Python and platform, into .whl/
+# (ignored by git): `make gpu-evidence` installs them from there, offline. Run it here, where
+# the package index is reachable, before the GPU session:
+#
+#     bash benchmarks/prepare_gpu_wheels.sh            # Python 3.12, manylinux x86-64
+#     GPU_PYTHON=3.11 bash benchmarks/prepare_gpu_wheels.sh
+#
+# Only what such an image (torch, timm, transformers, numpy, pillow ... already there) lacks:
+# MONAI and nibabel (3D rows), segmentation_models_pytorch (2D segmentation rows). Versions from
+# constraints.txt, so the GPU runs the code the tests ran. Each is pure Python: --no-deps keeps
+# the image's own torch and numpy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${GPU_PYTHON:-3.12}"
+pin() { grep -i "^$1==" constraints.txt; }
+rm -rf .whl && mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl \
+    "$(pin monai)" "$(pin segmentation-models-pytorch)" "$(pin nibabel)"
+ls .whl

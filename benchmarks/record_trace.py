@@ -1,0 +1,155 @@
+"""Record one matrix row's training step on a GPU as a CUDA allocator trace, in its own process
+and in the format of tests/memory/data/gpu_truth (its README): every allocator event from
+just after CUDA's initialisation, the peaks, the device memory in use at each stage.
+
+    python benchmarks/record_trace.py '{"kind": "timm", "arch": "resnet18", ...}' out.json.gz
+    python benchmarks/record_trace.py --dry-run ROW out.json.gz   # no GPU: the CPU step's peak
+
+The loop is the one a user writes: ``torch.autocast("cuda", dtype)``, ``GradScaler`` for fp16,
+torch's default (foreach) optimizer, ``zero_grad(set_to_none=True)``, two steps; cuDNN's
+benchmark mode as the row says (off by default: such rows repeat to the MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_matrix import row_name, spec_of
+
+from bigbatch.memory.measure import measure_step_peak, real_step_setup
+from bigbatch.memory.step import make_inputs, run_step_loss
+
+MiB = 2**20
+
+
+def _used_mib() -> float:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / MiB
+
+
+def _event_count() -> int:
+    traces = torch.cuda.memory._snapshot()["device_traces"]
+    return len(traces[0]) if traces else 0
+
+
+def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
+    torch.backends.cudnn.benchmark = bool(row.get("cudnn_benchmark", False))
+    torch.cuda.init()
+    stages = {"cuda_init": _used_mib()}
+    # Events only (no stack traces): recording stacks slows the step and bloats the trace.
+    torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000)
+    a = torch.randn(256, 256, device="cuda")
+    (a @ a).sum().item()
+    del a
+    stages["after_cublas"] = _used_mib()
+    x, w = torch.randn(1, 3, 16, 16, device="cuda"), torch.randn(8, 3, 3, 3, device="cuda")
+    F.conv2d(x, w).sum().item()
+    del x, w
+    stages["after_cudnn"] = _used_mib()
+    marks = {"model_begin": _event_count()}
+    spec = spec_of(row, "cuda")
+    model, opt, _ = real_step_setup(spec, 0)
+    inputs = [make_inputs(spec, "cuda") for _ in range(2)]
+    scaler = torch.amp.GradScaler("cuda") if row["precision"] == "fp16" else None
+    stages["after_model_and_inputs"] = _used_mib()
+    marks["steps_begin"] = _event_count()
+    torch.cuda.reset_peak_memory_stats()
+    skipped = 0
+    t0 = time.perf_counter()
+    while inputs:
+        loss = run_step_loss(spec, model, inputs.pop(0), "cuda")
+        (scaler.scale(loss) if scaler else loss).backward()
+        del loss
+        if scaler:
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < scale  # an inf: the optimizer step was skipped
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    stages["after_two_steps"] = _used_mib()
+    seconds = time.perf_counter() - t0
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = [
+        [e["action"], e["addr"], e["size"], e["stream"]] for e in snapshot["device_traces"][0]
+    ]
+    props = torch.cuda.get_device_properties(0)
+    return {
+        **row,
+        "name": row_name(row),
+        "device": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+        "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        "process_used_mib_by_stage": stages,
+        "optimizer_steps_skipped": int(skipped),
+        "two_steps_seconds": round(seconds, 3),
+        "segments_at_end": [
+            {"address": s["address"], "total_size": s["total_size"], "stream": s["stream"]}
+            for s in snapshot["segments"]
+        ],
+        "events_columns": ["action", "addr", "size", "stream"],
+        "event_marks": marks,
+        "events": events,
+        "loop": "recorded by benchmarks/record_trace.py from just after CUDA init: a cuBLAS "
+        "warm-up matmul and a cuDNN conv (freed), the model, inputs, optimizer, then 2 steps; "
+        "torch.autocast(cuda, dtype); GradScaler for fp16; foreach optimizer; "
+        "zero_grad(set_to_none=True)",
+    }
+
+
+def record_dry(row: dict[str, Any]) -> dict[str, Any]:
+    """No GPU: the CPU step's measured peak stands in, so that the harness runs end to end."""
+    peak = measure_step_peak(spec_of(row, "cpu"))
+    return {
+        **row,
+        "name": row_name(row),
+        "device": "cpu (dry run)",
+        "torch": torch.__version__,
+        "max_allocated_bytes": peak,
+        "max_reserved_bytes": peak,
+        "process_used_mib_by_stage": {},
+        "event_marks": {},
+        "events": [],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("row", help="the row as JSON (benchmarks/gpu_matrix.py)")
+    p.add_argument("out", type=Path, help="where the trace goes (.json.gz)")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args()
+    row = json.loads(args.row)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device here: run on an NVIDIA GPU, or --dry-run", file=sys.stderr)
+        return 2
+    trace = record_dry(row) if args.dry_run else record_cuda(row)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    with gzip.open(tmp, "wt") as f:
+        json.dump(trace, f, separators=(",", ":"))
+    tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
