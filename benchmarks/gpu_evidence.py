@@ -283,6 +283,8 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float) -> dict[str, Any]:
 
     def record(row: dict[str, Any]) -> dict[str, Any]:
         path = traces / f"{row_name(row)}.json.gz"
+        if path.exists():  # a rerun finishes what an earlier run's time box cut
+            return summarise(path)
         try:
             done = subprocess.run(
                 [sys.executable, str(HERE / "record_trace.py"), json.dumps(row), str(path), *flags],
@@ -292,6 +294,9 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float) -> dict[str, Any]:
             return {"error": "out of time"}
         if done.returncode:
             return {"error": done.stderr[-1500:]}
+        return summarise(path)
+
+    def summarise(path: Path) -> dict[str, Any]:
         import gzip
 
         with gzip.open(path, "rt") as f:

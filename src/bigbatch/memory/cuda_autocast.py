@@ -80,6 +80,14 @@ def _op(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
+def _has_op(name: str) -> bool:
+    try:
+        _op(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _eligible(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
@@ -132,7 +140,9 @@ def cuda_autocast_rules() -> Iterator[None]:
             with warnings.catch_warnings():  # "Overriding a previously registered kernel"
                 warnings.simplefilter("ignore")
                 for name, policy in CUDA_AUTOCAST_POLICY.items():
-                    if policy != _BANNED:
+                    # An op the list names that this torch does not have (the list is
+                    # torch's newest; torch 2.11 has no linalg_matrix_sqrth) is nothing to cast.
+                    if policy != _BANNED and _has_op(name):
                         lib.impl(name, _kernel(name, policy), "AutocastCPU")
                 cpu_only = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
                 for qualified in sorted(cpu_only):
