@@ -187,6 +187,8 @@ def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
             ),
         ),
     ]
+    if dry_run:  # the ViT's run is resnet50's code with another model
+        jobs = jobs[:3]
     for name, job in jobs:
         if time.monotonic() > deadline:
             out[name] = {"skipped": "out of time"}

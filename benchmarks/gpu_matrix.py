@@ -138,15 +138,12 @@ def _timm_row(arch: str, size: int, batch: int, precision: str, opt: str) -> dic
 
 def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
     """The rows, cheapest first within each family (a time box cuts the costly ones)."""
-    if dry_run:  # tiny, on the CPU: the harness's code paths in seconds
+    if dry_run:  # tiny, on the CPU: the harness's code paths in seconds (every kind's spec
+        # is tested against the recorded traces in tests/memory/test_gpu_truth.py)
         return [
             _timm_row("resnet10t", 32, 2, "fp32", "adamw"),
-            {"kind": "smp", "arch": "unet", "encoder": "resnet18", "size": 64, "batch": 1,
-             "precision": "fp32", "optimizer": "adamw"},
             {"kind": "unet3d", "arch": "unet3d", "widths": [8, 16], "size": 16, "batch": 1,
              "precision": "fp32", "optimizer": "adamw"},
-            {"kind": "llama", "arch": "llama", "layers": 2, "hidden": 64, "vocab": 256,
-             "size": 64, "batch": 1, "precision": "fp32", "optimizer": "adamw"},
         ]  # fmt: skip
     return [
         # The batch sweep of one CNN, 32 to 256 (the large-batch fragmentation).

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cuda_memory import _llama, _timm, _unet3d, lm_step, seg_step
+from gpu_matrix import spec_of as matrix_spec
 
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
 from bigbatch.memory.predict import predict_peak
@@ -34,28 +34,21 @@ MiB = 2**20
 
 
 def load(name: str) -> dict[str, Any]:
+    """A trace by its name: its path under the data folder, without ``.json.gz``."""
     with gzip.open(DATA / f"{name}.json.gz") as f:
         return json.load(f)
 
 
-def spec_of(truth: dict[str, Any]) -> StepSpec:
-    """The recorded workload as a StepSpec for a CUDA target (timm models have 10 classes, as
-    recorded; the U-Net's loss and the LM's are cuda_memory.py's)."""
-    common: dict[str, Any] = {
-        "optimizer": truth["optimizer"],
-        "precision": truth["precision"],
-        "device": "cuda",
-    }
-    size, batch = truth["size"], truth["batch"]
-    if truth["kind"] == "timm":
-        return StepSpec(_timm(truth["arch"], num_classes=10), (3, size, size), batch, **common)
-    if truth["kind"] == "unet3d":
-        model = _unet3d((32, 64, 128, 256))
-        return StepSpec(model, (4, size, size, size), batch, step=seg_step, **common)
-    model = _llama(8, 1024, 32000)
-    return StepSpec(
-        model, (size,), batch, input_dtype=torch.long, vocab=32000, step=lm_step, **common
+def names() -> list[str]:
+    """Every recorded trace (the H100's at the top, later cards' in a folder each)."""
+    return sorted(
+        str(p.relative_to(DATA)).removesuffix(".json.gz") for p in DATA.rglob("*.json.gz")
     )
+
+
+def spec_of(truth: dict[str, Any]) -> StepSpec:
+    """The recorded workload as a StepSpec for a CUDA target (benchmarks/gpu_matrix.py)."""
+    return matrix_spec(truth, "cuda")
 
 
 def row(name: str) -> dict[str, Any]:
@@ -89,13 +82,15 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", default="", help="workload names, comma-separated")
     args = p.parse_args()
-    names = sorted(f.name.removesuffix(".json.gz") for f in DATA.glob("*.json.gz"))
+    all_names = names()
     if args.only:
-        unknown = sorted(set(args.only.split(",")) - set(names))
+        unknown = sorted(set(args.only.split(",")) - set(all_names))
         if unknown:
-            p.error(f"--only {','.join(unknown)}: no such trace; choose from {', '.join(names)}")
-        names = [n for n in names if n in args.only.split(",")]
-    rows = [row(n) for n in names]
+            p.error(
+                f"--only {','.join(unknown)}: no such trace; choose from {', '.join(all_names)}"
+            )
+        all_names = [n for n in all_names if n in args.only.split(",")]
+    rows = [row(n) for n in all_names]
     if args.json:
         print(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
         return

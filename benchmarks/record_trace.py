@@ -65,7 +65,9 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     # GradScaler's default first scale (65536) overflows on some nets (convnext, ViT), so both
     # recorded steps would skip the optimizer and hold no Adam state: start where training
     # settles instead (recorded in the trace).
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10) if row["precision"] == "fp16" else None
+    scaler = (
+        torch.amp.GradScaler("cuda", init_scale=2.0**10) if row["precision"] == "fp16" else None
+    )
     stages["after_model_and_inputs"] = _used_mib()
     marks["steps_begin"] = _event_count()
     torch.cuda.reset_peak_memory_stats()
@@ -94,6 +96,7 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     return {
         **row,
         "name": row_name(row),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "device": props.name,
         "compute_capability": f"{props.major}.{props.minor}",
         "torch": torch.__version__,

@@ -88,3 +88,15 @@ def test_a_cuda_prediction_keeps_layer_norm_outputs_in_float32(precision: str) -
     cuda = predict_peak(spec).activations
     cpu = predict_peak(StepSpec(net, (256,), 512, precision=precision)).activations  # type: ignore[arg-type]
     assert cuda > cpu
+
+
+def test_an_op_this_torch_lacks_is_skipped_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table is the newest torch's: torch 2.11 has no ``linalg_matrix_sqrth``, and every
+    CUDA prediction raised AttributeError there (seen on an H200 in make gpu-evidence)."""
+    import bigbatch.memory.cuda_autocast as rules
+
+    monkeypatch.setitem(rules.CUDA_AUTOCAST_POLICY, "an_op_no_torch_has", "fp32")
+    x, w = torch.randn(2, 8), torch.randn(8, 8)
+    with cuda_autocast_rules(), torch.autocast("cpu", dtype=torch.float16):
+        assert (x @ w).dtype == torch.float16
+        assert F.layer_norm(x @ w, (8,)).dtype == torch.float32
