@@ -112,6 +112,7 @@ def run_window(
     count_fn: Callable[[Any], dict[str, Any]] | None = None,
     split: Callable[[Any, int, int], list[Any]] | None = None,
     device: torch.device | str = "cpu",
+    model: torch.nn.Module | None = None,
 ) -> StepResult:
     """Train one window on ``batch`` (all its samples), in micro-batches that fit, then step.
 
@@ -121,6 +122,9 @@ def run_window(
     ``{"count": len(micro_batch)}``; ``{"labels": ...}`` for tokens). ``split(batch, size,
     min_size)`` cuts the window into micro-batches (default
     :func:`~bigbatch.batching.split_batch`; a batch of per-sample target lists needs its own).
+    ``model`` (default: the Accumulator's): its buffers are put back as they were at the
+    window's start before an OOM's retry, since the failed micro-batches' forward passes have
+    already moved BatchNorm's running statistics.
 
     >>> import torch, torch.nn.functional as F
     >>> model = torch.nn.Linear(4, 2)
@@ -146,7 +150,7 @@ def run_window(
                 else:
                     acc.backward(out, **counts(micro))
 
-    return _step_fitting(acc, backoff, device, backward_all, "run_window")
+    return _step_fitting(acc, backoff, device, backward_all, "run_window", model)
 
 
 def run_coupled_window(
@@ -157,6 +161,7 @@ def run_coupled_window(
     backoff: OOMBackoff,
     *,
     device: torch.device | str = "cpu",
+    model: torch.nn.Module | None = None,
 ) -> StepResult:
     """:func:`run_window` for a loss that couples the samples (a batch Dice, a contrastive loss):
     ``batch`` is ``(inputs, targets)``; ``loss_fn(outputs, targets)`` runs once on the whole
@@ -178,7 +183,22 @@ def run_coupled_window(
         with acc.no_sync():
             cached_backward(acc, encode, loss_fn, list(parts), targets=targets)
 
-    return _step_fitting(acc, backoff, device, backward_all, "run_coupled_window")
+    return _step_fitting(acc, backoff, device, backward_all, "run_coupled_window", model)
+
+
+class _Buffers:
+    """A module's buffers (BatchNorm's running statistics and counts) at a window's start, kept
+    to put back before an OOM's retry: the same samples then move them as a run without the
+    OOM would. A copy per window, tiny beside the activations (resnet50: 0.2 MiB)."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self.live = [b for b in model.buffers() if b is not None] if model is not None else []
+        self.saved = [b.detach().clone() for b in self.live]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, saved in zip(self.live, self.saved, strict=True):
+                live.copy_(saved)
 
 
 def _step_or_oom(acc: Accumulator) -> tuple[str, bool, StepResult | None]:
@@ -209,6 +229,7 @@ def _step_fitting(
     device: torch.device | str,
     backward_all: Callable[[int], None],
     name: str,
+    model: torch.nn.Module | None = None,
 ) -> StepResult:
     """Run ``backward_all(micro_batch)`` for the window, halving the micro-batch on OOM (the
     same samples again, from the window's start), then step; an OOM while the optimizer
@@ -219,6 +240,7 @@ def _step_fitting(
             "DDP syncing inside backward, a rank that runs out of memory would leave the others "
             "waiting in that all-reduce forever"
         )
+    buffers = _Buffers(model if model is not None else acc.model)
     while True:
         failure = ""
         host_oom = False  # the CPU allocator (not CUDA's or MPS's) ran out
@@ -238,5 +260,6 @@ def _step_fitting(
         # Leaving the except block dropped the exception and its traceback, which held the
         # failed micro-batch's activations; now they can be freed.
         acc.discard_window()
+        buffers.restore()
         free_memory(host_oom)
         backoff.shrink(acc.optimizer_step, failure or "another rank ran out of memory")

@@ -123,7 +123,8 @@ g = torch.Generator().manual_seed(1)
 x = torch.randn(512, 3, 224, 224, generator=g).cuda(); y = torch.randint(0, 10, (512,), generator=g).cuda()
 backoff = OOMBackoff(micro_batch=512, grow_after=0)
 for _ in range(2):
-    run_window(acc, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), backoff, device="cuda")
+    run_window(acc, (x, y), lambda b: F.cross_entropy(model(b[0]), b[1]), backoff, device="cuda",
+               model=model)
 print(backoff.micro_batch, len(backoff.events))
 torch.save({k: v.cpu() for k, v in model.state_dict().items()}, sys.argv[2])
 """

@@ -334,3 +334,37 @@ def test_a_window_of_equal_micro_batches_needs_no_rescaling_pass(
     assert bool(calls) is rescaled
     for got, p in zip(grads, big.parameters(), strict=True):
         assert (got - p.grad).abs().max() <= 1e-12  # type: ignore[operator]
+
+
+def _bn_run(micro_batch: int, *, restore: bool) -> nn.Module:
+    """A BatchNorm net trained over three windows from ``micro_batch``, where more than 8
+    samples run out of memory after their forward pass (as on a GPU: the activations fit, the
+    backward's do not), so the failed forward has already moved the running statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    model = model.double()
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        if len(batch[1]) > 8:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return loss
+
+    backoff = OOMBackoff(micro_batch=micro_batch, grow_after=0)
+    for window in _windows():
+        run_window(acc, window, loss_fn, backoff, model=model if restore else None)
+    return model
+
+
+def test_an_oom_after_the_forward_leaves_batchnorm_statistics_as_a_run_without_it() -> None:
+    """Seen on an H200 (tests/gpu): the weights after a real OOM equalled a run without one,
+    BatchNorm's running mean did not. The window's buffers are put back before the retry."""
+    reference = _bn_run(8, restore=True)  # fits from the start: no OOM
+    recovered = _bn_run(32, restore=True)
+    for (name, a), b in zip(recovered.state_dict().items(), reference.state_dict().values(), strict=True):  # fmt: skip
+        assert torch.allclose(a, b, rtol=TOL64, atol=TOL64), name
+    # Negative control: without the model, the failed forwards' updates stay in the buffers.
+    stale = _bn_run(32, restore=False)
+    diff = (stale[1].running_mean - reference[1].running_mean).abs().max()
+    assert diff > 1e-3

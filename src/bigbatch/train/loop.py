@@ -273,7 +273,9 @@ def _step_window(run: Run, ph: Phase, window: Any) -> Any:
                 return model(where.inputs(inputs))
 
         pair = (x, where.targets(y))
-        result = run_coupled_window(acc, pair, encode, task.loss, run.backoff, device=where.device)
+        result = run_coupled_window(
+            acc, pair, encode, task.loss, run.backoff, device=where.device, model=model
+        )
     else:
         result = run_window(
             acc,
@@ -282,6 +284,7 @@ def _step_window(run: Run, ph: Phase, window: Any) -> Any:
             run.backoff,
             split=task.split,
             device=where.device,
+            model=model,
         )
     if run.ema is not None and not result.skipped:
         run.ema.update(run.core, step=acc.optimizer_step)
