@@ -11,7 +11,10 @@ import pytest
 from bigbatch.cli.main import main
 
 
+# Builds and installs two packages and trains: minutes alone, several times that beside another
+# job on the 2 cores (seen past pytest-timeout's default 300 s there).
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_the_wheel_installs_and_runs_the_demo_outside_the_checkout(tmp_path: Path) -> None:
     """.ci/install_check.sh: the wheel and sdist build (the sdist carries the tests), the wheel
     with [train] runs `bigbatch demo --epochs 1` from another folder, a core install's commands
@@ -19,7 +22,7 @@ def test_the_wheel_installs_and_runs_the_demo_outside_the_checkout(tmp_path: Pat
     root = Path(__file__).parents[2]
     done = subprocess.run(
         ["bash", str(root / ".ci" / "install_check.sh"), str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "DEV_PYTHON": sys.executable},
+        capture_output=True, text=True, timeout=1400, env={**os.environ, "DEV_PYTHON": sys.executable},
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "core install's commands that need an extra exit 2" in done.stdout
@@ -38,6 +41,7 @@ def test_the_wheel_installs_and_runs_the_demo_outside_the_checkout(tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two trainings, 2D and 3D: past 300 s beside another job
 def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
     out = capsys.readouterr().out
