@@ -1,4 +1,5 @@
-"""Atomic file writes: a crash or a full disk never leaves a half-written file behind.
+"""Atomic file writes: a crash or a full disk never leaves a half-written file behind; CSVs read
+in the dialects spreadsheets write.
 
 Each write goes to a temporary file in the same folder, is flushed to disk, then renamed over
 the target in one step; on any error the temporary file is removed and the previous version of
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "CSVError",
     "FolderBusyError",
     "atomic_path",
     "atomic_write_bytes",
@@ -26,11 +28,41 @@ __all__ = [
     "check_writable",
     "load_tensors",
     "lock_folder",
+    "read_csv_rows",
 ]
 
 
 class FolderBusyError(RuntimeError):
     """Another process holds the folder's lock."""
+
+
+class CSVError(ValueError):
+    """A CSV that cannot be read as text, with the fix."""
+
+
+def read_csv_rows(path: str | Path) -> list[list[str]]:
+    """Every row of a CSV as spreadsheets write them: UTF-8 with or without Excel's byte-order
+    mark, quoted or not, CRLF or LF line ends, separated by commas, or by semicolons or tabs
+    where the header has no comma (Excel in locales whose decimal mark is a comma).
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.csv"
+    >>> _ = p.write_bytes(b'\xef\xbb\xbf"file";"label"\r\na.png;cat\r\n')
+    >>> read_csv_rows(p)
+    [['file', 'label'], ['a.png', 'cat']]
+    """
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
+            first = f.readline()
+            f.seek(0)
+            delimiter = next((d for d in ",;\t" if d in first), ",")
+            return list(csv.reader(f, delimiter=delimiter))
+    except UnicodeDecodeError as exc:
+        raise CSVError(
+            f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 (in Excel: CSV UTF-8)"
+        ) from None
+    except csv.Error as exc:
+        raise CSVError(f"{path} is not a readable CSV: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -132,3 +132,49 @@ def test_the_listing_and_the_folder_must_agree(tmp_path: Path) -> None:
     assert len(check_listing(RLETable("image_class", ["1"], {"a.jpg": {}}), images)) == 1
     with pytest.raises(RLEError, match="is not a folder"):
         check_listing(clouds, tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xef\xbb\xbfImage_Label,EncodedPixels\r\na_1.jpg_Fish,1 3\r\na_1.jpg_Sugar,\r\n",  # Excel
+        b'"Image_Label","EncodedPixels"\na_1.jpg_Fish,"1 3"\n"a_1.jpg_Sugar",""\n',  # R, pandas
+        b"Image_Label;EncodedPixels\na_1.jpg_Fish;1 3\na_1.jpg_Sugar;\n",  # Excel, comma locales
+    ],
+    ids=["byte-order-mark-crlf", "quoted", "semicolons"],
+)
+def test_the_dialects_spreadsheets_write_are_read(tmp_path: Path, raw: bytes) -> None:
+    path = tmp_path / "train.csv"
+    path.write_bytes(raw)
+    table = read_rle_csv(path)
+    assert table.layout == "image_label" and table.classes == ["Fish", "Sugar"]
+    assert table.masks == {"a_1.jpg": {"Fish": "1 3", "Sugar": ""}}
+    from bigbatch.train.tasks.segmentation.rle_data import is_rle_csv
+
+    assert is_rle_csv(path)  # routed to the RLE task, not refused as image,mask
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("ImageId_ClassId,EncodedPixels\na.jpg_1,1 2\n", "Severstal's first layout: split"),
+        (",Image_Label,EncodedPixels\n0,a.jpg_Fish,1 2\n", "index column first .*index=False"),
+        ("", "the file is empty: an RLE CSV starts with the header Image_Label"),
+        ("id,rle\na.jpg,1 2\n", "is not Image_Label,EncodedPixels or ImageId,ClassId,Encoded"),
+        # An underscore in the image's name and no class: the row, not a wrong image.
+        ("Image_Label,EncodedPixels\ntrain_001.jpg_Fish,1 2\ntrain_002.jpg,1 2\n",
+         "line 3: 'train_002.jpg' has no class after the image's name"),
+    ],
+)  # fmt: skip
+def test_a_header_or_cell_that_is_no_layout_says_what_it_is(
+    tmp_path: Path, text: str, match: str
+) -> None:
+    with pytest.raises(RLEError, match=match):
+        read_rle_csv(_write(tmp_path / "train.csv", text))
+
+
+def test_image_names_with_underscores_split_after_their_suffix(tmp_path: Path) -> None:
+    table = read_rle_csv(
+        _write(tmp_path / "t.csv", "Image_Label,EncodedPixels\nsat_2019_07.png_Gravel_Ice,1 2\n")
+    )
+    assert table.masks == {"sat_2019_07.png": {"Gravel_Ice": "1 2"}}

@@ -17,11 +17,14 @@ Only numpy is needed here.
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from bigbatch.io import CSVError, read_csv_rows
 
 __all__ = [
     "LAYOUTS",
@@ -46,6 +49,34 @@ LAYOUTS = {
 
 class RLEError(ValueError):
     """A run-length encoding or an RLE CSV that cannot be read faithfully, with the fix."""
+
+
+def rle_layout(header: Sequence[str]) -> str:
+    """The RLE layout whose header this is (``image_label``, ``image_class``), else ''."""
+    return next((name for name, cols in LAYOUTS.items() if tuple(header) == cols), "")
+
+
+def header_problem(header: Sequence[str]) -> str:
+    """What is wrong with a header that is no RLE layout, and the fix.
+
+    >>> header_problem(("ImageId_ClassId", "EncodedPixels"))[:60]
+    "the header 'ImageId_ClassId,EncodedPixels' is Severstal's fi"
+    """
+    accepted = " or ".join(",".join(c) for c in LAYOUTS.values())
+    shown = ",".join(header)
+    if not header or not any(h.strip() for h in header):
+        return f"the file is empty: an RLE CSV starts with the header {accepted}"
+    if tuple(header) == ("ImageId_ClassId", "EncodedPixels"):
+        return (
+            f"the header {shown!r} is Severstal's first layout: split its first column at the "
+            "last underscore into ImageId,ClassId (the competition's later train.csv has them)"
+        )
+    if header[0] in ("", "Unnamed: 0") and rle_layout(header[1:]):
+        return (
+            f"the header {shown!r} has an index column first (pandas' to_csv without "
+            "index=False): write it again with index=False, or drop the first column"
+        )
+    return f"the header {shown!r} is not {accepted} (Kaggle's two RLE layouts)"
 
 
 def rle_encode(mask: np.ndarray) -> str:
@@ -169,13 +200,28 @@ class RLETable:
         return np.stack([rle_decode(own.get(c, ""), shape, f"{image} {c}") for c in self.classes])
 
 
+# An Image_Label cell is the image's file name, an underscore, the class: the name may hold
+# underscores itself (train_0001.jpg_Fish), so the split is after its image suffix.
+_IMAGE_THEN_CLASS = re.compile(r"^(.+\.(?:jpe?g|png|tiff?|bmp|webp|gif))_(.+)$", re.IGNORECASE)
+_IMAGE_ALONE = re.compile(r"\.(?:jpe?g|png|tiff?|bmp|webp|gif)$", re.IGNORECASE)
+
+
 def _image_and_class(row: Sequence[str], layout: str, line: int, path: Path) -> tuple[str, str]:
     if layout == "image_class":
         return row[0].strip(), row[1].strip()
-    image, sep, name = row[0].strip().rpartition("_")
+    cell = row[0].strip()
+    match = _IMAGE_THEN_CLASS.match(cell)
+    if match:
+        return match.group(1), match.group(2)
+    if _IMAGE_ALONE.search(cell):
+        raise RLEError(
+            f"{path} line {line}: {cell!r} has no class after the image's name: an Image_Label "
+            "cell is the image's file name, an underscore and the class (e.g. 0011165.jpg_Fish)"
+        )
+    image, sep, name = cell.rpartition("_")
     if not sep or not image or not name:
         raise RLEError(
-            f"{path} line {line}: {row[0]!r} is not image_class (e.g. 0011165.jpg_Fish): the "
+            f"{path} line {line}: {cell!r} is not image_class (e.g. 0011165.jpg_Fish): the "
             "Image_Label column joins the image's file name and the class with an underscore"
         )
     return image, name
@@ -192,13 +238,14 @@ def read_rle_csv(path: str | Path) -> RLETable:
     ('image_label', ['Fish', 'Sugar'], '1 3')
     """
     path = Path(path)
-    with path.open(newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        rows = read_csv_rows(path)  # Excel's byte-order mark, quotes, CRLF, semicolons
+    except CSVError as exc:
+        raise RLEError(str(exc)) from None
     header = tuple(h.strip() for h in rows[0]) if rows else ()
-    layout = next((name for name, columns in LAYOUTS.items() if header == columns), "")
+    layout = rle_layout(header)
     if not layout:
-        accepted = " or ".join(",".join(c) for c in LAYOUTS.values())
-        raise RLEError(f"{path}: the header {','.join(header)!r} is not {accepted}")
+        raise RLEError(f"{path}: {header_problem(header)}")
     table = RLETable(layout, [])
     width = len(LAYOUTS[layout])
     for line, row in enumerate(rows[1:], start=2):

@@ -7,7 +7,6 @@ A task's own data (what a sample is, how it is scanned and checked) lives in its
 
 from __future__ import annotations
 
-import csv
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from bigbatch import io
 from bigbatch.images import UnreadableImageError, probe
 
 __all__ = [
@@ -227,14 +227,9 @@ def split_items(items: ItemsT, valid_pct: float, seed: int) -> tuple[ItemsT, Ite
 
 
 def read_csv_rows(path: Path) -> list[list[str]]:
-    """Every row of a CSV, read as UTF-8 with or without Excel's byte-order mark; DataError
-    naming the file and the fix otherwise."""
+    """Every row of a CSV in the dialects spreadsheets write (:func:`bigbatch.io.read_csv_rows`);
+    DataError naming the file and the fix otherwise."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
-            return list(csv.reader(f))
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 (in Excel: CSV UTF-8)"
-        ) from None
-    except csv.Error as exc:
-        raise DataError(f"{path} is not a readable CSV: {exc}") from None
+        return io.read_csv_rows(path)
+    except io.CSVError as exc:
+        raise DataError(str(exc)) from None

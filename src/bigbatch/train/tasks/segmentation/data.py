@@ -39,6 +39,7 @@ from torch.utils.data import Dataset
 
 from bigbatch.images import probe, read_pixels
 from bigbatch.models import MEAN, STD
+from bigbatch.segmentation.rle import header_problem
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, read_csv_rows
 
 __all__ = [
@@ -314,7 +315,10 @@ def _pairs_from_csv(path: Path, root: Path) -> list[tuple[tuple[Path, ...], Path
     rows = read_csv_rows(path)
     header = [h.strip().lower() for h in rows[0]] if rows else []
     if "image" not in header or "mask" not in header:
-        raise DataError(f"{path} needs a header with image,mask columns")
+        raise DataError(
+            f"{path}: {header_problem(tuple(h.strip() for h in rows[0]) if rows else ())}; or, "
+            "for masks as image files, a header with image,mask columns"
+        )
     at_image, at_mask = header.index("image"), header.index("mask")
     pairs = []
     for line, row in enumerate(rows[1:], start=2):

@@ -22,14 +22,15 @@ import torch
 from torch.utils.data import Dataset
 
 from bigbatch.images import probe, read_pixels
+from bigbatch.io import CSVError, read_csv_rows
 from bigbatch.models import MEAN, STD
 from bigbatch.segmentation.rle import (
-    LAYOUTS,
     RLEError,
     RLETable,
     check_listing,
     parse_mask_size,
     read_rle_csv,
+    rle_layout,
     rle_runs,
     runs_overlap,
 )
@@ -53,9 +54,11 @@ def is_rle_csv(path: str | Path) -> bool:
     path = Path(path)
     if path.suffix.lower() != ".csv" or not path.is_file():
         return False
-    with path.open(encoding="utf-8-sig", errors="replace") as f:
-        header = tuple(h.strip() for h in f.readline().strip().split(","))
-    return header in LAYOUTS.values()
+    try:
+        rows = read_csv_rows(path)
+    except CSVError:
+        return False
+    return bool(rows) and bool(rle_layout(tuple(h.strip() for h in rows[0])))
 
 
 def parse_size(text: str, key: str) -> tuple[int, int] | None:
