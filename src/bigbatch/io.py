@@ -19,6 +19,7 @@ from typing import IO, Any
 
 __all__ = [
     "CSVError",
+    "DamagedFileError",
     "FolderBusyError",
     "atomic_path",
     "atomic_write_bytes",
@@ -29,11 +30,36 @@ __all__ = [
     "load_tensors",
     "lock_folder",
     "read_csv_rows",
+    "read_json",
 ]
 
 
 class FolderBusyError(RuntimeError):
     """Another process holds the folder's lock."""
+
+
+class DamagedFileError(ValueError):
+    """A file bigbatch wrote that no longer reads as what it was, with the fix."""
+
+
+def read_json(path: str | Path, fix: str) -> Any:
+    """The JSON in ``path`` (a file a run folder holds); :class:`DamagedFileError` naming the
+    file, what is wrong and ``fix`` where it is not JSON.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "postprocess.json"
+    >>> _ = p.write_text('{"classes": ')
+    >>> read_json(p, "delete it")
+    Traceback (most recent call last):
+    ...
+    bigbatch.io.DamagedFileError: ...postprocess.json is damaged (not JSON: Expecting value: line 1 column 13 (char 12)): delete it
+    """
+    import json
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DamagedFileError(f"{path} is damaged (not JSON: {str(exc)[:80]}): {fix}") from None
 
 
 class CSVError(ValueError):

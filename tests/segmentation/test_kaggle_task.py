@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -396,3 +397,122 @@ def test_exclusive_classes_in_the_severstal_layout_train_and_submit(tmp_path: Pa
     table = read_rle_csv(out)
     assert table.layout == "image_class" and table.classes == ["1", "3"]
     assert len(table.masks) == 10
+
+
+# -- what first users met (issue 43) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_run(
+    trained: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """A second run of the same data, at half the resolution, trained from the data's folder
+    with relative paths (as a user types them)."""
+    _, data = trained
+    out = tmp_path_factory.mktemp("small") / "run"
+    here = Path.cwd()
+    os.chdir(data)
+    try:
+        cfg = load_config(
+            overrides=[
+                "data=train.csv", "image_root=train_images", "task=segmentation", "arch=unet",
+                "encoder=resnet10t", "batch=8", "micro_batch=4", "epochs=1", "valid_pct=0.25",
+                "mask_size=16x24", "image_size=16x24",
+            ]
+        )  # fmt: skip
+        train(cfg, out, log=lambda _: None, progress=False)
+    finally:
+        os.chdir(here)
+    return out, data
+
+
+def test_a_run_keeps_its_data_paths_absolute(small_run: tuple[Path, Path]) -> None:
+    run, data = small_run
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["data"] == str(data / "train.csv")
+    assert saved["image_root"] == str(data / "train_images")
+
+
+def test_runs_at_different_sizes_ensemble_from_another_folder(
+    trained: tuple[Path, Path],
+    small_run: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (run, data), (small, _) = trained, small_run
+    monkeypatch.chdir(tmp_path)  # neither the runs' nor the data's folder
+    args = ["ensemble", str(run), str(small), "--images", str(data / "test_images")]
+    assert main([*args, "--out", str(tmp_path / "ens"), "--mask-size", "16x24"]) == 0
+    assert "averaged probabilities" in capsys.readouterr().out
+    table = read_rle_csv(tmp_path / "ens" / "submission.csv")
+    # The mean of each run's probabilities brought to the mask size first.
+    a, b = load_submission_run(run), load_submission_run(small)
+    rules = [
+        (r["threshold"], r["min_size"])
+        for r in json.loads((tmp_path / "ens" / "postprocess.json").read_text())["classes"].values()
+    ]
+    from bigbatch.segmentation.postprocess import ClassRule
+
+    for image in sorted((data / "test_images").iterdir()):
+        mean = sum(
+            resize_probabilities(_probabilities(r, image, 2, torch.device("cpu"))[None], (16, 24))[0]
+            for r in (a, b)
+        ) / 2  # fmt: skip
+        expected = apply_rules(mean.numpy(), [ClassRule(t, m) for t, m in rules])
+        assert np.array_equal(table.decode(image.name, (16, 24)), expected)
+
+
+def test_an_ensemble_whose_training_data_moved_says_so_and_keeps_the_runs_rules(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, data = trained
+    moved = tmp_path / "run"
+    moved.mkdir()
+    for f in run.iterdir():
+        if f.is_file():
+            (moved / f.name).write_bytes(f.read_bytes())
+    saved = json.loads((moved / "config.json").read_text())
+    saved["data"] = str(tmp_path / "gone" / "train.csv")
+    (moved / "config.json").write_text(json.dumps(saved))
+    args = ["ensemble", str(moved), str(moved), "--images", str(data / "test_images")]
+    assert main([*args, "--out", str(tmp_path / "ens"), "--mask-size", "16x24"]) == 0
+    out = capsys.readouterr().out
+    assert "not tuned again: the runs' training data" in out and "is not there" in out
+    assert (tmp_path / "ens" / "submission.csv").is_file()
+
+
+def test_predict_into_an_existing_folder_writes_the_submission_there(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run, data = trained
+    assert main(["predict", str(run), str(data / "test_images"), "--out", str(tmp_path)]) == 0
+    assert read_rle_csv(tmp_path / "submission.csv").classes == list(CLOUD_CLASSES)
+
+
+def test_tta_passes_are_distinct_flips_and_too_many_are_refused_first(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bigbatch.train.tasks.segmentation.predict import tta_flips
+
+    assert tta_flips(2, 4) == [[], [3], [2], [3, 2]]  # was [], [3], [2], [3]: a repeat
+    assert len({tuple(f) for f in tta_flips(3, 8)}) == 8
+    run, data = trained
+    out = tmp_path / "s.csv"
+    assert main(["predict", str(run), str(data / "test_images"), "--tta", "5", "--out", str(out)]) == 2  # fmt: skip
+    assert "give 1 to 4" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_damaged_postprocess_json_names_the_file_and_the_fix(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, data = trained
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for f in run.iterdir():
+        if f.is_file():
+            (copy / f.name).write_bytes(f.read_bytes())
+    (copy / "postprocess.json").write_text('{"classes": {"Fish": ')
+    assert main(["predict", str(copy), str(data / "test_images")]) == 2
+    err = capsys.readouterr().err
+    assert f"{copy / 'postprocess.json'} is damaged" in err and "delete it" in err

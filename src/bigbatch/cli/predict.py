@@ -17,8 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tta",
         type=int,
         default=2,
-        help="passes: 1 plain, 2 adds the flip, more add augmented crops (segmentation: flips "
-        "along each spatial axis)",
+        help="test-time augmentation passes, averaged. Classification: 1 plain, 2 adds the "
+        "horizontal flip, 3 and more add augmented crops. Segmentation, every pass a distinct "
+        "flip: 1 none, 2 + horizontal, 3 + vertical, 4 + both (3D volumes: up to 8, the depth "
+        "axis and the combinations)",
     )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     p.add_argument(

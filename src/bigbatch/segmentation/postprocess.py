@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bigbatch.io import DamagedFileError, read_json
+
 __all__ = [
     "ClassRule",
     "apply_rules",
@@ -174,8 +176,18 @@ def save_rules(
 def load_rules(path: str | Path, classes: Sequence[str]) -> tuple[list[ClassRule], tuple[int, int]]:
     """The rules of ``classes`` from ``postprocess.json``, and their mask size; a class it does
     not hold is refused (it was not seen in training)."""
-    body = json.loads(Path(path).read_text())
-    known = body["classes"]
+    fix = (
+        "bigbatch train writes it after training; restore it from a copy, or delete it to "
+        "predict with a 0.5 threshold and no component dropped"
+    )
+    body = read_json(path, fix)
+    try:
+        known = body["classes"]
+        height, width = body["mask_size"]
+        for c in known.values():
+            float(c["threshold"]), int(c["min_size"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise DamagedFileError(f"{path} is not a postprocess.json bigbatch wrote: {fix}") from None
     missing = [c for c in classes if c not in known]
     if missing:
         raise ValueError(
@@ -183,5 +195,4 @@ def load_rules(path: str | Path, classes: Sequence[str]) -> tuple[list[ClassRule
             "predict with the run's own classes"
         )
     rules = [ClassRule(float(known[c]["threshold"]), int(known[c]["min_size"])) for c in classes]
-    height, width = body["mask_size"]
     return rules, (int(height), int(width))

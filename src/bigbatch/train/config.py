@@ -86,6 +86,25 @@ class TrainConfig:
         if self.options is None and self.task in task_names():
             self.options = task_entry(self.task).options()
 
+    def with_absolute_paths(self) -> TrainConfig:
+        """This config with its paths (``data``, ``image_root``, ``valid``, ``weights``)
+        absolute, as the run folder keeps them.
+
+        >>> TrainConfig(data="images").with_absolute_paths().data.startswith("/")
+        True
+        """
+        import copy
+        import os
+
+        new = copy.copy(self)
+        for key in ("data", "image_root", "valid", "weights"):
+            value = getattr(self, key)
+            if value and not (
+                key == "weights" and ("://" in value or value.startswith(("hf-hub:", "hf_hub:")))
+            ):
+                setattr(new, key, os.path.abspath(value))
+        return new
+
     def validate(self) -> None:
         """Every check that needs no data and no model: before any work starts."""
         if not self.data:

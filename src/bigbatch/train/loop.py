@@ -82,6 +82,9 @@ def train(
     torchrun it joins the process group (when the caller has not) and leaves it open, so
     one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
     cfg.validate()
+    # The run folder keeps its data's paths absolute: predict, ensemble and --resume find them
+    # from any working directory.
+    cfg = cfg.with_absolute_paths()
     rank, world = init_distributed(cfg)
     run_dir = Path(run_dir)
     if rank != 0:  # rank 0 alone logs and writes files

@@ -13,6 +13,7 @@ volumes, NIfTI with the input's affine and header for NIfTI volumes; each file a
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -114,18 +115,34 @@ def _check_inputs(cases: list[Case], root: Path, out: Path, dims: int, channels:
             raise DataError(f"{case[0]} has {found} channel(s); the run was trained on {channels}")
 
 
+def tta_flips(spatial_dims: int, tta: int) -> list[list[int]]:
+    """The axes each of ``tta`` passes flips, all distinct: none, then each spatial axis alone
+    (the last, width, first), then each pair, ... (2D: none, width, height, both: at most 4;
+    3D: at most 8). More passes than that is refused: a pass would repeat.
+
+    >>> tta_flips(2, 4)
+    [[], [3], [2], [3, 2]]
+    """
+    axes = list(range(spatial_dims + 1, 1, -1))
+    passes = [list(c) for k in range(len(axes) + 1) for c in itertools.combinations(axes, k)]
+    if not 1 <= tta <= len(passes):
+        raise ConfigError(
+            f"--tta {tta}: {len(passes)} passes are all the distinct flips of a "
+            f"{spatial_dims}D input (none, each axis, each combination); give 1 to {len(passes)}"
+        )
+    return passes[:tta]
+
+
 def with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.Tensor:
-    """The mean over ``tta`` passes: the input, then one flip per pass, each along another
-    spatial axis (last first).
+    """The mean over ``tta`` passes, each with other flips (:func:`tta_flips`), each pass's
+    output flipped back.
 
     >>> x = torch.rand(1, 2, 4, 4)
-    >>> torch.allclose(with_tta(lambda v: v.softmax(1), x, 3), x.softmax(1))
+    >>> torch.allclose(with_tta(lambda v: v.softmax(1), x, 4), x.softmax(1))
     True
     """
-    flips = list(range(x.dim() - 1, 1, -1))
     total = probabilities(x)
-    for k in range(1, tta):
-        axes = [flips[(k - 1) % len(flips)]]
+    for axes in tta_flips(x.dim() - 2, tta)[1:]:
         total = total + probabilities(x.flip(axes)).flip(axes)
     return total / tta
 
@@ -138,6 +155,7 @@ def predict_request(request: PredictRequest) -> str:
         info = read_task_info(request.run_dir)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    tta_flips(int(info.get("dims", 2)), request.tta)  # before any work: passes that repeat
     if info.get("rle"):
         from bigbatch.train.tasks.segmentation.submit import write_submission
 
@@ -194,6 +212,7 @@ def predict_masks(
         raise ConfigError(str(exc)) from None
     cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
     dims, channels, classes = int(info["dims"]), int(info["channels"]), int(info["num_classes"])
+    tta_flips(dims, tta)
     multiple = int(info.get("multiple", 8))
     if patch and (dims == 2 or patch < 2 * multiple or patch % multiple):
         raise ConfigError(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from bigbatch.device import autocast_for
-from bigbatch.io import atomic_path
+from bigbatch.io import atomic_path, check_writable
 from bigbatch.segmentation.postprocess import (
     ClassRule,
     apply_rules,
@@ -35,7 +35,7 @@ from bigbatch.train.data import images_to_predict, split_items
 from bigbatch.train.runtime import resolve_device, resolve_precision
 from bigbatch.train.tasks import read_task_info
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
-from bigbatch.train.tasks.segmentation.predict import with_tta
+from bigbatch.train.tasks.segmentation.predict import tta_flips, with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
     read_rgb,
@@ -129,9 +129,12 @@ def _probabilities(run: SubmissionRun, path: Path, tta: int, device: torch.devic
 def _averaged_at(
     runs: Sequence[SubmissionRun], path: Path, tta: int, device: torch.device, size: tuple[int, int]
 ) -> np.ndarray:
-    """The runs' mean probabilities of one image, ``(classes, *size)``."""
-    probs = sum(_probabilities(run, path, tta, device) for run in runs) / len(runs)
-    return resize_probabilities(torch.as_tensor(probs)[None], size)[0].numpy()
+    """The runs' mean probabilities of one image, ``(classes, *size)``: each run's brought to
+    ``size`` first, since runs trained at other resolutions predict at their own."""
+    total = sum(
+        resize_probabilities(_probabilities(run, path, tta, device)[None], size)[0] for run in runs
+    )
+    return (torch.as_tensor(total) / len(runs)).numpy()
 
 
 def _check_members(runs: Sequence[SubmissionRun]) -> None:
@@ -167,6 +170,11 @@ def write_submission(
     ``postprocess.json``); returns the path, the rows and a note on the rules used."""
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
+    tta_flips(2, tta)
+    target = Path(out)
+    if target.is_dir():  # --out a folder: the submission goes inside it
+        target = target / "submission.csv"
+    check_writable(target, "--out")  # before any prediction, not after it
     try:
         size = parse_mask_size(mask_size) if mask_size else None
     except RLEError as exc:
@@ -186,7 +194,7 @@ def write_submission(
         raise ConfigError("the run holds no mask size: give --mask-size HxW (e.g. 350x525)")
     rules, note = _rules_at(lead, size)
     if len(runs) > 1:
-        saved = Path(out).with_name("postprocess.json")
+        saved = target.with_name("postprocess.json")
         rules, note = _ensemble_rules(runs, size, tta, dev, (rules, note), saved)
 
     def rows() -> Any:
@@ -194,7 +202,6 @@ def write_submission(
             masks = apply_rules(_averaged_at(runs, path, tta, dev, size), rules)
             yield path.name, dict(zip(lead.classes, masks, strict=True))
 
-    target = Path(out)
     with atomic_path(target) as tmp:
         count = write_rle_csv(tmp, lead.layout, lead.classes, rows())
     return target, count, note
@@ -218,6 +225,12 @@ def _ensemble_rules(
         rules, note = fallback
         return rules, note + " (the runs were validated on different images: not tuned again)"
     data, image_root, valid_pct, seed = lead.split
+    if not Path(data).is_file() or (image_root and not Path(image_root).is_dir()):
+        rules, note = fallback
+        return rules, note + (
+            f" (not tuned again: the runs' training data {data} is not there; put it back, or "
+            "set data= and image_root= in each run's config.json to where it is now)"
+        )
     items = scan_rle(data, image_root, lead.labels)
     _, valid = split_items(items, valid_pct, seed)
     probs, truth = [], []
