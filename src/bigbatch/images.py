@@ -31,6 +31,7 @@ __all__ = [
     "DICOM_SUFFIXES",
     "ImageInfo",
     "UnreadableImageError",
+    "exif_orientation",
     "probe",
     "read_pixels",
     "scale_for",
@@ -101,6 +102,19 @@ def probe(path: Path) -> ImageInfo:
         f"{path} has PIL mode {mode!r}, which bigbatch cannot read faithfully: save it as 8- or "
         "16-bit greyscale, 8-bit RGB, or a float TIFF"
     )
+
+
+def exif_orientation(path: Path) -> int:
+    """The EXIF orientation a photo's viewers apply (1: as stored; 6: rotated 90 degrees ...;
+    2-8 flip or rotate), read from the header; 1 where there is none or the file is no image
+    PIL reads."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return int(im.getexif().get(0x0112, 1) or 1)  # 0x0112: Orientation
+    except Exception:
+        return 1
 
 
 def _grey_palette(im: Any) -> bool:

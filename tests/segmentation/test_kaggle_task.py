@@ -516,3 +516,16 @@ def test_a_damaged_postprocess_json_names_the_file_and_the_fix(
     assert main(["predict", str(copy), str(data / "test_images")]) == 2
     err = capsys.readouterr().err
     assert f"{copy / 'postprocess.json'} is damaged" in err and "delete it" in err
+
+
+def test_an_image_with_an_exif_orientation_is_refused_before_training(tmp_path: Path) -> None:
+    """Its runs count the stored pixels; a viewer shows it rotated (seen: a crash after 37 s of
+    planning, in the augmentation library)."""
+    from PIL import Image
+
+    data = competition(tmp_path, {"a.jpg": {"Fish": box(2, 2)}, "b.jpg": {"Fish": box(9, 9)}})
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees
+    Image.fromarray(np.full((H, W, 3), 90, np.uint8)).save(tmp_path / "images" / "b.jpg", exif=exif)
+    with pytest.raises(DataError, match=r"b.jpg carries an EXIF orientation \(6"):
+        scan_rle(data, tmp_path / "images")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from bigbatch.images import probe, read_pixels
+from bigbatch.images import exif_orientation, probe, read_pixels
 from bigbatch.io import CSVError, read_csv_rows
 from bigbatch.models import MEAN, STD
 from bigbatch.segmentation.rle import (
@@ -128,6 +128,7 @@ def scan_rle(data: str | Path, image_root: str = "", labels: str = "auto") -> RL
         )
     shapes, overlapping = [], ""
     for path in files:
+        refuse_exif_orientation(path)
         try:
             probe(path)  # readable faithfully (a 16-bit colour PNG is refused)
             from PIL import Image
@@ -200,6 +201,18 @@ def network_input(pixels: np.ndarray) -> torch.Tensor:
     ``(3, H, W)`` float32, ImageNet-normalised (training, validation and prediction alike)."""
     image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))).float()
     return (image - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+
+
+def refuse_exif_orientation(path: Path) -> None:
+    """An RLE image must be used as stored: its runs count pixels in the stored order, and a
+    viewer's EXIF rotation would put them elsewhere (or swap height and width)."""
+    turn = exif_orientation(path)
+    if turn != 1:
+        raise DataError(
+            f"{path} carries an EXIF orientation ({turn}: shown rotated or flipped), so its "
+            "RLE runs and the picture viewers show would disagree: save it without the tag "
+            "(PIL: Image.open(p).save(p, exif=b'') keeps the stored pixels, as the runs do)"
+        )
 
 
 def read_rgb(path: Path) -> np.ndarray:

@@ -39,6 +39,7 @@ from bigbatch.train.tasks.segmentation.predict import tta_flips, with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
     read_rgb,
+    refuse_exif_orientation,
     scan_rle,
     transforms,
 )
@@ -180,6 +181,8 @@ def write_submission(
     except RLEError as exc:
         raise ConfigError(str(exc)) from None
     files = images_to_predict(images)  # every image readable, before any prediction
+    for f in files:
+        refuse_exif_orientation(f)
     names = [f.name for f in files]
     if len(set(names)) != len(names):
         raise ConfigError(
