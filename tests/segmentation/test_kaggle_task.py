@@ -529,3 +529,14 @@ def test_an_image_with_an_exif_orientation_is_refused_before_training(tmp_path: 
     Image.fromarray(np.full((H, W, 3), 90, np.uint8)).save(tmp_path / "images" / "b.jpg", exif=exif)
     with pytest.raises(DataError, match=r"b.jpg carries an EXIF orientation \(6"):
         scan_rle(data, tmp_path / "images")
+
+
+def test_the_run_records_which_images_were_held_out(trained: tuple[Path, Path]) -> None:
+    run, data = trained
+    loaded = load_submission_run(run)
+    data_csv, image_root, valid_pct, seed = loaded.split
+    train_items, valid = split_items(scan_rle(data_csv, image_root), valid_pct, seed)
+    split = json.loads((run / "split.json").read_text())
+    assert split["valid"] == [str(p) for p in valid.images]
+    assert split["train"] == [str(p) for p in train_items.images]
+    assert not set(split["train"]) & set(split["valid"])

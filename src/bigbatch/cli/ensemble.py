@@ -22,7 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="*",
         help="key=value applied to every member, e.g. epochs=1; or the other run folders",
     )
-    p.add_argument("--out", type=Path, default=Path("runs/ensemble"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/ensemble"),
+        help="the folder the members' runs and the ensemble's predictions go to (run folders: "
+        "where submission.csv and its postprocess.json go)",
+    )
     p.add_argument(
         "--images", type=Path, help="run folders: the test images to write the submission for"
     )
@@ -32,7 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run folders: the submission's masks as HEIGHTxWIDTH; default: the size the "
         "first run's postprocess.json was tuned at",
     )
-    p.add_argument("--tta", type=int, default=2, help="run folders: passes (flips) per image")
+    p.add_argument(
+        "--tta",
+        type=int,
+        default=2,
+        help="run folders: test-time passes per image, each a distinct flip: 1 none, 2 + "
+        "horizontal, 3 + vertical, 4 + both",
+    )
     p.add_argument("--device", default="cpu", help="run folders: cpu, cuda, cuda:N, mps or auto")
 
 

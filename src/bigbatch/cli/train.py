@@ -92,9 +92,13 @@ def run(args: argparse.Namespace) -> int:
                 "(or set overhead=) next time"
             )
         # What the task derived after training (a Kaggle segmentation run's tuned rules).
-        extra = ", postprocess.json" if (result.run_dir / "postprocess.json").is_file() else ""
-        print(
-            "  best.safetensors, last.safetensors, last.pt (resume), history.csv, history.png, "
-            f"plan.json, config.json{extra}"
-        )
+        written = [
+            name
+            for name in (
+                "best.safetensors", "last.safetensors", "last.pt", "history.csv", "history.png",
+                "plan.json", "config.json", "split.json", "postprocess.json",
+            )
+            if (result.run_dir / name).is_file()  # history.png needs matplotlib, for one
+        ]  # fmt: skip
+        print("  " + ", ".join(f"{n} (resume)" if n == "last.pt" else n for n in written))
     return 0

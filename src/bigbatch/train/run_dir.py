@@ -114,9 +114,19 @@ def config_toml(cfg: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_run_files(run_dir: Path, cfg: TrainConfig, task: Any, plan_info: dict[str, Any]) -> None:
+def write_run_files(
+    run_dir: Path,
+    cfg: TrainConfig,
+    task: Any,
+    plan_info: dict[str, Any],
+    split: dict[str, list[str]] | None = None,
+) -> None:
+    """config.json and .toml, classes.json, task.json, plan.json, and ``split.json``: the
+    samples trained on and those held out for validation (to score or tune by hand)."""
     atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
     atomic_write_text(run_dir / "config.toml", config_toml(cfg))
     atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
     atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
     atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
+    if split is not None and (split["train"] or split["valid"]):
+        atomic_write_text(run_dir / "split.json", json.dumps(split, indent=1))

@@ -147,6 +147,12 @@ class Task:
         """The validation part of an epoch's log line."""
         return f"valid loss {row['valid_loss']:.4f}  "
 
+    def sample_names(self, items: Any) -> list[str]:
+        """Each sample's file (a case's files joined by ``;``) in ``items``, as ``split.json``
+        records which were held out for validation; [] where the items are no files."""
+        paths = getattr(items, "files", None) or getattr(items, "images", None) or []
+        return [";".join(map(str, p)) if isinstance(p, tuple) else str(p) for p in paths]
+
     def run_info(self) -> dict[str, Any]:
         """What ``predict`` needs besides config.json (written as task.json)."""
         return {"task": self.name, "classes": self.classes}
