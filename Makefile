@@ -45,7 +45,7 @@ test: lint typecheck unit docs
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(DEMO_VENV)/bin/python || $(PYTHON) -m venv $(DEMO_VENV)
-	$(DEMO_VENV)/bin/python -m pip install -qq -c constraints.txt -e '.[train,seg]'
+	$(DEMO_VENV)/bin/python -m pip install -qq -c constraints.txt -e '.[train,seg,plot]'
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)

@@ -1,6 +1,10 @@
 """mkdocs hooks: the command-line reference (docs/cli.md) is generated from the parser itself, so
 every flag, key, default and choice in the docs is the one the code has; the home page is the
-README, its links made relative to docs/."""
+README, its links made relative to docs/.
+
+docs/cli.md also keeps the generated text itself, between the markers, so that it reads on the
+repository's web view too; `python docs/hooks/generated.py` writes it again after a change
+(tests/test_docs_cli.py fails while it is stale)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "<!-- generated: cli reference -->"
+END = "<!-- end of the generated reference -->"
+CLI_PAGE = Path(__file__).parents[1] / "cli.md"
 README = "<!-- generated: README -->"
 
 
@@ -26,9 +32,16 @@ def _reference() -> str:
     return "\n".join(parts)
 
 
+def with_reference(markdown: str) -> str:
+    """The page with the reference between its markers made anew."""
+    head, _, rest = markdown.partition(MARKER)
+    _, _, tail = rest.partition(END)
+    return f"{head}{MARKER}\n\n{_reference()}\n{END}{tail}"
+
+
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     if MARKER in markdown:
-        return markdown.replace(MARKER, _reference())
+        return with_reference(markdown)
     if README in markdown:
         text = (Path(__file__).parents[2] / "README.md").read_text()
         # The README names pages as paths (a package index cannot follow relative links);
@@ -36,3 +49,8 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
         text = re.sub(r"`docs/([a-z_]+)\.md`", r"[\1](\1.md)", text)
         return markdown.replace(README, text)
     return markdown
+
+
+if __name__ == "__main__":
+    CLI_PAGE.write_text(with_reference(CLI_PAGE.read_text()))
+    print(f"wrote {CLI_PAGE}")

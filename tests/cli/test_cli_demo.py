@@ -30,7 +30,7 @@ def test_the_wheel_installs_and_runs_the_demo_outside_the_checkout(tmp_path: Pat
     # Each member's budget is derived on this machine from the calibrated predictions (midway
     # between micro-batch 64 and 128) and covers the planner's calibration steps: 2 x 64,
     # calibrated at every size, wherever the test runs.
-    assert out.count("plan: target batch 128 = 2 x 64") == 2 and "ensemble" in out
+    assert out.count("plan: target batch 128 = 2 micro-batch(es) of 64") == 2 and "ensemble" in out
     assert "calibrated" not in out, out
     assert "/site-packages/bigbatch" in done.stdout  # the wheel's, not the checkout's
     submission = (tmp_path / "runs" / "submission.csv").read_text().splitlines()

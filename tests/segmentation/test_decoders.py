@@ -65,7 +65,7 @@ def test_bigbatch_plan_takes_an_smp_decoder_on_an_encoder(
             "--no-calibrate"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "unet:resnet10t" in out and "fpn:resnet10t" in out and "1 x 8" in out
+    assert "unet:resnet10t" in out and "fpn:resnet10t" in out and "8 x 1" in out
     assert main([*args[:6], "3,64,90", *args[7:]]) == 2  # not a multiple of 32
     assert "multiples of 32 (pad the image: 64x96)" in capsys.readouterr().err
     assert main([*args[:4], "resnet1t", *args[5:]]) == 2

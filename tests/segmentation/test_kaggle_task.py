@@ -532,7 +532,7 @@ def test_an_image_with_an_exif_orientation_is_refused_before_training(tmp_path: 
 
 
 def test_the_run_records_which_images_were_held_out(trained: tuple[Path, Path]) -> None:
-    run, data = trained
+    run, _ = trained
     loaded = load_submission_run(run)
     data_csv, image_root, valid_pct, seed = loaded.split
     train_items, valid = split_items(scan_rle(data_csv, image_root), valid_pct, seed)

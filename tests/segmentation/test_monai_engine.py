@@ -182,6 +182,6 @@ def test_bigbatch_plan_takes_monai_networks_by_name(capsys: pytest.CaptureFixtur
             "--no-calibrate"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "segresnet" in out and "dynunet" in out and "1 x 4" in out
+    assert "segresnet" in out and "dynunet" in out and "4 x 1" in out
     assert main([*args[:4], "2,15,16,16", *args[5:]]) == 2
     assert "divisible by 4" in capsys.readouterr().err

@@ -237,7 +237,7 @@ def test_progress_bar_shows_rate_and_plan(
     with_bar = train(cfg, tmp_path / "bar", log=quiet, progress=True)
     without = train(cfg, tmp_path / "plain", log=quiet, progress=False)
     shown = screen.getvalue()
-    assert "samples/s" in shown and "3 x 4" in shown  # rate, accumulation x micro-batch
+    assert "samples/s" in shown and "4 x 3" in shown  # rate, micro-batch x accumulation
     assert "peak RSS" in shown
     assert [r["train_loss"] for r in with_bar.history] == [r["train_loss"] for r in without.history]
 

@@ -506,7 +506,7 @@ def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -
         f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}"
         + (f", {plans[0]['threads']} CPU thread(s)" if plans and plans[0].get("threads") else ""),
     )
-    header = f"{'model':<28} {'size':>5} {'floor (mb 1)':>13} {'max mb':>7} {'plan':>12} {'predicted peak':>15}"
+    header = f"{'model':<28} {'size':>5} {'floor (mb 1)':>13} {'max mb':>7} {'mb x accum':>12} {'predicted peak':>15}"
     print(header)
     print("-" * len(header))
     for p in plans:
@@ -516,7 +516,7 @@ def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -
                 f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {'does not fit even micro-batch 1':>36}",
             )
             continue
-        split = f"{p['micro_batches']} x {p['micro_batch']}"
+        split = f"{p['micro_batch']} x {p['micro_batches']}"  # micro-batch x accumulation
         line = (
             f"{p['arch'][:28]:<28} {size:>5} {format_bytes(p['floor_bytes']):>13} {p['max_micro_batch']:>7} "
             f"{split:>12} {format_bytes(p['predicted_peak_bytes']):>15}"

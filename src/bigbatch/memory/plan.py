@@ -135,8 +135,10 @@ class Plan:
 
     def summary(self) -> str:
         last = self.target_batch - self.micro_batch * (self.micro_batches - 1)
-        split = f"{self.micro_batches} x {self.micro_batch}" + (
-            f" (last {last})" if last != self.micro_batch else ""
+        # Said in words: "2 x 64" read as micro-batch x accumulation by some, the other way
+        # by others.
+        split = f"{self.micro_batches} micro-batch(es) of {self.micro_batch}" + (
+            f" (the last {last})" if last != self.micro_batch else ""
         )
         return (
             f"target batch {self.target_batch} = {split}; predicted peak "

@@ -99,7 +99,7 @@ class Progress:
             return
         rate = self.samples / max(now - self.t0, 1e-9)
         info = (
-            f"{rate:.0f} samples/s, data wait {share:.0%}, {acc_steps} x {micro}"
+            f"{rate:.0f} samples/s, data wait {share:.0%}, {micro} x {acc_steps}"
             f"{peak_memory_text(device)}"
         )
         if self.bar is not None:
