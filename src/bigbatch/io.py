@@ -73,7 +73,7 @@ def read_csv_rows(path: str | Path) -> list[list[str]]:
 
     >>> import tempfile, pathlib
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.csv"
-    >>> _ = p.write_bytes(b'\xef\xbb\xbf"file";"label"\r\na.png;cat\r\n')
+    >>> _ = p.write_bytes(b'\\xef\\xbb\\xbf"file";"label"\\r\\na.png;cat\\r\\n')
     >>> read_csv_rows(p)
     [['file', 'label'], ['a.png', 'cat']]
     """
