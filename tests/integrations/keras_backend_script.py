@@ -213,13 +213,28 @@ def misuse() -> dict[str, str]:
     return said
 
 
+def made_in_scope_compiled_outside() -> str:
+    """The wrapper made inside a strategy's scope keeps the strategy: refused at compile
+    although no strategy is current there (it failed inside fit with a merge_call error)."""
+    import tensorflow as tf
+
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        model = AccumulatingModel(build(False), micro_batches=2)
+    try:
+        model.compile(optimizer="sgd", loss="mse")
+        return ""
+    except ValueError as exc:
+        return str(exc)
+
+
 def distributed(inner: Any) -> str:
     """A strategy with two replicas (tensorflow) or a keras.distribution (jax): refused."""
     try:
         if backend == "tensorflow":
             import tensorflow as tf
 
-            with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+            strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+            with strategy.scope():
                 AccumulatingModel(build(False), micro_batches=2).compile(
                     optimizer="sgd", loss="mse"
                 )
@@ -232,6 +247,52 @@ def distributed(inner: Any) -> str:
         return ""
     except ValueError as exc:
         return str(exc)
+
+
+def callbacks_and_saving() -> dict[str, Any]:
+    """Keras's most common callbacks around a wrapped fit (ModelCheckpoint of the whole model
+    crashed the first epoch; BackupAndRestore refused the wrapper as unbuilt on tensorflow),
+    and what the saved files hold."""
+    import tempfile
+
+    batches, n = ref.SCENARIOS["uneven"]
+    data = batches_for_keras(batches, False)
+    x = data[0][0]
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        inner = build(False)
+        model = AccumulatingModel(inner, micro_batches=n)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+        model.fit(
+            torch.utils.data.DataLoader(data, batch_size=None), epochs=2, verbose=0,
+            callbacks=[
+                keras.callbacks.ModelCheckpoint(f"{tmp}/ck.keras"),
+                keras.callbacks.ModelCheckpoint(f"{tmp}/ck.weights.h5", save_weights_only=True),
+                keras.callbacks.BackupAndRestore(f"{tmp}/backup"),
+            ],
+        )  # fmt: skip
+        plain = keras.models.load_model(f"{tmp}/ck.keras")  # no bigbatch needed to read it
+        out["checkpoint_is_the_plain_model"] = bool(np.allclose(
+            keras.ops.convert_to_numpy(plain.predict(x, verbose=0)),
+            keras.ops.convert_to_numpy(model.predict(x, verbose=0)), rtol=0, atol=1e-12,
+        ))  # fmt: skip
+        # A new wrapper of a built model takes the wrapper's weights file before any call.
+        again = AccumulatingModel(build(False), micro_batches=n)
+        again.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+        again.load_weights(f"{tmp}/ck.weights.h5")
+        out["weights_file_into_a_new_wrapper"] = bool(np.allclose(
+            keras.ops.convert_to_numpy(again.predict(x, verbose=0)),
+            keras.ops.convert_to_numpy(model.predict(x, verbose=0)), rtol=0, atol=1e-12,
+        ))  # fmt: skip
+        out["get_weights_is_the_models"] = len(model.get_weights()) == len(inner.get_weights())
+    try:
+        AccumulatingModel(build(False))
+        out["no_size"] = ""
+    except ValueError as exc:
+        out["no_size"] = str(exc)
+    return out
 
 
 def keras_own_parts() -> dict[str, Any]:
@@ -282,6 +343,9 @@ def main() -> None:
     out["unknown_epoch_length"] = fit("uneven", "bigbatch", epochs=2, n=3, sized=False)
     out["misuse"] = misuse()
     out["keras_own_parts"] = keras_own_parts()
+    out["callbacks_and_saving"] = callbacks_and_saving()
+    if backend == "tensorflow":
+        out["made_in_scope"] = made_in_scope_compiled_outside()
     print(json.dumps(out))
 
 

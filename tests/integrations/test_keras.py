@@ -152,3 +152,27 @@ def test_each_backend_in_its_own_process(backend: str, jit: bool) -> None:
         assert "is not supported by bigbatch's Keras wrapper" in said["distributed"]
     assert "count of 0" in said["zero window"] and said["steps after a zero window"] == "1"
     assert out["keras_own_parts"] == {"val_loss": True, "saved_and_loaded": True}
+    saving = out["callbacks_and_saving"]
+    assert saving.pop("no_size").endswith("n_acc=C (samples or tokens per optimizer step)")
+    assert saving == dict.fromkeys(
+        ("checkpoint_is_the_plain_model", "weights_file_into_a_new_wrapper",
+         "get_weights_is_the_models"), True,
+    )  # fmt: skip
+    if backend == "tensorflow":
+        assert "is not supported by bigbatch's Keras wrapper" in out["made_in_scope"]
+
+
+def test_a_float16_model_without_loss_scaling_is_refused() -> None:
+    """Built under mixed_float16, wrapped and compiled after the policy was reset: it ran in
+    float16 with no loss scaling, silently."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model = AccumulatingModel(inner, micro_batches=2)
+    with pytest.raises(ValueError, match=r"computes in float16 .*LossScaleOptimizer"):
+        model.compile(optimizer="adam", loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse"
+    )

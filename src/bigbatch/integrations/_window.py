@@ -12,7 +12,11 @@ __all__ = ["adapter_window"]
 
 
 def adapter_window(
-    micro_batches: int | None, target_count: float | None, reduction: Reduction = "mean"
+    micro_batches: int | None,
+    target_count: float | None,
+    reduction: Reduction = "mean",
+    *,
+    count_name: str = "target_count",
 ) -> Window:
     """A :class:`Window` of ``micro_batches`` batches or ``target_count`` items: exactly one,
     since the adapter, not the user, decides when to step.
@@ -23,6 +27,6 @@ def adapter_window(
     if (micro_batches is None) == (target_count is None):
         raise ValueError(
             "give one window size: micro_batches=N (micro-batches per optimizer step) or "
-            "target_count=C (samples or tokens per optimizer step)"
+            f"{count_name}=C (samples or tokens per optimizer step)"
         )
     return Window(micro_batches, target_count, reduction)

@@ -84,7 +84,7 @@ class ExactGradientAccumulation(Callback):
                 f"{n_acc!r}: e.g. ExactGradientAccumulation(n_acc=64), or micro_batches=4 "
                 "(batches per step)"
             )
-        self.window = adapter_window(micro_batches, n_acc, reduction)
+        self.window = adapter_window(micro_batches, n_acc, reduction, count_name="n_acc")
         self.unit = count
         self.ignore_index = ignore_index
         self.shift = shift

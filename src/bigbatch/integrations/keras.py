@@ -75,12 +75,16 @@ class AccumulatingModel(keras.Model):
         if not isinstance(model, keras.Model):
             raise TypeError(f"wrap a keras.Model, got {type(model).__name__}")
         self.model = model
-        self.window = adapter_window(micro_batches, n_acc)
+        self.window = adapter_window(micro_batches, n_acc, count_name="n_acc")
         self.unit = count
         # On tensorflow and jax the step is compiled: the window lives in variables.
         self.state: _GraphWindow | None = None
         if BACKEND != "torch" and model.built:
             self._make_state()
+        if model.built:
+            # Built with its model: BackupAndRestore, load_weights and summary() take it
+            # before any call (its weights are the model's, its window's made above).
+            self.built = True
 
     def _make_state(self) -> None:
         self.state = _GraphWindow(self.model.trainable_variables)
@@ -90,11 +94,48 @@ class AccumulatingModel(keras.Model):
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.model(inputs, training=training)
 
+    def save(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        """Save the wrapped model, a plain Keras model that ``keras.models.load_model`` reads
+        without bigbatch (accumulation is the training's, not the model's): what
+        ``ModelCheckpoint("ck.keras")`` writes each epoch. To resume training exactly, with
+        the optimizer's state and the window, use ``save_weights`` on the wrapper."""
+        return self.model.save(filepath, *args, **kwargs)
+
+    def get_weights(self) -> list[Any]:
+        """The wrapped model's weights (a plain model's list; the window's sums are no weights)."""
+        return self.model.get_weights()
+
+    def set_weights(self, weights: list[Any]) -> None:
+        """Set the wrapped model's weights from a plain model's list."""
+        self.model.set_weights(weights)
+
     def compile(self, *args: Any, **kwargs: Any) -> None:
         super().compile(*args, **kwargs)
         _refuse_misuse(self.optimizer)
+        self._refuse_strategy()
+        float16 = any(
+            getattr(layer, "compute_dtype", None) == "float16"
+            for layer in self.model._flatten_layers()
+        )
+        if float16 and not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "the model computes in float16 (built under mixed_float16) but the optimizer "
+                "scales no loss, so small gradients underflow to 0: compile while the policy "
+                "is mixed_float16 (Keras then wraps the optimizer), or pass "
+                "keras.optimizers.LossScaleOptimizer(optimizer); on tensorflow and jax use "
+                "mixed_bfloat16"
+            )
+
+    def _refuse_strategy(self) -> None:
+        """A model made inside a ``strategy.scope()`` keeps that strategy, also when compiled
+        and fit outside it (where ``_refuse_misuse`` sees none)."""
+        for held in (self, self.model):
+            strategy = getattr(held, "_distribute_strategy", None)
+            if strategy is not None and strategy.num_replicas_in_sync > 1:
+                raise ValueError(STRATEGY_REFUSED)
 
     def fit(self, *args: Any, callbacks: list[Any] | None = None, **kwargs: Any) -> Any:
+        self._refuse_strategy()
         if BACKEND != "torch":
             if self.state is None:
                 if not self.model.built:
@@ -106,7 +147,9 @@ class AccumulatingModel(keras.Model):
             optimizer = getattr(self, "optimizer", None)  # None before compile: Keras says so
             if optimizer is not None and not optimizer.built:  # not in a compiled step
                 optimizer.build(self.trainable_variables)
-        return super().fit(*args, callbacks=[*(callbacks or []), _SettleWindow(self)], **kwargs)
+        # First, so that the user's callbacks (ModelCheckpoint, EarlyStopping) see the epoch's
+        # partial window applied where it is applied at the epoch's end.
+        return super().fit(*args, callbacks=[_SettleWindow(self), *(callbacks or [])], **kwargs)
 
     def train_step(self, *args: Any) -> Any:
         if BACKEND == "torch":
@@ -380,9 +423,11 @@ class _SettleWindow(keras.callbacks.Callback):
 
 
 class AccumulatingOptimizer:
-    """A Keras optimizer that steps once per ``micro_batches`` batches of a custom training
-    loop, with the gradient weighted by each batch's count: the form seed 002's users know
-    (``Optimizer(Adam(), steps=N)``), exact where theirs weights every batch alike.
+    """Wraps a Keras optimizer for a custom training loop, so that it steps once per
+    ``micro_batches`` batches with the gradient weighted by each batch's count: the form seed
+    002's users know (``Optimizer(Adam(), steps=N)``), exact where theirs weights every batch
+    alike. It is no optimizer itself (``compile`` and ``apply_gradients`` do not take it): for
+    ``model.fit`` wrap the model, :class:`AccumulatingModel`.
 
     Give each batch's gradient of its mean loss and its count (samples, tokens, weight);
     :meth:`apply` returns True when it stepped. At the end of an epoch, :meth:`flush` applies a
@@ -450,6 +495,12 @@ def _has_float64() -> bool:
     return bool(jax.config.read("jax_enable_x64"))
 
 
+STRATEGY_REFUSED = (
+    "a tf.distribute strategy with several replicas is not supported by bigbatch's Keras "
+    "wrapper: train on one device, or use the torch backend with DDP (bigbatch.Accumulator)"
+)
+
+
 def _refuse_misuse(optimizer: Any) -> None:
     """One line for what the window cannot work with, before any step."""
     if getattr(optimizer, "gradient_accumulation_steps", None):
@@ -468,11 +519,7 @@ def _refuse_misuse(optimizer: Any) -> None:
         import tensorflow as tf
 
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise ValueError(
-                "a tf.distribute strategy with several replicas is not supported by bigbatch's "
-                "Keras wrapper: train on one device, or use the torch backend with DDP "
-                "(bigbatch.Accumulator)"
-            )
+            raise ValueError(STRATEGY_REFUSED)
     if BACKEND == "jax" and keras.distribution.distribution() is not None:
         raise ValueError(
             "a keras.distribution (data or model parallel on jax) is not supported by "
