@@ -4,6 +4,7 @@ before any long work (issue 8). One case per class of input."""
 from __future__ import annotations
 
 import errno
+import json
 import pickle
 import sys
 from collections.abc import Callable
@@ -379,3 +380,32 @@ def test_the_summary_names_the_training_loss_and_says_the_back_off_fired(
     out = capsys.readouterr().out
     assert "(best train_loss " in out and "valid_loss" not in out
     assert "out of memory 1 time(s): the back-off shrank the micro-batch (4 -> 2 first" in out
+
+
+def test_the_sweep_of_issue_43_over_classification(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What first users met in Kaggle segmentation, tried on classification: spreadsheet CSV
+    dialects, another working directory, an existing output folder, damaged run files."""
+    rows = [f"train/{c}/{c}_{i}.png;{c}" for c in ("red", "blue") for i in range(6)]
+    excel = b"\xef\xbb\xbf" + b'"file";"label"\r\n' + "\r\n".join(rows).encode() + b"\r\n"
+    (job / "train.csv").write_bytes(excel)  # BOM, quoted header, semicolons, CRLF
+    assert main([*TRAIN, "data=train.csv", "--out", "run", "--no-progress"]) == 0
+    capsys.readouterr()
+    saved = json.loads((job / "run" / "config.json").read_text())
+    assert saved["data"] == str(job / "train.csv")  # absolute: usable from anywhere
+    split = json.loads((job / "run" / "split.json").read_text())
+    assert len(split["train"]) + len(split["valid"]) == 12
+    # From another working directory, into an existing folder.
+    elsewhere = job / "elsewhere"
+    (elsewhere / "out").mkdir(parents=True)
+    write_images(job / "test", n_per_class=1)
+    monkeypatch.chdir(elsewhere)
+    assert main(["predict", str(job / "run"), str(job / "test"), "--out", "out"]) == 0
+    assert (elsewhere / "out" / "predictions.csv").is_file()
+    monkeypatch.chdir(job)
+    # Damaged run files: the file, what is wrong, the fix; no traceback.
+    (job / "run" / "plan.json").write_text('{"threads": ')
+    _fails(["train", "--resume", "run"], capsys, "plan.json is damaged (not JSON")
+    (job / "run" / "classes.json").write_text("[")
+    _fails(["predict", "run", "test"], capsys, "classes.json is missing or damaged")

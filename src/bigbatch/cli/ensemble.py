@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
+    from bigbatch.io import DamagedFileError
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = run_ensemble(args.experiments, args.out, overrides=args.overrides)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, DamagedFileError) as exc:
         raise UserError(str(exc)) from exc
     print("\nvalidation accuracy")
     for row in result.scores:

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
+    from bigbatch.io import DamagedFileError
     from bigbatch.train.config import ConfigError, config_from_json, load_config
     from bigbatch.train.data import DataError
     from bigbatch.train.loop import train
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume is not None,
             progress=False if args.no_progress else None,
         )
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, DamagedFileError) as exc:
         raise UserError(str(exc)) from exc
     except KeyboardInterrupt:
         # Checkpoints are written atomically: the last one is whole.

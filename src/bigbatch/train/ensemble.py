@@ -11,7 +11,6 @@ costs at most the epoch in flight.
 from __future__ import annotations
 
 import csv
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.io import atomic_write_csv
+from bigbatch.io import atomic_write_csv, read_json
 from bigbatch.memory.plan import overhead_bytes
 from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import StepSpec
@@ -340,7 +339,10 @@ def run_ensemble(
             log(f"   finished earlier in {run_dir}: skipped")
         else:
             train(c, run_dir, resume=(run_dir / "last.pt").exists(), log=indented, data=data)
-        member_classes = json.loads((run_dir / "classes.json").read_text())
+        member_classes = read_json(
+            run_dir / "classes.json",
+            f"train the member again: delete {run_dir}/done.json and run the ensemble again",
+        )
         if classes is None:
             classes = member_classes
         elif member_classes != classes:

@@ -3,7 +3,6 @@ the torchrun process group, and what the model's layers allow (BatchNorm, lone s
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from torch import nn
 
 from bigbatch.device import auto_device, auto_precision, device_kind
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
+from bigbatch.io import read_json
 from bigbatch.train.config import ConfigError, TrainConfig, check_device
 
 __all__ = [
@@ -118,7 +118,11 @@ def threads_for_run(
     if state is not None and saved_plan.exists():
         # The thread and worker counts change the last bits (reductions, worker RNG streams):
         # a resumed run keeps the ones it started with, to end bit-identical.
-        saved = json.loads(saved_plan.read_text())
+        saved = read_json(
+            saved_plan,
+            "bigbatch train wrote it at the run's start; restore it from a copy, or delete it "
+            "to resume with this machine's threads and workers (the last bits may differ)",
+        )
         if (saved.get("threads"), saved.get("num_workers")) != (threads, workers):
             log(
                 f"resuming with the run's own threads={saved.get('threads', threads)} and "

@@ -134,6 +134,8 @@ def predict_request(request: PredictRequest) -> str:
     every image under ``request.inputs``; the summary line."""
     request.refuse_options("classification")
     out = request.out or request.run_dir / "predictions"
+    if out.is_dir():  # --out an existing folder: the files go inside it
+        out = out / "predictions"
     check_writable(out.with_suffix(".npz"), "--out")
     pred = predict_folder(
         request.run_dir,
