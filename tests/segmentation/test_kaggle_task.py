@@ -540,3 +540,31 @@ def test_the_run_records_which_images_were_held_out(trained: tuple[Path, Path]) 
     assert split["valid"] == [str(p) for p in valid.images]
     assert split["train"] == [str(p) for p in train_items.images]
     assert not set(split["train"]) & set(split["valid"])
+
+
+def test_conversions_and_other_sizes_are_said(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Greyscale and RGBA images were read as RGB, and test images of another size resized,
+    without a word."""
+    from PIL import Image
+
+    from bigbatch.train.tasks.segmentation.rle_data import conversion_note
+
+    data = competition(tmp_path, {"a.png": {"Fish": box(2, 2)}, "b.png": {"Fish": box(9, 9)}})
+    Image.fromarray(np.full((H, W), 90, np.uint8)).save(tmp_path / "images" / "a.png")
+    Image.fromarray(np.full((H, W, 4), 90, np.uint8)).save(tmp_path / "images" / "b.png")
+    modes = scan_rle(data, tmp_path / "images").modes
+    assert conversion_note(modes) == (
+        "1 greyscale image(s) read as RGB (the grey repeated); 1 with transparency read as RGB "
+        "(the alpha dropped)"
+    )
+    run, clouds = trained
+    test = tmp_path / "test"
+    test.mkdir()
+    for image in sorted((clouds / "test_images").iterdir())[:2]:
+        Image.open(image).transpose(Image.Transpose.TRANSPOSE).save(test / image.name)
+    assert main(["predict", str(run), str(test), "--out", str(tmp_path / "s.csv")]) == 0
+    out = capsys.readouterr().out
+    assert f"2 test image(s) are not {H}x{W} like the training images" in out
+    assert f"2 of them transposed ({W}x{H})" in out

@@ -38,6 +38,7 @@ from bigbatch.train.tasks.segmentation.predict import with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     RLEDataset,
     RLEItems,
+    conversion_note,
     parse_size,
     scan_rle,
 )
@@ -122,6 +123,7 @@ class KaggleSegmentationTask(SegmentationTask):
         self.multilabel = True
         self.layout = ""
         self.shape: tuple[int, int] | None = None  # every image's, when they share one
+        self.stored_shape: tuple[int, int] | None = None  # their own size, before image_size=
 
     def prepare(self, log: Log, data: Any = None) -> tuple[RLEItems, RLEItems]:
         cfg = self.cfg
@@ -149,7 +151,8 @@ class KaggleSegmentationTask(SegmentationTask):
         self.classes = train_items.classes
         self.num_classes, self.dims, self.channels = train_items.num_classes, 2, 3
         shapes = set(train_items.shapes) | set(valid_items.shapes)
-        self.shape = self.image_size or (shapes.pop() if len(shapes) == 1 else None)
+        self.stored_shape = next(iter(shapes)) if len(shapes) == 1 else None
+        self.shape = self.image_size or self.stored_shape
         if self.shape is None and not self.crop:
             raise ConfigError(
                 f"the images differ in size ({', '.join(f'{h}x{w}' for h, w in sorted(shapes)[:3])}"
@@ -174,6 +177,9 @@ class KaggleSegmentationTask(SegmentationTask):
             f"{', '.join(self.classes)}; {kind}), trained on {at} (size= is not used: "
             "image_size= resizes, crop= crops)"
         )
+        converted = conversion_note(train_items.modes)
+        if converted:
+            log(f"data: {converted}")
         return train_items, valid_items
 
     def input_shape(self) -> tuple[int, ...]:
@@ -230,6 +236,9 @@ class KaggleSegmentationTask(SegmentationTask):
                 "multilabel": self.multilabel,
                 "image_size": list(self.image_size) if self.image_size else None,
                 "mask_size": list(self.mask_size or self.shape or ()),
+                # The training images' own size (None: they differ), to say which test images
+                # differ from them.
+                "stored_size": list(self.stored_shape) if self.stored_shape else None,
             },
             "multiple": MULTIPLE,
         }

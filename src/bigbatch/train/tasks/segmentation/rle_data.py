@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ class RLEItems:
     images: list[Path]
     shapes: list[tuple[int, int]]  # (height, width) of each image, from its header
     multilabel: bool
+    modes: dict[str, int] = field(default_factory=dict)  # PIL mode -> images stored so
 
     def __len__(self) -> int:
         return len(self.images)
@@ -103,6 +104,7 @@ class RLEItems:
             [self.images[i] for i in index],
             [self.shapes[i] for i in index],
             self.multilabel,
+            self.modes,  # the whole set's: what the data holds
         )
 
     def masks(self, i: int) -> np.ndarray:
@@ -127,6 +129,7 @@ def scan_rle(data: str | Path, image_root: str = "", labels: str = "auto") -> RL
             p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.name not in listed
         )
     shapes, overlapping = [], ""
+    modes: dict[str, int] = {}
     for path in files:
         refuse_exif_orientation(path)
         try:
@@ -135,6 +138,7 @@ def scan_rle(data: str | Path, image_root: str = "", labels: str = "auto") -> RL
 
             with Image.open(path) as im:
                 width, height = im.size
+                modes[im.mode] = modes.get(im.mode, 0) + 1
         except Exception as exc:
             raise DataError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
         shape = (height, width)
@@ -155,7 +159,23 @@ def scan_rle(data: str | Path, image_root: str = "", labels: str = "auto") -> RL
             "use labels=multilabel (a sigmoid per class), or labels=auto"
         )
     multilabel = labels == "multilabel" or (labels == "auto" and bool(overlapping))
-    return RLEItems(table, files, shapes, multilabel)
+    return RLEItems(table, files, shapes, multilabel, modes)
+
+
+def conversion_note(modes: dict[str, int]) -> str:
+    """What reading the images as RGB did to those stored otherwise, in words ('' for none).
+
+    >>> conversion_note({"RGB": 8, "L": 2, "RGBA": 1})
+    '2 greyscale image(s) read as RGB (the grey repeated); 1 with transparency read as RGB (the alpha dropped)'
+    """
+    grey = sum(n for m, n in modes.items() if m in ("1", "L", "I;16", "I;16B", "I;16L", "I", "F"))
+    alpha = sum(n for m, n in modes.items() if m in ("RGBA", "LA", "PA", "La", "RGBa"))
+    parts = []
+    if grey:
+        parts.append(f"{grey} greyscale image(s) read as RGB (the grey repeated)")
+    if alpha:
+        parts.append(f"{alpha} with transparency read as RGB (the alpha dropped)")
+    return "; ".join(parts)
 
 
 def _albumentations() -> Any:

@@ -63,6 +63,7 @@ class SubmissionRun:
     precision: str
     split: tuple[Any, ...]  # what decides its validation images (data, image_root, valid_pct, seed)
     labels: str
+    stored_size: tuple[int, int] | None = None  # the training images' own size, if one
 
 
 def load_submission_run(
@@ -109,6 +110,9 @@ def load_submission_run(
         resolve_precision(cfg.precision, dev),
         (cfg.data, cfg.image_root, cfg.valid_pct, cfg.seed),
         str(getattr(cfg.options, "labels", "auto")),
+        (int(rle["stored_size"][0]), int(rle["stored_size"][1]))
+        if rle.get("stored_size")
+        else None,
     )
 
 
@@ -207,7 +211,36 @@ def write_submission(
 
     with atomic_path(target) as tmp:
         count = write_rle_csv(tmp, lead.layout, lead.classes, rows())
-    return target, count, note
+    return target, count, note + _size_note(files, lead.stored_size)
+
+
+def _size_note(files: Sequence[Path], stored: tuple[int, int] | None) -> str:
+    """Test images whose size is not the training images', said: they are resized (to the
+    network's input, their masks to the mask size), which a transposed image should not be."""
+    if stored is None:
+        return ""
+    from PIL import Image
+
+    other = []
+    for path in files:
+        with Image.open(path) as im:
+            width, height = im.size
+        if (height, width) != stored:
+            other.append((path.name, height, width))
+    if not other:
+        return ""
+    name, height, width = other[0]
+    turned = sum(1 for _, h, w in other if (w, h) == stored)
+    return (
+        f"; {len(other)} test image(s) are not {stored[0]}x{stored[1]} like the training images "
+        f"(e.g. {name}: {height}x{width}), resized to the network's input and their masks to "
+        "the mask size"
+        + (
+            f"; {turned} of them transposed ({stored[1]}x{stored[0]}): check they are upright"
+            if turned
+            else ""
+        )
+    )
 
 
 def _ensemble_rules(
