@@ -111,7 +111,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                 "weights=w.pt",
             ],
         )[1],
-        "cannot read weights file w.pt",
+        "w.pt: it is damaged or truncated",
     ),
     "out is a file": (lambda j: ((j / "f").write_text(""), [*TRAIN, "--out", "f"])[1], "is a file"),
     "out inside a file": (

@@ -49,7 +49,7 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     # Each budget is less than the whole batch needs (derived here, as for the digits): the plan
     # splits the batch. Into how many parts depends on this CPU's kernel workspaces.
     for batch in (32, 4):
-        steps = re.search(rf"plan: target batch {batch} = (\d+) x", out)
+        steps = re.search(rf"plan: target batch {batch} = (\d+) micro-batch", out)
         assert steps is not None and int(steps.group(1)) >= 2, out
     for run in ("dynunet2d", "dynunet3d"):
         assert (tmp_path / "runs" / run / "history.png").is_file()

@@ -27,6 +27,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+RUN_FILES = (
+    "best.safetensors",
+    "last.safetensors",
+    "last.pt",
+    "history.csv",
+    "history.png",
+    "plan.json",
+    "config.json",
+    "split.json",
+    "postprocess.json",
+)
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.io import DamagedFileError
@@ -92,14 +105,8 @@ def run(args: argparse.Namespace) -> int:
                 "with the same updates; the plan was too large for this device: lower budget= "
                 "(or set overhead=) next time"
             )
-        # What the task derived after training (a Kaggle segmentation run's tuned rules).
-        written = [
-            name
-            for name in (
-                "best.safetensors", "last.safetensors", "last.pt", "history.csv", "history.png",
-                "plan.json", "config.json", "split.json", "postprocess.json",
-            )
-            if (result.run_dir / name).is_file()  # history.png needs matplotlib, for one
-        ]  # fmt: skip
+        # Only what is there: history.png needs matplotlib; postprocess.json is what a Kaggle
+        # segmentation run derived after training.
+        written = [name for name in RUN_FILES if (result.run_dir / name).is_file()]
         print("  " + ", ".join(f"{n} (resume)" if n == "last.pt" else n for n in written))
     return 0

@@ -148,11 +148,7 @@ def _setup(
         plan = {"micro_batch": micro, "max_micro_batch": max_micro, "target_batch": cfg.batch}
         where = {"precision": precision, "device": str(device), "world_size": world}
         loading = {"seed": cfg.seed, "threads": threads, "num_workers": workers}
-        held_out = {
-            "train": task.sample_names(train_items),
-            "valid": task.sample_names(valid_items),
-        }
-        write_run_files(run_dir, cfg, task, plan | where | loading, held_out)
+        write_run_files(run_dir, cfg, task, plan | where | loading, (train_items, valid_items))
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = pins_memory(device)

@@ -119,7 +119,7 @@ def write_run_files(
     cfg: TrainConfig,
     task: Any,
     plan_info: dict[str, Any],
-    split: dict[str, list[str]] | None = None,
+    items: tuple[Any, Any] | None = None,
 ) -> None:
     """config.json and .toml, classes.json, task.json, plan.json, and ``split.json``: the
     samples trained on and those held out for validation (to score or tune by hand)."""
@@ -128,5 +128,7 @@ def write_run_files(
     atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
     atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
     atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
-    if split is not None and (split["train"] or split["valid"]):
-        atomic_write_text(run_dir / "split.json", json.dumps(split, indent=1))
+    if items is not None:
+        split = {"train": task.sample_names(items[0]), "valid": task.sample_names(items[1])}
+        if split["train"] or split["valid"]:
+            atomic_write_text(run_dir / "split.json", json.dumps(split, indent=1))

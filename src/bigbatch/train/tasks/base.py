@@ -150,7 +150,11 @@ class Task:
     def sample_names(self, items: Any) -> list[str]:
         """Each sample's file (a case's files joined by ``;``) in ``items``, as ``split.json``
         records which were held out for validation; [] where the items are no files."""
-        paths = getattr(items, "files", None) or getattr(items, "images", None) or []
+        paths = getattr(items, "files", None)
+        if not isinstance(paths, list):  # a task's own items (tensors, say): no file names
+            paths = getattr(items, "images", None)
+        if not isinstance(paths, list):
+            return []
         return [";".join(map(str, p)) if isinstance(p, tuple) else str(p) for p in paths]
 
     def run_info(self) -> dict[str, Any]:
