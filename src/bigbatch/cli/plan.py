@@ -16,6 +16,7 @@ from torch import nn
 from bigbatch.cli import UserError, freeze_loaded
 from bigbatch.device import torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.cards import CARDS, find_card
 from bigbatch.memory.plan import (
     RETURN_FREED_NOTE,
     DoesNotFitError,
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     """What to plan: the model, its input and its step."""
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()  # one is needed unless --list-cards: _check_args
     src.add_argument(
         "--arch",
         help="timm architecture(s), comma-separated: resnet18,convnext_tiny; or one of MONAI's "
@@ -87,10 +88,18 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The budget, the training settings the plan is for, and the outputs."""
+    p.add_argument("--batch", type=int, help="target batch (samples per optimizer step; required)")
     p.add_argument(
-        "--batch", type=int, required=True, help="target batch (samples per optimizer step)"
+        "--budget",
+        help="memory budget: 8GB, 16GiB, 512MiB, auto, or a GPU's name (t4, p100, l4, a10g, "
+        "rtx4090, a100-80gb, h100, ...: that card's memory, its CUDA context kept out; "
+        "--list-cards)",
     )
-    p.add_argument("--budget", required=True, help="memory budget: 8GB, 16GiB, 512MiB, or auto")
+    p.add_argument(
+        "--list-cards",
+        action="store_true",
+        help="the GPUs --budget takes by name, their memory and CUDA context, and the sources",
+    )
     p.add_argument(
         "--device", default="cpu", help="the device to plan for: cpu or cuda (no GPU needed)"
     )
@@ -266,6 +275,14 @@ def _check_args(args: argparse.Namespace) -> None:
     from bigbatch.io import check_writable
     from bigbatch.train.config import ConfigError, check_device
 
+    if args.arch is None and args.model is None:
+        raise UserError("give the model to plan: --arch NAME (timm) or --model module:factory")
+    if args.batch is None:
+        raise UserError("--batch is needed: the target batch, samples per optimizer step")
+    if args.budget is None:
+        raise UserError(
+            "--budget is needed: 8GB, 16GiB, auto, or a GPU's name such as t4 (--list-cards)"
+        )
     if args.batch < 1:
         raise UserError(f"--batch must be a positive number of samples, got {args.batch}")
     if args.arch is not None and not args.arch.replace(",", "").strip():
@@ -298,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.coupled import cache_bytes
 
+    if args.list_cards:
+        _print_cards()
+        return 0
     _check_args(args)
 
     cache = (
@@ -311,6 +331,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         budget = resolve_budget(args.budget, args.device)
         overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
+        card = find_card(args.budget)
+        if card is not None:
+            overhead = card.context_bytes if overhead is None else overhead
+            print(
+                f"card: {card.name}, {format_bytes(card.total_bytes)} ({card.source}), "
+                f"{card.context_note}",
+                file=sys.stderr,  # stdout stays the plan (JSON with --json)
+            )
         # Refuses a budget too small before any model is built; without --overhead each plan
         # reads it again after its calibration (what those real steps leave, training has too).
         usable_bytes(
@@ -498,6 +526,21 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
     ax.set_title("Predicted peak memory of one training step")
     fig.tight_layout()
     atomic_write_figure(fig, path, dpi=110)
+
+
+def _print_cards() -> None:
+    print(f"{'card':<31} {'memory':>10} {'CUDA context':>13}  --budget (any of these)")
+    for c in CARDS:
+        names = ", ".join((c.key, *c.aliases))
+        context = f"{c.context_bytes / 2**20:.0f} MiB" + ("" if c.context_measured else "*")
+        print(f"{c.name:<31} {format_bytes(c.total_bytes):>10} {context:>13}  {names}")
+    print(
+        "* estimated: the H100's measured context (CUDA 13); on the card, overhead= sets what "
+        "nvidia-smi shows a CUDA process holding before it allocates\n\n"
+        "the memory is what the driver reports (nvidia-smi's memory.total), from:"
+    )
+    for c in CARDS:
+        print(f"  {c.key}: {c.source}")
 
 
 def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:

@@ -20,6 +20,7 @@ import torch
 from bigbatch.device import device_kind, free_bytes, process_rss, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
+from bigbatch.memory.cards import find_card
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, measured_context_bytes
 from bigbatch.memory.predict import (
     MemoryPrediction,
@@ -183,12 +184,30 @@ def _load_training_libraries() -> None:
 
 
 def resolve_budget(budget: str | int, device: str | torch.device) -> int:
-    """``"8GB"``, ``"16GiB"``, bytes, or ``"auto"`` (the device's free memory now)."""
+    """``"8GB"``, ``"16GiB"``, bytes, ``"auto"`` (the device's free memory now), or a card's
+    name (``"t4"``: what its driver reports; :mod:`bigbatch.memory.cards`)."""
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         # The free memory already excludes what this process holds.
         shared = not device_kind(device).dedicated_memory
         return free_bytes(device) + (process_rss() if shared else 0)
+    card = find_card(budget) if isinstance(budget, str) else None
+    if card is not None:
+        if not device_kind(device).dedicated_memory:
+            raise ValueError(
+                f"budget {budget!r} is a GPU ({card.name}): plan for it with --device cuda "
+                "(device=cuda), from any machine"
+            )
+        return card.total_bytes
     return parse_bytes(budget)
+
+
+def default_overhead(budget: str | int, device: str | torch.device) -> int:
+    """The overhead a plan keeps out of ``budget`` when none is given: the card's CUDA context
+    where ``budget`` names a card, else :func:`overhead_bytes` of ``device``."""
+    card = find_card(budget) if isinstance(budget, str) else None
+    if card is not None and device_kind(device).dedicated_memory:
+        return card.context_bytes
+    return overhead_bytes(device)
 
 
 def usable_bytes(
@@ -262,7 +281,7 @@ def plan_micro_batch(
             f"the target batch must be a positive number of samples, got {target_batch!r}"
         )
     budget_bytes = resolve_budget(budget, device)
-    overhead = overhead_bytes(device) if overhead is None else overhead
+    overhead = default_overhead(budget, device) if overhead is None else overhead
     usable = usable_bytes(budget_bytes, overhead, device, margin) - extra_bytes
     if usable <= 0:
         raise DoesNotFitError(
@@ -500,7 +519,7 @@ def plan_under_budget(
     """
     budget_bytes = resolve_budget(budget, device)
     given = overhead
-    overhead = overhead_bytes(device) if overhead is None else overhead
+    overhead = default_overhead(budget, device) if overhead is None else overhead
     calibration, note = None, ""
     trace = OptimizerTrace()  # shared by every prediction of this plan
     known: dict[int, MemoryPrediction] = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.memory.budget import parse_bytes
+from bigbatch.memory.cards import find_card
 from bigbatch.train.tasks import task_entry, task_names
 
 if sys.version_info >= (3, 11):
@@ -143,6 +144,8 @@ class TrainConfig:
 
         for key, allow_zero in (("budget", False), ("overhead", True)):
             value = getattr(self, key)
+            if key == "budget" and find_card(value):
+                continue  # a card's name: planned for that card (bigbatch.memory.cards)
             if value.strip().lower() != "auto":
                 try:
                     parse_bytes(value, allow_zero=allow_zero)
@@ -266,7 +269,7 @@ HELP: dict[str, str] = {
     "augment": "random flips and crops while training",
     "freeze_bn": "BatchNorm uses its running statistics: accumulation becomes exact",
     "batch": "the target batch: samples per optimizer step",
-    "budget": "memory budget for training (8GB, 16GiB, 512MiB) or auto: the free memory now",
+    "budget": "memory budget for training (8GB, 16GiB, 512MiB), a GPU's name (t4, p100, l4, a10g, rtx4090, a100-80gb, h100...: that card's memory less its CUDA context; bigbatch plan --list-cards) or auto: the free memory now",
     "overhead": "memory besides the step's tensors: auto (this process / the CUDA context) or a size",
     "micro_batch": "0: the planner chooses under budget; else fixed (checked against an explicit budget)",
     "device": "auto, cpu, cuda, cuda:N or mps",

@@ -68,7 +68,10 @@ def plan_for(
             check_forward(spec_at(min(2, cfg.micro_batch)))
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return cfg.micro_batch, cfg.micro_batch
-        budget = resolve_budget(cfg.budget, device)
+        try:
+            budget = resolve_budget(cfg.budget, device)
+        except ValueError as exc:  # a card's name on a CPU run, say
+            raise ConfigError(f"budget={cfg.budget}: {exc}") from None
         total = total_bytes(device)
         if explicit_budget and total is not None and budget > total:
             raise ConfigError(
