@@ -254,6 +254,20 @@ def peak_memory_text(device: torch.device) -> str:
     return ""
 
 
+def peak_memory_bytes(device: torch.device) -> tuple[int, bool] | None:
+    """This process's peak memory on ``device`` so far, and whether it counts the process's
+    overhead too: the CUDA allocator's reserved peak (``max_memory_reserved``: the step's, as a
+    plan predicts it; the context is outside it), or the process's peak resident memory on a
+    Linux CPU (everything: interpreter, libraries, data). None where neither is known."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device)), False
+    if device.type == "cpu" and sys.platform == "linux":
+        import resource  # ru_maxrss is in KiB on Linux
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, True
+    return None
+
+
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
     """The autocast context of a precision: bf16/fp16 autocast, or nothing for fp32."""
     if precision == "fp32":

@@ -409,3 +409,21 @@ def test_the_sweep_of_issue_43_over_classification(
     _fails(["train", "--resume", "run"], capsys, "plan.json is damaged (not JSON")
     (job / "run" / "classes.json").write_text("[")
     _fails(["predict", "run", "test"], capsys, "classes.json is missing or damaged")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the peak resident memory is read on Linux")
+def test_a_run_records_its_measured_peak_beside_the_predicted(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each run is a data point for the memory model: plan.json and the log hold the predicted
+    and the measured peaks (on a CPU the process's peak resident memory against the step's
+    prediction plus the planned overhead)."""
+    argv = [*[a for a in TRAIN if not a.startswith("micro_batch")], "budget=2GB"]
+    assert main([*argv, "--out", "run", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((job / "run" / "plan.json").read_text())
+    assert plan["budget_bytes"] == 2 * 10**9 and plan["predicted_peak_bytes"] > 0
+    assert plan["measured"] == "process peak resident" and plan["measured_peak_bytes"] > 0
+    predicted = plan["predicted_peak_bytes"] + plan["overhead_bytes"]
+    assert plan["compared_prediction_bytes"] == predicted
+    assert "memory: predicted" in out and "(process peak resident), budget 1.86 GiB" in out

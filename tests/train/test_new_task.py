@@ -58,7 +58,7 @@ def test_the_plan_traces_the_tasks_own_step(registered: None) -> None:
         return step(model, micro, where)
 
     task.step = counted  # type: ignore[method-assign]
-    micro, _ = plan_for(cfg, task.model_factory(), torch.device("cpu"), "fp32", print, task=task)
+    micro, *_ = plan_for(cfg, task.model_factory(), torch.device("cpu"), "fp32", print, task=task)
     assert seen and 1 <= micro <= cfg.batch
 
 

@@ -33,7 +33,7 @@ from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import plan_for
 from bigbatch.train.progress import progress
 from bigbatch.train.report import plot_history, write_history
-from bigbatch.train.run_dir import check_run_dir, write_run_files
+from bigbatch.train.run_dir import check_run_dir, record_measured_peak, write_run_files
 from bigbatch.train.runtime import (
     check_no_lone_sample,
     device_for_rank,
@@ -113,6 +113,7 @@ def _loop(run: Run) -> TrainResult:
             run.task.finish(run.scored, run.data.valid_loader, run.where, run.run_dir, run.log)
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
+        record_measured_peak(run.run_dir, run.where.device, run.log)
     return TrainResult(
         run.run_dir, run.best, run.history, run.task.classes, run.monitor, run.backoff.events
     )
@@ -138,14 +139,15 @@ def _setup(
     factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
-    micro, max_micro = plan_for(cfg, factory, device, precision, log, target=rank_batch, task=task)
+    choice = plan_for(cfg, factory, device, precision, log, target=rank_batch, task=task)
+    micro, max_micro = choice.micro_batch, choice.max_micro_batch
     if world > 1:
         split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
         log(f"distributed: {split}")
     if cfg.mode == "auto":
         log(mode_line(cfg))
     if rank == 0:
-        plan = {"micro_batch": micro, "max_micro_batch": max_micro, "target_batch": cfg.batch}
+        plan = choice._asdict() | {"target_batch": cfg.batch}
         where = {"precision": precision, "device": str(device), "world_size": world}
         loading = {"seed": cfg.seed, "threads": threads, "num_workers": workers}
         write_run_files(run_dir, cfg, task, plan | where | loading, (train_items, valid_items))

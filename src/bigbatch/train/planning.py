@@ -5,7 +5,7 @@ second)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,9 +24,20 @@ from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.optim import PLAN_OPTIMIZER
 from bigbatch.train.tasks import Placement, Task
 
-__all__ = ["plan_for"]
+__all__ = ["PlanChoice", "plan_for"]
 
 Log = Callable[[str], None]
+
+
+class PlanChoice(NamedTuple):
+    """What the run trains with, and what it was predicted to need (plan.json records both
+    beside the measured peak)."""
+
+    micro_batch: int
+    max_micro_batch: int  # the OOM back-off grows back up to this
+    predicted_peak_bytes: int | None = None  # the step at micro_batch; None: not planned
+    overhead_bytes: int | None = None  # the process's memory besides the step, as planned
+    budget_bytes: int | None = None
 
 
 def plan_for(
@@ -38,8 +49,9 @@ def plan_for(
     *,
     target: int | None = None,
     task: Task | None = None,
-) -> tuple[int, int]:
-    """(micro_batch, max_micro_batch): the configured one, or the planner's under the budget.
+) -> PlanChoice:
+    """The micro-batch (the configured one, or the planner's under the budget), the largest
+    the back-off may grow to, and the prediction behind them.
     Either way the model runs once on fake tensors first, so a model that cannot take the input
     size fails here, in a second, not after the data is loaded and an epoch is half done. A fixed
     ``micro_batch`` with an explicit ``budget`` is checked against it. A task whose loss couples
@@ -67,7 +79,7 @@ def plan_for(
         if cfg.micro_batch and not explicit_budget:
             check_forward(spec_at(min(2, cfg.micro_batch)))
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
-            return cfg.micro_batch, cfg.micro_batch
+            return PlanChoice(cfg.micro_batch, cfg.micro_batch)
         try:
             budget = resolve_budget(cfg.budget, device)
         except ValueError as exc:  # a card's name on a CPU run, say
@@ -110,8 +122,17 @@ def plan_for(
     if plan.return_freed_memory:
         _return_freed_memory(plan, log)
     if cfg.micro_batch:
-        return cfg.micro_batch, cfg.micro_batch
-    return plan.micro_batch, plan.max_micro_batch
+        predicted = dict(plan.curve).get(cfg.micro_batch)
+        return PlanChoice(
+            cfg.micro_batch, cfg.micro_batch, predicted, plan.overhead_bytes, plan.budget_bytes
+        )
+    return PlanChoice(
+        plan.micro_batch,
+        plan.max_micro_batch,
+        plan.predicted_peak_bytes,
+        plan.overhead_bytes,
+        plan.budget_bytes,
+    )
 
 
 def _task_step(task: Task | None) -> tuple[Any, Any]:

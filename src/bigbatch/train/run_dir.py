@@ -12,11 +12,13 @@ from torch import nn
 
 from bigbatch.accumulate import Accumulator
 from bigbatch.backoff import OOMBackoff
+from bigbatch.device import peak_memory_bytes
 from bigbatch.io import atomic_write_text
+from bigbatch.memory.budget import format_bytes
 from bigbatch.train.checkpoint import load_state, save_state
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 
-__all__ = ["check_run_dir", "save_checkpoint", "write_run_files"]
+__all__ = ["check_run_dir", "record_measured_peak", "save_checkpoint", "write_run_files"]
 
 
 def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
@@ -132,3 +134,24 @@ def write_run_files(
         split = {"train": task.sample_names(items[0]), "valid": task.sample_names(items[1])}
         if split["train"] or split["valid"]:
             atomic_write_text(run_dir / "split.json", json.dumps(split, indent=1))
+
+
+def record_measured_peak(run_dir: Path, device: torch.device, log: Any) -> None:
+    """plan.json gets the measured peak beside the predicted one, and the log a line with
+    both: each run is a data point for the memory model. On a GPU the allocator's reserved
+    peak against the step's prediction; on a CPU the process's peak resident memory against
+    the prediction plus the planned overhead."""
+    measured = peak_memory_bytes(device)
+    path = run_dir / "plan.json"
+    plan = json.loads(path.read_text())
+    if measured is None or not plan.get("predicted_peak_bytes"):
+        return
+    peak, with_overhead = measured
+    predicted = plan["predicted_peak_bytes"] + (plan["overhead_bytes"] or 0) * with_overhead
+    what = "process peak resident" if with_overhead else "allocator reserved peak"
+    plan |= {"measured_peak_bytes": peak, "measured": what, "compared_prediction_bytes": predicted}
+    atomic_write_text(path, json.dumps(plan, indent=1))
+    log(
+        f"memory: predicted {format_bytes(predicted)}, measured {format_bytes(peak)} ({what}), "
+        f"budget {format_bytes(plan['budget_bytes'])}"
+    )
