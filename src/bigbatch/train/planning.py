@@ -80,21 +80,10 @@ def plan_for(
             check_forward(spec_at(min(2, cfg.micro_batch)))
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return PlanChoice(cfg.micro_batch, cfg.micro_batch)
-        try:
-            budget = resolve_budget(cfg.budget, device)
-        except ValueError as exc:  # a card's name on a CPU run, say
-            raise ConfigError(f"budget={cfg.budget}: {exc}") from None
-        total = total_bytes(device)
-        if explicit_budget and total is not None and budget > total:
-            raise ConfigError(
-                f"budget={cfg.budget} is more than all the memory this {device.type} has "
-                f"({format_bytes(total)}): a plan for it would run out of memory; use "
-                f"budget=auto (the free memory now) or at most {format_bytes(total)}"
-            )
         plan = plan_under_budget(
             spec_at,
             target or cfg.batch,
-            budget,
+            _budget(cfg, device),
             device=device.type,
             overhead=None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True),
             max_micro_batch=cfg.micro_batch or None,
@@ -121,18 +110,26 @@ def plan_for(
         log(f"plan: {plan.summary()}")
     if plan.return_freed_memory:
         _return_freed_memory(plan, log)
-    if cfg.micro_batch:
-        predicted = dict(plan.curve).get(cfg.micro_batch)
-        return PlanChoice(
-            cfg.micro_batch, cfg.micro_batch, predicted, plan.overhead_bytes, plan.budget_bytes
+    micro = cfg.micro_batch or plan.micro_batch
+    predicted = dict(plan.curve).get(micro) if cfg.micro_batch else plan.predicted_peak_bytes
+    top = cfg.micro_batch or plan.max_micro_batch
+    return PlanChoice(micro, top, predicted, plan.overhead_bytes, plan.budget_bytes)
+
+
+def _budget(cfg: TrainConfig, device: torch.device) -> int:
+    """``budget=`` in bytes; a ConfigError with the fix where it cannot hold on this device."""
+    try:
+        budget = resolve_budget(cfg.budget, device)
+    except ValueError as exc:  # a card's name on a CPU run, say
+        raise ConfigError(f"budget={cfg.budget}: {exc}") from None
+    total = total_bytes(device)
+    if cfg.budget.strip().lower() != "auto" and total is not None and budget > total:
+        raise ConfigError(
+            f"budget={cfg.budget} is more than all the memory this {device.type} has "
+            f"({format_bytes(total)}): a plan for it would run out of memory; use "
+            f"budget=auto (the free memory now) or at most {format_bytes(total)}"
         )
-    return PlanChoice(
-        plan.micro_batch,
-        plan.max_micro_batch,
-        plan.predicted_peak_bytes,
-        plan.overhead_bytes,
-        plan.budget_bytes,
-    )
+    return budget
 
 
 def _task_step(task: Task | None) -> tuple[Any, Any]:
