@@ -193,6 +193,7 @@ def misuse() -> dict[str, str]:
         except (ValueError, TypeError) as exc:
             said[name] = str(exc)
     said["distributed"] = distributed(inner)
+    said["compiled"] = compiled_misuse()
     model = AccumulatingModel(build(True), micro_batches=2, count="weights")
     optimizer = keras.optimizers.SGD(learning_rate=LR)
     model.compile(
@@ -211,6 +212,26 @@ def misuse() -> dict[str, str]:
     said["zero window"] = " ".join(str(w.message) for w in caught if "bigbatch" in str(w.message))
     said["steps after a zero window"] = str(int(keras.ops.convert_to_numpy(optimizer.iterations)))
     return said
+
+
+def compiled_misuse() -> str:
+    """apply() inside jax.jit, flush() inside tf.function: one line with the fix (they failed
+    with the frameworks' tracer errors)."""
+    w = keras.Variable(np.ones(2, "float32"))
+    acc = AccumulatingOptimizer(keras.optimizers.SGD(0.1), micro_batches=2)
+    try:
+        if backend == "jax":
+            import jax
+
+            jax.jit(lambda g: acc.apply([g], [w], count=2))(np.ones(2, "float32"))
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            acc.apply([tf.ones(2)], [w], count=2)
+            tf.function(lambda: acc.flush([w]))()
+        return ""
+    except Exception as exc:
+        return str(exc).strip().splitlines()[-1]
 
 
 def made_in_scope_compiled_outside() -> str:

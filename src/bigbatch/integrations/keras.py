@@ -465,6 +465,9 @@ class AccumulatingOptimizer:
             full = window.micro >= self.micro_batches
             ops.cond(full, lambda: window.apply(self.optimizer, variables), lambda: None)
             return full
+        _refuse_tracing(
+            window.micro, "apply()", "jit the gradient function, as the docs' loop does"
+        )
         if int(ops.convert_to_numpy(window.micro)) < self.micro_batches:
             return False
         window.apply(self.optimizer, variables)
@@ -472,10 +475,28 @@ class AccumulatingOptimizer:
 
     def flush(self, variables: list[Any]) -> bool:
         """Apply a partial window (the epoch's last batches); False when there is none."""
-        if self.window is None or not int(ops.convert_to_numpy(self.window.micro)):
+        if self.window is None:
+            return False
+        _refuse_tracing(self.window.micro, "flush()", "call it after the epoch's loop")
+        if not int(ops.convert_to_numpy(self.window.micro)):
             return False
         self.window.apply(self.optimizer, variables)
         return True
+
+
+def _refuse_tracing(value: Any, what: str, fix: str) -> None:
+    """``what`` reads the window's state in Python, which a compiled function (``jax.jit``,
+    ``tf.function``) cannot: one line with the fix instead of the framework's tracer error."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        if tf.inside_function():
+            raise RuntimeError(f"{what} cannot run inside tf.function: {fix}")
+    elif BACKEND == "jax":
+        import jax
+
+        if isinstance(getattr(value, "value", value), jax.core.Tracer):
+            raise RuntimeError(f"{what} cannot run inside jax.jit: {fix}")
 
 
 def _warn_empty(windows: int) -> None:
