@@ -168,3 +168,39 @@ def test_counts_without_float64_are_summed_in_float32(monkeypatch: pytest.Monkey
     kinds["cpu"] = replace(kinds["cpu"], float64=False)  # as MPS
     monkeypatch.setattr(device, "DEVICE_KINDS", kinds)
     assert weights(torch.tensor(2.0)).normaliser.dtype == torch.float32  # type: ignore[union-attr]
+
+
+def test_an_explicit_budget_caps_the_cuda_allocator_simulated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """budget= on CUDA is a cap: the allocator may hold the budget less the context the plan
+    kept out (simulated here: no GPU in CI; tests/gpu runs it on a card)."""
+    from types import SimpleNamespace
+
+    from bigbatch.device import cap_cuda_allocator
+    from bigbatch.train.config import TrainConfig
+    from bigbatch.train.planning import PlanChoice
+    from bigbatch.train.runtime import cap_to_budget
+
+    gib = 2**30
+    calls: list[tuple[float, object]] = []
+    props = SimpleNamespace(total_memory=80 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device))
+    )
+    cuda = torch.device("cuda")
+    assert cap_cuda_allocator(torch.device("cpu"), 10 * gib) is None and not calls
+    assert cap_cuda_allocator(cuda, 10 * gib) == 10 * gib and calls[-1] == (0.125, cuda)
+    assert cap_cuda_allocator(cuda, 100 * gib) == 80 * gib and calls[-1][0] == 1.0  # the card
+    lines: list[str] = []
+    choice = PlanChoice(32, 32, 5 * gib, gib // 2, 16 * gib)
+    cap_to_budget(TrainConfig(data="d", budget="16GiB"), cuda, choice, lines.append)
+    assert calls[-1][0] == (16 * gib - gib // 2) / (80 * gib)
+    assert lines == [
+        "memory: this process's CUDA allocator capped at 15.50 GiB (budget 16.00 GiB less the "
+        "512.0 MiB CUDA context): past it the back-off shrinks the micro-batch"
+    ]
+    before = len(calls)
+    cap_to_budget(TrainConfig(data="d", budget="auto"), cuda, choice, lines.append)
+    assert len(calls) == before  # budget=auto: the free memory, no cap

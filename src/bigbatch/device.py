@@ -254,6 +254,21 @@ def peak_memory_text(device: torch.device) -> str:
     return ""
 
 
+def cap_cuda_allocator(device: torch.device, cap_bytes: int) -> int | None:
+    """Limit this process's CUDA caching allocator to ``cap_bytes`` of ``device``
+    (``torch.cuda.set_per_process_memory_fraction``): past it an allocation raises
+    ``OutOfMemoryError`` after the allocator has freed its cache, as on a card of that size,
+    whatever the card's real size or what else runs on it. The CUDA context is outside the
+    allocator and so outside the cap. Returns the cap set (the card's memory at most), or None
+    where ``device`` is not CUDA."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = max(0, min(cap_bytes, total))
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
+
+
 def peak_memory_bytes(device: torch.device) -> tuple[int, bool] | None:
     """This process's peak memory on ``device`` so far, and whether it counts the process's
     overhead too: the CUDA allocator's reserved peak (``max_memory_reserved``: the step's, as a

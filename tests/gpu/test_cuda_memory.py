@@ -162,3 +162,27 @@ def test_real_cuda_oom_backs_off_and_keeps_the_update(tmp_path: Any, expandable:
         if p.is_floating_point():
             scale = float(p.abs().max()) + 1e-12
             assert float((got[name].cuda() - p).abs().max()) <= 1e-4 * scale, name
+
+
+def test_bigbatch_train_stays_under_an_explicit_budget(tmp_path: Any) -> None:
+    """budget= is a cap on the allocator (the budget less the context the plan kept out):
+    max_memory_reserved never passes it, on a card of any size."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from train_throughput import write_images
+
+    from bigbatch.memory.budget import parse_bytes
+    from bigbatch.train.config import load_config
+    from bigbatch.train.loop import train
+
+    write_images(tmp_path / "images", 32, 224, 4, "jpg")
+    overrides = [f"data={tmp_path / 'images'}", "arch=resnet50", "size=224", "batch=128",
+                 "budget=3GiB", "epochs=1", "device=cuda", "precision=fp16", "log_every=0"]  # fmt: skip
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        train(
+            load_config(overrides=overrides), tmp_path / "run", log=lambda _: None, progress=False
+        )
+        assert torch.cuda.max_memory_reserved() <= parse_bytes("3GiB")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

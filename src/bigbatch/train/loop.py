@@ -35,6 +35,7 @@ from bigbatch.train.progress import progress
 from bigbatch.train.report import plot_history, write_history
 from bigbatch.train.run_dir import check_run_dir, record_measured_peak, write_run_files
 from bigbatch.train.runtime import (
+    cap_to_budget,
     check_no_lone_sample,
     device_for_rank,
     distributed_sampler,
@@ -141,6 +142,7 @@ def _setup(
     rank_batch = math.ceil(cfg.batch / world)
     choice = plan_for(cfg, factory, device, precision, log, target=rank_batch, task=task)
     micro, max_micro = choice.micro_batch, choice.max_micro_batch
+    cap_to_budget(cfg, device, choice, log)
     if world > 1:
         split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
         log(f"distributed: {split}")

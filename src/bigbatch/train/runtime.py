@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.device import auto_device, auto_precision, device_kind
+from bigbatch.device import auto_device, auto_precision, cap_cuda_allocator, device_kind
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import read_json
+from bigbatch.memory.budget import format_bytes
 from bigbatch.train.config import ConfigError, TrainConfig, check_device
 
 __all__ = [
+    "cap_to_budget",
     "check_no_lone_sample",
     "device_for_rank",
     "distributed_sampler",
@@ -224,3 +226,20 @@ def distributed_sampler(dataset: Any, rank: int, world: int, seed: int) -> Any:
     from torch.utils.data.distributed import DistributedSampler
 
     return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+
+
+def cap_to_budget(cfg: TrainConfig, device: torch.device, choice: Any, log: Log) -> None:
+    """An explicit ``budget=`` on CUDA is a cap, not only a plan: the allocator may hold the
+    budget less the CUDA context the plan kept out, so the run never takes more of the card
+    (a bigger or shared one too), and a step the prediction underestimated runs out of memory
+    there, where the OOM back-off retries it with the same update. ``budget=auto`` (the free
+    memory) caps nothing."""
+    if cfg.budget.strip().lower() == "auto" or not choice.budget_bytes:
+        return
+    cap = cap_cuda_allocator(device, choice.budget_bytes - (choice.overhead_bytes or 0))
+    if cap is not None:
+        log(
+            f"memory: this process's CUDA allocator capped at {format_bytes(cap)} (budget "
+            f"{format_bytes(choice.budget_bytes)} less the {format_bytes(choice.overhead_bytes or 0)} "
+            "CUDA context): past it the back-off shrinks the micro-batch"
+        )
