@@ -185,22 +185,27 @@ def test_an_explicit_budget_caps_the_cuda_allocator_simulated(
     gib = 2**30
     calls: list[tuple[float, object]] = []
     props = SimpleNamespace(total_memory=80 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.75)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(
         torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device))
     )
     cuda = torch.device("cuda")
     assert cap_cuda_allocator(torch.device("cpu"), 10 * gib) is None and not calls
-    assert cap_cuda_allocator(cuda, 10 * gib) == 10 * gib and calls[-1] == (0.125, cuda)
-    assert cap_cuda_allocator(cuda, 100 * gib) == 80 * gib and calls[-1][0] == 1.0  # the card
+    assert cap_cuda_allocator(cuda, 10 * gib) == (10 * gib, 0.75) and calls[-1] == (0.125, cuda)
+    assert cap_cuda_allocator(cuda, 100 * gib) == (80 * gib, 0.75) and calls[-1][0] == 1.0
     lines: list[str] = []
     choice = PlanChoice(32, 32, 5 * gib, gib // 2, 16 * gib)
-    cap_to_budget(TrainConfig(data="d", budget="16GiB"), cuda, choice, lines.append)
+    assert cap_to_budget(TrainConfig(data="d", budget="16GiB"), cuda, choice, lines.append) == 0.75
     assert calls[-1][0] == (16 * gib - gib // 2) / (80 * gib)
     assert lines == [
         "memory: this process's CUDA allocator capped at 15.50 GiB (budget 16.00 GiB less the "
         "512.0 MiB CUDA context): past it the back-off shrinks the micro-batch"
     ]
     before = len(calls)
-    cap_to_budget(TrainConfig(data="d", budget="auto"), cuda, choice, lines.append)
+    assert cap_to_budget(TrainConfig(data="d", budget="auto"), cuda, choice, lines.append) is None
     assert len(calls) == before  # budget=auto: the free memory, no cap
+    from bigbatch.device import uncap_cuda_allocator
+
+    uncap_cuda_allocator(cuda, 0.75)  # what the run does at its end
+    assert calls[-1] == (0.75, cuda)

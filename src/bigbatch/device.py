@@ -254,19 +254,29 @@ def peak_memory_text(device: torch.device) -> str:
     return ""
 
 
-def cap_cuda_allocator(device: torch.device, cap_bytes: int) -> int | None:
+def cap_cuda_allocator(device: torch.device, cap_bytes: int) -> tuple[int, float] | None:
     """Limit this process's CUDA caching allocator to ``cap_bytes`` of ``device``
     (``torch.cuda.set_per_process_memory_fraction``): past it an allocation raises
     ``OutOfMemoryError`` after the allocator has freed its cache, as on a card of that size,
     whatever the card's real size or what else runs on it. The CUDA context is outside the
-    allocator and so outside the cap. Returns the cap set (the card's memory at most), or None
-    where ``device`` is not CUDA."""
+    allocator and so outside the cap. Returns the cap set (the card's memory at most) and the
+    fraction in force before (to put back: :func:`uncap_cuda_allocator`), or None where
+    ``device`` is not CUDA."""
     if device.type != "cuda":
         return None
     total = torch.cuda.get_device_properties(device).total_memory
     cap = max(0, min(cap_bytes, total))
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    before = float(getter(device)) if getter is not None else 1.0
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    return cap
+    return cap, before
+
+
+def uncap_cuda_allocator(device: torch.device, fraction: float | None) -> None:
+    """Put back the allocator's fraction :func:`cap_cuda_allocator` replaced (None: it capped
+    nothing): the caller's process keeps its own setting after a run."""
+    if device.type == "cuda" and fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, bool] | None:

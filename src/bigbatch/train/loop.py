@@ -25,6 +25,7 @@ from bigbatch.device import (
     pins_memory,
     rng_state,
     set_rng_state,
+    uncap_cuda_allocator,
 )
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
@@ -83,22 +84,27 @@ def train(
     torchrun it joins the process group (when the caller has not) and leaves it open, so
     one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
     cfg.validate()
-    # The run folder keeps its data's paths absolute: predict, ensemble and --resume find them
-    # from any working directory.
-    cfg = cfg.with_absolute_paths()
+    cfg = cfg.with_absolute_paths()  # predict, ensemble and --resume find the data from anywhere
     rank, world = init_distributed(cfg)
     run_dir = Path(run_dir)
     if rank != 0:  # rank 0 alone logs and writes files
-        return _loop(_setup(cfg, run_dir, resume, _silent, False, data, rank, world))
+        return _run(_setup(cfg, run_dir, resume, _silent, False, data, rank, world))
 
     threads_before = torch.get_num_threads()
     try:
         with lock_folder(run_dir, "run folder"):
-            return _loop(_setup(cfg, run_dir, resume, log, progress, data, rank, world))
+            return _run(_setup(cfg, run_dir, resume, log, progress, data, rank, world))
     except (FolderBusyError, NotADirectoryError, PermissionError) as exc:
         raise ConfigError(str(exc)) from exc
     finally:
         torch.set_num_threads(threads_before)  # the caller's process keeps its own setting
+
+
+def _run(run: Run) -> TrainResult:
+    try:  # then an explicit budget's allocator cap comes off: the caller keeps its setting
+        return _loop(run)
+    finally:
+        uncap_cuda_allocator(run.where.device, run.fraction_before)
 
 
 def _loop(run: Run) -> TrainResult:
@@ -141,8 +147,7 @@ def _setup(
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
     choice = plan_for(cfg, factory, device, precision, log, target=rank_batch, task=task)
-    micro, max_micro = choice.micro_batch, choice.max_micro_batch
-    cap_to_budget(cfg, device, choice, log)
+    fraction_before = cap_to_budget(cfg, device, choice, log)
     if world > 1:
         split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
         log(f"distributed: {split}")
@@ -164,7 +169,7 @@ def _setup(
     sampler = distributed_sampler(train_ds, rank, world, cfg.seed)
     loaders = RunData(
         train_ds,
-        make_valid_loader(task, valid_ds, micro, cfg.seed, workers, pin),
+        make_valid_loader(task, valid_ds, choice.micro_batch, cfg.seed, workers, pin),
         len(valid_ds) > 0,
         task.collate,
         rank_batch,
@@ -174,10 +179,10 @@ def _setup(
         sampler=sampler,
     )
     backoff = OOMBackoff(
-        micro_batch=micro,
-        max_micro_batch=max_micro,
+        micro_batch=choice.micro_batch,
+        max_micro_batch=choice.max_micro_batch,
         grow_after=cfg.grow_after,
-        min_micro_batch=1 if lone_ok else min(2, micro),
+        min_micro_batch=1 if lone_ok else min(2, choice.micro_batch),
     )
     run = Run(
         cfg=cfg,
@@ -196,6 +201,7 @@ def _setup(
         state=state,
         last_checkpoint=time.perf_counter(),
         ema=make_ema(core, cfg.ema),
+        fraction_before=fraction_before,
     )
     if state is not None:
         restore(run, state)

@@ -228,18 +228,21 @@ def distributed_sampler(dataset: Any, rank: int, world: int, seed: int) -> Any:
     return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
 
 
-def cap_to_budget(cfg: TrainConfig, device: torch.device, choice: Any, log: Log) -> None:
+def cap_to_budget(cfg: TrainConfig, device: torch.device, choice: Any, log: Log) -> float | None:
     """An explicit ``budget=`` on CUDA is a cap, not only a plan: the allocator may hold the
     budget less the CUDA context the plan kept out, so the run never takes more of the card
     (a bigger or shared one too), and a step the prediction underestimated runs out of memory
     there, where the OOM back-off retries it with the same update. ``budget=auto`` (the free
-    memory) caps nothing."""
+    memory) caps nothing. Returns the fraction to put back after the run, None if uncapped."""
     if cfg.budget.strip().lower() == "auto" or not choice.budget_bytes:
-        return
-    cap = cap_cuda_allocator(device, choice.budget_bytes - (choice.overhead_bytes or 0))
-    if cap is not None:
-        log(
-            f"memory: this process's CUDA allocator capped at {format_bytes(cap)} (budget "
-            f"{format_bytes(choice.budget_bytes)} less the {format_bytes(choice.overhead_bytes or 0)} "
-            "CUDA context): past it the back-off shrinks the micro-batch"
-        )
+        return None
+    capped = cap_cuda_allocator(device, choice.budget_bytes - (choice.overhead_bytes or 0))
+    if capped is None:
+        return None
+    cap, before = capped
+    log(
+        f"memory: this process's CUDA allocator capped at {format_bytes(cap)} (budget "
+        f"{format_bytes(choice.budget_bytes)} less the {format_bytes(choice.overhead_bytes or 0)} "
+        "CUDA context): past it the back-off shrinks the micro-batch"
+    )
+    return before

@@ -159,6 +159,7 @@ class Run:
     mid: dict[str, Any] | None = None  # where a mid-epoch checkpoint left the epoch in flight
     last_checkpoint: float = 0.0
     ema: Any = None  # timm's ModelEmaV3 of core, with ema= (validated and saved instead)
+    fraction_before: float | None = None  # the allocator's fraction before budget='s cap
 
     @property
     def main_rank(self) -> bool:
