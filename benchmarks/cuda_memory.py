@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_matrix import _llama, _timm, _unet3d, lm_step, seg_step
 
 from bigbatch.memory.measure import measure_step_peak, real_step_setup
 from bigbatch.memory.plan import overhead_bytes
@@ -63,54 +65,6 @@ class Workload:
             precision=self.precision, device=device, input_dtype=self.input_dtype,  # type: ignore[arg-type]
             name=self.name, vocab=self.vocab, step=self.step,
         )  # fmt: skip
-
-
-def _timm(arch: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import timm
-
-        return timm.create_model(arch, **kwargs)
-
-    build.__name__ = arch
-    return build
-
-
-def _unet3d(widths: tuple[int, ...]) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        from monai.networks.nets import UNet
-
-        strides = (2,) * (len(widths) - 1)
-        return UNet(3, 4, 4, channels=widths, strides=strides, num_res_units=2)
-
-    return build
-
-
-def _llama(layers: int, hidden: int, vocab: int) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-            num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-            num_key_value_heads=max(1, hidden // 64), max_position_embeddings=4096,
-            use_cache=False, attn_implementation="sdpa",
-        )  # fmt: skip
-        model = LlamaForCausalLM(config)
-        model.model.requires_grad_(False)  # the frozen base; the head trains (LoRA-like)
-        model.lm_head.requires_grad_(True)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
-
-    return build
-
-
-def lm_step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-
-def seg_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = model(x)
-    return F.cross_entropy(out.float(), (x[:, 0] > 0).long())
 
 
 def workloads(dry_run: bool) -> list[Workload]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,14 @@ def competition(tmp_path: Path, masks: dict[str, dict[str, np.ndarray]]) -> Path
         Image.fromarray(np.full((H, W, 3), 90, np.uint8)).save(tmp_path / "images" / name)
         rows += [(f"{name}_{c}", rle_encode(m)) for c, m in by_class.items()]
     return write_csv(tmp_path / "train.csv", rows, ("Image_Label", "EncodedPixels"))
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    """The run folder's files (not its masks) in ``to``, to damage or move without touching it."""
+    shutil.copytree(
+        run, to, ignore=lambda folder, names: [n for n in names if (Path(folder) / n).is_dir()]
+    )
+    return to
 
 
 def box(top: int, left: int, h: int = 8, w: int = 8) -> np.ndarray:
@@ -329,11 +338,7 @@ def test_a_class_not_seen_in_training_is_refused(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
     run, _ = trained
-    copy = tmp_path / "run"
-    copy.mkdir()
-    for f in run.iterdir():
-        if f.is_file():
-            (copy / f.name).write_bytes(f.read_bytes())
+    copy = copy_run(run, tmp_path / "run")
     info = json.loads((copy / "task.json").read_text())
     info["classes"] = [*CLOUD_CLASSES[:3], "Ice"]
     (copy / "task.json").write_text(json.dumps(info))
@@ -467,11 +472,7 @@ def test_an_ensemble_whose_training_data_moved_says_so_and_keeps_the_runs_rules(
     trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run, data = trained
-    moved = tmp_path / "run"
-    moved.mkdir()
-    for f in run.iterdir():
-        if f.is_file():
-            (moved / f.name).write_bytes(f.read_bytes())
+    moved = copy_run(run, tmp_path / "run")
     saved = json.loads((moved / "config.json").read_text())
     saved["data"] = str(tmp_path / "gone" / "train.csv")
     (moved / "config.json").write_text(json.dumps(saved))
@@ -507,11 +508,7 @@ def test_a_damaged_postprocess_json_names_the_file_and_the_fix(
     trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run, data = trained
-    copy = tmp_path / "run"
-    copy.mkdir()
-    for f in run.iterdir():
-        if f.is_file():
-            (copy / f.name).write_bytes(f.read_bytes())
+    copy = copy_run(run, tmp_path / "run")
     (copy / "postprocess.json").write_text('{"classes": {"Fish": ')
     assert main(["predict", str(copy), str(data / "test_images")]) == 2
     err = capsys.readouterr().err
