@@ -92,3 +92,15 @@ def test_the_command_exits_like_the_interpreter_without_its_teardown(tmp_path) -
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "done"
     assert (tmp_path / "pool").read_text() == "done"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`bigbatch plan --list-cards | head -1`: the pipe closes under the command."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        f"{sys.executable} -m bigbatch plan --list-cards | head -1",
+        shell=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.stdout.startswith("card") and "Traceback" not in done.stderr, done.stderr

@@ -208,7 +208,13 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
 
 def console() -> None:
     """The ``bigbatch`` command: :func:`main`, then exit with its code."""
-    code = main(own_process=True)
+    try:
+        code = main(own_process=True)
+    except BrokenPipeError:
+        # The reader left early (`bigbatch plan --list-cards | head`): no traceback, and
+        # nothing more written (the exit's flush would fail again on the closed pipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     if "torch" not in sys.modules:  # --help, a refused argument: nothing heavy to tear down
         sys.exit(code)
     import torch.distributed as dist
