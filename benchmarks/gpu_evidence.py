@@ -240,24 +240,23 @@ def results_dir(info: dict[str, Any], dry_run: bool) -> Path:
 class Parts:
     """Runs each part in its own process under its time box, keeping its log and status."""
 
-    def __init__(self, out: Path, dry_run: bool) -> None:
-        self.out, self.dry_run = out, dry_run
+    def __init__(self, out: Path) -> None:
+        self.out = out
         self.status: dict[str, dict[str, Any]] = {}
         (out / "logs").mkdir(parents=True, exist_ok=True)
 
-    def run(self, name: str, cmd: list[str], seconds: float, env: dict[str, str] | None = None) -> bool:  # fmt: skip
+    def run(self, name: str, cmd: list[str], seconds: float) -> None:
         t0 = time.monotonic()
         log = self.out / "logs" / f"{name}.log"
         with log.open("w") as f:
             try:
                 done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=seconds,
-                                      env=env, cwd=ROOT)  # fmt: skip
+                                      cwd=ROOT)  # fmt: skip
                 state = "passed" if done.returncode == 0 else f"failed (exit {done.returncode})"
             except subprocess.TimeoutExpired:
                 state = f"out of time ({seconds:.0f} s)"
         self.status[name] = {"state": state, "seconds": round(time.monotonic() - t0, 1)}
         print(f"[gpu-evidence] {name}: {state} in {self.status[name]['seconds']} s", flush=True)
-        return state == "passed"
 
 
 def memory_matrix(out: Path, dry_run: bool, seconds: float) -> dict[str, Any]:
@@ -419,11 +418,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     info = machine()
     out = args.out or results_dir(info, args.dry_run)
     out.mkdir(parents=True, exist_ok=True)
-    parts = Parts(out, args.dry_run)
+    parts = Parts(out)
     scale = args.seconds / 450  # the boxes below add up to 450 s
     dry = ["--dry-run"] if args.dry_run else []
     me = [sys.executable, __file__, *dry, "--out", str(out)]
-    results: dict[str, Any] = {}
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/gpu",
                   "-p", "no:cacheprovider", "--timeout=90", f"--junitxml={out / 'tests-gpu.xml'}"]  # fmt: skip
     # The boxes add up to 450 s; on an H200 the tests took 61 s, the cuDNN sweep's 320
@@ -456,18 +454,22 @@ def orchestrate(args: argparse.Namespace) -> int:
         if args.only and name not in args.only.split(","):
             continue
         parts.run(name, cmd, box * scale)
-    if (out / "cudnn-profile.json").exists():
-        profile = json.loads((out / "cudnn-profile.json").read_text())
-        results["cudnn_workspaces"] = {k: v for k, v in profile.items() if k != "rows"}
-    summary = {"machine": info, "parts": parts.status, "dry_run": args.dry_run}
-    for name in ("memory_matrix", "speed", "decode"):
-        if (out / f"{name}.json").exists():
-            results[name] = json.loads((out / f"{name}.json").read_text())
-    summary["results"] = {
-        "memory_matrix": {k: v for k, v in results.get("memory_matrix", {}).items() if k != "rows"},
-        "speed": results.get("speed"),
-        "decode": results.get("decode"),
-        "cudnn_workspaces": results.get("cudnn_workspaces"),
+    files = {"memory_matrix": "memory_matrix.json", "speed": "speed.json",
+             "decode": "decode.json", "cudnn_workspaces": "cudnn-profile.json"}  # fmt: skip
+    results = {
+        name: json.loads((out / file).read_text())
+        for name, file in files.items()
+        if (out / file).exists()
+    }
+    summary = {
+        "machine": info,
+        "parts": parts.status,
+        "dry_run": args.dry_run,
+        # Without the per-row and per-signature lists: those are in the parts' own files.
+        "results": {
+            name: {k: v for k, v in r.items() if k != "rows"} if isinstance(r, dict) else r
+            for name, r in results.items()
+        },
     }
     write_json(out / "summary.json", summary)
     (out / "summary.md").write_text(summary_md(info, parts.status, results))

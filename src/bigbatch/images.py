@@ -104,15 +104,12 @@ def probe(path: Path) -> ImageInfo:
     )
 
 
-def exif_orientation(path: Path) -> int:
-    """The EXIF orientation a photo's viewers apply (1: as stored; 6: rotated 90 degrees ...;
-    2-8 flip or rotate), read from the header; 1 where there is none or the file is no image
-    PIL reads."""
-    from PIL import Image
-
+def exif_orientation(image: Any) -> int:
+    """The EXIF orientation a photo's viewers apply to an open PIL image (1: as stored; 6:
+    rotated 90 degrees ...; 2-8 flip or rotate), read from its header; 1 where it has none or
+    its EXIF block cannot be read. The caller opens the image once, for its size too."""
     try:
-        with Image.open(path) as im:
-            return int(im.getexif().get(0x0112, 1) or 1)  # 0x0112: Orientation
+        return int(image.getexif().get(0x0112, 1) or 1)  # 0x0112: Orientation
     except Exception:
         return 1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import itertools
 import os
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -66,10 +67,11 @@ class CSVError(ValueError):
     """A CSV that cannot be read as text, with the fix."""
 
 
-def read_csv_rows(path: str | Path) -> list[list[str]]:
+def read_csv_rows(path: str | Path, *, max_rows: int | None = None) -> list[list[str]]:
     """Every row of a CSV as spreadsheets write them: UTF-8 with or without Excel's byte-order
     mark, quoted or not, CRLF or LF line ends, separated by commas, or by semicolons or tabs
-    where the header has no comma (Excel in locales whose decimal mark is a comma).
+    where the header has no comma (Excel in locales whose decimal mark is a comma). ``max_rows``:
+    the first rows only (the header: ``max_rows=1``), the rest not read.
 
     >>> import tempfile, pathlib
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.csv"
@@ -82,7 +84,7 @@ def read_csv_rows(path: str | Path) -> list[list[str]]:
             first = f.readline()
             f.seek(0)
             delimiter = next((d for d in ",;\t" if d in first), ",")
-            return list(csv.reader(f, delimiter=delimiter))
+            return list(itertools.islice(csv.reader(f, delimiter=delimiter), max_rows))
     except UnicodeDecodeError as exc:
         raise CSVError(
             f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 (in Excel: CSV UTF-8)"

@@ -155,7 +155,6 @@ def predict_request(request: PredictRequest) -> str:
         info = read_task_info(request.run_dir)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    tta_flips(int(info.get("dims", 2)), request.tta)  # before any work: passes that repeat
     if info.get("rle"):
         from bigbatch.train.tasks.segmentation.submit import write_submission
 

@@ -55,7 +55,7 @@ def is_rle_csv(path: str | Path) -> bool:
     if path.suffix.lower() != ".csv" or not path.is_file():
         return False
     try:
-        rows = read_csv_rows(path)
+        rows = read_csv_rows(path, max_rows=1)  # the header tells; the rows are read by the task
     except CSVError:
         return False
     return bool(rows) and bool(rle_layout(tuple(h.strip() for h in rows[0])))
@@ -131,16 +131,17 @@ def scan_rle(data: str | Path, image_root: str = "", labels: str = "auto") -> RL
     shapes, overlapping = [], ""
     modes: dict[str, int] = {}
     for path in files:
-        refuse_exif_orientation(path)
         try:
             probe(path)  # readable faithfully (a 16-bit colour PNG is refused)
             from PIL import Image
 
             with Image.open(path) as im:
                 width, height = im.size
+                turn = exif_orientation(im)
                 modes[im.mode] = modes.get(im.mode, 0) + 1
         except Exception as exc:
             raise DataError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+        refuse_exif_orientation(path, turn)
         shape = (height, width)
         shapes.append(shape)
         own = table.masks.get(path.name, {})
@@ -223,10 +224,10 @@ def network_input(pixels: np.ndarray) -> torch.Tensor:
     return (image - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
 
 
-def refuse_exif_orientation(path: Path) -> None:
+def refuse_exif_orientation(path: Path, turn: int) -> None:
     """An RLE image must be used as stored: its runs count pixels in the stored order, and a
-    viewer's EXIF rotation would put them elsewhere (or swap height and width)."""
-    turn = exif_orientation(path)
+    viewer's EXIF rotation (``turn``: :func:`bigbatch.images.exif_orientation`) would put
+    them elsewhere (or swap height and width)."""
     if turn != 1:
         raise DataError(
             f"{path} carries an EXIF orientation ({turn}: shown rotated or flipped), so its "

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bigbatch.device import autocast_for
+from bigbatch.images import exif_orientation
 from bigbatch.io import atomic_path, check_writable
 from bigbatch.segmentation.postprocess import (
     ClassRule,
@@ -185,8 +186,7 @@ def write_submission(
     except RLEError as exc:
         raise ConfigError(str(exc)) from None
     files = images_to_predict(images)  # every image readable, before any prediction
-    for f in files:
-        refuse_exif_orientation(f)
+    sizes = _header_sizes(files)
     names = [f.name for f in files]
     if len(set(names)) != len(names):
         raise ConfigError(
@@ -211,22 +211,34 @@ def write_submission(
 
     with atomic_path(target) as tmp:
         count = write_rle_csv(tmp, lead.layout, lead.classes, rows())
-    return target, count, note + _size_note(files, lead.stored_size)
+    return target, count, note + _size_note(files, sizes, lead.stored_size)
 
 
-def _size_note(files: Sequence[Path], stored: tuple[int, int] | None) -> str:
+def _header_sizes(files: Sequence[Path]) -> list[tuple[int, int]]:
+    """Each test image's (height, width), read once from its header, where an EXIF
+    orientation is refused too (its masks would be written turned)."""
+    from PIL import Image
+
+    sizes = []
+    for path in files:
+        with Image.open(path) as im:
+            refuse_exif_orientation(path, exif_orientation(im))
+            sizes.append((im.height, im.width))
+    return sizes
+
+
+def _size_note(
+    files: Sequence[Path], sizes: Sequence[tuple[int, int]], stored: tuple[int, int] | None
+) -> str:
     """Test images whose size is not the training images', said: they are resized (to the
     network's input, their masks to the mask size), which a transposed image should not be."""
     if stored is None:
         return ""
-    from PIL import Image
-
-    other = []
-    for path in files:
-        with Image.open(path) as im:
-            width, height = im.size
-        if (height, width) != stored:
-            other.append((path.name, height, width))
+    other = [
+        (path.name, height, width)
+        for path, (height, width) in zip(files, sizes, strict=True)
+        if (height, width) != stored
+    ]
     if not other:
         return ""
     name, height, width = other[0]
