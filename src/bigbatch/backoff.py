@@ -26,8 +26,10 @@ from bigbatch.memory.oom import HOST_OOM_MESSAGES, is_oom
 
 __all__ = [
     "BackoffEvent",
+    "EvalBackoff",
     "OOMBackoff",
     "OutOfMemoryAtMinimumError",
+    "infer_fitting",
     "run_coupled_window",
     "run_window",
 ]
@@ -44,7 +46,7 @@ class BackoffEvent:
     optimizer_step: int  # the window (optimizer step about to be taken) where it happened
     old: int
     new: int
-    reason: str  # "oom" or "grow"
+    reason: str  # "oom", "grow", or "measured" (the step's measured memory after the first steps)
 
 
 @dataclass
@@ -89,6 +91,16 @@ class OOMBackoff:
         if self.grow_after and self.clean_windows >= self.grow_after and self.micro_batch < cap:
             self._change(optimizer_step, min(cap, self.micro_batch * 2), "grow")
 
+    def refit(self, optimizer_step: int, new: int) -> None:
+        """Change to ``new`` because the step's measured memory says it fits (or that the
+        current size does not): never above it again after a shrink, up to it after a grow."""
+        if new == self.micro_batch:
+            return
+        self.max_micro_batch = (
+            new if new < self.micro_batch else max(new, self.max_micro_batch or 0)
+        )
+        self._change(optimizer_step, max(new, self.min_micro_batch), "measured")
+
     def _change(self, optimizer_step: int, new: int, reason: str) -> None:
         event = BackoffEvent(optimizer_step, self.micro_batch, new, reason)
         self.events.append(event)
@@ -96,7 +108,9 @@ class OOMBackoff:
             "bigbatch: micro-batch %d -> %d (%s) at optimizer step %d; the update is unchanged",
             event.old,
             event.new,
-            "out of memory" if reason == "oom" else f"{self.clean_windows} clean windows",
+            {"oom": "out of memory", "measured": "measured memory"}.get(
+                reason, f"{self.clean_windows} clean windows"
+            ),
             optimizer_step,
         )
         self.micro_batch = new
@@ -263,3 +277,59 @@ def _step_fitting(
         buffers.restore()
         free_memory(host_oom)
         backoff.shrink(acc.optimizer_step, failure or "another rank ran out of memory")
+
+
+@dataclass
+class EvalBackoff:
+    """Evaluation's OOM back-off (:func:`infer_fitting`): ``chunk`` is the most samples one
+    forward pass takes (None: whole batches); an OOM halves it, and it stays halved for the
+    rest of the pass. No weight, statistic or metric depends on it: eval mode's outputs are
+    each sample's own (up to the kernels' round-off at another batch size)."""
+
+    chunk: int | None = None
+    events: list[BackoffEvent] = field(default_factory=list)
+
+
+def infer_fitting(fn: Callable[[Any], torch.Tensor], x: Any, backoff: EvalBackoff) -> torch.Tensor:
+    """``fn(x)`` without gradients (validation's or prediction's forward), in chunks of
+    ``backoff.chunk`` samples joined along the first dimension; on OOM the chunk is halved and
+    the batch run again (the failed outputs dropped first), down to one sample.
+
+    >>> calls = []
+    >>> def model(x):
+    ...     calls.append(len(x))
+    ...     if len(x) > 2:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    ...     return x * 2
+    >>> backoff = EvalBackoff()
+    >>> infer_fitting(model, torch.ones(5, 1), backoff).shape, backoff.chunk, calls
+    (torch.Size([5, 1]), 2, [5, 2, 2, 1])
+    """
+    if not isinstance(x, torch.Tensor):  # a task's own structure: not split here
+        return fn(x)
+    while True:
+        size = min(backoff.chunk or len(x), len(x))
+        failure = ""
+        try:
+            if size >= len(x):
+                return fn(x)
+            return torch.cat([fn(part) for part in x.split(size)])
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failure = f"{type(exc).__name__}: {exc}"
+        # Out of the except block: the exception and the frames holding the failed outputs
+        # are gone, so their memory can go back before the retry.
+        free_memory(any(m in failure for m in HOST_OOM_MESSAGES))
+        if size <= 1:
+            raise OutOfMemoryAtMinimumError(
+                f"out of memory evaluating a single sample ({failure.strip()[:300]}); give the "
+                "run a larger budget, or predict on a device with more memory (--device cpu)"
+            )
+        backoff.chunk = size // 2
+        backoff.events.append(BackoffEvent(0, size, backoff.chunk, "oom"))
+        log.warning(
+            "bigbatch: evaluation batch %d -> %d (out of memory); the outputs are unchanged",
+            size,
+            backoff.chunk,
+        )

@@ -27,13 +27,16 @@ __all__ = [
     "auto_precision",
     "autocast_for",
     "bound_onednn_cache",
+    "cap_cuda_allocator",
     "device_kind",
     "empty_cache",
     "free_bytes",
     "free_memory",
+    "peak_memory_bytes",
     "peak_memory_text",
     "pins_memory",
     "process_rss",
+    "reset_peak_memory",
     "return_freed_cpu_memory",
     "rng_state",
     "set_rng_state",
@@ -42,6 +45,7 @@ __all__ = [
     "total_bytes",
     "trim_cpu_heap",
     "unavailable_reason",
+    "uncap_cuda_allocator",
 ]
 
 log = logging.getLogger("bigbatch")
@@ -170,8 +174,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _meminfo(key: str) -> int | None:
+    return _meminfo_of("/proc/meminfo", key)
+
+
+def _meminfo_of(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a Linux /proc file, in bytes."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
@@ -280,17 +289,39 @@ def uncap_cuda_allocator(device: torch.device, fraction: float | None) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, bool] | None:
-    """This process's peak memory on ``device`` so far, and whether it counts the process's
-    overhead too: the CUDA allocator's reserved peak (``max_memory_reserved``: the step's, as a
-    plan predicts it; the context is outside it), or the process's peak resident memory on a
-    Linux CPU (everything: interpreter, libraries, data). None where neither is known."""
+    """This process's peak memory on ``device`` since it started or since
+    :func:`reset_peak_memory`, and whether it counts the process's overhead too: the CUDA
+    allocator's reserved peak (``max_memory_reserved``: the step's, as a plan predicts it; the
+    context is outside it), or the process's peak resident memory on a Linux CPU (``VmHWM``:
+    everything, interpreter, libraries, data). None where neither is known."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_reserved(device)), False
     if device.type == "cpu" and sys.platform == "linux":
-        import resource  # ru_maxrss is in KiB on Linux
+        peak = _meminfo_of("/proc/self/status", "VmHWM")
+        if peak is None:
+            import resource  # ru_maxrss is in KiB on Linux
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, True
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak, True
     return None
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start :func:`peak_memory_bytes` again from now (the CUDA allocator's peak statistics;
+    Linux's resident high-water mark through ``/proc/self/clear_refs``), so that a run's peak
+    is its own, not the planning's or an earlier run's in the same process. False where the
+    peak cannot be reset (it then counts from the process's start)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    if device.type == "cpu" and sys.platform == "linux":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident size
+            return True
+        except OSError:
+            return False
+    return False
 
 
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -4,6 +4,7 @@ benchmarks/cuda_memory.py runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -184,5 +185,13 @@ def test_bigbatch_train_stays_under_an_explicit_budget(tmp_path: Any) -> None:
             load_config(overrides=overrides), tmp_path / "run", log=lambda _: None, progress=False
         )
         assert torch.cuda.max_memory_reserved() <= parse_bytes("3GiB")
+        plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+        # Measured after the first steps (against the cap), and at the end: the summary's
+        # measured peak is the allocator's reserved peak.
+        assert (
+            plan["first_steps"]["measured_peak_bytes"] <= plan["first_steps"]["limit_bytes"] * 1.1
+        )
+        assert plan["measured_peak_bytes"] == torch.cuda.max_memory_reserved()
+        assert plan["valid_batch"] >= 1 and plan["valid_predicted_peak_bytes"] > 0
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

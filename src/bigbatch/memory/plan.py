@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ __all__ = [
     "overhead_bytes",
     "plan_micro_batch",
     "plan_under_budget",
+    "refit_micro_batch",
     "resolve_budget",
     "usable_bytes",
 ]
@@ -487,6 +489,67 @@ def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
     if peak_b <= peak_a:
         return b
     return int(a + (usable - peak_a) * (b - a) / (peak_b - peak_a))
+
+
+# A measured peak this far under its prediction (or further) lets the run grow its micro-batch.
+GROW_BELOW = 0.8
+
+
+def refit_micro_batch(
+    curve: list[tuple[int, int]],
+    micro_batch: int,
+    measured: int,
+    limit: int,
+    *,
+    target: int,
+    top: int,
+    smallest: int = 1,
+    grow: bool = True,
+) -> int:
+    """The micro-batch a measured peak says fits, after the run's first optimizer steps: the
+    plan's predictions (``curve``: (micro-batch, predicted bytes), read as a line between and
+    beyond its points) scaled by what the step at ``micro_batch`` really took (``measured``).
+    Over ``limit``: the largest smaller micro-batch under it, balanced over ``target``. Far
+    under the prediction (below :data:`GROW_BELOW` of it, with ``grow``): the largest up to
+    ``top`` (at most twice ``micro_batch``: the OOM back-off guards the rest) under it. Else
+    ``micro_batch``. The update is the same at any micro-batch: only memory and speed change.
+
+    >>> curve = [(1, 1100), (64, 8000)]  # the plan's: about 1000 + 110 per sample
+    >>> refit_micro_batch(curve, 64, 9600, 8000, target=256, top=256)  # 20 % over: 51 fit
+    43
+    >>> refit_micro_batch(curve, 64, 4000, 8000, target=256, top=256)  # half: grow, at most x2
+    128
+    """
+    points = sorted(dict(curve).items())
+    predicted = _on_curve(points, micro_batch)
+    if not points or predicted <= 0 or measured <= 0:
+        return micro_batch
+    scale = measured / predicted
+
+    def fits(b: int) -> bool:
+        return scale * _on_curve(points, b) <= limit
+
+    if measured > limit:
+        fitting = [b for b in range(smallest, micro_batch) if fits(b)]
+        return _balanced(target, max(fitting)) if fitting else smallest
+    if grow and scale < GROW_BELOW:
+        fitting = [b for b in range(micro_batch + 1, min(top, 2 * micro_batch) + 1) if fits(b)]
+        if fitting:
+            return max(micro_batch, _balanced(target, max(fitting)))
+    return micro_batch
+
+
+def _on_curve(points: list[tuple[int, int]], b: int) -> float:
+    """The predicted peak at ``b`` on the line through the plan's predictions (extended past
+    the first and last by their end segments; flat from a single point)."""
+    if not points:
+        return 0.0
+    if len(points) == 1:
+        return float(points[0][1])
+    for (b0, p0), (b1, p1) in itertools.pairwise(points):
+        if b <= b1 or (b1, p1) == points[-1]:
+            return p0 + (p1 - p0) * (b - b0) / (b1 - b0)
+    return float(points[-1][1])
 
 
 def plan_under_budget(

@@ -611,6 +611,25 @@ def _materialize_state(
         p.grad = g
 
 
+def tracing_for(
+    target: torch.device, calibration: Any = None, batch_size: int = 1
+) -> tuple[torch.device, _StorageTracker, contextlib.AbstractContextManager[Any]]:
+    """Where a step for ``target`` is traced on fake tensors, the tracker of its storages, and
+    the context of CUDA autocast's rules (nothing elsewhere). The autograd engine wants a real
+    CUDA context for CUDA tensors, even fake ones, so a CUDA step is traced on CPU-placed fake
+    tensors with what differs on CUDA: 512-byte allocator blocks, the multi-tensor (foreach)
+    optimizers CUDA defaults to, CUDA autocast's op lists and cuBLAS's and cuDNN's allocations
+    (bigbatch.memory.cuda_autocast, .cuda_runtime)."""
+    tracker = _StorageTracker(
+        round_to=device_kind(target).allocator_block, calibration=calibration, batch_size=batch_size
+    )
+    if target.type != "cuda":
+        return target, tracker, contextlib.nullcontext()
+    tracker.cuda = CudaLibraries()
+    tracker.events = tracker.cuda.start()
+    return torch.device("cpu"), tracker, cuda_autocast_rules()
+
+
 # One function on purpose (over 80 lines): the traced step's tensors are locals whose lifetimes
 # are the prediction (``del x`` where a loop frees its batch, ``waiting`` for the next batch);
 # split across helpers, a frame or a return value would keep them alive longer than the real
@@ -625,21 +644,9 @@ def _predict_on_fake(
 
     t0 = time.perf_counter()
     target = torch.device(spec.device)
-    # The autograd engine wants a real CUDA context for CUDA tensors, even fake ones, so a CUDA
-    # step is traced on CPU-placed fake tensors with what differs on CUDA: 512-byte allocator
-    # blocks, the multi-tensor (foreach) optimizers CUDA defaults to, CUDA autocast's op lists
-    # and cuBLAS's and cuDNN's allocations (bigbatch.memory.cuda_autocast, .cuda_runtime).
-    device = torch.device("cpu") if target.type == "cuda" else target
     model = build_on_meta(spec.model)
-    tracker = _StorageTracker(
-        round_to=device_kind(target).allocator_block,
-        calibration=calibration,
-        batch_size=spec.batch_size,
-    )
-    if target.type == "cuda":
-        tracker.cuda = CudaLibraries()
-        tracker.events = tracker.cuda.start()
-    elif keep is not None and calibration is None:
+    device, tracker, rules = tracing_for(target, calibration, spec.batch_size)
+    if target.type != "cuda" and keep is not None and calibration is None:
         tracker.log = []
     grads_uids: set[int] = set()
     state_uids: set[int] = set()
@@ -652,7 +659,6 @@ def _predict_on_fake(
     if trace is not None and not trace.on_meta:
         trace.on_meta = True
         _optimizer_on_meta(model, spec.optimizer, trace)
-    rules = cuda_autocast_rules() if target.type == "cuda" else contextlib.nullcontext()
     with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
         model = to_empty_shared(model, device)
         model.train()

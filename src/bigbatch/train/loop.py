@@ -31,7 +31,7 @@ from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.optim import mode_line, phases
-from bigbatch.train.planning import plan_for
+from bigbatch.train.planning import MemoryCheck, plan_for, plan_validation
 from bigbatch.train.progress import progress
 from bigbatch.train.report import plot_history, write_history
 from bigbatch.train.run_dir import check_run_dir, record_measured_peak, write_run_files
@@ -147,6 +147,7 @@ def _setup(
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
     choice = plan_for(cfg, factory, device, precision, log, target=rank_batch, task=task)
+    choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, log)
     fraction_before = cap_to_budget(cfg, device, choice, log)
     if world > 1:
         split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
@@ -154,10 +155,9 @@ def _setup(
     if cfg.mode == "auto":
         log(mode_line(cfg))
     if rank == 0:
-        plan = choice._asdict() | {"target_batch": cfg.batch}
-        where = {"precision": precision, "device": str(device), "world_size": world}
-        loading = {"seed": cfg.seed, "threads": threads, "num_workers": workers}
-        write_run_files(run_dir, cfg, task, plan | where | loading, (train_items, valid_items))
+        facts = {"target_batch": cfg.batch, "precision": precision, "device": str(device)}
+        facts |= {"world_size": world, "seed": cfg.seed, "threads": threads, "num_workers": workers}
+        write_run_files(run_dir, cfg, task, choice._asdict() | facts, (train_items, valid_items))
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = pins_memory(device)
@@ -169,7 +169,7 @@ def _setup(
     sampler = distributed_sampler(train_ds, rank, world, cfg.seed)
     loaders = RunData(
         train_ds,
-        make_valid_loader(task, valid_ds, choice.micro_batch, cfg.seed, workers, pin),
+        make_valid_loader(task, valid_ds, choice.valid_batch, cfg.seed, workers, pin),
         len(valid_ds) > 0,
         task.collate,
         rank_batch,
@@ -202,6 +202,7 @@ def _setup(
         last_checkpoint=time.perf_counter(),
         ema=make_ema(core, cfg.ema),
         fraction_before=fraction_before,
+        memory=MemoryCheck(choice, device, rank_batch, log, run_dir if rank == 0 else None),
     )
     if state is not None:
         restore(run, state)
@@ -248,6 +249,7 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         windows_done += 1
+        run.memory.after_window(acc.optimizer_step, backoff)  # measure, then adjust: once
         now = time.perf_counter()
         due = (every_steps and acc.optimizer_step % every_steps == 0) or (
             every_seconds and now - run.last_checkpoint >= every_seconds
@@ -344,5 +346,4 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     )
 
 
-def _silent(_: str) -> None:
-    pass
+def _silent(_: str) -> None: ...

@@ -4,27 +4,39 @@ second)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 
-from bigbatch.device import return_freed_cpu_memory, total_bytes
+from bigbatch.backoff import OOMBackoff
+from bigbatch.device import (
+    peak_memory_bytes,
+    reset_peak_memory,
+    return_freed_cpu_memory,
+    total_bytes,
+)
+from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes, parse_bytes
+from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.plan import (
     DoesNotFitError,
     batchnorm_on_one_sample,
     plan_under_budget,
+    refit_micro_batch,
     resolve_budget,
 )
 from bigbatch.memory.predict import check_forward, predict_peak
-from bigbatch.memory.step import StepSpec
+from bigbatch.memory.step import Precision, StepSpec
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.optim import PLAN_OPTIMIZER
 from bigbatch.train.tasks import Placement, Task
 
-__all__ = ["PlanChoice", "plan_for"]
+__all__ = ["MemoryCheck", "PlanChoice", "plan_for", "plan_validation"]
 
 Log = Callable[[str], None]
 
@@ -38,6 +50,12 @@ class PlanChoice(NamedTuple):
     predicted_peak_bytes: int | None = None  # the step at micro_batch; None: not planned
     overhead_bytes: int | None = None  # the process's memory besides the step, as planned
     budget_bytes: int | None = None
+    usable_bytes: int | None = None  # what the step may take: the budget less margin, overhead
+    curve: tuple[tuple[int, int], ...] = ()  # the plan's (micro-batch, predicted peak) points
+    valid_batch: int = 0  # validation's forward passes (plan_validation)
+    valid_predicted_peak_bytes: int | None = None
+    valid_shape: tuple[int, ...] | None = None  # the input validation was planned for
+    planned: bool = False  # the planner chose micro_batch (a fixed one is never grown)
 
 
 def plan_for(
@@ -113,7 +131,133 @@ def plan_for(
     micro = cfg.micro_batch or plan.micro_batch
     predicted = dict(plan.curve).get(micro) if cfg.micro_batch else plan.predicted_peak_bytes
     top = cfg.micro_batch or plan.max_micro_batch
-    return PlanChoice(micro, top, predicted, plan.overhead_bytes, plan.budget_bytes)
+    curve = tuple(plan.curve)
+    return PlanChoice(
+        micro, top, predicted, plan.overhead_bytes, plan.budget_bytes, plan.usable_bytes, curve
+    )._replace(planned=not cfg.micro_batch)
+
+
+def plan_validation(
+    cfg: TrainConfig,
+    factory: Callable[[], nn.Module],
+    device: torch.device,
+    precision: str,
+    choice: PlanChoice,
+    task: Task,
+    valid_items: Any,
+    log: Log,
+) -> PlanChoice:
+    """``choice`` with validation's batch: the largest whose no-grad step fits the same usable
+    memory as training's (the weights, the optimizer state and an EMA copy alive meanwhile;
+    :func:`~bigbatch.memory.evaluate.predict_evaluation_peak`), for the largest input
+    validation meets (:meth:`Task.valid_shape`: whole images after training on crops, a whole
+    volume's logits beside its patches), up to the target batch. Unplanned (a fixed
+    micro-batch without a budget): twice the training micro-batch. An OOM still backs off."""
+    shape = task.valid_shape(valid_items) if len(valid_items) else None
+    unplanned = 2 * choice.micro_batch
+    cap = (shape.largest if shape else None) or max(unplanned, cfg.batch)
+    if shape is None or choice.usable_bytes is None:
+        return choice._replace(valid_batch=min(cap, unplanned))
+    copies = STATE_COPIES[PLAN_OPTIMIZER[cfg.optimizer]] + (1 if cfg.ema else 0)
+
+    optimizer, held = PLAN_OPTIMIZER[cfg.optimizer], shape.held_bytes
+
+    def peak_at(b: int) -> int:
+        spec = StepSpec(factory, shape.shape, b, optimizer, cast(Precision, precision), device.type)
+        return predict_evaluation_peak(spec, state_copies=copies, held_bytes=held).planning_bytes
+
+    try:
+        plan = plan_evaluation_batch(peak_at, cap, choice.usable_bytes, shape.shape)
+    except Exception as exc:  # an op fake tensors cannot run: training's plan stands
+        log(
+            f"plan: validation batch {min(cap, unplanned)}, not predicted "
+            f"({type(exc).__name__}: {str(exc)[:160]}); an OOM there backs off"
+        )
+        return choice._replace(valid_batch=min(cap, unplanned))
+    log(f"plan: {plan.summary()} ({shape.what})")
+    return choice._replace(
+        valid_batch=plan.batch,
+        valid_predicted_peak_bytes=plan.predicted_peak_bytes,
+        valid_shape=shape.shape,
+    )
+
+
+@dataclass
+class MemoryCheck:
+    """Measure, then adjust: after the run's first ``after_steps`` optimizer steps (the
+    optimizer state exists, and a steady step has run beside it), the step's measured peak
+    against its prediction. Over the usable memory (on a CPU: the process over the whole
+    budget), the micro-batch shrinks now, before an OOM; far under the prediction (on a GPU),
+    it grows toward what the measured ratio says fits
+    (:func:`~bigbatch.memory.plan.refit_micro_batch`). The update is the same either way.
+    ``plan.json`` gets the measurement (``first_steps``) and the log one line."""
+
+    choice: PlanChoice
+    device: torch.device
+    target: int  # the window's samples (a rank's share)
+    log: Log
+    run_dir: Path | None  # where plan.json is (the main rank's), else None
+    after_steps: int = 2
+    done: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        # Without a prediction or a resettable peak there is nothing to compare.
+        c = self.choice
+        self.done = c.predicted_peak_bytes is None or not c.curve or c.usable_bytes is None
+        if not self.done:
+            self.done = not reset_peak_memory(self.device)
+
+    def after_window(self, optimizer_step: int, backoff: OOMBackoff) -> None:
+        if self.done or optimizer_step < self.after_steps:
+            return
+        self.done = True
+        measured = peak_memory_bytes(self.device)
+        if measured is None or backoff.events:  # the OOM back-off has had its say already
+            return
+        c, (peak, whole_process) = self.choice, measured
+        overhead = (c.overhead_bytes or 0) if whole_process else 0
+        # A CPU process holds data and libraries besides the step: only the whole budget is
+        # its limit there, and the heap does not give back what a larger step would free.
+        limit = (c.budget_bytes or 0) - overhead if whole_process else int(c.usable_bytes or 0)
+        new = refit_micro_batch(
+            list(c.curve),
+            backoff.micro_batch,
+            peak - overhead,
+            limit,
+            target=self.target,
+            top=max(c.max_micro_batch, backoff.micro_batch),
+            smallest=backoff.min_micro_batch,
+            grow=c.planned and not whole_process,
+        )
+        self._record(optimizer_step, backoff.micro_batch, peak, limit + overhead, new)
+        backoff.refit(optimizer_step, new)
+
+    def _record(self, step: int, micro: int, peak: int, limit: int, new: int) -> None:
+        c = self.choice
+        what = "process peak resident" if self.device.type == "cpu" else "allocator reserved peak"
+        predicted = dict(c.curve).get(micro, c.predicted_peak_bytes or 0)
+        if self.device.type == "cpu":
+            predicted += c.overhead_bytes or 0
+        action = "kept" if new == micro else f"{micro} -> {new}"
+        self.log(
+            f"memory: after {step} optimizer steps at micro-batch {micro}, measured "
+            f"{format_bytes(peak)} ({what}), predicted {format_bytes(predicted)}, limit "
+            f"{format_bytes(limit)}: micro-batch {action}"
+        )
+        if self.run_dir is None:
+            return
+        path = self.run_dir / "plan.json"
+        plan = json.loads(path.read_text())
+        plan["first_steps"] = {
+            "optimizer_steps": step,
+            "micro_batch": micro,
+            "measured_peak_bytes": peak,
+            "measured": what,
+            "predicted_peak_bytes": predicted,
+            "limit_bytes": limit,
+            "new_micro_batch": new,
+        }
+        atomic_write_text(path, json.dumps(plan, indent=1))
 
 
 def _budget(cfg: TrainConfig, device: torch.device) -> int:

@@ -160,6 +160,7 @@ class Run:
     last_checkpoint: float = 0.0
     ema: Any = None  # timm's ModelEmaV3 of core, with ema= (validated and saved instead)
     fraction_before: float | None = None  # the allocator's fraction before budget='s cap
+    memory: Any = None  # planning.MemoryCheck: the first steps' measured peak against the plan
 
     @property
     def main_rank(self) -> bool:
@@ -257,13 +258,13 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
 
 
 def make_valid_loader(
-    task: Task, dataset: Any, micro_batch: int, seed: int, workers: int, pin: bool
+    task: Task, dataset: Any, planned: int, seed: int, workers: int, pin: bool
 ) -> Any:
-    """The validation loader: no gradients are kept, so twice the training micro-batch fits,
-    unless the task says (whole volumes of different sizes: one at a time)."""
+    """The validation loader, its batch the task's for validation's ``planned`` forward passes
+    (:meth:`Task.use_valid_batch`: whole volumes of different sizes go one at a time)."""
     return make_loader(
         dataset,
-        task.valid_batch_size or 2 * micro_batch,
+        task.use_valid_batch(planned),
         shuffle=False,
         seed=seed,
         num_workers=workers,

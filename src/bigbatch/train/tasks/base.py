@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.batching import batch_len, split_batch
 from bigbatch.device import autocast_for
 
-__all__ = ["Log", "Metrics", "Placement", "Task"]
+__all__ = ["Log", "Metrics", "Placement", "Task", "ValidShape"]
 
 Log = Callable[[str], None]
 
@@ -69,6 +70,19 @@ class Placement:
         return autocast_for(self.precision, self.device.type)
 
 
+@dataclass(frozen=True)
+class ValidShape:
+    """What validation's forward passes meet, for their plan (:meth:`Task.valid_shape`): one
+    input's shape (the largest in the validation set), bytes held on the device beside each
+    batch (a whole volume's input and logits while its sliding-window patches run), what the
+    shape is (for the log), and the most inputs one forward pass may take (None: any)."""
+
+    shape: tuple[int, ...]
+    held_bytes: int = 0
+    what: str = "the training input"
+    largest: int | None = None
+
+
 class Task:
     """What a training task owns besides the loop: subclass it, fill in the methods that raise
     :class:`NotImplementedError`, and register it with
@@ -90,11 +104,17 @@ class Task:
     name: str = ""
     classes: list[str]  # set by prepare(); a class attribute would be shared by instances
 
-    @property
-    def valid_batch_size(self) -> int:
-        """Validation's batch (0: twice the training micro-batch, as no gradients are kept); a
-        task whose validation samples differ in size (whole volumes) says 1."""
-        return 0
+    def valid_shape(self, valid_items: Any) -> ValidShape:
+        """What validation's forward passes meet (:class:`ValidShape`), found from the items'
+        headers, not by decoding them: the planner sizes validation's batch for it. By default
+        the training input (:meth:`input_shape`), which suits a task that resizes every image."""
+        return ValidShape(self.input_shape())
+
+    def use_valid_batch(self, planned: int) -> int:
+        """Take validation's planned batch (forward passes of ``planned`` inputs); returns the
+        validation loader's batch. A task whose forward passes are not the loader's batches
+        (sliding windows over whole volumes, one volume at a time) keeps ``planned`` for them."""
+        return planned
 
     @property
     def couples_samples(self) -> bool:
@@ -205,12 +225,21 @@ class Task:
 
     def evaluate(self, model: nn.Module, loader: Iterable[Any], where: Placement) -> Metrics:
         """The validation set through ``model`` into a fresh :meth:`metrics` tally."""
-        metrics = self.metrics()
+        metrics, backoff = self.metrics(), EvalBackoff()
+
+        def forward(inputs: torch.Tensor) -> torch.Tensor:
+            with where.autocast():
+                return self.infer(model, inputs)
+
         model.eval()
         with torch.no_grad():
             for x, y in loader:
-                with where.autocast():
-                    logits = self.infer(model, where.inputs(x))
-                metrics.update(logits, where.targets(y))
+                # An OOM runs the batch again in smaller pieces: each sample's outputs are the
+                # same, and so is the metric.
+                logits = infer_fitting(forward, where.inputs(x), backoff)
+                targets = where.targets(y)
+                if isinstance(targets, torch.Tensor) and targets.device != logits.device:
+                    targets = targets.to(logits.device)  # a volume's logits gathered on the CPU
+                metrics.update(logits, targets)
         model.train()
         return metrics

@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import images_to_predict, make_loader
+from bigbatch.train.run_dir import planned_eval_batch
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import PredictRequest, read_task_info
 from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
@@ -84,10 +86,13 @@ def predict_files(
     tta: int = 2,
     checkpoint: str = "best",
     device: str = "cpu",
-    batch_size: int = 64,
+    batch_size: int | None = None,
     seed: int = 0,
 ) -> Predictions:
-    """Averaged class probabilities of ``files`` over ``tta`` passes (1 = no augmentation)."""
+    """Averaged class probabilities of ``files`` over ``tta`` passes (1 = no augmentation),
+    ``batch_size`` images a forward pass (None: the run's planned validation batch, when it
+    was planned on this kind of device, else 64); an OOM runs a batch again in smaller
+    pieces."""
 
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
@@ -95,6 +100,8 @@ def predict_files(
     run_dir = Path(run_dir)
     model, classes, cfg, info = _load_run(run_dir, checkpoint)
     fmt = ImageFormat.from_dict(info.get("format"))
+    batch_size = batch_size or planned_eval_batch(run_dir, dev)
+    backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
     model.to(dev).eval()
     total = np.zeros((len(files), len(classes)), dtype=np.float64)
     for k in range(tta):
@@ -118,7 +125,8 @@ def predict_files(
         out = []
         with torch.no_grad():
             for x, _ in loader:
-                out.append(torch.softmax(model(x.to(dev)).float(), dim=1).cpu().double().numpy())
+                logits = infer_fitting(model, x.to(dev), backoff)
+                out.append(torch.softmax(logits.float(), dim=1).cpu().double().numpy())
         total += np.concatenate(out) if out else 0
     return Predictions([str(f) for f in files], total / tta, classes)
 

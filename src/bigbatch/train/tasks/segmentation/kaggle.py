@@ -33,7 +33,7 @@ from bigbatch.segmentation.postprocess import (
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError
 from bigbatch.train.data import split_items
-from bigbatch.train.tasks.base import Log, Placement
+from bigbatch.train.tasks.base import Log, Placement, ValidShape
 from bigbatch.train.tasks.segmentation.predict import with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     RLEDataset,
@@ -198,11 +198,17 @@ class KaggleSegmentationTask(SegmentationTask):
             RLEDataset(valid_items, train=False, augment=False, image_size=self.image_size),
         )
 
-    @property
-    def valid_batch_size(self) -> int:
-        # Whole images are validated, larger than training's crops: one at a time then, and
-        # when their sizes differ.
-        return 0 if self.shape and not self.crop else 1
+    def valid_shape(self, valid_items: RLEItems) -> ValidShape:
+        """Whole images are validated, larger than training's crops: at ``image_size``, the
+        images' shared size, or, where they differ, the largest of the validation images'
+        headers (one at a time then: they cannot share a batch)."""
+        sizes = [self.shape] if self.shape else list(valid_items.shapes)
+        if not sizes:
+            return ValidShape(self.input_shape())
+        height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
+        shape = (3, height + -height % MULTIPLE, width + -width % MULTIPLE)
+        what = f"whole images of {'' if self.shape else 'up to '}{height}x{width}"
+        return ValidShape(shape, what=what, largest=None if self.shape else 1)
 
     @property
     def couples_samples(self) -> bool:

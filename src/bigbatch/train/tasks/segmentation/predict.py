@@ -23,11 +23,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bigbatch.backoff import EvalBackoff
 from bigbatch.device import autocast_for
 from bigbatch.io import atomic_path, check_writable
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
+from bigbatch.train.run_dir import planned_eval_batch
 from bigbatch.train.runtime import resolve_device, resolve_precision
 from bigbatch.train.tasks import PredictRequest, read_task_info
 from bigbatch.train.tasks.segmentation.data import (
@@ -40,7 +42,11 @@ from bigbatch.train.tasks.segmentation.data import (
     to_meta,
     volume_suffix,
 )
-from bigbatch.train.tasks.segmentation.task import build_seg_model, seg_settings
+from bigbatch.train.tasks.segmentation.task import (
+    build_seg_model,
+    seg_settings,
+    sliding_window_fitting,
+)
 
 __all__ = ["predict_masks", "predict_request", "with_tta"]
 
@@ -232,6 +238,9 @@ def predict_masks(
     dev = resolve_device(device, "--device")
     precision = resolve_precision(cfg.precision, dev)
     model.to(dev).eval()
+    # Patches a forward pass: as many as the run's validation planned (at its patch size).
+    window_batch = planned_eval_batch(run_dir, dev, default=1) if not patch else 1
+    backoff = EvalBackoff()
 
     def probabilities(x: torch.Tensor) -> torch.Tensor:
         with autocast_for(precision, dev.type):
@@ -244,7 +253,8 @@ def predict_masks(
             if dims == 2:
                 probs = _image_probs(probabilities, case, cfg.size, tta)
             else:
-                probs = _volume_probs(probabilities, case, cfg, patch, overlap, tta)
+                windows = (window_batch, backoff)
+                probs = _volume_probs(probabilities, case, cfg, (patch, overlap, windows), tta)
         mask = (probs[0] > 0.5).long() if classes == 1 else probs.argmax(0)
         if dims == 2 and info.get("binary_255"):
             mask = mask * 255  # as the run's masks were stored
@@ -263,12 +273,14 @@ def _volume_probs(
     probabilities: Probabilities,
     case: Case,
     cfg: TrainConfig,
-    patch: int,
-    overlap: float,
+    sliding: tuple[int, float, tuple[int, EvalBackoff]],
     tta: int,
 ) -> torch.Tensor:
-    from monai.inferers import sliding_window_inference
+    """One volume's probabilities: sliding windows of ``sliding`` = (patch (0: the training
+    size), overlap, (patches a pass, their OOM back-off)), gathered on the CPU."""
     from monai.transforms import ResampleToMatch
+
+    patch, overlap, (window_batch, backoff) = sliding
 
     settings = seg_settings(cfg, 3)
     original = to_meta(read_case(case, 3))
@@ -276,17 +288,10 @@ def _volume_probs(
     roi = (patch or cfg.size,) * 3
 
     def windows(v: torch.Tensor) -> torch.Tensor:
-        out = sliding_window_inference(
-            v,
-            roi,
-            1,
-            probabilities,
-            overlap=overlap,
-            mode="gaussian",
-            sw_device=v.device,
-            device=torch.device("cpu"),
+        cpu = torch.device("cpu")
+        return sliding_window_fitting(
+            probabilities, v, roi, window_batch, backoff, overlap=overlap, gather=cpu
         )
-        return torch.as_tensor(out)
 
     probs = with_tta(windows, torch.as_tensor(image)[None], tta)[0]
     if settings.spacing:  # back to the input's own grid

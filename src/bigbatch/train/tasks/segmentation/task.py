@@ -13,6 +13,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from bigbatch.backoff import EvalBackoff, OutOfMemoryAtMinimumError
+from bigbatch.device import free_memory
+from bigbatch.memory.oom import is_oom
 from bigbatch.models import read_weights
 from bigbatch.segmentation.decoders import smp_factory
 from bigbatch.segmentation.losses import BATCH_LOSSES, batch_loss, per_sample_loss
@@ -21,18 +24,25 @@ from bigbatch.segmentation.networks import MONAI_ARCHS, build_network, size_mult
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.optim import head_parameters
-from bigbatch.train.tasks.base import Metrics, Task
+from bigbatch.train.tasks.base import Metrics, Task, ValidShape
 from bigbatch.train.tasks.segmentation.data import (
     SegDataset,
     SegItems,
     VolumeRecipe,
+    case_shape,
     scan_segmentation,
     volume_suffix,
 )
 from bigbatch.train.tasks.segmentation.options import SegmentationOptions
 from bigbatch.train.tasks.user_model import load_user_model
 
-__all__ = ["SegmentationTask", "SegmentationValidation", "build_seg_model", "seg_settings"]
+__all__ = [
+    "SegmentationTask",
+    "SegmentationValidation",
+    "build_seg_model",
+    "seg_settings",
+    "sliding_window_fitting",
+]
 
 Log = Callable[[str], None]
 
@@ -205,6 +215,8 @@ class SegmentationTask(Task):
         self.binary_255 = False
         self.settings = seg_settings(cfg)
         self.log: Log = _silent
+        self.window_batch = 1  # patches per forward pass in sliding-window validation (planned)
+        self.window_backoff = EvalBackoff()
 
     def prepare(self, log: Log, data: Any = None) -> tuple[Any, Any]:
         cfg = self.cfg
@@ -312,20 +324,52 @@ class SegmentationTask(Task):
             for d, n in zip((train_set, valid_set), counts, strict=True)
         )
 
-    @property
-    def valid_batch_size(self) -> int:
-        return 1 if self.dims == 3 else 0  # whole volumes differ in size
+    def valid_shape(self, valid_items: Any) -> ValidShape:
+        """2D: images resized to the training size. 3D: the sliding window's patches of the
+        training size, beside the largest volume (padded to the network's multiple; its
+        resampled size under ``spacing``) held on the device as input, logits and MONAI's
+        count map, and its logits again in the metrics."""
+        if self.dims == 2 or not len(valid_items):
+            return ValidShape(self.input_shape())
+        spatial = self._largest_volume(valid_items)
+        voxels = math.prod(spatial)
+        outputs = max(self.num_classes, 2)
+        held = 4 * voxels * (self.channels + 2 * outputs + 1)  # float32 throughout
+        return ValidShape(
+            self.input_shape(),
+            held,
+            f"{self.cfg.size}^3 patches of volumes up to {'x'.join(map(str, spatial))}",
+        )
+
+    def _largest_volume(self, items: SegItems) -> tuple[int, ...]:
+        """The largest validation volume's grid, dimension by dimension, from the headers."""
+        multiple = self.settings.multiple
+        largest = [0, 0, 0]
+        for files in items.images:
+            spatial = case_shape(files)[1:]
+            zooms = _voxel_size(files[0]) if self.settings.spacing else None
+            if zooms is not None:  # resampled to the training spacing first
+                spatial = tuple(
+                    math.ceil(n * z / s)
+                    for n, z, s in zip(spatial, zooms, self.settings.spacing, strict=True)
+                )
+            largest = [max(a, n + -n % multiple) for a, n in zip(largest, spatial, strict=True)]
+        return tuple(largest)
+
+    def use_valid_batch(self, planned: int) -> int:
+        if self.dims == 2:
+            return planned
+        self.window_batch = planned  # whole volumes differ in size: one a batch, its patches
+        return 1
 
     def infer(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Validation's forward: whole 2D images at once; volumes in overlapping patches of the
-        training size (MONAI's sliding-window inference, Gaussian-weighted)."""
+        training size (MONAI's sliding-window inference, Gaussian-weighted), as many a forward
+        pass as planned, fewer after an OOM."""
         if self.dims == 2:
             return model(x)
-        from monai.inferers import sliding_window_inference
-
         roi = (self.cfg.size,) * 3
-        out = sliding_window_inference(x, roi, 1, model, overlap=0.25, mode="gaussian")
-        return torch.as_tensor(out)
+        return sliding_window_fitting(model, x, roi, self.window_batch, self.window_backoff)
 
     @property
     def couples_samples(self) -> bool:
@@ -388,3 +432,61 @@ class SegmentationTask(Task):
             "binary_255": self.binary_255,
             "multiple": self.settings.multiple,
         }
+
+
+def _voxel_size(path: Any) -> tuple[float, ...] | None:
+    """A NIfTI volume's voxel size in mm, from its header (None for .npy: no header)."""
+    if volume_suffix(path) == ".npy":
+        return None
+    import nibabel
+
+    header: Any = nibabel.load(str(path)).header
+    return tuple(float(z) for z in header.get_zooms()[:3])
+
+
+def sliding_window_fitting(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    roi: tuple[int, ...],
+    window_batch: int,
+    backoff: EvalBackoff,
+    *,
+    overlap: float = 0.25,
+    gather: torch.device | None = None,
+) -> torch.Tensor:
+    """MONAI's Gaussian-weighted sliding-window inference over ``x`` with ``window_batch``
+    patches a forward pass (``backoff.chunk`` once an OOM has halved it), the output gathered
+    on ``gather`` (default: ``x``'s device); an OOM at one patch gathers it on the CPU instead (the patches still run
+    on the device, and the result is on the CPU). Each patch's output is its own whatever the
+    batch (up to the kernels' round-off at another batch size): so is the result.
+
+    >>> net = torch.nn.Conv3d(1, 2, 3, padding=1)
+    >>> sliding_window_fitting(net, torch.zeros(1, 1, 8, 8, 8), (4, 4, 4), 2, EvalBackoff()).shape
+    torch.Size([1, 2, 8, 8, 8])
+    """
+    from monai.inferers import sliding_window_inference
+
+    gather = gather or x.device
+    while True:
+        size = min(backoff.chunk or window_batch, window_batch)
+        failure = ""
+        try:
+            out = sliding_window_inference(
+                x, roi, size, model, overlap=overlap, mode="gaussian", device=gather
+            )
+            return torch.as_tensor(out)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failure = f"{type(exc).__name__}: {str(exc)[:200]}"
+        free_memory(False)  # the exception and the failed pass's tensors are gone by now
+        if size > 1:
+            backoff.chunk = size // 2
+        elif gather.type != "cpu":
+            gather = torch.device("cpu")  # the whole volume's output off the device
+        else:
+            raise OutOfMemoryAtMinimumError(
+                f"out of memory in sliding-window validation at one patch of "
+                f"{'x'.join(map(str, roi))} ({failure}): give the run a larger budget or a "
+                "smaller size="
+            )

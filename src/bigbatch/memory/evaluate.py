@@ -1,0 +1,120 @@
+"""The evaluation step's memory, and its batch under the training run's budget.
+
+Validation and prediction run the model without gradients, so a batch several times the
+training micro-batch often fits; but they also meet shapes training does not (whole images
+after training on crops, a whole volume's logits beside its sliding-window patches), where one
+sample can need more than training's micro-batch. Both are predicted here as training is: on
+fake tensors, with the training process's state alive (the weights, the optimizer state, an
+EMA copy), and on CUDA through the caching allocator's model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.fake_branches import real_branches
+from bigbatch.memory.meta import build_on_meta, to_empty_shared
+from bigbatch.memory.predict import MemoryPrediction, _assemble, tracing_for
+from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss
+
+__all__ = ["STATE_COPIES", "EvaluationPlan", "plan_evaluation_batch", "predict_evaluation_peak"]
+
+# Tensors the size of the weights an optimizer keeps between steps, alive while evaluating.
+STATE_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1}
+
+
+def predict_evaluation_peak(
+    spec: StepSpec, *, state_copies: int | None = None, held_bytes: int = 0
+) -> MemoryPrediction:
+    """The peak of one no-grad forward pass (and loss) of ``spec`` in eval mode, with what a
+    training process holds meanwhile: the weights, ``state_copies`` weight-sized tensors (the
+    optimizer's state, by default :data:`STATE_COPIES` of ``spec.optimizer``; add one for an
+    EMA copy) and ``held_bytes`` besides (a whole volume's input and logits beside its
+    sliding-window patches). Gradients are gone: training frees them at each optimizer step.
+
+    >>> spec = StepSpec(lambda: torch.nn.Linear(1024, 1024), (1024,), 64, optimizer="sgd")
+    >>> p = predict_evaluation_peak(spec)
+    >>> p.parameters, p.gradients, p.optimizer_state
+    (4198400, 0, 0)
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t0 = time.perf_counter()
+    target = torch.device(spec.device)
+    copies = STATE_COPIES.get(spec.optimizer, 2) if state_copies is None else state_copies
+    model = build_on_meta(spec.model)
+    device, tracker, rules = tracing_for(target)
+    param_uids: set[int] = set()
+    state_uids: set[int] = set()
+    with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
+        model = to_empty_shared(model, device).eval()
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.track(t)
+            param_uids.add(tracker.uid_of(t))  # type: ignore[arg-type]
+        state = [torch.empty_like(p) for p in model.parameters() for _ in range(copies)]
+        state += [torch.empty(held_bytes, dtype=torch.uint8, device=device)] if held_bytes else []
+        state_uids = {tracker.uid_of(t) for t in state}  # type: ignore[misc]
+        x = make_inputs(spec, device)
+        tracker.counting = True
+        with torch.no_grad(), tracker.in_phase("forward"):
+            loss = run_step_loss(spec, model, x, device.type)
+        del loss, x, state, model
+    return _assemble(tracker, (param_uids, set(), state_uids), spec, target.type, t0)
+
+
+@dataclass(frozen=True)
+class EvaluationPlan:
+    """Evaluation's batch, its predicted peak, and the shape it was planned for."""
+
+    batch: int
+    predicted_peak_bytes: int
+    usable_bytes: int
+    shape: tuple[int, ...]
+    fits: bool  # False: even a batch of 1 is predicted over ``usable_bytes``
+
+    def summary(self, what: str = "validation") -> str:
+        shape = "x".join(map(str, self.shape))
+        line = (
+            f"{what} batch {self.batch} (inputs of {shape}): predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.usable_bytes)} usable"
+        )
+        if not self.fits:
+            line += "; over the budget even at 1: it will run out of memory unless the back-off's CPU path saves it"
+        return line
+
+
+def plan_evaluation_batch(
+    peak_at: Callable[[int], int], largest: int, usable: int, shape: tuple[int, ...]
+) -> EvaluationPlan:
+    """The largest evaluation batch up to ``largest`` whose predicted peak (``peak_at(b)``, in
+    bytes) fits ``usable``: the largest if it fits, else a search between 1 and it (the peak
+    grows about linearly with the batch). A batch of 1 that does not fit is returned with
+    ``fits=False``: evaluation then relies on its OOM back-off.
+
+    >>> plan_evaluation_batch(lambda b: 100 + 10 * b, 64, 500, (3, 32, 32)).batch
+    40
+    """
+    if largest < 1:
+        raise ValueError(f"the largest evaluation batch must be >= 1, got {largest}")
+    floor = peak_at(1)
+    if floor > usable:
+        return EvaluationPlan(1, floor, usable, shape, False)
+    top = peak_at(largest)
+    if top <= usable:
+        return EvaluationPlan(largest, top, usable, shape, True)
+    lo, hi = 1, largest  # lo fits, hi does not
+    peaks = {1: floor, largest: top}
+    while hi - lo > 1:
+        # Where the line through the two ends meets the budget, kept strictly inside them.
+        guess = lo + (usable - peaks[lo]) * (hi - lo) // max(1, peaks[hi] - peaks[lo])
+        guess = min(max(guess, lo + 1), hi - 1)
+        if hi - lo > 8 and guess in (lo + 1, hi - 1):
+            guess = (lo + hi) // 2  # the line stalls at an end: halve instead
+        peaks[guess] = peak_at(guess)
+        lo, hi = (guess, hi) if peaks[guess] <= usable else (lo, guess)
+    return EvaluationPlan(lo, peaks[lo], usable, shape, True)

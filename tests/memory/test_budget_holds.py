@@ -1,0 +1,410 @@
+"""The budget holds at run time: measured after the first optimizer steps and adjusted before any
+OOM, evaluation planned under the same budget (its worst shape), and evaluation's OOM back-off
+leaving every output and metric as it was. CUDA is simulated where it must be (no GPU in CI;
+tests/gpu runs it on a card)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import bigbatch.train.planning as planning
+from bigbatch.backoff import EvalBackoff, OOMBackoff, OutOfMemoryAtMinimumError, infer_fitting
+from bigbatch.memory.evaluate import plan_evaluation_batch, predict_evaluation_peak
+from bigbatch.memory.plan import refit_micro_batch
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
+from bigbatch.train.planning import MemoryCheck, PlanChoice
+from bigbatch.train.tasks.base import Placement, Task
+
+MIB = 2**20
+CURVE = [(1, 1100 * MIB), (32, 4510 * MIB), (64, 8000 * MIB)]  # ~1000 MiB + ~110 MiB a sample
+
+
+# -- measure, then adjust ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("measured", "expected", "why"),
+    [
+        (8000, 64, "as predicted: kept"),
+        (7000, 64, "12 % under: not far enough to grow"),
+        (9600, 43, "20 % over: 51 fit, balanced over 256 (6 x 43)"),
+        (4000, 128, "half the prediction: grows, at most twice"),
+        (90000, 1, "nothing fits: the smallest"),
+    ],
+)
+def test_the_measured_peak_refits_the_micro_batch(measured: int, expected: int, why: str) -> None:
+    new = refit_micro_batch(CURVE, 64, measured * MIB, 8000 * MIB, target=256, top=256)
+    assert new == expected, why
+
+
+def test_refitting_respects_the_top_the_smallest_and_a_fixed_micro_batch() -> None:
+    assert refit_micro_batch(CURVE, 64, 4000 * MIB, 8000 * MIB, target=256, top=96) == 86  # 3 x 86
+    assert (
+        refit_micro_batch(CURVE, 64, 4000 * MIB, 8000 * MIB, target=256, top=256, grow=False) == 64
+    )
+    assert (
+        refit_micro_batch(CURVE, 64, 90000 * MIB, 8000 * MIB, target=256, top=64, smallest=2) == 2
+    )
+    assert refit_micro_batch([], 64, 9000, 8000, target=256, top=64) == 64  # nothing to scale
+
+
+def test_a_refit_moves_the_back_offs_cap_too() -> None:
+    backoff = OOMBackoff(micro_batch=64, max_micro_batch=64)
+    backoff.refit(2, 43)
+    assert (backoff.micro_batch, backoff.max_micro_batch) == (43, 43)  # never above it again
+    assert [(e.old, e.new, e.reason) for e in backoff.events] == [(64, 43, "measured")]
+    backoff.refit(3, 86)
+    assert (backoff.micro_batch, backoff.max_micro_batch) == (86, 86)
+    backoff.refit(4, 86)
+    assert len(backoff.events) == 2  # no change, no event
+
+
+def _choice(**changes: object) -> PlanChoice:
+    choice = PlanChoice(
+        micro_batch=64,
+        max_micro_batch=64,
+        predicted_peak_bytes=8000 * MIB,
+        overhead_bytes=500 * MIB,
+        budget_bytes=10000 * MIB,
+        usable_bytes=8500 * MIB,
+        curve=tuple(CURVE),
+        planned=True,
+    )
+    return choice._replace(**changes)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def simulated_peak(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """The device's peak as the test sets it: (bytes, whether the whole process counts)."""
+    peak: dict[str, object] = {"value": None, "resets": 0}
+
+    def reset(device: torch.device) -> bool:
+        peak["resets"] = int(peak["resets"]) + 1  # type: ignore[call-overload]
+        return True
+
+    monkeypatch.setattr(planning, "reset_peak_memory", reset)
+    monkeypatch.setattr(planning, "peak_memory_bytes", lambda device: peak["value"])
+    return peak
+
+
+def test_a_cuda_step_over_the_plan_shrinks_after_the_first_steps_and_says_so(
+    simulated_peak: dict[str, object], tmp_path: Path
+) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps({"micro_batch": 64}))
+    lines: list[str] = []
+    check = MemoryCheck(_choice(), torch.device("cuda"), 256, lines.append, tmp_path)
+    assert simulated_peak["resets"] == 1  # the run's peak is its own, not the planning's
+    backoff = OOMBackoff(micro_batch=64)
+    simulated_peak["value"] = (9600 * MIB, False)  # 20 % over the prediction, over usable
+    check.after_window(1, backoff)  # the state exists, but no steady step has run yet
+    assert backoff.micro_batch == 64 and not lines
+    check.after_window(2, backoff)
+    assert backoff.micro_batch == 52 and backoff.events[-1].reason == "measured"  # 5 x 52
+    assert lines == [
+        "memory: after 2 optimizer steps at micro-batch 64, measured 9.38 GiB (allocator "
+        "reserved peak), predicted 7.81 GiB, limit 8.30 GiB: micro-batch 64 -> 52"
+    ]
+    recorded = json.loads((tmp_path / "plan.json").read_text())["first_steps"]
+    assert recorded["measured_peak_bytes"] == 9600 * MIB and recorded["new_micro_batch"] == 52
+    check.after_window(3, backoff)  # once a run
+    assert len(lines) == 1
+
+
+def test_a_cuda_step_far_under_the_plan_grows_and_a_fixed_one_does_not(
+    simulated_peak: dict[str, object],
+) -> None:
+    simulated_peak["value"] = (4000 * MIB, False)
+    backoff = OOMBackoff(micro_batch=64, max_micro_batch=64)
+    MemoryCheck(_choice(max_micro_batch=256), torch.device("cuda"), 256, print, None).after_window(
+        2, backoff
+    )
+    assert backoff.micro_batch == 128
+    fixed = OOMBackoff(micro_batch=64)
+    MemoryCheck(_choice(planned=False), torch.device("cuda"), 256, print, None).after_window(
+        2, fixed
+    )
+    assert fixed.micro_batch == 64
+
+
+def test_the_back_off_having_acted_or_no_plan_leaves_the_micro_batch(
+    simulated_peak: dict[str, object],
+) -> None:
+    simulated_peak["value"] = (9600 * MIB, False)
+    backoff = OOMBackoff(micro_batch=64)
+    backoff.shrink(1, "CUDA out of memory")
+    check = MemoryCheck(_choice(), torch.device("cuda"), 256, print, None)
+    check.after_window(2, backoff)
+    assert backoff.micro_batch == 32  # the OOM's, not the measurement's
+    unplanned = MemoryCheck(
+        _choice(predicted_peak_bytes=None), torch.device("cuda"), 256, print, None
+    )
+    assert unplanned.done  # a fixed micro-batch without a budget: nothing to compare
+
+
+def test_a_cpu_process_shrinks_only_over_its_whole_budget(
+    simulated_peak: dict[str, object],
+) -> None:
+    """On a CPU the resident peak counts data and libraries besides the step: only the whole
+    budget is its limit there, and it never grows."""
+    cpu = torch.device("cpu")
+    simulated_peak["value"] = (9800 * MIB, True)  # over usable + overhead, under the budget
+    backoff = OOMBackoff(micro_batch=64)
+    MemoryCheck(_choice(), cpu, 256, print, None).after_window(2, backoff)
+    assert backoff.micro_batch == 64
+    simulated_peak["value"] = (11000 * MIB, True)  # the process over the budget
+    MemoryCheck(_choice(), cpu, 256, print, None).after_window(2, backoff)
+    assert backoff.micro_batch < 64
+    low = OOMBackoff(micro_batch=64, max_micro_batch=256)
+    simulated_peak["value"] = (2000 * MIB, True)
+    MemoryCheck(_choice(max_micro_batch=256), cpu, 256, print, None).after_window(2, low)
+    assert low.micro_batch == 64
+
+
+# -- evaluation planned ---------------------------------------------------------------------------
+
+
+def _convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 32 * 32, 10)
+    )
+
+
+def test_the_no_grad_step_holds_weights_and_state_but_no_gradients() -> None:
+    spec = StepSpec(_convnet, (3, 32, 32), 16, optimizer="adamw")
+    evaluation = predict_evaluation_peak(spec)
+    training = predict_peak(spec)
+    assert evaluation.gradients == 0 and training.gradients > 0
+    assert evaluation.optimizer_state == 2 * evaluation.parameters  # Adam's two moments
+    assert evaluation.peak_bytes < training.peak_bytes
+    with_ema = predict_evaluation_peak(spec, state_copies=3)
+    assert with_ema.peak_bytes - evaluation.peak_bytes == evaluation.parameters
+    held = predict_evaluation_peak(spec, held_bytes=10 * MIB)
+    assert held.peak_bytes - evaluation.peak_bytes == 10 * MIB
+    cuda = predict_evaluation_peak(StepSpec(_convnet, (3, 32, 32), 16, "adamw", "fp16", "cuda"))
+    assert cuda.reserved_bytes >= cuda.peak_bytes > 0  # through the allocator's model
+
+
+def test_evaluation_batch_is_the_largest_that_fits() -> None:
+    def peak(b: int) -> int:
+        return 100 + 10 * b
+
+    assert plan_evaluation_batch(peak, 64, 10_000, (3, 8, 8)).batch == 64
+    plan = plan_evaluation_batch(peak, 64, 500, (3, 8, 8))
+    assert (plan.batch, plan.predicted_peak_bytes, plan.fits) == (40, 500, True)
+    over = plan_evaluation_batch(peak, 64, 50, (3, 8, 8))
+    assert (over.batch, over.fits) == (1, False)
+    assert "over the budget even at 1" in over.summary()
+    lumpy = plan_evaluation_batch(lambda b: 100 + 10 * b + (400 if b > 30 else 0), 64, 500, (1,))
+    assert lumpy.batch == 30  # not on one line: searched
+
+
+class _Toy(Task):
+    """A task whose validation meets a bigger input than training's (whole images after
+    crops)."""
+
+    name = "toy"
+
+    def __init__(self, valid_side: int) -> None:
+        self.valid_side = valid_side
+        self.classes = ["a", "b"]
+
+    def input_shape(self) -> tuple[int, ...]:
+        return (3, 32, 32)
+
+    def valid_shape(self, valid_items: object) -> object:
+        from bigbatch.train.tasks.base import ValidShape
+
+        side = self.valid_side
+        return ValidShape((3, side, side), what=f"whole images of {side}x{side}")
+
+
+def _cfg(**kw: object) -> object:
+    from bigbatch.train.config import TrainConfig
+
+    return TrainConfig(data="d", batch=64, **kw)  # type: ignore[arg-type]
+
+
+def _fcn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 2, 1))
+
+
+def test_validation_is_planned_for_its_worst_shape_under_the_same_budget() -> None:
+    lines: list[str] = []
+    cpu = torch.device("cpu")
+    probe = predict_evaluation_peak(StepSpec(_fcn, (3, 32, 32), 1, optimizer="adamw"))
+    choice = _choice(micro_batch=8, usable_bytes=probe.peak_bytes * 30)
+    same = planning.plan_validation(_cfg(), _fcn, cpu, "fp32", choice, _Toy(32), [0] * 10, print)
+    bigger = planning.plan_validation(
+        _cfg(), _fcn, cpu, "fp32", choice, _Toy(128), [0] * 10, lines.append
+    )
+    assert same.valid_batch > bigger.valid_batch >= 1
+    assert bigger.valid_shape == (3, 128, 128) and bigger.valid_predicted_peak_bytes
+    assert bigger.valid_predicted_peak_bytes <= choice.usable_bytes
+    assert lines[0].startswith(f"plan: validation batch {bigger.valid_batch} (inputs of 3x128x128)")
+    assert lines[0].endswith("(whole images of 128x128)")
+    unplanned = _choice(micro_batch=8, usable_bytes=None)
+    fixed = planning.plan_validation(_cfg(), _fcn, cpu, "fp32", unplanned, _Toy(128), [0], print)
+    assert fixed.valid_batch == 16 and fixed.valid_predicted_peak_bytes is None
+
+
+# -- evaluation's back-off ------------------------------------------------------------------------
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.count = 0
+
+    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        self.total += (logits.argmax(1) == targets).sum()
+        self.count += len(targets)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"valid_loss": 0.0, "accuracy": float(self.total) / self.count}
+
+
+class _Scored(Task):
+    name = "scored"
+
+    def __init__(self) -> None:
+        self.classes = ["a", "b", "c"]
+
+    def metrics(self) -> _Tally:
+        return _Tally()
+
+
+class _RunsOutAbove(nn.Module):
+    """A model that runs out of memory on more than ``most`` samples at once."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+        self.most = most
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > self.most:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.net(x)
+
+
+def test_validation_backs_off_on_oom_with_the_same_metrics() -> None:
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 5), torch.randint(0, 3, (8,))) for _ in range(3)]
+    where = Placement(torch.device("cpu"))
+    fits = _RunsOutAbove(most=100)
+    tight = _RunsOutAbove(most=3)
+    tight.load_state_dict(fits.state_dict())
+    expected = _Scored().evaluate(fits, batches, where).as_dict()
+    assert _Scored().evaluate(tight, batches, where).as_dict() == expected
+    assert tight.training  # put back in train mode
+
+
+def test_the_evaluation_back_off_stops_at_one_sample() -> None:
+    def never(x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    backoff = EvalBackoff()
+    with pytest.raises(OutOfMemoryAtMinimumError, match="evaluating a single sample"):
+        infer_fitting(never, torch.zeros(4, 2), backoff)
+    assert [e.new for e in backoff.events] == [2, 1]
+    with pytest.raises(ValueError, match="not an OOM"):
+        infer_fitting(
+            lambda x: (_ for _ in ()).throw(ValueError("not an OOM")), torch.zeros(2), backoff
+        )
+
+
+def test_sliding_window_validation_backs_off_to_one_patch_then_gathers_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("monai")
+    import monai.inferers
+
+    from bigbatch.train.tasks.segmentation.task import sliding_window_fitting
+
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 3, padding=1)
+    x = torch.randn(1, 1, 12, 12, 12)
+    # What one patch a pass gives (another batch size differs by the kernels' round-off only).
+    expected = sliding_window_fitting(net, x, (8, 8, 8), 1, EvalBackoff())
+    real = monai.inferers.sliding_window_inference
+    seen: list[tuple[int, str]] = []
+
+    def tight(inputs: torch.Tensor, roi: object, sw_batch_size: int, *a: object, **kw: object):
+        gather = torch.device(kw.get("device") or inputs.device)  # type: ignore[arg-type]
+        seen.append((sw_batch_size, str(gather)))
+        if gather.type != "cpu":  # "meta" stands for the GPU: its whole output does not fit
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(inputs, roi, sw_batch_size, *a, **kw)
+
+    monkeypatch.setattr(monai.inferers, "sliding_window_inference", tight)
+    backoff = EvalBackoff()
+    got = sliding_window_fitting(net, x, (8, 8, 8), 8, backoff, gather=torch.device("meta"))
+    assert seen == [(8, "meta"), (4, "meta"), (2, "meta"), (1, "meta"), (1, "cpu")]
+    assert backoff.chunk == 1
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# -- the worst shape ------------------------------------------------------------------------------
+
+
+def test_a_kaggle_run_validates_whole_images_at_the_largest_size_its_headers_give() -> None:
+    from types import SimpleNamespace
+
+    from bigbatch.train.tasks.segmentation.kaggle import KaggleSegmentationTask
+
+    task = KaggleSegmentationTask.__new__(KaggleSegmentationTask)
+    task.shape, task.crop = None, (64, 64)
+    items = SimpleNamespace(shapes=[(250, 300), (320, 200)])
+    shape = task.valid_shape(items)  # type: ignore[arg-type]
+    assert shape.shape == (3, 320, 320) and shape.largest == 1  # sizes differ: one at a time
+    assert shape.what == "whole images of up to 320x300"
+    task.shape = (256, 400)
+    same = task.valid_shape(items)  # type: ignore[arg-type]
+    assert same.shape == (3, 256, 416) and same.largest is None
+
+
+def test_a_volume_run_plans_patches_beside_its_largest_volume(tmp_path: Path) -> None:
+    pytest.importorskip("monai")
+    from bigbatch.train.config import load_config
+    from bigbatch.train.tasks.segmentation.data import SegItems
+    from bigbatch.train.tasks.segmentation.task import SegmentationTask
+
+    files = []
+    for i, shape in enumerate([(20, 30, 40), (50, 10, 30)]):
+        np.save(tmp_path / f"v{i}.npy", np.zeros(shape, np.float32))
+        files.append((tmp_path / f"v{i}.npy",))
+    cfg = load_config(overrides=["task=segmentation", f"data={tmp_path}", "size=32"])
+    task = SegmentationTask(cfg)
+    task.dims, task.channels, task.num_classes = 3, 1, 3
+    items = SegItems(files, [tmp_path / "m.npy"] * 2, 3, 3, 1)
+    shape = task.valid_shape(items)
+    multiple = task.settings.multiple
+    grid = [-(-n // multiple) * multiple for n in (50, 30, 40)]
+    assert shape.shape == (1, 32, 32, 32)
+    assert shape.held_bytes == 4 * int(np.prod(grid)) * (1 + 2 * 3 + 1)
+    assert shape.what.startswith("32^3 patches of volumes up to ")
+    assert task.use_valid_batch(6) == 1 and task.window_batch == 6
+
+
+def test_prediction_takes_the_runs_planned_validation_batch_on_the_same_kind_of_device(
+    tmp_path: Path,
+) -> None:
+    from bigbatch.io import DamagedFileError
+    from bigbatch.train.run_dir import planned_eval_batch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert planned_eval_batch(tmp_path, cpu) == 64  # no plan.json: an old run
+    (tmp_path / "plan.json").write_text(json.dumps({"valid_batch": 48, "device": "cuda:0"}))
+    assert planned_eval_batch(tmp_path, cuda) == 48
+    assert planned_eval_batch(tmp_path, cpu, default=7) == 7  # planned for another device
+    (tmp_path / "plan.json").write_text('{"valid_batch": ')
+    with pytest.raises(DamagedFileError, match=r"plan\.json is damaged"):
+        planned_eval_batch(tmp_path, cpu)
