@@ -52,6 +52,7 @@ demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/python examples/demo_digits.py
 	$(DEMO_VENV)/bin/bigbatch demo --out demo_output
 	$(DEMO_VENV)/bin/bigbatch demo --task segmentation --out demo_output/segmentation
+	$(DEMO_VENV)/bin/bigbatch demo --task regression --out demo_output/regression
 	$(DEMO_VENV)/bin/bigbatch demo --task brats --out demo_output/brats
 	$(DEMO_VENV)/bin/bigbatch demo --task clouds --out demo_output/clouds
 

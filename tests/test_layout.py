@@ -70,6 +70,58 @@ def test_module_top_imports_have_no_cycle() -> None:
             visit(name, [])
 
 
+def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every bigbatch module ``path`` imports when it runs, at its top or inside a function
+    (not under ``if TYPE_CHECKING:``), with the packages above each: Python imports those first.
+    """
+    tree = ast.parse(path.read_text())
+    hidden = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("bigbatch")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bigbatch"):
+            base = node.module or ""
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
+    return (found | parents) & set(modules)
+
+
+def test_imports_anywhere_have_no_cycle() -> None:
+    """Imports inside functions too: a lazy import hides a cycle from the module-top check, and
+    runs it later (the task registry once imported the tasks, whose modules import the config
+    that imports the registry)."""
+    modules = _modules()
+    graph = {name: _runtime_imports(path, modules) for name, path in modules.items()}
+    graph = {name: deps - {name} for name, deps in graph.items()}
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                at = path.index(dep) if dep in path else len(path)
+                cycles.append(" -> ".join([*path[at:], name, dep]))
+            elif dep not in state:
+                visit(dep, [*path, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles[:10])
+
+
 def _layer(module: str) -> int:
     """0: the library (accumulation, memory, verify, integrations, segmentation's parts);
     1: the training command's library (bigbatch.train); 2: the command line."""

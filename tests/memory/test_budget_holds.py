@@ -161,6 +161,9 @@ def test_a_cpu_process_shrinks_only_over_its_whole_budget(
     simulated_peak["value"] = (11000 * MIB, True)  # the process over the budget
     MemoryCheck(_choice(), cpu, 256, print, None).after_window(2, backoff)
     assert backoff.micro_batch < 64
+    step_only = OOMBackoff(micro_batch=64)  # overhead=0: a budget for the step's tensors alone
+    MemoryCheck(_choice(overhead_bytes=0), cpu, 256, print, None).after_window(2, step_only)
+    assert step_only.micro_batch == 64
     low = OOMBackoff(micro_batch=64, max_micro_batch=256)
     simulated_peak["value"] = (2000 * MIB, True)
     MemoryCheck(_choice(max_micro_batch=256), cpu, 256, print, None).after_window(2, low)
@@ -398,7 +401,7 @@ def test_prediction_takes_the_runs_planned_validation_batch_on_the_same_kind_of_
     tmp_path: Path,
 ) -> None:
     from bigbatch.io import DamagedFileError
-    from bigbatch.train.run_dir import planned_eval_batch
+    from bigbatch.train.tasks import planned_eval_batch
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert planned_eval_batch(tmp_path, cpu) == 64  # no plan.json: an old run

@@ -494,7 +494,7 @@ def test_predict_into_an_existing_folder_writes_the_submission_there(
 def test_tta_passes_are_distinct_flips_and_too_many_are_refused_first(
     trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bigbatch.train.tasks.segmentation.predict import tta_flips
+    from bigbatch.train.tasks.segmentation.tta import tta_flips
 
     assert tta_flips(2, 4) == [[], [3], [2], [3, 2]]  # was [], [3], [2], [3]: a repeat
     assert len({tuple(f) for f in tta_flips(3, 8)}) == 8

@@ -14,6 +14,7 @@ import torch
 import toy_boxes
 from toy_boxes.task import box_l1_sum, generate
 
+import bigbatch.train.registry as registry
 import bigbatch.train.tasks as tasks
 from bigbatch.train.config import load_config
 from bigbatch.train.loop import train
@@ -24,7 +25,7 @@ from helpers import window_gradients
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))  # for this test only
+    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))  # for this test only
     toy_boxes.register()
 
 
@@ -116,7 +117,7 @@ def test_the_tasks_own_key_is_checked_by_the_task(registered: None) -> None:
 
 
 def test_a_task_that_is_not_a_task_subclass_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))
+    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
     tasks.register_task("duck", lambda cfg: object(), metrics=("m",))
     with pytest.raises(TypeError, match=r"not a bigbatch Task: subclass it"):
         tasks.task_for(load_config(overrides=["task=duck", "data=x"]))
@@ -133,7 +134,7 @@ def test_bigbatch_predict_runs_the_runs_task_through_the_registry(
         seen.append(request)
         return f"boxes for {request.inputs.name}"
 
-    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))
+    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
     tasks.register_task("toy_boxes", toy_boxes.ToyBoxes, metrics=("box_l1",), predict=predict)
     run = tmp_path / "run"
     run.mkdir()

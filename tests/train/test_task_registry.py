@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import bigbatch.train.registry as registry
 import bigbatch.train.tasks as tasks
 from bigbatch.train.config import ConfigError, TrainConfig, load_config
 from bigbatch.train.loop import train
@@ -74,7 +75,7 @@ class ToyRegression(tasks.Task):
 
 @pytest.fixture
 def toy_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))  # registered for this test only
+    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))  # registered for this test only
     tasks.register_task("toy_regression", ToyRegression, metrics=("mae",), lower_is_better=("mae",))
 
 

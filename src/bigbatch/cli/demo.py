@@ -12,11 +12,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
         default="classification",
-        choices=("classification", "segmentation", "brats", "clouds"),
+        choices=("classification", "segmentation", "regression", "brats", "clouds"),
         help="classification: the digits competition and an ensemble; segmentation: 2D shapes "
         "and 3D blobs (generated), MONAI's DynUNet, Dice/Jaccard, predicted masks; brats: "
         "four-modality NIfTI volumes with nested regions, MONAI's SegResNet at micro-batch 1, "
-        "per-region Dice; clouds: a Kaggle RLE CSV with overlapping classes, an smp U-Net at "
+        "per-region Dice; regression: two numbers per digit image (ink share, value) from a CSV, "
+        "MAE/RMSE/R2 and predictions in the CSV's layout; clouds: a Kaggle RLE CSV with overlapping classes, an smp U-Net at "
         "full resolution, tuned thresholds and a submission",
     )
     p.add_argument(
@@ -64,6 +65,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo finished in {time.perf_counter() - t0:.0f} s")
         return 0
     args.epochs = args.epochs or 4
+    if args.task == "regression":
+        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
+        from bigbatch.train.demo import run_regression_demo
+
+        scores = run_regression_demo(args.out, epochs=args.epochs)
+        print(
+            "\nvalidation (mean over the two targets, in their units): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+            + f"; run in {args.out / 'runs' / 'regression'}"
+        )
+        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+        return 0
     if args.task == "segmentation":
         # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.train.demo import run_segmentation_demo

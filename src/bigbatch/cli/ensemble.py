@@ -72,9 +72,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_folders(args: argparse.Namespace) -> int:
+    """Finished runs of one task, averaged as their task averages (probabilities, values, or
+    a Kaggle submission's probabilities before its rules)."""
+    from bigbatch.io import DamagedFileError
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
-    from bigbatch.train.tasks.segmentation.submit import write_submission
+    from bigbatch.train.tasks import EnsembleRequest, run_task_name, task_entry
 
     runs = [args.experiments, *map(Path, args.overrides)]
     not_runs = [r for r in runs if not (r / "task.json").is_file()]
@@ -84,21 +87,27 @@ def _run_folders(args: argparse.Namespace) -> int:
             "wrote, or an experiments TOML"
         )
     if args.images is None:
-        raise UserError(
-            "run folders need --images DIR: the test images to write the submission for"
-        )
+        raise UserError("run folders need --images DIR: the images to predict and average")
+    options = {"mask_size": args.mask_size} if args.mask_size else {}
     try:
-        target, rows, note = write_submission(
-            runs,
-            args.images,
-            args.out / "submission.csv",
-            mask_size=args.mask_size,
-            tta=args.tta,
-            device=args.device,
+        names = [run_task_name(r) for r in runs]
+        if len(set(names)) > 1:
+            raise ValueError(
+                f"the runs are of different tasks ({', '.join(sorted(set(names)))}): an ensemble "
+                "averages runs of one task"
+            )
+        ensemble = task_entry(names[0]).ensembler()
+        if ensemble is None:
+            raise ValueError(f"task={names[0]} registered no ensemble: average its runs by hand")
+        args.out.mkdir(parents=True, exist_ok=True)
+        request = EnsembleRequest(
+            tuple(runs), args.images, args.out, args.tta, "best", args.device, options
         )
-    except (ConfigError, DataError, ValueError, OSError) as exc:
+        print(ensemble(request))
+    except KeyError as exc:
+        raise UserError(
+            f"the runs were trained for a task not registered here: {exc.args[0]}"
+        ) from None
+    except (ConfigError, DataError, DamagedFileError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from exc
-    print(
-        f"submission of {len(runs)} run(s), probabilities averaged: {rows} rows, {note}: {target}"
-    )
     return 0

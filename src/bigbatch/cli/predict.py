@@ -66,12 +66,12 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         name = run_task_name(args.run)
-        entry = task_entry(name)
-        if entry.predict is None:
+        predict = task_entry(name).predictor()
+        if predict is None:
             raise ValueError(
                 f"task={name} registered no prediction: bigbatch predict cannot run it"
             )
-        print(entry.predict(request))
+        print(predict(request))
     except KeyError as exc:
         raise UserError(
             f"{args.run} was trained for a task not registered here: {exc.args[0]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -14,7 +15,7 @@ from typing import Any
 
 from bigbatch.memory.budget import parse_bytes
 from bigbatch.memory.cards import find_card
-from bigbatch.train.tasks import task_entry, task_names
+from bigbatch.train.registry import TaskEntry, task_entry, task_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,8 +85,10 @@ class TrainConfig:
     options: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.options is None and self.task in task_names():
-            self.options = task_entry(self.task).options()
+        if self.options is None and (self.task in task_names() or ":" in self.task):
+            # A task= that does not load is said by validate(), with the fix.
+            with contextlib.suppress(KeyError, ValueError):
+                self.options = task_entry(self.task).options_class()()
 
     def with_absolute_paths(self) -> TrainConfig:
         """This config with its paths (``data``, ``image_root``, ``valid``, ``weights``)
@@ -109,9 +112,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Every check that needs no data and no model: before any work starts."""
         if not self.data:
-            raise ConfigError(
-                "data is not set: give data=path/to/folder (one sub-folder per class) or a CSV"
-            )
+            _check_task(self.task)
+            raise ConfigError(f"data is not set: give data= ({_data_help(self.task)})")
         _check_task(self.task)
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
@@ -180,7 +182,7 @@ class TrainConfig:
     def _check_options(self) -> None:
         """The task's own keys: of its options dataclass, each among its choices, and as the
         task's ``check`` wants them."""
-        kind = task_entry(self.task).options
+        kind = task_entry(self.task).options_class()
         if not isinstance(self.options, kind):
             raise ConfigError(
                 f"options are {type(self.options).__name__}, not task={self.task}'s "
@@ -256,8 +258,8 @@ class TrainConfig:
 
 
 HELP: dict[str, str] = {
-    "task": "classification (image -> class) or segmentation (image/volume -> mask)",
-    "data": "classification: a folder with one sub-folder per class, or a CSV of file,label; segmentation: a folder with images/ and masks/, or a CSV of image,mask (required)",
+    "task": "",  # from the registry: help_for()
+    "data": "",
     "image_root": "where the CSV's files are (default: the CSV's folder)",
     "valid": "a validation folder or CSV; empty: a seeded split of data",
     "valid_pct": "the share of data held out for validation; 0: none (best checkpoint by train_loss)",
@@ -281,7 +283,7 @@ HELP: dict[str, str] = {
     "lr": "learning rate (the head-only epochs use twice this)",
     "weight_decay": "decoupled weight decay (AdamW), or L2 (SGD); 0: none",
     "schedule": "one_cycle or cosine in optimizer steps; plateau: halve on a flat valid_loss",
-    "monitor": "what picks best.safetensors: valid_loss; classification: accuracy, error_rate, top5, f1_macro, f1_micro, auroc or kappa (quadratic); segmentation: dice, jaccard or hd95",
+    "monitor": "",
     "ema": "an exponential moving average of the weights with this decay (0.999, 0.9998), updated after every optimizer step, validated and saved as best/last.safetensors; 0: off",
     "seed": "seeds the split, the order, augmentation and initialisation",
     "num_workers": "data-loading processes, kept across epochs (0: in the training process; -1: auto: on a GPU every core but one, at most 16; on a CPU run 0 with 2 cores or fewer)",
@@ -305,14 +307,46 @@ def keys_help() -> str:
     defaults = TrainConfig()
     lines = ["config keys (in the TOML file, or key=value):"]
     for f in shared_fields():
-        lines.append(_key_line(f.name, getattr(defaults, f.name), HELP[f.name]))
+        lines.append(_key_line(f.name, getattr(defaults, f.name), help_for(f.name)))
     for task in task_names():
-        own = fields(task_entry(task).options)
+        entry = _entry_or_none(task)
+        own = fields(entry.options_class()) if entry else ()
         if own:
             lines.append(f"task={task}'s own keys:")
         for f in own:
             lines.append(_key_line(f.name, f.default, f.metadata["help"]))
     return "\n".join(lines)
+
+
+def help_for(key: str) -> str:
+    """A shared key's meaning; ``task``, ``data`` and ``monitor`` from the registered tasks.
+
+    >>> help_for("task").startswith("classification (image -> class)")
+    True
+    """
+    entries = [(n, _entry_or_none(n)) for n in task_names()]
+    if key == "task":
+        said = [f"{n} ({e.summary if e else 'its plug-in does not load'})" for n, e in entries]
+        return ", ".join(said) + "; an installed plug-in's name, or module:Class (a Task subclass)"
+    if key == "data":
+        return "; ".join(f"{n}: {_data_help(n)}" for n, _ in entries) + " (required)"
+    if key == "monitor":
+        chosen = "; ".join(f"{n}: {', '.join(e.metrics)}" for n, e in entries if e)
+        return f"what picks best.safetensors: valid_loss; {chosen}"
+    return HELP[key]
+
+
+def _entry_or_none(task: str) -> TaskEntry | None:
+    """The task's entry; None where its plug-in does not load (said when it is chosen)."""
+    try:
+        return task_entry(task)
+    except (KeyError, ValueError):
+        return None
+
+
+def _data_help(task: str) -> str:
+    entry = _entry_or_none(task)
+    return (entry.data_help if entry else "") or "the data its task reads"
 
 
 def _key_line(name: str, default: Any, meaning: str) -> str:
@@ -362,16 +396,23 @@ def _coerce(name: str, raw: Any, annotation: Any) -> Any:
 
 
 def _check_task(task: str) -> None:
-    if task not in task_names():
-        raise ConfigError(f"task={task!r} is not one of {', '.join(task_names())}")
+    try:
+        task_entry(task)
+    except KeyError as exc:
+        raise ConfigError(str(exc.args[0])) from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _owner(key: str) -> str:
-    """The registered task whose own key ``key`` is ('' when none)."""
-    for task in task_names():
-        if key in {f.name for f in fields(task_entry(task).options)}:
-            return task
-    return ""
+    """The registered tasks whose own key ``key`` is (``"a or b"``; '' when none)."""
+    owners = [task for task in task_names() if key in _own_keys(task)]
+    return " or task=".join(owners)
+
+
+def _own_keys(task: str) -> set[str]:
+    entry = _entry_or_none(task)
+    return {f.name for f in fields(entry.options_class())} if entry else set()
 
 
 def _apply(
@@ -388,8 +429,9 @@ def _apply(
     if "task" in values:
         cfg.task = _coerce("task", values["task"], "str")
         _check_task(cfg.task)
-        if not isinstance(cfg.options, task_entry(cfg.task).options):
-            cfg.options = task_entry(cfg.task).options()
+        kind = task_entry(cfg.task).options_class()
+        if not isinstance(cfg.options, kind):
+            cfg.options = kind()
     shared = {f.name: f for f in shared_fields()}
     own = {f.name: f for f in fields(cfg.options)}
     for key, raw in values.items():

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from bigbatch.accumulate import NonFiniteGradientWarning
-from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
+from bigbatch.backoff import run_coupled_window, run_window
 from bigbatch.batching import batch_len
 from bigbatch.device import (
     pins_memory,
@@ -56,6 +56,7 @@ from bigbatch.train.state import (
     TrainResult,
     build_phase,
     diverged,
+    make_backoff,
     make_ema,
     make_valid_loader,
     restore,
@@ -178,12 +179,6 @@ def _setup(
         min_last=1 if lone_ok else 2,
         sampler=sampler,
     )
-    backoff = OOMBackoff(
-        micro_batch=choice.micro_batch,
-        max_micro_batch=choice.max_micro_batch,
-        grow_after=cfg.grow_after,
-        min_micro_batch=1 if lone_ok else min(2, choice.micro_batch),
-    )
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -197,7 +192,7 @@ def _setup(
         data=loaders,
         monitor=cfg.monitor if loaders.has_valid else "train_loss",
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
-        backoff=backoff,
+        backoff=make_backoff(choice, cfg.grow_after, lone_ok),
         state=state,
         last_checkpoint=time.perf_counter(),
         ema=make_ema(core, cfg.ema),
@@ -337,7 +332,7 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     ph.checkpoint(epoch=e, best=run.best, history=run.history)
     run.last_checkpoint = time.perf_counter()
     write_history(run.history, run_dir / "history.csv")
-    plot_history(run.history, run_dir / "history.png", title=f"{cfg.model_name} @ {cfg.size}")
+    plot_history(run.history, run_dir / "history.png", cfg.task, f"{cfg.model_name} @ {cfg.size}")
     scores = run.task.scores(row) if run.data.has_valid else ""
     run.log(
         f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"

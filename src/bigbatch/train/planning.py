@@ -124,8 +124,8 @@ def plan_for(
         ) from exc
     if cfg.micro_batch:
         _check_fixed(cfg, plan, spec_at, log)
-    else:
-        log(f"plan: {plan.summary()}")
+    else:  # the shape it was planned for: training's worst is its configured size or crop
+        log(f"plan: {plan.summary()}; inputs of {'x'.join(map(str, input_shape))}")
     if plan.return_freed_memory:
         _return_freed_memory(plan, log)
     micro = cfg.micro_batch or plan.micro_batch
@@ -215,6 +215,8 @@ class MemoryCheck:
         if measured is None or backoff.events:  # the OOM back-off has had its say already
             return
         c, (peak, whole_process) = self.choice, measured
+        if whole_process and not c.overhead_bytes:
+            return  # overhead=0: the budget is the step's tensors alone, not the process's
         overhead = (c.overhead_bytes or 0) if whole_process else 0
         # A CPU process holds data and libraries besides the step: only the whole budget is
         # its limit there, and the heap does not give back what a larger step would free.

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.io import atomic_write_csv, atomic_write_figure
+from bigbatch.train.registry import TaskEntry, task_entry
 
 __all__ = ["plot_history", "write_history"]
 
@@ -21,9 +22,15 @@ log = logging.getLogger("bigbatch")
 _SAID = False  # whether the missing matplotlib was reported (once a process)
 
 
-def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
-    """``history.png``: the losses and the task's scores by epoch (without matplotlib, the
-    ``plot`` extra, none: said once per process; ``history.csv`` has the numbers)."""
+def plot_history(
+    rows: list[dict[str, Any]], path: str | Path, task: str = "", title: str = ""
+) -> None:
+    """``history.png``: the losses by epoch, then the ``task``'s metrics as its registry entry
+    declares them (:class:`bigbatch.train.registry.TaskEntry`): fractions of 1 (accuracy, Dice)
+    together on a 0..1 axis, with their per-class columns (``dice_<class>``) as thin lines, and
+    each other metric (a distance, an error in the targets' units) in a panel of its own,
+    marked where lower is better. Without matplotlib, the ``plot`` extra, none: said once per
+    process; ``history.csv`` has the numbers."""
     global _SAID
     try:
         import matplotlib
@@ -39,36 +46,55 @@ def plot_history(rows: list[dict[str, Any]], path: str | Path, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    last = rows[-1]
+    entry = _entry(task)
+    metrics = [m for m in (entry.metrics if entry else ()) if m in last]
+    fractions = [m for m in metrics if entry and m in entry.fractions]
+    others = [m for m in metrics if m not in fractions]
+    fig, axes = plt.subplots(
+        1,
+        1 + bool(fractions) + len(others),
+        figsize=(5 * (1 + bool(fractions) + len(others)), 4),
+        squeeze=False,
+    )
+    panels = list(axes[0])
     epochs = [r["epoch"] for r in rows]
-    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss = panels.pop(0)
     ax_loss.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train loss")
-    if "valid_loss" in rows[-1]:  # absent without a validation set: the losses alone
+    if "valid_loss" in last:  # absent without a validation set: the losses alone
         ax_loss.plot(epochs, [r["valid_loss"] for r in rows], marker="o", label="valid loss")
-    ax_loss.set_xlabel("epoch")
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend()
-    ax_loss.grid(True, alpha=0.3)
-    # Classification's scores, or segmentation's (per-class Dice as thin lines).
-    shown = [(k, c) for k, c in (("accuracy", "green"), ("error_rate", "red")) if k in rows[-1]]
-    shown += [(k, c) for k, c in (("dice", "green"), ("jaccard", "purple")) if k in rows[-1]]
-    if shown:
-        for key, color in shown:
-            label = key.replace("_", " ")
-            ax_metric.plot(epochs, [r[key] for r in rows], marker="o", color=color, label=label)
-        for key in (k for k in rows[-1] if k.startswith("dice_")):
-            ax_metric.plot(epochs, [r[key] for r in rows], linewidth=0.8, alpha=0.6, label=key)
-        ax_metric.set_xlabel("epoch")
-        ax_metric.set_ylim(0, 1)
-        ax_metric.legend(loc="lower left")
-        ax_metric.grid(True, alpha=0.3)
-        if "hd95" in rows[-1]:  # a distance, not a 0..1 score: its own axis
-            ax_hd = ax_metric.twinx()
-            ax_hd.plot(epochs, [r["hd95"] for r in rows], marker="s", color="grey", label="hd95")
-            ax_hd.set_ylabel("hd95 (lower is better)")
-            ax_hd.legend(loc="lower right")
-    else:
-        ax_metric.set_visible(False)
+    _finish(ax_loss, "loss")
+    if fractions:
+        ax = panels.pop(0)
+        for key in fractions:
+            ax.plot(epochs, [r[key] for r in rows], marker="o", label=key.replace("_", " "))
+            for part in (k for k in last if k.startswith(f"{key}_") and k not in metrics):
+                ax.plot(epochs, [r[part] for r in rows], linewidth=0.8, alpha=0.6, label=part)
+        ax.set_ylim(0, 1)
+        _finish(ax, "")
+    for key, ax in zip(others, panels, strict=True):
+        ax.plot(epochs, [r[key] for r in rows], marker="s", color="grey", label=key)
+        lower = entry is not None and key in entry.lower_is_better
+        _finish(ax, f"{key} ({'lower' if lower else 'higher'} is better)")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     atomic_write_figure(fig, path, dpi=100)
+
+
+def _finish(ax: Any, ylabel: str) -> None:
+    ax.set_xlabel("epoch")
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.legend(loc="best", fontsize="small")
+    ax.grid(True, alpha=0.3)
+
+
+def _entry(task: str) -> TaskEntry | None:
+    """The task's registry entry; None for none or one not registered here (losses only)."""
+    if not task:
+        return None
+    try:
+        return task_entry(task)
+    except (KeyError, ValueError):
+        return None

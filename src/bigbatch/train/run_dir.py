@@ -13,14 +13,13 @@ from torch import nn
 from bigbatch.accumulate import Accumulator
 from bigbatch.backoff import OOMBackoff
 from bigbatch.device import peak_memory_bytes
-from bigbatch.io import atomic_write_text, read_json
+from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes
 from bigbatch.train.checkpoint import load_state, save_state
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 
 __all__ = [
     "check_run_dir",
-    "planned_eval_batch",
     "record_measured_peak",
     "save_checkpoint",
     "write_run_files",
@@ -161,18 +160,3 @@ def record_measured_peak(run_dir: Path, device: torch.device, log: Any) -> None:
         f"memory: predicted {format_bytes(predicted)}, measured {format_bytes(peak)} ({what}), "
         f"budget {format_bytes(plan['budget_bytes'])}"
     )
-
-
-def planned_eval_batch(run_dir: Path, device: torch.device, default: int = 64) -> int:
-    """The batch the run planned for its validation (``valid_batch`` in plan.json), where it
-    was planned for this kind of device and for the inputs prediction meets; else ``default``.
-    Prediction backs off on OOM either way (:func:`bigbatch.backoff.infer_fitting`)."""
-    path = run_dir / "plan.json"
-    if not path.is_file():
-        return default
-    plan = read_json(path, "delete it: prediction then uses its default batch")
-    planned = plan.get("valid_batch") if isinstance(plan, dict) else None
-    where = str(plan.get("device", "")) if isinstance(plan, dict) else ""
-    if not isinstance(planned, int) or planned < 1 or not where:
-        return default
-    return planned if torch.device(where).type == device.type else default

@@ -32,6 +32,7 @@ __all__ = [
     "TrainingDiverged",
     "build_phase",
     "diverged",
+    "make_backoff",
     "make_ema",
     "make_valid_loader",
     "restore",
@@ -255,6 +256,17 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
         if run.scaler is not None and state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
     return Phase(phase, end_epoch, windows, model, opt, sched, plateau, acc, checkpoint)
+
+
+def make_backoff(choice: Any, grow_after: int, lone_ok: bool) -> OOMBackoff:
+    """The OOM back-off from the plan's micro-batch and ceiling; a model that cannot train on a
+    lone sample (BatchNorm) never shrinks below 2."""
+    return OOMBackoff(
+        micro_batch=choice.micro_batch,
+        max_micro_batch=choice.max_micro_batch,
+        grow_after=grow_after,
+        min_micro_batch=1 if lone_ok else min(2, choice.micro_batch),
+    )
 
 
 def make_valid_loader(

@@ -6,10 +6,25 @@ tensors (per-image target lists, a loss averaged over boxes rather than images) 
 other file. Its own configuration key (``max_boxes``) is a dataclass beside it.
 """
 
+from bigbatch.train.registry import TaskEntry
 from bigbatch.train.tasks import register_task
 from toy_boxes.task import ToyBoxes, ToyBoxesOptions
 
-__all__ = ["ToyBoxes", "register"]
+__all__ = ["ENTRY", "ToyBoxes", "register"]
+
+# What an installed package points its ``bigbatch.tasks`` entry point at: every part a
+# reference, loaded when the task is chosen.
+ENTRY = TaskEntry(
+    "toy_boxes",
+    "toy_boxes.task:ToyBoxes",
+    ("box_l1",),
+    frozenset({"box_l1"}),
+    predict="toy_boxes.task:predict_run",
+    options="toy_boxes.task:ToyBoxesOptions",
+    summary="boxes of generated squares",
+    data_help="the word generated",
+    ensemble="toy_boxes.task:ensemble_run",
+)
 
 
 def register() -> None:

@@ -5,16 +5,19 @@ weighs three times one with one, in every split of the window."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from bigbatch.batching import split_batch
-from bigbatch.train.config import TrainConfig
-from bigbatch.train.tasks import Log, Placement, Task
+from bigbatch.train.config import TrainConfig, config_from_json
+from bigbatch.train.tasks import EnsembleRequest, Log, Placement, PredictRequest, Task
 from bigbatch.train.tasks.options import TaskOptions, option
 
 SIZE = 16
@@ -89,7 +92,14 @@ class BoxL1:
 
 
 class ToyBoxes(Task):
+    """Box regression on generated squares (a test's task)."""
+
     name = "toy_boxes"
+    # What task=toy_boxes.task:ToyBoxes reads (a registry entry says the same: ENTRY).
+    metric_names = ("box_l1",)
+    lower_is_better_names = ("box_l1",)
+    options_class = ToyBoxesOptions
+    data_help = "the word generated (the images are drawn)"
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -148,3 +158,32 @@ class ToyBoxes(Task):
 
     def scores(self, row: dict[str, Any]) -> str:
         return f"valid box L1 {row['box_l1']:.4f}  "
+
+
+def _boxes_of(run: Path, n: int = 4) -> torch.Tensor:
+    """A run's predicted boxes for ``n`` generated images (seeded by the run's seed)."""
+    cfg = config_from_json((run / "config.json").read_text())
+    model = ToyBoxes(cfg).model_factory()()
+    model.load_state_dict(load_file(run / "best.safetensors"))
+    images, _ = generate(n, cfg.seed + 1)
+    with torch.no_grad():
+        return model.eval()(images)
+
+
+def predict_run(request: PredictRequest) -> str:
+    """``bigbatch predict`` on a toy run: boxes.json in the run (or --out)."""
+    out = request.out or request.run_dir / "boxes.json"
+    out.write_text(json.dumps(_boxes_of(request.run_dir).tolist()))
+    return f"boxes in {out}"
+
+
+def ensemble_run(request: EnsembleRequest) -> str:
+    """``bigbatch ensemble RUN RUN --images DIR`` on toy runs: their boxes averaged."""
+    mean = torch.stack([_boxes_of(r) for r in request.runs]).mean(0)
+    out = (request.out or Path(".")) / "boxes.json"
+    out.write_text(json.dumps(mean.tolist()))
+    return f"{len(request.runs)} runs averaged: {out}"
+
+
+ToyBoxes.predict_run = staticmethod(predict_run)  # type: ignore[attr-defined]
+ToyBoxes.ensemble_runs = staticmethod(ensemble_run)  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -103,6 +103,13 @@ class Task:
 
     name: str = ""
     classes: list[str]  # set by prepare(); a class attribute would be shared by instances
+    # What ``task=module:Class`` reads of the class (a registered task's entry says these):
+    # its metrics' names and those where lower is better, its options dataclass, its data's
+    # help, and ``predict_run(request)`` / ``ensemble_runs(request)`` as static methods.
+    metric_names: ClassVar[tuple[str, ...]] = ()
+    lower_is_better_names: ClassVar[tuple[str, ...]] = ()
+    options_class: ClassVar[type | None] = None
+    data_help: ClassVar[str] = ""
 
     def valid_shape(self, valid_items: Any) -> ValidShape:
         """What validation's forward passes meet (:class:`ValidShape`), found from the items'

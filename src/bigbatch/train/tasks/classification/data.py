@@ -255,6 +255,7 @@ def scan_csv(
             "fix the CSV or set image_root"
         )
     labels_text = [label for _, label in body]
+    _refuse_numeric_targets(path, labels_text)
     if classes is None:
         order = sorted(set(labels_text))
     else:
@@ -269,6 +270,26 @@ def scan_csv(
     files, labels, skipped, fmt = _check_images(files, [index[t] for t in labels_text], bad_images)
     _check_readable_classes(path, files, labels, order, skipped, require_all=classes is None)
     return ImageItems(files, labels, order, skipped, fmt)
+
+
+def _refuse_numeric_targets(path: Path, labels: list[str]) -> None:
+    """A label column of fractional numbers is a regression target, not classes: read as
+    classes it would silently become one class per distinct value."""
+    fractional = []
+    for label in labels:
+        try:
+            value = float(label)
+        except ValueError:
+            return  # a word: classes
+        if not value.is_integer():
+            fractional.append(label)
+    if fractional:
+        distinct = len(set(labels))
+        raise DataError(
+            f"{path}: the label column holds numbers ({distinct} distinct values, e.g. "
+            f"{fractional[0]}), a regression target, not classes: train it with "
+            "task=regression (data= the same CSV)"
+        )
 
 
 def _drop_duplicate_rows(path: Path, body: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -20,14 +20,14 @@ from bigbatch.io import atomic_path, atomic_write_csv, check_writable
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import images_to_predict, make_loader
-from bigbatch.train.run_dir import planned_eval_batch
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks import PredictRequest, read_task_info
+from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch, read_task_info
 from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
 from bigbatch.train.tasks.classification.task import build_model
 
 __all__ = [
     "Predictions",
+    "ensemble_request",
     "load_predictions",
     "predict_files",
     "predict_folder",
@@ -157,6 +157,32 @@ def predict_request(request: PredictRequest) -> str:
         f"{len(pred.files)} images, {request.tta} TTA pass(es): probabilities in {npz}, "
         f"labels in {csv_path}"
     )
+
+
+def ensemble_request(request: EnsembleRequest) -> str:
+    """``bigbatch ensemble RUN RUN ... --images DIR`` on classification runs: their class
+    probabilities averaged (the runs must share their classes), saved as ``predict`` saves."""
+    request.refuse_options("classification")
+    out = request.out or Path("predictions")
+    if out.is_dir():
+        out = out / "predictions"
+    check_writable(out.with_suffix(".npz"), "--out")
+    files = images_to_predict(request.images)
+    members = [
+        predict_files(
+            r, files, tta=request.tta, checkpoint=request.checkpoint, device=request.device
+        )
+        for r in request.runs
+    ]
+    for run, member in zip(request.runs, members, strict=True):
+        if member.classes != members[0].classes:
+            raise ConfigError(
+                f"{run} has classes {member.classes[:5]}, the first run {members[0].classes[:5]}: "
+                "an ensemble averages runs of the same classes"
+            )
+    probs = np.mean([m.probs for m in members], axis=0)
+    npz, csv_path = save_predictions(Predictions(members[0].files, probs, members[0].classes), out)
+    return f"{len(members)} run(s) averaged over {len(files)} images: labels in {csv_path} ({npz})"
 
 
 def save_predictions(pred: Predictions, out: str | Path) -> tuple[Path, Path]:

@@ -34,7 +34,6 @@ from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError
 from bigbatch.train.data import split_items
 from bigbatch.train.tasks.base import Log, Placement, ValidShape
-from bigbatch.train.tasks.segmentation.predict import with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     RLEDataset,
     RLEItems,
@@ -43,6 +42,7 @@ from bigbatch.train.tasks.segmentation.rle_data import (
     scan_rle,
 )
 from bigbatch.train.tasks.segmentation.task import SegmentationTask
+from bigbatch.train.tasks.segmentation.tta import with_tta
 
 __all__ = ["CompetitionScores", "KaggleSegmentationTask", "padded_forward", "probabilities_of"]
 

@@ -13,9 +13,7 @@ volumes, NIfTI with the input's affine and header for NIfTI volumes; each file a
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +27,8 @@ from bigbatch.io import atomic_path, check_writable
 from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
-from bigbatch.train.run_dir import planned_eval_batch
 from bigbatch.train.runtime import resolve_device, resolve_precision
-from bigbatch.train.tasks import PredictRequest, read_task_info
+from bigbatch.train.tasks import PredictRequest, planned_eval_batch, read_task_info
 from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES,
     VolumeRecipe,
@@ -47,10 +44,9 @@ from bigbatch.train.tasks.segmentation.task import (
     seg_settings,
     sliding_window_fitting,
 )
+from bigbatch.train.tasks.segmentation.tta import Probabilities, tta_flips, with_tta
 
-__all__ = ["predict_masks", "predict_request", "with_tta"]
-
-Probabilities = Callable[[torch.Tensor], torch.Tensor]
+__all__ = ["predict_masks", "predict_request"]
 
 
 Case = tuple[Path, ...]  # one case's files: an image, a volume, or a volume's modalities
@@ -119,38 +115,6 @@ def _check_inputs(cases: list[Case], root: Path, out: Path, dims: int, channels:
         found = read_case(case, dims).array.shape[0]  # readable and finite, or DataError
         if found != channels:
             raise DataError(f"{case[0]} has {found} channel(s); the run was trained on {channels}")
-
-
-def tta_flips(spatial_dims: int, tta: int) -> list[list[int]]:
-    """The axes each of ``tta`` passes flips, all distinct: none, then each spatial axis alone
-    (the last, width, first), then each pair, ... (2D: none, width, height, both: at most 4;
-    3D: at most 8). More passes than that is refused: a pass would repeat.
-
-    >>> tta_flips(2, 4)
-    [[], [3], [2], [3, 2]]
-    """
-    axes = list(range(spatial_dims + 1, 1, -1))
-    passes = [list(c) for k in range(len(axes) + 1) for c in itertools.combinations(axes, k)]
-    if not 1 <= tta <= len(passes):
-        raise ConfigError(
-            f"--tta {tta}: {len(passes)} passes are all the distinct flips of a "
-            f"{spatial_dims}D input (none, each axis, each combination); give 1 to {len(passes)}"
-        )
-    return passes[:tta]
-
-
-def with_tta(probabilities: Probabilities, x: torch.Tensor, tta: int) -> torch.Tensor:
-    """The mean over ``tta`` passes, each with other flips (:func:`tta_flips`), each pass's
-    output flipped back.
-
-    >>> x = torch.rand(1, 2, 4, 4)
-    >>> torch.allclose(with_tta(lambda v: v.softmax(1), x, 4), x.softmax(1))
-    True
-    """
-    total = probabilities(x)
-    for axes in tta_flips(x.dim() - 2, tta)[1:]:
-        total = total + probabilities(x.flip(axes)).flip(axes)
-    return total / tta
 
 
 def predict_request(request: PredictRequest) -> str:

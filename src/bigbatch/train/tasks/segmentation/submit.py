@@ -34,9 +34,8 @@ from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, config_from_json
 from bigbatch.train.data import images_to_predict, split_items
 from bigbatch.train.runtime import resolve_device, resolve_precision
-from bigbatch.train.tasks import read_task_info
+from bigbatch.train.tasks import EnsembleRequest, read_task_info
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
-from bigbatch.train.tasks.segmentation.predict import tta_flips, with_tta
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
     read_rgb,
@@ -45,8 +44,9 @@ from bigbatch.train.tasks.segmentation.rle_data import (
     transforms,
 )
 from bigbatch.train.tasks.segmentation.task import build_seg_model
+from bigbatch.train.tasks.segmentation.tta import tta_flips, with_tta
 
-__all__ = ["SubmissionRun", "load_submission_run", "write_submission"]
+__all__ = ["SubmissionRun", "ensemble_request", "load_submission_run", "write_submission"]
 
 
 @dataclass
@@ -309,3 +309,19 @@ def _rules_at(run: SubmissionRun, size: tuple[int, int]) -> tuple[list[ClassRule
         f"per-class rules of {run.run_dir / 'postprocess.json'}, tuned at {tuned[0]}x{tuned[1]}: "
         f"smallest components scaled by the area to {size[0]}x{size[1]}"
     )
+
+
+def ensemble_request(request: EnsembleRequest) -> str:
+    """``bigbatch ensemble RUN RUN ... --images DIR`` on segmentation runs trained on a Kaggle
+    RLE CSV: their probabilities averaged before the per-class rules, one submission."""
+    target, rows, note = write_submission(
+        request.runs,
+        request.images,
+        request.out or Path("submission.csv"),
+        mask_size=str(request.options.get("mask_size", "")),
+        tta=request.tta,
+        checkpoint=request.checkpoint,
+        device=request.device,
+    )
+    runs = len(request.runs)
+    return f"submission of {runs} run(s), probabilities averaged: {rows} rows, {note}: {target}"

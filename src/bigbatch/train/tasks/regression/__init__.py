@@ -1,0 +1,1 @@
+"""Image regression: a CSV of ``file,target[,target2...]``."""
