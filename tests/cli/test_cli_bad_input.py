@@ -215,17 +215,17 @@ def test_a_full_disk_is_one_line(
 def test_train_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
     from dataclasses import fields
 
-    from bigbatch.train.config import HELP, shared_fields
+    from bigbatch.train.config import help_for, shared_fields
     from bigbatch.train.tasks import task_entry, task_names
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
     for f in shared_fields():
-        assert f"  {f.name} = " in out and HELP[f.name] in out
+        assert f"  {f.name} = " in out and help_for(f.name) in out
     for task in task_names():  # each task's own keys, under its heading
         assert f"task={task}'s own keys:" in out
-        for f in fields(task_entry(task).options):
+        for f in fields(task_entry(task).options_class()):
             assert f"  {f.name} = " in out and f.metadata["help"] in out
 
 

@@ -65,9 +65,9 @@ def test_a_tasks_own_keys_live_in_its_options() -> None:
     ("overrides", "match"),
     [
         # Another task's key is refused with the task that reads it, not ignored.
-        (["data=x", "loss=dice"], "loss .in the overrides. is a key of task=segmentation, and "
-         "this run is task=classification, which does not read it: drop it, or set "
-         "task=segmentation"),
+        (["data=x", "loss=dice"], "loss .in the overrides. is a key of task=segmentation or "
+         "task=regression, and this run is task=classification, which does not read it: drop "
+         "it, or set task=segmentation or task=regression"),
         (["data=x", "task=segmentation", "mixup=0.2"], "mixup .* is a key of task=classification"),
         # Each task checks its own values.
         (["data=x", "task=segmentation", "loss=focal"], "loss='focal' is not one of dice_ce"),
