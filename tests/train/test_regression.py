@@ -151,3 +151,24 @@ def test_train_predict_and_ensemble_write_the_csvs_layout(
     first = {r[0]: float(r[1]) for r in rows[1:]}
     assert averaged[0] == rows[0] and len(averaged) == len(rows)
     assert any(abs(float(r[1]) - first[r[0]]) > 0 for r in averaged[1:])  # two runs, averaged
+
+
+def test_bigbatch_plan_plans_the_tasks_own_run(
+    tmp_path: Path, tiny_model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bigbatch plan`` with train's keys plans what train would: the task's step and its
+    validation, on the data's shapes; for a GPU from any machine."""
+    import json
+
+    path = write_targets(tmp_path, n=10)
+    keys = ["task=regression", f"data={path}", "model=tinymodel:tiny", "size=16", "batch=8"]
+    assert main(["plan", *keys, "budget=1GB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["task"] == "regression" and plan["target_batch"] == 8
+    assert plan["valid_shape"] == [3, 16, 16] and plan["valid_batch"] >= 16
+    cuda = [*keys, "budget=t4", "device=cuda"]
+    assert main(["plan", *cuda, "precision=fp16"]) == 0
+    assert "plan: target batch 8" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["plan", *cuda]) == 2
+        assert "precision=auto on a cuda this machine does not have" in capsys.readouterr().err

@@ -68,11 +68,14 @@ _EXTRAS = {
 _KEY_VALUE = ("train", "ensemble")
 
 
-def one_style(words: list[str], command: str, options: dict[str, argparse.Action]) -> list[str]:
+def one_style(
+    words: list[str], command: str, options: dict[str, argparse.Action], keys: bool = False
+) -> list[str]:
     """``key=value`` and ``--key value`` mean the same to every subcommand: a flag command
     (plan, predict, verify, demo) takes ``batch=256`` as ``--batch 256`` (``true``/``false`` for
     a switch), and a key command (train, ensemble) takes ``--epochs 3`` as ``epochs=3``.
-    Underscores and dashes are the same in a name.
+    Underscores and dashes are the same in a name. ``keys``: this flag command's ``key=value``
+    words are ``bigbatch train``'s keys (``bigbatch plan task=... data=...``), kept as they are.
 
     >>> one_style(["batch=8", "--out", "r"], "plan", {"--batch": None, "--out": None})
     ['--batch', '8', '--out', 'r']
@@ -82,7 +85,7 @@ def one_style(words: list[str], command: str, options: dict[str, argparse.Action
     while i < len(words):
         word = words[i]
         i += 1
-        if command in _KEY_VALUE:
+        if command in _KEY_VALUE or keys:
             flag, eq, value = word.partition("=")
             if word.startswith("--") and flag.replace("_", "-") not in options:
                 if not eq and i < len(words) and not words[i].startswith("--"):
@@ -149,7 +152,9 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
         at = words.index(command) + 1
         try:
             options = _subparser(parser, command)._option_string_actions
-            words[at:] = one_style(words[at:], command, options)
+            # `bigbatch plan task=... data=...` plans what `bigbatch train` would run.
+            keys = command == "plan" and any(w.startswith(("task=", "data=")) for w in words)
+            words[at:] = one_style(words[at:], command, options, keys)
         except UserError as exc:
             parser.error(str(exc))
     args, extra = parser.parse_known_args(words)

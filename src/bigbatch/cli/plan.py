@@ -35,6 +35,15 @@ from bigbatch.user_code import load_callable
 def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_model_arguments(p)
     _add_plan_arguments(p)
+    p.add_argument(
+        "train_keys",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="plan what bigbatch train would run instead: its keys (task=regression "
+        "data=train.csv arch=resnet50 size=224 batch=64 budget=t4 ...), the task's own step and "
+        "its validation, its data scanned for the shapes; with --config, that TOML first",
+    )
+    p.add_argument("--config", type=Path, help="a bigbatch train TOML to plan (see KEY=VALUE)")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -269,6 +278,43 @@ def _spec_maker(
     return spec_at
 
 
+def _plan_training_run(args: argparse.Namespace) -> int:
+    """``bigbatch plan task=... data=...``: the plan ``bigbatch train`` would make for these
+    keys (the task's own step on its data's shapes, then its validation), without training."""
+    from bigbatch.train.config import ConfigError, check_device, load_config
+    from bigbatch.train.data import DataError
+    from bigbatch.train.planning import plan_for, plan_validation
+    from bigbatch.train.runtime import resolve_device, resolve_precision
+    from bigbatch.train.tasks import task_for
+
+    keys = [k for k in args.train_keys if "=" in k]
+    if len(keys) != len(args.train_keys):
+        raise UserError(f"{args.train_keys[0]!r}: give bigbatch train's keys as key=value")
+    # A plan for a GPU needs none: the device is checked by name only, after the config.
+    wanted = next((k.partition("=")[2] for k in reversed(keys) if k.startswith("device=")), "")
+    try:
+        cfg = load_config(args.config, [k for k in keys if not k.startswith("device=")])
+        check_device(wanted or cfg.device, "device", here=False)
+        device = torch.device(wanted) if wanted and wanted != "auto" else resolve_device(cfg.device)
+        cfg.device = str(device)
+        if cfg.precision == "auto" and device.type != resolve_device("auto").type:
+            raise ConfigError(
+                f"precision=auto on a {device.type} this machine does not have: give "
+                "precision=fp16 (T4, P100, V100) or bf16 (A100, L4, H100), or fp32"
+            )
+        precision = resolve_precision(cfg.precision, device)
+        task = task_for(cfg)
+        _, valid_items = task.prepare(lambda line: print(line, file=sys.stderr))
+        factory = task.model_factory()
+        choice = plan_for(cfg, factory, device, precision, print, target=cfg.batch, task=task)
+        choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, print)
+    except (ConfigError, DataError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(choice._asdict() | {"task": cfg.task, "target_batch": cfg.batch}))
+    return 0
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be refused before any planning."""
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
@@ -318,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list_cards:
         _print_cards()
         return 0
+    if args.config or args.train_keys:
+        return _plan_training_run(args)
     _check_args(args)
 
     cache = (
