@@ -97,3 +97,12 @@ def test_a_plug_in_that_does_not_load_is_named_with_the_fix(
         assert "task=nomodule:Nothing: cannot import it" in capsys.readouterr().err
     finally:
         registry._entry_points.cache_clear()
+
+
+def test_a_declared_metric_its_validation_does_not_return_is_said_at_once() -> None:
+    from bigbatch.train.config import ConfigError
+    from bigbatch.train.tasks import check_declared_metrics
+
+    check_declared_metrics("regression", {"valid_loss": 1.0, "mae": 1, "rmse": 1, "r2": 0})
+    with pytest.raises(ConfigError, match=r"task=regression declares the metric\(s\) r2, but"):
+        check_declared_metrics("regression", {"valid_loss": 1.0, "mae": 1, "rmse": 1})

@@ -6,7 +6,9 @@ inside ``run()``, not at module top, on purpose: ``bigbatch --help`` and ``bigba
 then start without them.
 """
 
+import argparse
 import gc
+from typing import Any
 
 
 class UserError(Exception):
@@ -21,3 +23,39 @@ def freeze_loaded() -> None:
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)  # from (700, 10, 10): most of those collections found nothing
     gc.enable()
+
+
+def add_task_options(p: argparse.ArgumentParser) -> None:
+    """Each registered task's own prediction options (``predict_options`` in its registry
+    entry), as flags: ``--patch`` for a segmentation run, say. Their default is None here, so
+    that only what the user set reaches the task, which refuses what it does not take."""
+    from dataclasses import fields
+
+    from bigbatch.train.registry import task_entry, task_names
+
+    seen: dict[str, list[str]] = {}
+    for name in task_names():
+        try:
+            kind = task_entry(name).predict_options_class()
+        except (KeyError, ValueError):
+            continue  # a plug-in that does not load: said when its run is predicted
+        for f in fields(kind) if kind is not None else ():
+            seen.setdefault(f.name, [])
+            if not seen[f.name]:
+                p.add_argument(
+                    "--" + f.name.replace("_", "-"),
+                    dest=f"task_option_{f.name}",
+                    metavar=f.name.upper(),
+                    type=type(f.default),
+                    default=None,
+                    help=f"{name}: {f.metadata['help']}",
+                )
+            seen[f.name].append(name)
+
+
+def task_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The task options (:func:`add_task_options`) the user set, by name."""
+    prefix = "task_option_"
+    return {
+        k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None
+    }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli import UserError
+from bigbatch.cli import UserError, add_task_options, task_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,12 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--images", type=Path, help="run folders: the test images to write the submission for"
     )
-    p.add_argument(
-        "--mask-size",
-        default="",
-        help="run folders: the submission's masks as HEIGHTxWIDTH; default: the size the "
-        "first run's postprocess.json was tuned at",
-    )
+    add_task_options(p)  # run folders: each task's own (a Kaggle run's --mask-size)
     p.add_argument(
         "--tta",
         type=int,
@@ -88,7 +83,7 @@ def _run_folders(args: argparse.Namespace) -> int:
         )
     if args.images is None:
         raise UserError("run folders need --images DIR: the images to predict and average")
-    options = {"mask_size": args.mask_size} if args.mask_size else {}
+    options = task_options(args)
     try:
         names = [run_task_name(r) for r in runs]
         if len(set(names)) > 1:

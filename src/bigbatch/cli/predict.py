@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli import UserError
+from bigbatch.cli import UserError, add_task_options, task_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,25 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "axis and the combinations)",
     )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
-    p.add_argument(
-        "--patch",
-        type=int,
-        default=0,
-        help="segmentation volumes: the edge of the overlapping windows (a multiple of the "
-        "network's stride); default: the training patch size",
-    )
-    p.add_argument(
-        "--overlap",
-        type=float,
-        default=0.5,
-        help="segmentation volumes: how much neighbouring windows overlap (0 to <1)",
-    )
-    p.add_argument(
-        "--mask-size",
-        default="",
-        help="a run trained on a Kaggle RLE CSV: the submission's masks as HEIGHTxWIDTH (e.g. "
-        "350x525); default: the size its postprocess.json was tuned at",
-    )
+    add_task_options(p)
     p.add_argument(
         "--out",
         type=Path,
@@ -58,9 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.train.tasks import PredictRequest, run_task_name, task_entry
 
     # A task's own options, passed only when set: a task refuses those it does not take.
-    options = {"patch": args.patch} if args.patch else {}
-    options |= {"overlap": args.overlap} if args.overlap != 0.5 else {}
-    options |= {"mask_size": args.mask_size} if args.mask_size else {}
+    options = task_options(args)
     request = PredictRequest(
         args.run, args.images, args.out, args.tta, args.checkpoint, args.device, options
     )

@@ -36,8 +36,9 @@ RUN_FILES = (
     "plan.json",
     "config.json",
     "split.json",
-    "postprocess.json",
 )
+# The run's bookkeeping, not named in the closing line.
+QUIET_FILES = ("config.toml", "classes.json", "task.json", "best.json", "done.json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,8 +106,15 @@ def run(args: argparse.Namespace) -> int:
                 "with the same updates; the plan was too large for this device: lower budget= "
                 "(or set overhead=) next time"
             )
-        # Only what is there: history.png needs matplotlib; postprocess.json is what a Kaggle
-        # segmentation run derived after training.
+        # Only what is there (history.png needs matplotlib), then what the task wrote of its
+        # own (a Kaggle segmentation run's postprocess.json).
         written = [name for name in RUN_FILES if (result.run_dir / name).is_file()]
+        written += sorted(
+            p.name
+            for p in result.run_dir.iterdir()
+            if p.is_file()
+            and p.name not in (*RUN_FILES, *QUIET_FILES)
+            and not p.name.startswith(".")
+        )
         print("  " + ", ".join(f"{n} (resume)" if n == "last.pt" else n for n in written))
     return 0

@@ -78,6 +78,8 @@ class TaskEntry:
     # Metrics that are fractions of 1 (accuracy, Dice), plotted together; others get a panel each.
     fractions: frozenset[str] = field(default_factory=frozenset)
     ensemble: Any = None
+    # ``bigbatch predict``'s options of this task: a dataclass of option() fields, as ``options``.
+    predict_options: Any = None
 
     def __post_init__(self) -> None:
         unknown = set(self.lower_is_better) - set(self.metrics)
@@ -101,6 +103,9 @@ class TaskEntry:
     def ensembler(self) -> Callable[[Any], str] | None:
         return load_ref(self.ensemble) if self.ensemble is not None else None
 
+    def predict_options_class(self) -> type[Any] | None:
+        return load_ref(self.predict_options) if self.predict_options is not None else None
+
 
 _TASKS: dict[str, TaskEntry] = {}
 
@@ -117,6 +122,7 @@ def register_task(
     data_help: str = "",
     fractions: tuple[str, ...] = (),
     ensemble: Any = None,
+    predict_options: Any = None,
 ) -> TaskEntry:
     """Make ``task=name`` build ``task`` (see :class:`TaskEntry`; every part may be a
     ``"module:attr"`` reference, loaded when the task is used).
@@ -137,6 +143,7 @@ def register_task(
         data_help,
         frozenset(fractions),
         ensemble,
+        predict_options,
     )
     _TASKS[name] = entry
     return entry
@@ -211,6 +218,7 @@ def _from_class(name: str) -> TaskEntry:
         doc[0] if doc else "",
         getattr(cls, "data_help", ""),
         ensemble=getattr(cls, "ensemble_runs", None),
+        predict_options=getattr(cls, "predict_options_class", None),
     )
 
 
@@ -247,6 +255,7 @@ register_task(
     ),
     fractions=("dice", "jaccard"),
     ensemble=f"{_TASKS_PKG}.segmentation.submit:ensemble_request",
+    predict_options=f"{_TASKS_PKG}.segmentation.options:SegmentationPredictOptions",
 )
 register_task(
     "regression",

@@ -39,6 +39,7 @@ __all__ = [
     "Task",
     "TaskEntry",
     "ValidShape",
+    "check_declared_metrics",
     "lower_is_better",
     "planned_eval_batch",
     "read_task_info",
@@ -108,6 +109,21 @@ def task_for(cfg: TrainConfig) -> Task:
         )
     task.name = cfg.task  # known by the name it was chosen under (task.json, predict)
     return task
+
+
+def check_declared_metrics(task: str, scores: Mapping[str, Any]) -> None:
+    """The metrics the registry declares for ``task`` (``monitor=``'s choices, the plot's
+    panels) are all among what its validation returned: a task whose ``as_dict`` lost one is
+    a bug in the task, said at its first validation, not a KeyError epochs later."""
+    missing = [m for m in task_entry(task).metrics if m not in scores]
+    if missing:
+        from bigbatch.train.config import ConfigError  # the configuration imports no task
+
+        raise ConfigError(
+            f"task={task} declares the metric(s) {', '.join(missing)}, but its metrics' as_dict "
+            f"returned {', '.join(scores) or 'nothing'}: make as_dict return them, or declare "
+            "only what it returns"
+        )
 
 
 def read_task_info(run_dir: str | Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from bigbatch.train.tasks.options import TaskOptions, option
 
-__all__ = ["LOSSES", "SegmentationOptions"]
+__all__ = ["LOSSES", "SegmentationOptions", "SegmentationPredictOptions"]
 
 # MONAI's losses per sample, then the batch forms that couple the samples (gradient caching).
 LOSSES = ("dice_ce", "dice", "dice_focal", "ce", "dice_batch", "dice_ce_batch")
@@ -119,3 +119,21 @@ class SegmentationOptions(TaskOptions):
             raise ValueError(
                 f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
             )
+
+
+@dataclass
+class SegmentationPredictOptions(TaskOptions):
+    """``bigbatch predict``'s options for a segmentation run (``--patch``, ``--overlap``,
+    ``--mask-size``), declared as its training keys are."""
+
+    patch: int = option(
+        0,
+        "volumes: the edge of the overlapping windows (a multiple of the network's stride); "
+        "0: the training patch size",
+    )
+    overlap: float = option(0.5, "volumes: how much neighbouring windows overlap (0 to <1)")
+    mask_size: str = option(
+        "",
+        "a run trained on a Kaggle RLE CSV: the submission's masks as HEIGHTxWIDTH (e.g. "
+        "350x525); empty: the size its postprocess.json was tuned at",
+    )

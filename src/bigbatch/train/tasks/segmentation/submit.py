@@ -314,6 +314,7 @@ def _rules_at(run: SubmissionRun, size: tuple[int, int]) -> tuple[list[ClassRule
 def ensemble_request(request: EnsembleRequest) -> str:
     """``bigbatch ensemble RUN RUN ... --images DIR`` on segmentation runs trained on a Kaggle
     RLE CSV: their probabilities averaged before the per-class rules, one submission."""
+    request.refuse_options("Kaggle RLE segmentation", ("mask_size",))
     target, rows, note = write_submission(
         request.runs,
         request.images,
