@@ -99,10 +99,33 @@ def test_a_plug_in_that_does_not_load_is_named_with_the_fix(
         registry._entry_points.cache_clear()
 
 
-def test_a_declared_metric_its_validation_does_not_return_is_said_at_once() -> None:
+def test_a_monitor_its_validation_does_not_return_is_said_at_once() -> None:
     from bigbatch.train.config import ConfigError
     from bigbatch.train.tasks import check_declared_metrics
 
-    check_declared_metrics("regression", {"valid_loss": 1.0, "mae": 1, "rmse": 1, "r2": 0})
-    with pytest.raises(ConfigError, match=r"task=regression declares the metric\(s\) r2, but"):
-        check_declared_metrics("regression", {"valid_loss": 1.0, "mae": 1, "rmse": 1})
+    check_declared_metrics("regression", "r2", {"valid_loss": 1.0, "mae": 1, "rmse": 1, "r2": 0})
+    with pytest.raises(ConfigError, match=r"monitor=r2: task=regression's validation on this"):
+        check_declared_metrics("regression", "r2", {"valid_loss": 1.0, "mae": 1, "rmse": 1})
+
+
+@pytest.mark.parametrize(
+    ("task", "metrics"),
+    [
+        ("classification", "bigbatch.train.tasks.classification.metrics:ClassificationMetrics"),
+        ("regression", "bigbatch.train.tasks.regression.task:RegressionMetrics"),
+    ],
+)
+def test_the_registry_declares_what_each_tasks_metrics_return(task: str, metrics: str) -> None:
+    """Declared twice (the registry, for monitor= and the plot; as_dict, at run time): the
+    same names."""
+    import torch
+
+    kind = registry.load_ref(metrics)
+    if task == "classification":
+        tally = kind(6, list("abcdef"))  # top5 from 6 classes on
+        tally.update(torch.randn(6, 6), torch.tensor([0, 1, 2, 3, 4, 5]))
+    else:
+        tally = kind(torch.nn.functional.mse_loss, torch.zeros(2), torch.ones(2))
+        tally.update(torch.randn(4, 2), torch.randn(4, 2))
+    returned = set(tally.as_dict())
+    assert set(registry.task_entry(task).metrics) <= returned, returned

@@ -364,8 +364,14 @@ def run(args: argparse.Namespace) -> int:
     if args.list_cards:
         _print_cards()
         return 0
-    if args.config or args.train_keys:
+    training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
+    if args.config or training:
         return _plan_training_run(args)
+    if args.train_keys:
+        raise UserError(
+            f"unrecognized arguments: {' '.join(args.train_keys)} (bigbatch plan takes --flags; "
+            "bigbatch train's key=value plan a training run with data= or task=, or --config)"
+        )
     _check_args(args)
 
     cache = (

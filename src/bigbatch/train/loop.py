@@ -308,7 +308,7 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
         # Every rank evaluates the whole validation set: identical metrics everywhere.
         metrics = run.task.evaluate(run.scored, run.data.valid_loader, run.where)
         row |= metrics.as_dict()  # valid_loss, then the task's scores
-        check_declared_metrics(run.cfg.task, row)
+        check_declared_metrics(run.cfg.task, run.monitor, row)
     if ph.plateau:
         ph.sched.step(row["valid_loss" if run.data.has_valid else "train_loss"])
     row |= {

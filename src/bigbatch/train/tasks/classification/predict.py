@@ -17,13 +17,13 @@ import torch
 
 from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
-from bigbatch.train.checkpoint import load_weights_file
-from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import images_to_predict, make_loader
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch, read_task_info
+from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
 from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
 from bigbatch.train.tasks.classification.task import build_model
+from bigbatch.train.trained_run import TrainedRun
 
 __all__ = [
     "Predictions",
@@ -50,33 +50,14 @@ def _load_run(
 ) -> tuple[torch.nn.Module, list[str], TrainConfig, dict[str, Any]]:
     """The model with its trained weights, the classes, the config and ``task.json`` (the
     image format and data config the run trained with; older runs: 8-bit RGB, ImageNet's)."""
-    if not (run_dir / "config.json").is_file():
-        raise ConfigError(
-            f"{run_dir} is not a bigbatch run folder (no config.json); train one first"
-        )
-    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
+    run = TrainedRun.open(run_dir, checkpoint)
     try:
         classes = json.loads((run_dir / "classes.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{run_dir}/classes.json is missing or damaged: {exc}") from exc
-    weights = run_dir / f"{checkpoint}.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
-    try:
-        info = read_task_info(run_dir)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    fmt = ImageFormat.from_dict(info.get("format"))
-    cfg.weights, cfg.pretrained = "", False  # the run's own weights replace the starting ones
-    model = build_model(cfg, len(classes), fmt.channels)()
-    try:
-        load_weights_file(model, weights)
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot load {weights}: {type(exc).__name__}: {str(exc)[:200]}; it is damaged, or the "
-            "run's config.json names another model"
-        ) from exc
-    return model, classes, cfg, info
+    fmt = ImageFormat.from_dict(run.info.get("format"))
+    model = run.load_into(build_model(run.config, len(classes), fmt.channels)())
+    return model, classes, run.config, run.info
 
 
 def predict_files(

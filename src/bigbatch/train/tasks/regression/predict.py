@@ -14,13 +14,13 @@ import torch
 
 from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
-from bigbatch.train.checkpoint import load_weights_file
-from bigbatch.train.config import ConfigError, config_from_json
+from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict, make_loader
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch, read_task_info
+from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
 from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
 from bigbatch.train.tasks.classification.task import build_model
+from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["ensemble_request", "predict_files", "predict_request", "save_values"]
 
@@ -38,23 +38,15 @@ def predict_files(
     targets' units, averaged over ``tta`` passes."""
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
-    run_dir = Path(run_dir)
-    info = read_task_info(run_dir)
-    if info.get("task") != "regression":
-        raise ConfigError(f"{run_dir} is a task={info.get('task')} run, not a regression run")
-    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
-    weights = run_dir / f"{checkpoint}.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
+    run = TrainedRun.open(run_dir, checkpoint, task="regression")
+    cfg, info = run.config, run.info
     fmt = ImageFormat.from_dict(info.get("format"))
-    cfg.pretrained, cfg.weights = False, ""  # the run's own weights replace any starting ones
-    model = build_model(cfg, len(info["targets"]), fmt.channels)()
-    load_weights_file(model, weights)
+    model = run.load_into(build_model(cfg, len(info["targets"]), fmt.channels)())
     dev = resolve_device(device, "--device")
     model.to(dev).eval()
     mean = torch.tensor(info["mean"], dtype=torch.float64)
     std = torch.tensor(info["std"], dtype=torch.float64)
-    batch, backoff = planned_eval_batch(run_dir, dev), EvalBackoff()
+    batch, backoff = planned_eval_batch(run.run_dir, dev), EvalBackoff()
     total = np.zeros((len(files), len(info["targets"])), dtype=np.float64)
     for k in range(tta):
         transform = build_transforms(

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from bigbatch.backoff import EvalBackoff
 from bigbatch.device import autocast_for
 from bigbatch.io import atomic_path, check_writable
-from bigbatch.train.checkpoint import load_weights_file
-from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
 from bigbatch.train.runtime import resolve_device, resolve_precision
 from bigbatch.train.tasks import PredictRequest, planned_eval_batch, read_task_info
@@ -45,6 +44,7 @@ from bigbatch.train.tasks.segmentation.task import (
     sliding_window_fitting,
 )
 from bigbatch.train.tasks.segmentation.tta import Probabilities, tta_flips, with_tta
+from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["predict_masks", "predict_request"]
 
@@ -175,11 +175,8 @@ def predict_masks(
     if not 0 <= overlap < 1:
         raise ConfigError(f"overlap is a fraction in [0, 1), got {overlap}")
     run_dir, folder, out = Path(run_dir), Path(folder), Path(out)
-    try:
-        info = read_task_info(run_dir)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
+    run = TrainedRun.open(run_dir, checkpoint)
+    cfg, info = run.config, run.info
     dims, channels, classes = int(info["dims"]), int(info["channels"]), int(info["num_classes"])
     tta_flips(dims, tta)
     multiple = int(info.get("multiple", 8))
@@ -193,12 +190,7 @@ def predict_masks(
         )
     cases, root = _inputs(folder, dims)
     _check_inputs(cases, root, out, dims, channels)
-    weights = run_dir / f"{checkpoint}.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
-    cfg.pretrained, cfg.weights = False, ""  # the run's own weights replace any starting ones
-    model = build_seg_model(cfg, channels, classes, dims)()
-    load_weights_file(model, weights)
+    model = run.load_into(build_seg_model(cfg, channels, classes, dims)())
     dev = resolve_device(device, "--device")
     precision = resolve_precision(cfg.precision, dev)
     model.to(dev).eval()

@@ -30,11 +30,10 @@ from bigbatch.segmentation.postprocess import (
     tune_rules,
 )
 from bigbatch.segmentation.rle import RLEError, parse_mask_size, write_rle_csv
-from bigbatch.train.checkpoint import load_weights_file
-from bigbatch.train.config import ConfigError, config_from_json
+from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict, split_items
 from bigbatch.train.runtime import resolve_device, resolve_precision
-from bigbatch.train.tasks import EnsembleRequest, read_task_info
+from bigbatch.train.tasks import EnsembleRequest
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
@@ -45,6 +44,7 @@ from bigbatch.train.tasks.segmentation.rle_data import (
 )
 from bigbatch.train.tasks.segmentation.task import build_seg_model
 from bigbatch.train.tasks.segmentation.tta import tta_flips, with_tta
+from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["SubmissionRun", "ensemble_request", "load_submission_run", "write_submission"]
 
@@ -72,24 +72,16 @@ def load_submission_run(
 ) -> SubmissionRun:
     """Read a run trained on an RLE CSV (ConfigError with the fix for any other run)."""
     run_dir = Path(run_dir)
-    try:
-        info = read_task_info(run_dir)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    run = TrainedRun.open(run_dir, checkpoint)
+    cfg, info = run.config, run.info
     rle = info.get("rle")
     if not rle:
         raise ConfigError(
             f"{run_dir} was not trained on a Kaggle RLE CSV: --mask-size and submissions are "
             "for such runs; bigbatch predict writes its masks as images"
         )
-    cfg = config_from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
-    weights = run_dir / f"{checkpoint}.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} does not exist: the run has not finished an epoch yet")
     classes = [str(c) for c in info["classes"]]
-    cfg.pretrained, cfg.weights = False, ""  # the run's own weights replace any starting ones
-    model = build_seg_model(cfg, 3, int(info["num_classes"]), 2)()
-    load_weights_file(model, weights)
+    model = run.load_into(build_seg_model(cfg, 3, int(info["num_classes"]), 2)())
     dev = device or torch.device("cpu")
     model.to(dev).eval()
     rules_file = run_dir / "postprocess.json"
