@@ -123,7 +123,7 @@ def _loop(run: Run) -> TrainResult:
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
         record_measured_peak(run.run_dir, run.where.device, run.log)
     return TrainResult(
-        run.run_dir, run.best, run.history, run.task.classes, run.monitor, run.backoff.events
+        run.run_dir, run.best, run.history, list(run.task.classes), run.monitor, run.backoff.events
     )
 
 

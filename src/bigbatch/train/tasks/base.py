@@ -10,7 +10,7 @@ never asks which task it runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +102,8 @@ class Task:
     """
 
     name: str = ""
-    classes: list[str]  # set by prepare(); a class attribute would be shared by instances
+    # A task with classes sets its own list in prepare(); one without (regression) has none.
+    classes: Sequence[str] = ()
     # What ``task=module:Class`` reads of the class (a registered task's entry says these):
     # its metrics' names and those where lower is better, its options dataclass, its data's
     # help, and ``predict_run(request)`` / ``ensemble_runs(request)`` as static methods.

@@ -7,33 +7,42 @@ training set never saw are errors that name the file, before any long work start
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch.utils.data import Dataset
-
-from bigbatch.images import ImageInfo, UnreadableImageError, probe, read_pixels, scale_for
-from bigbatch.models import MEAN, STD
 from bigbatch.train.data import (
     IMAGE_SUFFIXES,
     DataError,
     list_images,
     read_csv_rows,
 )
+from bigbatch.train.tasks.images import (  # the shared image layer; here for older imports
+    DEFAULT_DATA,
+    ImageDataset,
+    ImageFormat,
+    build_transforms,
+    check_images,
+    format_of,
+    parse_window,
+    resolve_data_config,
+)
 
 __all__ = [
+    "DEFAULT_DATA",
     "DuplicateRowsWarning",
     "ImageDataset",
+    "ImageFormat",
     "ImageItems",
     "build_transforms",
+    "check_images",
     "class_counts",
+    "format_of",
     "load_items",
+    "parse_window",
+    "resolve_data_config",
     "scan_csv",
     "scan_folder",
 ]
@@ -41,35 +50,6 @@ __all__ = [
 
 class DuplicateRowsWarning(UserWarning):
     """A CSV listed a file more than once; it is used once."""
-
-
-@dataclass(frozen=True)
-class ImageFormat:
-    """How a set's images become tensors, the same in training and prediction (saved in the
-    run): 1 channel when every image is greyscale, else 3; ``wide`` images (16-bit, float,
-    DICOM) read as floats (:func:`bigbatch.images.read_pixels`) and divided by ``scale``,
-    DICOM through ``window``; 8-bit ones through PIL and timm's transforms."""
-
-    grey: bool = False
-    wide: bool = False
-    scale: float = 0.0
-    window: tuple[float, float] | None = None
-
-    @property
-    def channels(self) -> int:
-        return 1 if self.grey else 3
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"grey": self.grey, "wide": self.wide, "scale": self.scale, "window": self.window}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> ImageFormat:
-        """A run's saved format (runs from before it was saved: 8-bit RGB)."""
-        if not d:
-            return cls()
-        window = d.get("window")
-        centre_width = (float(window[0]), float(window[1])) if window else None
-        return cls(bool(d["grey"]), bool(d["wide"]), float(d["scale"]), centre_width)
 
 
 @dataclass
@@ -92,62 +72,6 @@ class ImageItems:
             self.classes,
             format=self.format,
         )
-
-
-def _check_images(
-    files: list[Path], labels: list[int], bad_images: str
-) -> tuple[list[Path], list[int], list[tuple[Path, str]], ImageFormat]:
-    keep_f, keep_l, skipped, infos = [], [], [], []
-    for f, label in zip(files, labels, strict=True):
-        try:
-            infos.append(probe(f))
-        except ModuleNotFoundError:
-            raise  # a missing library (Pillow, pydicom), not a bad image: named by the CLI
-        except Exception as exc:
-            problem = (
-                str(exc)
-                if isinstance(exc, UnreadableImageError)
-                else f"{type(exc).__name__}: {exc}"
-            )
-            if bad_images == "error":
-                raise DataError(
-                    f"cannot read image {f}: {problem}; remove it, or set bad_images=skip"
-                ) from None
-            skipped.append((f, problem))
-            continue
-        keep_f.append(f)
-        keep_l.append(label)
-    return keep_f, keep_l, skipped, format_of(infos)
-
-
-def parse_window(text: str) -> tuple[float, float] | None:
-    """``window=40,400``: a DICOM window's centre and width (here CT soft tissue, in HU).
-
-    >>> parse_window("40,400"), parse_window("")
-    ((40.0, 400.0), None)
-    """
-    if not text.strip():
-        return None
-    try:
-        centre, width = (float(v) for v in text.split(","))
-    except ValueError:
-        centre, width = 0.0, 0.0
-    if not width > 0:
-        raise DataError(f"window={text!r}: give a centre and a width > 0, e.g. window=40,400")
-    return centre, width
-
-
-def format_of(infos: Sequence[ImageInfo], window: tuple[float, float] | None = None) -> ImageFormat:
-    """The format a set of images trains in: greyscale only if all are; wide (read as floats)
-    if any is; the scale from the widest value of the wide ones."""
-    wide = [i for i in infos if i.depth != "8bit"]
-    peaks = [i.peak for i in wide if i.depth == "high"]
-    return ImageFormat(
-        grey=bool(infos) and all(i.grey for i in infos),
-        wide=bool(wide),
-        scale=scale_for(max(peaks)) if peaks else 0.0,
-        window=window,
-    )
 
 
 def scan_folder(
@@ -183,7 +107,7 @@ def scan_folder(
             )
         files += images
         labels += [order.index(folder.name)] * len(images)  # once per class folder
-    files, labels, skipped, fmt = _check_images(files, labels, bad_images)
+    files, labels, skipped, fmt = check_images(files, labels, bad_images)
     _check_readable_classes(root, files, labels, order, skipped, require_all=classes is None)
     return ImageItems(files, labels, order, skipped, fmt)
 
@@ -267,7 +191,7 @@ def scan_csv(
         order = list(classes)
     files = [root / f for f, _ in body]
     index = {name: i for i, name in enumerate(order)}  # not order.index: rows x classes
-    files, labels, skipped, fmt = _check_images(files, [index[t] for t in labels_text], bad_images)
+    files, labels, skipped, fmt = check_images(files, [index[t] for t in labels_text], bad_images)
     _check_readable_classes(path, files, labels, order, skipped, require_all=classes is None)
     return ImageItems(files, labels, order, skipped, fmt)
 
@@ -328,149 +252,6 @@ def load_items(
             source, image_root=image_root or None, classes=classes, bad_images=bad_images
         )
     return scan_folder(source, classes=classes, bad_images=bad_images)
-
-
-DEFAULT_DATA: dict[str, Any] = {
-    "mean": MEAN,
-    "std": STD,
-    "interpolation": "bilinear",
-    "crop_pct": 0.875,
-}
-
-
-def resolve_data_config(factory: Callable[[], Any], channels: int = 3) -> dict[str, Any]:
-    """The model's own input normalisation, interpolation and crop (timm's
-    ``resolve_model_data_config``: ViT augreg's 0.5/0.5, CLIP's, inception's ...), built on the
-    meta device (no weights, no memory); a model without timm's ``pretrained_cfg`` gets
-    ImageNet's. For 1-channel data the means of the three channels' statistics."""
-    from timm.data import resolve_model_data_config
-
-    with torch.device("meta"):
-        model = factory()
-    if getattr(model, "pretrained_cfg", None) is None:
-        resolved = dict(DEFAULT_DATA)
-    else:
-        resolved = resolve_model_data_config(model)
-    mean, std = tuple(resolved["mean"]), tuple(resolved["std"])
-    if channels == 1 and len(mean) == 3:
-        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
-    return {
-        "mean": [float(m) for m in mean],
-        "std": [float(s) for s in std],
-        "interpolation": str(resolved.get("interpolation", "bilinear")),
-        "crop_pct": float(resolved.get("crop_pct") or 0.875),
-    }
-
-
-def build_transforms(
-    size: int,
-    item_transform: str,
-    *,
-    train: bool,
-    augment: bool,
-    flip: bool = False,
-    data: dict[str, Any] | None = None,
-    fmt: ImageFormat | None = None,
-    auto_augment: str = "",
-) -> Callable[[Any], torch.Tensor]:
-    """The item transform: timm's ``create_transform`` for 8-bit images (resize by
-    ``item_transform``: squish or centre crop; when training, a random resized crop of 75-100 %
-    of the image, a horizontal flip and ``auto_augment``, e.g. ``rand-m9-mstd0.5``), the same
-    geometry on float tensors for wide images (16-bit, float, DICOM); both normalised with the
-    model's ``data`` config. ``flip`` adds a certain horizontal flip (a TTA pass)."""
-    data = data or DEFAULT_DATA
-    fmt = fmt or ImageFormat()
-    if fmt.wide:
-        return _tensor_transforms(size, item_transform, train and augment, flip, data)
-    from timm.data import create_transform
-    from torchvision.transforms import v2 as T
-
-    channels = fmt.channels
-    common: dict[str, Any] = {
-        "input_size": (channels, size, size),
-        "interpolation": data["interpolation"],
-        "mean": tuple(data["mean"]),
-        "std": tuple(data["std"]),
-    }
-    if train and augment:
-        out = create_transform(
-            **common,
-            is_training=True,
-            scale=(0.75, 1.0),
-            color_jitter=0.0,
-            auto_augment=auto_augment or None,
-        )
-    else:
-        out = create_transform(
-            **common,
-            is_training=False,
-            crop_pct=1.0 if item_transform == "squish" else data["crop_pct"],
-            crop_mode="squash" if item_transform == "squish" else "center",
-        )
-    return T.Compose([T.RandomHorizontalFlip(p=1.0), out]) if flip else out
-
-
-def _tensor_transforms(
-    size: int, item_transform: str, augment: bool, flip: bool, data: dict[str, Any]
-) -> Callable[[Any], torch.Tensor]:
-    from torchvision.transforms import v2 as T
-
-    mode = (
-        T.InterpolationMode.BICUBIC
-        if data["interpolation"] == "bicubic"
-        else T.InterpolationMode.BILINEAR
-    )
-    if augment:
-        steps: list[Any] = [
-            T.RandomResizedCrop(size, scale=(0.75, 1.0), interpolation=mode, antialias=True),
-            T.RandomHorizontalFlip(),
-        ]
-    elif item_transform == "squish":
-        steps = [T.Resize((size, size), interpolation=mode, antialias=True)]
-    else:
-        steps = [
-            T.Resize(int(size / data["crop_pct"]), interpolation=mode, antialias=True),
-            T.CenterCrop(size),
-        ]
-    if flip:
-        steps.append(T.RandomHorizontalFlip(p=1.0))
-    steps.append(T.Normalize(data["mean"], data["std"]))
-    return T.Compose(steps)
-
-
-class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
-    """(image tensor, label): 8-bit images through PIL (greyscale or RGB by ``fmt``), wide
-    ones read as floats in [0, 1] (:func:`bigbatch.images.read_pixels`), then ``transform``."""
-
-    def __init__(
-        self,
-        files: Sequence[Path],
-        labels: Sequence[int] | None,
-        transform: Callable[[Any], torch.Tensor],
-        fmt: ImageFormat | None = None,
-    ) -> None:
-        self.files = list(files)
-        self.labels = list(labels) if labels is not None else [-1] * len(self.files)
-        self.transform = transform
-        self.fmt = fmt or ImageFormat()
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        fmt = self.fmt
-        if fmt.wide:
-            pixels = read_pixels(self.files[i], scale=fmt.scale, grey=fmt.grey, window=fmt.window)
-            return self.transform(torch.from_numpy(pixels)), self.labels[i]
-        from PIL import Image, ImageOps
-
-        with Image.open(self.files[i]) as im:
-            # Cameras store the orientation in EXIF: a photo taken upright must train upright.
-            image = ImageOps.exif_transpose(im).convert("L" if fmt.grey else "RGB")
-        # timm's PIL transforms draw from Python's `random`: seeded from torch's generator, so
-        # a seed (and a resumed run, which restores torch's state) replays the augmentation.
-        random.seed(int(torch.randint(0, 2**31 - 1, ())))
-        return self.transform(image), self.labels[i]
 
 
 def class_counts(items: ImageItems) -> dict[str, int]:

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigbatch.models import UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import split_items
 from bigbatch.train.tasks.base import Task
@@ -27,35 +26,11 @@ from bigbatch.train.tasks.classification.data import (
 )
 from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
 from bigbatch.train.tasks.classification.options import ClassificationOptions
-from bigbatch.train.tasks.user_model import load_user_model
+from bigbatch.train.tasks.images import build_model
 
 __all__ = ["ClassificationTask", "build_model", "prepare_data"]
 
 Log = Callable[[str], None]
-
-
-def build_model(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> Callable[[], nn.Module]:
-    """A zero-argument factory for the configured model (timm by name, or module:factory);
-    ``in_chans`` 1 for greyscale data (timm adapts a pretrained stem)."""
-    if cfg.model:
-        user = load_user_model(cfg.model)
-
-        def build_user() -> nn.Module:
-            return user(num_classes)
-
-        return build_user
-
-    try:
-        return timm_factory(
-            cfg.arch,
-            num_classes=num_classes,
-            img_size=cfg.size,
-            in_chans=in_chans,
-            weights=cfg.weights or None,
-            pretrained=cfg.pretrained,
-        )
-    except (UnknownArchitectureError, ValueError) as exc:  # an unknown name, unreadable weights
-        raise ConfigError(str(exc)) from exc
 
 
 def prepare_data(cfg: TrainConfig, log: Log = print) -> tuple[ImageItems, ImageItems]:

@@ -18,8 +18,7 @@ from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict, make_loader
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
-from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
-from bigbatch.train.tasks.classification.task import build_model
+from bigbatch.train.tasks.images import ImageDataset, ImageFormat, build_model, build_transforms
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["ensemble_request", "predict_files", "predict_request", "save_values"]

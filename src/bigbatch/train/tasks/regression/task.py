@@ -20,14 +20,14 @@ from torch import nn
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import DataError, read_csv_rows, split_items
 from bigbatch.train.tasks.base import Task
-from bigbatch.train.tasks.classification.data import (
+from bigbatch.train.tasks.images import (
     ImageDataset,
     ImageFormat,
-    _check_images,
+    build_model,
     build_transforms,
+    check_images,
     resolve_data_config,
 )
-from bigbatch.train.tasks.classification.task import build_model
 from bigbatch.train.tasks.regression.options import RegressionOptions
 
 __all__ = ["RegressionItems", "RegressionMetrics", "RegressionTask", "read_targets"]
@@ -101,7 +101,7 @@ def read_targets(
             f"{len(missing)} file(s) named in {path} do not exist under {root}, e.g. "
             f"{missing[0]}; fix the CSV or set image_root"
         )
-    kept, index, skipped, fmt = _check_images(files, list(range(len(files))), bad_images)
+    kept, index, skipped, fmt = check_images(files, list(range(len(files))), bad_images)
     table = np.asarray(values, dtype=np.float64).reshape(len(values), len(wanted))
     return RegressionItems(kept, table[index], wanted, skipped, fmt)
 
@@ -150,7 +150,6 @@ class RegressionTask(Task):
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.options = cast(RegressionOptions, cfg.options)
-        self.classes: list[str] = []  # targets have names, not classes
         self.targets: list[str] = []
         self.mean = torch.zeros(1)
         self.std = torch.ones(1)
