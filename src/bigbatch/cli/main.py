@@ -24,6 +24,10 @@ COMMANDS = {
     "predict": ("bigbatch.cli.predict", "class probabilities for a folder of images, with TTA"),
     "ensemble": ("bigbatch.cli.ensemble", "train members, TTA, weighted average, submission CSV"),
     "demo": ("bigbatch.cli.demo", "the whole job on the bundled digits (no download)"),
+    "nnunet": (
+        "bigbatch.cli.nnunet",
+        "nnU-Net v2's training with exact micro-batches; its plans on a card",
+    ),
 }
 
 
@@ -61,6 +65,7 @@ _EXTRAS = {
     "einops": "seg",
     "scipy": "seg",
     "pydicom": "dicom",
+    "nnunetv2": "nnunet",
 }
 
 # Subcommands whose settings are key=value pairs: they may follow the flags too

@@ -1,0 +1,134 @@
+"""``bigbatch nnunet train DATASET CONFIGURATION FOLD --budget B``: nnU-Net v2's own training of
+its plan, each batch in exact micro-batches that fit ``B``; ``bigbatch nnunet plan DATASET
+--budget B``: each configuration's predicted peak on that card and the micro-batch that fits,
+from a CPU. nnU-Net's folders come from its environment variables (``nnUNet_raw``,
+``nnUNet_preprocessed``, ``nnUNet_results``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bigbatch.cli import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="nnunet_command", metavar="{train,plan}")
+    sub.required = True
+    train = sub.add_parser("train", help="train a fold of a plan with exact micro-batches")
+    train.add_argument("dataset", help="the dataset's name or id (Dataset004_Hippocampus, 4)")
+    train.add_argument("configuration", help="2d, 3d_fullres, 3d_lowres, 3d_cascade_fullres")
+    train.add_argument("fold", help="0 to 4, or all")
+    train.add_argument(
+        "--plans", default="nnUNetPlans", help="the plans' name (nnUNetResEncUNetLPlans)"
+    )
+    train.add_argument(
+        "--budget", default="auto", help="memory: 12GB, 16GiB, a card (t4, a100), or auto"
+    )
+    train.add_argument("--micro-batch", type=int, default=0, help="fixed micro-batch (0: planned)")
+    train.add_argument(
+        "--device", default="cuda", help="cuda, cpu or mps (as nnUNetv2_train -device)"
+    )
+    train.add_argument(
+        "--c",
+        dest="continue_training",
+        action="store_true",
+        help="continue from the latest checkpoint",
+    )
+    train.add_argument(
+        "--val",
+        dest="validation_only",
+        action="store_true",
+        help="only run the validation (needs a finished training)",
+    )
+    train.add_argument(
+        "--pretrained-weights",
+        type=Path,
+        help="a checkpoint's network weights to start from (read with weights_only=True)",
+    )
+    train.add_argument("--epochs", type=int, default=0, help="epochs (0: nnU-Net's 1000)")
+    train.add_argument(
+        "--iterations-per-epoch",
+        type=int,
+        default=0,
+        help="training iterations an epoch (0: nnU-Net's 250)",
+    )
+    plan = sub.add_parser("plan", help="each configuration's predicted peak on a card, from a CPU")
+    plan.add_argument("dataset", help="the dataset's name or id")
+    plan.add_argument(
+        "--budget", required=True, help="12GB, 16GiB or a card's name (t4, a100-40gb)"
+    )
+    plan.add_argument(
+        "--device", default="cuda", help="the device planned for (cuda: from any machine)"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch or nnU-Net.
+    try:
+        from bigbatch.integrations import nnunet
+    except ImportError as exc:
+        raise UserError(str(exc)) from exc
+    try:
+        if args.nnunet_command == "train":
+            return _train(nnunet, args)
+        return _plan(nnunet, args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise UserError(
+            f"{type(exc).__name__}: {exc}" if isinstance(exc, RuntimeError) else str(exc)
+        ) from exc
+
+
+def _train(nnunet: Any, args: argparse.Namespace) -> int:
+    import torch
+
+    if args.continue_training and args.pretrained_weights:
+        raise UserError("--c continues a training; --pretrained-weights starts one: choose one")
+    trainer = nnunet.trainer_for(
+        args.dataset,
+        args.configuration,
+        args.fold,
+        plans_identifier=args.plans,
+        continue_training=args.continue_training,
+        device=torch.device(args.device),
+    )
+    trainer.budget, trainer.micro_batch = args.budget, args.micro_batch
+    if args.epochs:
+        trainer.num_epochs = args.epochs
+    if args.iterations_per_epoch:
+        trainer.num_iterations_per_epoch = args.iterations_per_epoch
+    if args.pretrained_weights:
+        nnunet.load_pretrained(trainer, args.pretrained_weights)
+    elif args.continue_training or args.validation_only:
+        nnunet.load_own_checkpoint(trainer, validation_only=args.validation_only)
+    if not args.validation_only:
+        trainer.run_training()
+    trainer.perform_actual_validation(False)
+    return 0
+
+
+def _plan(nnunet: Any, args: argparse.Namespace) -> int:
+    rows = nnunet.plan_dataset(args.dataset, args.budget, device=args.device)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(
+        f"{'plans':<28} {'configuration':<20} {'patch':<16} {'batch':>5} {'micro':>5}  predicted peak"
+    )
+    for r in rows:
+        patch = "x".join(map(str, r["patch_size"]))
+        peak = (
+            r["predicted_peak"] if r["fits"] else f"{r['predicted_peak']} (does not fit even at 1)"
+        )
+        print(
+            f"{r['plans']:<28} {r['configuration']:<20} {patch:<16} {r['batch_size']:>5} {r['micro_batch']:>5}  {peak}"
+        )
+    print(
+        f"budget {args.budget} on {args.device}; micro: the micro-batch bigbatch trains with",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,399 @@
+"""nnU-Net v2 on the card you have: :class:`nnUNetTrainerBigBatch` trains nnU-Net's own plan
+(network, patch, batch size, deep supervision, DC+CE, augmentation, poly learning rate,
+checkpoints, validation, output folders) with each batch split into micro-batches that fit the
+memory budget, accumulated exactly into one optimizer step per batch, gradient clipping and fp16
+loss scaling as nnU-Net does them, and the OOM back-off keeping the same update.
+
+Why it is exact: nnU-Net's networks normalise each sample on its own (InstanceNorm), its
+cross-entropy is a mean over voxels of equal-sized patches and its Dice (``batch_dice=False``)
+a mean over samples, so each micro-batch's loss weighted by its share of the batch sums to the
+batch's loss. With ``batch_dice=True`` the Dice sums over the whole batch: the samples are
+coupled, and the batch goes through gradient caching (:func:`bigbatch.coupled.cached_backward`),
+exact too. A label map with an ignore label makes the cross-entropy a mean over the voxels that
+are not ignored, which differ between samples: that plan is refused rather than trained
+inexactly.
+
+>>> from bigbatch.integrations.nnunet import split_sizes
+>>> split_sizes(5, 2)
+[2, 2, 1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from bigbatch.accumulate import Accumulator
+from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
+from bigbatch.batching import batch_len
+from bigbatch.device import autocast_for, cap_cuda_allocator, device_kind
+from bigbatch.integrations import require
+from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.plan import Plan, plan_under_budget, resolve_budget
+from bigbatch.memory.step import Precision, StepSpec
+
+require("nnunetv2", "nnunet")
+from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer  # noqa: E402
+
+__all__ = [
+    "BUDGET_ENV",
+    "MICRO_BATCH_ENV",
+    "load_own_checkpoint",
+    "load_pretrained",
+    "nnUNetTrainerBigBatch",
+    "plan_configuration",
+    "plan_dataset",
+    "split_sizes",
+    "trainer_for",
+]
+
+# How ``nnUNetv2_train``-style construction (which passes no extra arguments) is told the budget.
+BUDGET_ENV = "BIGBATCH_BUDGET"
+MICRO_BATCH_ENV = "BIGBATCH_MICRO_BATCH"
+CLIP_NORM = 12.0  # nnU-Net's gradient clipping
+
+
+def split_sizes(batch: int, micro_batch: int) -> list[int]:
+    """The micro-batches' sizes of a batch (at most ``micro_batch`` each, in order)."""
+    return [min(micro_batch, batch - start) for start in range(0, batch, micro_batch)]
+
+
+class nnUNetTrainerBigBatch(nnUNetTrainer):
+    """nnU-Net's trainer with exact micro-batches under a memory budget (module docstring).
+
+    ``budget`` (``"auto"``: the device's free memory; ``"12GB"``; a card's name such as ``t4``)
+    and ``micro_batch`` (0: planned) are attributes, set before training, or read from the
+    environment (``BIGBATCH_BUDGET``, ``BIGBATCH_MICRO_BATCH``) where nnU-Net builds the trainer
+    itself. Everything nnU-Net prints and writes stays nnU-Net's, plus one line with the
+    micro-batch and the predicted peak.
+    """
+
+    # nnU-Net reads this signature to re-create the trainer from a checkpoint: its own.
+    def __init__(
+        self,
+        plans: dict,
+        configuration: str,
+        fold: int,
+        dataset_json: dict,
+        device: torch.device = torch.device("cuda"),  # noqa: B008 - nnU-Net's default
+    ) -> None:
+        super().__init__(plans, configuration, fold, dataset_json, device)
+        self.budget = os.environ.get(BUDGET_ENV, "auto")
+        self.micro_batch = int(os.environ.get(MICRO_BATCH_ENV, "0") or 0)
+        self.plan: Plan | None = None
+        self.backoff: OOMBackoff | None = None
+        self.accumulator: Accumulator | None = None
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._check_exact()
+        micro, line = self._choose_micro_batch()
+        self.backoff = OOMBackoff(micro_batch=micro, max_micro_batch=micro, grow_after=0)
+        self.accumulator = Accumulator(
+            self.optimizer, scaler=self.grad_scaler, clip_grad_norm=CLIP_NORM
+        )
+        self.print_to_log_file(line)
+
+    def _check_exact(self) -> None:
+        if self.label_manager.ignore_label is not None:
+            raise ValueError(
+                "this dataset has an ignore label: nnU-Net's cross-entropy is then a mean over "
+                "the voxels each batch does not ignore, which micro-batches cannot reproduce "
+                "exactly; train it with nnU-Net's own trainer"
+            )
+
+    def _choose_micro_batch(self) -> tuple[int, str]:
+        batch = int(self.batch_size)
+        if self.micro_batch:
+            micro = min(self.micro_batch, batch)
+            return micro, f"bigbatch: batch {batch} in micro-batches of {micro} (fixed)"
+        self.plan = plan_configuration(self, self.budget)
+        micro = self.plan.micro_batch
+        if self.budget.strip().lower() != "auto":
+            cap_cuda_allocator(self.device, self.plan.budget_bytes - self.plan.overhead_bytes)
+        return micro, (
+            f"bigbatch: batch {batch} in micro-batches of {micro}, predicted peak "
+            f"{format_bytes(self.plan.predicted_peak_bytes)} of {format_bytes(self.plan.usable_bytes)} "
+            f"usable (budget {self.budget})"
+        )
+
+    # -- the step --------------------------------------------------------------------------
+
+    def train_step(self, batch: dict) -> dict:
+        """nnU-Net's step on the whole batch, in micro-batches: one optimizer step, the same
+        update (clipped at 12, fp16 loss scaling on CUDA), the batch's mean loss back."""
+        if self.accumulator is None or self.backoff is None:
+            raise RuntimeError("train_step before on_train_start: run the trainer's run_training()")
+        data = batch["data"].to(self.device, non_blocking=True)
+        target = batch["target"]
+        if isinstance(target, list):
+            target = [t.to(self.device, non_blocking=True) for t in target]
+        else:
+            target = target.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        precision = "fp16" if self.grad_scaler is not None else "fp32"
+        if self.configuration_manager.batch_dice:
+            result = run_coupled_window(
+                self.accumulator,
+                (data, target),
+                cast(
+                    Any, lambda x: _as_tuple(self._forward(x, precision))
+                ),  # towers: each DS output
+                lambda *outs: self._loss_of(list(outs[:-1]), outs[-1], precision),
+                self.backoff,
+                device=self.device,
+                model=self.network,
+            )
+        else:
+
+            def step(micro: Any) -> tuple[torch.Tensor, int]:
+                x, y = micro
+                return self._loss_of(self._forward(x, precision), y, precision), batch_len(x)
+
+            result = run_window(
+                self.accumulator,
+                (data, target),
+                step,
+                self.backoff,
+                device=self.device,
+                model=self.network,
+            )
+        return {"loss": np.array(result.loss)}
+
+    def _forward(self, x: torch.Tensor, precision: str) -> Any:
+        with autocast_for(precision, self.device.type):
+            return self.network(x)
+
+    def _loss_of(self, output: Any, target: Any, precision: str) -> torch.Tensor:
+        with autocast_for(precision, self.device.type):
+            if not self.enable_deep_supervision and isinstance(output, list | tuple):
+                output = output[0]
+            return self.loss(output, target)
+
+
+def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
+    """Deep supervision's outputs (a list, highest resolution first) as gradient caching's towers."""
+    return tuple(output) if isinstance(output, list | tuple) else (output,)
+
+
+def plan_configuration(trainer: nnUNetTrainer, budget: str | int, device: str = "") -> Plan:
+    """The micro-batch of ``trainer``'s plan (network, patch, batch size, deep supervision, its
+    loss) that fits ``budget`` on ``device`` (default: the trainer's), predicted on fake
+    tensors: nnU-Net's own training step, with SGD's momentum as its optimizer keeps it."""
+    device = device or trainer.device.type
+    spec_at = _spec_at(trainer, device)
+    usable_budget = resolve_budget(budget, device)
+    return plan_under_budget(
+        spec_at, int(trainer.batch_size), usable_budget, device=device, calibrate=device == "cpu"
+    )
+
+
+def _spec_at(trainer: nnUNetTrainer, device: str) -> Callable[[int], StepSpec]:
+    """nnU-Net's training step at micro-batch ``b``, for the planner."""
+    cm = trainer.configuration_manager
+    patch = tuple(int(p) for p in cm.patch_size)
+    channels = int(trainer.num_input_channels)
+    scales = trainer._get_deep_supervision_scales() if trainer.enable_deep_supervision else None
+    net_args = (trainer.plans_manager, cm, channels, trainer.label_manager.num_segmentation_heads)
+    loss = trainer.loss
+    labels = max(2, len(trainer.label_manager.all_labels))
+    deep = trainer.enable_deep_supervision
+    # nnU-Net autocasts to fp16 on CUDA only (of the kinds bigbatch knows, the one with memory
+    # of its own).
+    precision: Precision = "fp16" if device_kind(device).dedicated_memory else "fp32"
+
+    def build() -> nn.Module:
+        return type(trainer).build_network_architecture(*net_args, deep)
+
+    def example(b: int, where: Any) -> tuple[torch.Tensor, Any]:
+        x = torch.randn(b, channels, *patch, device=where)
+        if scales is None:
+            return x, torch.randint(0, labels, (b, 1, *patch), device=where).float()
+        targets = [
+            torch.randint(
+                0,
+                labels,
+                (b, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)]),
+                device=where,
+            ).float()
+            for sc in scales
+        ]
+        return x, targets
+
+    def step(model: nn.Module, micro: Any) -> torch.Tensor:
+        x, y = micro
+        out = model(x)
+        if not deep and isinstance(out, list | tuple):
+            out = out[0]
+        return loss(out, y)
+
+    def spec_at(b: int) -> StepSpec:
+        return StepSpec(
+            build,
+            (channels, *patch),
+            b,
+            "sgd_momentum",
+            precision,
+            device,
+            step=step,
+            batch=example,
+        )
+
+    return spec_at
+
+
+def trainer_for(
+    dataset: str | int,
+    configuration: str,
+    fold: int | str,
+    *,
+    plans_identifier: str = "nnUNetPlans",
+    continue_training: bool = False,
+    device: torch.device | None = None,
+) -> nnUNetTrainerBigBatch:
+    """:class:`nnUNetTrainerBigBatch` for a preprocessed dataset, as ``nnUNetv2_train DATASET
+    CONFIGURATION FOLD`` builds nnU-Net's own trainer (its plans and ``dataset.json`` from
+    ``nnUNet_preprocessed``)."""
+    from batchgenerators.utilities.file_and_folder_operations import join, load_json
+    from nnunetv2.paths import nnUNet_preprocessed
+    from nnunetv2.utilities.dataset_name_id_conversion import maybe_convert_to_dataset_name
+
+    if nnUNet_preprocessed is None:
+        raise ValueError(
+            "nnUNet_preprocessed is not set: export nnUNet_raw, nnUNet_preprocessed and "
+            "nnUNet_results as nnU-Net's documentation says (setting_up_paths.md)"
+        )
+    name = dataset if isinstance(dataset, str) and dataset.startswith("Dataset") else int(dataset)
+    folder = join(nnUNet_preprocessed, maybe_convert_to_dataset_name(name))
+    plans = load_json(join(folder, plans_identifier + ".json"))
+    plans["continue_training"] = continue_training
+    dataset_json = load_json(join(folder, "dataset.json"))
+    fold_value: Any = fold if fold == "all" else int(fold)
+    return nnUNetTrainerBigBatch(
+        plans=plans,
+        configuration=configuration,
+        fold=fold_value,
+        dataset_json=dataset_json,
+        device=device or torch.device("cuda"),
+    )
+
+
+def load_own_checkpoint(trainer: nnUNetTrainer, *, validation_only: bool = False) -> None:
+    """``--c`` and ``--val``: the checkpoint nnU-Net wrote into this fold's own output folder
+    (final, latest or best), as ``nnUNetv2_train`` finds it."""
+    from nnunetv2.run.run_training import maybe_load_checkpoint
+
+    maybe_load_checkpoint(trainer, not validation_only, validation_only)
+
+
+def load_pretrained(trainer: nnUNetTrainer, path: str | os.PathLike[str]) -> int:
+    """Start from the network weights in ``path`` (an nnU-Net checkpoint, or a plain state
+    dict), read with ``weights_only=True``: a file handed to us is never unpickled. Every
+    weight whose name and shape match is taken, the segmentation outputs excepted (another
+    dataset's classes), as nnU-Net's ``-pretrained_weights`` does; returns how many."""
+    if not trainer.was_initialized:
+        trainer.initialize()
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"{path} cannot be read as weights only ({type(exc).__name__}: {str(exc)[:160]}): "
+            "save its network weights alone, torch.save(checkpoint['network_weights'], path)"
+        ) from exc
+    weights = saved.get("network_weights", saved) if isinstance(saved, dict) else None
+    if not isinstance(weights, dict):
+        raise ValueError(
+            f"{path} holds no state dict (nor an nnU-Net checkpoint's network_weights)"
+        )
+    own = trainer.network.state_dict()
+    taken = {
+        k: v
+        for k, v in weights.items()
+        if k in own and own[k].shape == v.shape and ".seg_layers." not in k
+    }
+    if not taken:
+        raise ValueError(f"no weight in {path} matches this plan's network (names and shapes)")
+    trainer.network.load_state_dict(taken, strict=False)
+    trainer.print_to_log_file(f"bigbatch: {len(taken)} of {len(own)} weights from {path}")
+    return len(taken)
+
+
+def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> list[dict[str, Any]]:
+    """For each plans file of a preprocessed dataset (nnU-Net's default, the residual-encoder
+    presets the user generated) and each of its configurations: the predicted peak of nnU-Net's
+    training step on ``device`` at its batch size, and the micro-batch that fits ``budget``.
+    Nothing runs on a device: the networks are built on the meta device."""
+    from batchgenerators.utilities.file_and_folder_operations import join, load_json
+    from nnunetv2.paths import nnUNet_preprocessed
+    from nnunetv2.utilities.dataset_name_id_conversion import maybe_convert_to_dataset_name
+    from nnunetv2.utilities.label_handling.label_handling import determine_num_input_channels
+
+    from bigbatch.memory.plan import DoesNotFitError
+
+    if nnUNet_preprocessed is None:
+        raise ValueError(
+            "nnUNet_preprocessed is not set: export it as nnU-Net's documentation says"
+        )
+    name = dataset if isinstance(dataset, str) and dataset.startswith("Dataset") else int(dataset)
+    folder = Path(join(nnUNet_preprocessed, maybe_convert_to_dataset_name(name)))
+    plans_files = sorted(p for p in folder.glob("*Plans*.json"))
+    if not plans_files:
+        raise ValueError(f"{folder} holds no plans: run nnUNetv2_plan_and_preprocess first")
+    rows = []
+    for plans_file in plans_files:
+        for configuration in load_json(str(plans_file))["configurations"]:
+            with contextlib.redirect_stdout(sys.stderr):  # nnU-Net's banner: not the table
+                trainer = trainer_for(
+                    name,
+                    configuration,
+                    0,
+                    plans_identifier=plans_file.stem,
+                    device=torch.device("cpu"),
+                )
+            trainer._set_batch_size_and_oversample()
+            trainer.num_input_channels = determine_num_input_channels(
+                trainer.plans_manager, trainer.configuration_manager, trainer.dataset_json
+            )
+            trainer.loss = trainer._build_loss()
+            row = {
+                "plans": plans_file.stem,
+                "configuration": configuration,
+                "patch_size": [int(p) for p in trainer.configuration_manager.patch_size],
+                "batch_size": int(trainer.batch_size),
+            }
+            try:
+                plan = plan_configuration(trainer, budget, device)
+            except DoesNotFitError as exc:
+                rows.append(
+                    row
+                    | {
+                        "micro_batch": 0,
+                        "fits": False,
+                        "predicted_peak_bytes": exc.floor.planning_bytes,
+                        "predicted_peak": format_bytes(exc.floor.planning_bytes),
+                    }
+                )
+                continue
+            whole = dict(plan.curve).get(row["batch_size"])
+            rows.append(
+                row
+                | {
+                    "micro_batch": plan.micro_batch,
+                    "fits": True,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes,
+                    "predicted_peak": format_bytes(plan.predicted_peak_bytes),
+                    "whole_batch_peak_bytes": whole,
+                    "budget_bytes": plan.budget_bytes,
+                }
+            )
+    return rows

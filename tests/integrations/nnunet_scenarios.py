@@ -1,0 +1,231 @@
+"""nnU-Net scenarios, each in its own process: nnU-Net reads its folders from the environment
+when it is first imported (``nnUNet_raw``, ``nnUNet_preprocessed``, ``nnUNet_results``).
+
+``python nnunet_scenarios.py ROOT prepare``: a tiny raw dataset (a few 3D cases, two labels)
+through nnU-Net's own fingerprinting, planning and preprocessing. ``... exact``: the trainer's
+update against nnU-Net's own batch update, in float64 (printed as JSON). ``... train``: a few
+iterations of training and validation with the bigbatch trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DATASET = "Dataset987_Tiny"
+
+
+def _paths(root: Path) -> None:
+    for name in ("raw", "preprocessed", "results"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        os.environ[f"nnUNet_{name}"] = str(root / name)
+
+
+def write_raw(root: Path, cases: int = 5, side: int = 16) -> Path:
+    """A dataset in nnU-Net's raw format: one modality, labels 0/1/2 (two nested blobs)."""
+    import nibabel as nib
+
+    folder = root / "raw" / DATASET
+    (folder / "imagesTr").mkdir(parents=True, exist_ok=True)
+    (folder / "labelsTr").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    grid = np.stack(np.meshgrid(*[np.arange(side)] * 3, indexing="ij"))
+    for i in range(cases):
+        centre = rng.uniform(side * 0.35, side * 0.65, size=3)[:, None, None, None]
+        dist = np.sqrt(((grid - centre) ** 2).sum(0))
+        label = (dist < side * 0.3).astype(np.uint8) + (dist < side * 0.15).astype(np.uint8)
+        image = label * 1.0 + rng.normal(0, 0.3, label.shape)
+        affine = np.eye(4)
+        nib.save(
+            nib.Nifti1Image(image.astype(np.float32), affine),
+            folder / "imagesTr" / f"case_{i:03d}_0000.nii.gz",
+        )
+        nib.save(nib.Nifti1Image(label, affine), folder / "labelsTr" / f"case_{i:03d}.nii.gz")
+    dataset = {
+        "channel_names": {"0": "MRI"},
+        "labels": {"background": 0, "outer": 1, "inner": 2},
+        "numTraining": cases,
+        "file_ending": ".nii.gz",
+    }
+    (folder / "dataset.json").write_text(json.dumps(dataset))
+    return folder
+
+
+def prepare(root: Path) -> None:
+    write_raw(root)
+    from nnunetv2.experiment_planning.plan_and_preprocess_api import (
+        extract_fingerprints,
+        plan_experiments,
+        preprocess,
+    )
+
+    extract_fingerprints(
+        [987], num_processes=1, check_dataset_integrity=True, verbose=False, show_progress_bar=False
+    )
+    plan_experiments([987])
+    preprocess(
+        [987],
+        configurations=("3d_fullres",),
+        num_processes=(1,),
+        verbose=False,
+        show_progress_bar=False,
+    )
+
+
+def _trainer(batch_dice: bool | None = None) -> object:
+    import torch
+
+    from bigbatch.integrations.nnunet import trainer_for
+
+    trainer = trainer_for(DATASET, "3d_fullres", 0, device=torch.device("cpu"))
+    if batch_dice is not None:
+        trainer.configuration_manager.configuration["batch_dice"] = batch_dice
+    return trainer
+
+
+def _grad(p: Any) -> Any:
+    """A parameter's gradient (zeros where the loss does not reach it: deep supervision's
+    lowest output has weight 0)."""
+    import torch
+
+    return p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+
+
+def _gradients(trainer: Any, x: Any, y: list[Any], micro: int, naive: bool = False) -> list[Any]:
+    """What the trainer's own train_step steps with (its optimizer's step kept), or with
+    ``naive``, each micro-batch's mean weighed the same (``loss / N``); ``micro`` 0: nnU-Net's
+    own, the whole batch through its loss."""
+    import torch
+
+    from bigbatch import Accumulator, OOMBackoff
+
+    net = trainer.network
+    net.zero_grad(set_to_none=True)
+    if not micro:
+        trainer.loss(net(x), y).backward()
+        return [_grad(p) for p in net.parameters()]
+    if naive:
+        parts = list(
+            zip(x.split(micro), zip(*[t.split(micro) for t in y], strict=True), strict=True)
+        )
+        for xm, ym in parts:
+            (trainer.loss(net(xm), list(ym)) / len(parts)).backward()
+        return [_grad(p) for p in net.parameters()]
+    kept: list[Any] = []
+
+    class Keep(torch.optim.SGD):
+        def step(self, closure: Any = None) -> None:  # the batch's gradient, as stepped
+            kept.extend(_grad(p) for p in net.parameters())
+
+    trainer.optimizer = Keep(net.parameters(), lr=0.0)
+    trainer.accumulator = Accumulator(trainer.optimizer)  # no clipping: the raw gradients
+    trainer.backoff = OOMBackoff(micro_batch=micro, grow_after=0)
+    trainer.train_step({"data": x, "target": y})
+    return kept
+
+
+def exact(root: Path) -> None:
+    """The gradient the bigbatch trainer steps with, at micro-batches of 1 and 2 (uneven over
+    3), against nnU-Net's own (the whole batch through its loss), in float64, with and without
+    batch_dice; and ``loss / N``. Printed as JSON: the largest absolute differences."""
+
+    out = {}
+    for batch_dice, wide in itertools.product((False, True), (True, False)):
+        with _dice_in_float64() if wide else contextlib.nullcontext():
+            out[
+                ("batch_dice" if batch_dice else "sample_dice") + ("" if wide else "_float32_sums")
+            ] = _exact_one(batch_dice, wide)
+    print(json.dumps(out))
+
+
+class _Torch64:
+    """``torch`` as nnU-Net's Dice module sees it, its float32 made float64: the Dice sums in
+    float32 whatever its inputs (``sum(..., dtype=torch.float32)``); a float64 comparison needs
+    them in float64, the same arithmetic otherwise."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _dice_in_float64() -> Any:
+    import nnunetv2.training.loss.dice as dice
+
+    real = dice.torch
+    dice.torch = _Torch64()
+    try:
+        yield
+    finally:
+        dice.torch = real
+
+
+def _exact_one(batch_dice: bool, wide: bool) -> dict[str, float]:
+    """One plan's largest differences from nnU-Net's own gradient: the trainer at
+    micro-batches of 1 and of 2 (2 + 1), ``loss / N`` at 2, and (its Dice summing in float32,
+    as shipped) nnU-Net's own round-off, its update with the sums in float64."""
+    import torch
+
+    trainer = _trainer(batch_dice)
+    trainer.initialize()
+    trainer.network.double()
+    trainer.loss = trainer._build_loss()
+    torch.manual_seed(0)
+    patch = [int(p) for p in trainer.configuration_manager.patch_size]
+    x = torch.randn(3, 1, *patch, dtype=torch.float64)
+    y = [
+        torch.randint(
+            0, 3, (3, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)])
+        ).double()
+        for sc in trainer._get_deep_supervision_scales()
+    ]
+    state = {k: v.clone() for k, v in trainer.network.state_dict().items()}
+    grads = {}
+    for name, micro in (("reference", 0), ("micro_1", 1), ("micro_2", 2), ("naive_2", 2)):
+        trainer.network.load_state_dict(state)
+        grads[name] = _gradients(trainer, x, y, micro, naive=name.startswith("naive"))
+    if not wide:
+        with _dice_in_float64():
+            trainer.network.load_state_dict(state)
+            grads["own_round_off"] = _gradients(trainer, x, y, 0)
+    reference = grads.pop("reference")
+    return {
+        name: max(float((a - b).abs().max()) for a, b in zip(g, reference, strict=True))
+        for name, g in grads.items()
+    }
+
+
+def train(root: Path) -> None:
+    import torch
+
+    trainer = _trainer()
+    trainer.num_epochs = 1
+    trainer.num_iterations_per_epoch = 2
+    trainer.num_val_iterations_per_epoch = 1
+    trainer.micro_batch = int(os.environ.get("SCENARIO_MICRO_BATCH", "1"))
+    trainer.budget = os.environ.get("SCENARIO_BUDGET", "auto")
+    trainer.run_training()
+    trainer.perform_actual_validation(False)
+    print(
+        json.dumps(
+            {
+                "output": str(trainer.output_folder),
+                "device": str(trainer.device),
+                "torch": torch.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    _paths(root)
+    {"prepare": prepare, "exact": exact, "train": train}[sys.argv[2]](root)
