@@ -13,7 +13,7 @@ PATHS := src tests examples benchmarks docs/hooks
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev,docs]'
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev,docs,nnunet]'
 	touch $(STAMP)
 
 venv: $(STAMP)
