@@ -7,7 +7,9 @@ presets' targets of 8 / 24 / 40 GB at 9.1 / 22.7 / 36.6 GB. This plans a BraTS-s
 nnU-Net's own planners (default 8 GB, ResEnc M 8 GB, L 24 GB, XL 40 GB), then predicts each
 3d_fullres plan's training step at its batch size on a CUDA card (fp16 autocast, SGD with
 momentum, deep supervision, DC+CE), what the card shows for the process (the allocator's
-reserved peak and the CUDA context), and prints it beside the target:
+reserved peak and the CUDA context), and prints it beside the target; ``bigbatch8`` and
+``bigbatch24`` are nnU-Net's default planner asking bigbatch's prediction instead of its proxy
+(``nnUNetPlannerBigBatch``):
 
     python benchmarks/nnunet_plans.py [--json] [--planners default,M,L]
 
@@ -34,6 +36,9 @@ PLANNERS = {  # name -> (nnU-Net's planner class, its memory target in GB, its p
     "M": ("nnUNetPlannerResEncM", 8, "nnUNetResEncUNetMPlans"),
     "L": ("nnUNetPlannerResEncL", 24, "nnUNetResEncUNetLPlans"),
     "XL": ("nnUNetPlannerResEncXL", 40, "nnUNetResEncUNetXLPlans"),
+    # nnU-Net's default planner asking bigbatch's prediction instead of its proxy.
+    "bigbatch8": ("bigbatch", 8, "nnUNetBigBatch8Plans"),
+    "bigbatch24": ("bigbatch", 24, "nnUNetBigBatch24Plans"),
 }
 
 
@@ -82,7 +87,11 @@ def write_dataset(root: Path, cases: int = 484) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--planners", default="default,M,L", help="of default, M, L, XL")
+    ap.add_argument(
+        "--planners",
+        default="default,M,L,bigbatch8,bigbatch24",
+        help="of default, M, L, XL, bigbatch8, bigbatch24 (nnUNetPlannerBigBatch at 8 / 24 GB)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     chosen = [p.strip() for p in args.planners.split(",") if p.strip()]
@@ -114,9 +123,12 @@ def _plan_all(root: Path, chosen: list[str]) -> list[dict[str, object]]:
         (root / name).mkdir(exist_ok=True)
         os.environ[f"nnUNet_{name}"] = str(root / name)  # before nnU-Net is imported
     write_dataset(root)
-    from nnunetv2.experiment_planning.plan_and_preprocess_api import plan_experiments
+    from nnunetv2.experiment_planning.plan_and_preprocess_api import (
+        plan_experiment_dataset,
+        plan_experiments,
+    )
 
-    from bigbatch.integrations.nnunet import plan_dataset
+    from bigbatch.integrations.nnunet import nnUNetPlannerBigBatch, plan_dataset
     from bigbatch.memory.cards import find_card
 
     context = find_card("h100").context_bytes  # type: ignore[union-attr]
@@ -124,7 +136,12 @@ def _plan_all(root: Path, chosen: list[str]) -> list[dict[str, object]]:
     for key in chosen:
         planner, target, plans_name = PLANNERS[key]
         with contextlib.redirect_stdout(sys.stderr):
-            plan_experiments([DATASET_ID], planner, target)
+            if planner == "bigbatch":
+                plan_experiment_dataset(
+                    DATASET_ID, nnUNetPlannerBigBatch, target, overwrite_plans_name=plans_name
+                )
+            else:
+                plan_experiments([DATASET_ID], planner, target)
         t0 = time.perf_counter()
         for row in plan_dataset(DATASET_ID, "h100", device="cuda"):
             if row["plans"] != plans_name or row["configuration"] != "3d_fullres":

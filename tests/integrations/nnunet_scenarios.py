@@ -62,9 +62,12 @@ def prepare(root: Path) -> None:
     write_raw(root)
     from nnunetv2.experiment_planning.plan_and_preprocess_api import (
         extract_fingerprints,
+        plan_experiment_dataset,
         plan_experiments,
         preprocess,
     )
+
+    from bigbatch.integrations.nnunet import nnUNetPlannerBigBatch
 
     extract_fingerprints(
         [987], num_processes=1, check_dataset_integrity=True, verbose=False, show_progress_bar=False
@@ -77,6 +80,8 @@ def prepare(root: Path) -> None:
         verbose=False,
         show_progress_bar=False,
     )
+    # bigbatch's planner beside nnU-Net's: its plans in the same folder (nnUNetBigBatchPlans).
+    plan_experiment_dataset(987, nnUNetPlannerBigBatch, 8)
 
 
 def _trainer(batch_dice: bool | None = None) -> object:

@@ -61,6 +61,18 @@ def test_the_trainers_update_is_nnunets_own_batch_update(root: Path) -> None:
         assert shipped["naive_2"] >= 1e4 * shipped["own_round_off"], shipped
 
 
+def test_bigbatchs_planner_sizes_the_plan_by_the_prediction(root: Path) -> None:
+    """nnUNetPlannerBigBatch writes its plans beside nnU-Net's: the same network and patch here
+    (the patch is the whole image), its batch what the prediction fits (capped, as nnU-Net's,
+    at 5 % of the dataset)."""
+    folder = root / "preprocessed" / "Dataset987_Tiny"
+    ours = json.loads((folder / "nnUNetBigBatchPlans.json").read_text())["configurations"]
+    theirs = json.loads((folder / "nnUNetPlans.json").read_text())["configurations"]
+    for name in ("2d", "3d_fullres"):
+        assert ours[name]["patch_size"] == theirs[name]["patch_size"]
+        assert ours[name]["batch_size"] >= 2
+
+
 def test_a_fold_trains_and_validates_with_micro_batches(root: Path) -> None:
     _run(root, str(SCENARIOS), str(root), "train", SCENARIO_MICRO_BATCH="1")
     fold = root / "results/Dataset987_Tiny/nnUNetTrainerBigBatch__nnUNetPlans__3d_fullres/fold_0"

@@ -41,6 +41,9 @@ from bigbatch.memory.plan import Plan, plan_under_budget, resolve_budget
 from bigbatch.memory.step import Precision, StepSpec
 
 require("nnunetv2", "nnunet")
+from nnunetv2.experiment_planning.experiment_planners.default_experiment_planner import (  # noqa: E402
+    ExperimentPlanner,
+)
 from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer  # noqa: E402
 
 __all__ = [
@@ -48,9 +51,11 @@ __all__ = [
     "MICRO_BATCH_ENV",
     "load_own_checkpoint",
     "load_pretrained",
+    "nnUNetPlannerBigBatch",
     "nnUNetTrainerBigBatch",
     "plan_configuration",
     "plan_dataset",
+    "planner_estimate",
     "split_sizes",
     "trainer_for",
 ]
@@ -397,3 +402,126 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
                 }
             )
     return rows
+
+
+def planner_estimate(fixed: float, per_sample: float, usable: float, ref_bs: int) -> float:
+    """The number nnU-Net's planner compares (its "VRAM estimate") such that its own rules pick
+    what bigbatch's prediction says: with ``reference = usable``, its loop shrinks the patch
+    while fewer than 2 samples fit (``estimate / ref_bs * 2 > reference``), and its batch,
+    ``round(reference / estimate * ref_bs)``, is the most samples that fit. ``fixed`` and
+    ``per_sample`` are the predicted peak's parts (peak = fixed + per_sample x batch).
+
+    >>> fit = planner_estimate(1000.0, 300.0, 2500.0, 2)  # 5 samples fit: 1000 + 5 x 300
+    >>> round(2500.0 / fit * 2), fit / 2 * 2 > 2500.0
+    (5, False)
+    """
+    fits = int((usable - fixed) // per_sample) if per_sample > 0 else 10**6
+    return ref_bs * usable / max(fits, 1e-3)
+
+
+class nnUNetPlannerBigBatch(ExperimentPlanner):
+    """nnU-Net's default planner, whose memory estimate is bigbatch's prediction of nnU-Net's
+    training step on a CUDA card (fp16, SGD with momentum, deep supervision, DC+CE) instead of
+    the feature-map proxy: a plan for ``gpu_memory_target_in_gb`` uses what that card holds,
+    less the CUDA context and the plan's margin. Its plans are ``nnUNetBigBatchPlans``.
+
+    ``plan_experiment_dataset(4, nnUNetPlannerBigBatch, 12)`` plans dataset 4 for 12 GB.
+    """
+
+    def __init__(
+        self,
+        dataset_name_or_id: str | int,
+        gpu_memory_target_in_gb: float = 8,
+        preprocessor_name: str = "DefaultPreprocessor",
+        plans_name: str = "nnUNetBigBatchPlans",
+        overwrite_target_spacing: Any = None,
+        suppress_transpose: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset_name_or_id,
+            gpu_memory_target_in_gb,
+            preprocessor_name,
+            plans_name,
+            overwrite_target_spacing,
+            suppress_transpose,
+        )
+        from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
+        from bigbatch.memory.plan import usable_bytes
+
+        self.usable = usable_bytes(int(gpu_memory_target_in_gb * 1e9), CUDA_CONTEXT_BYTES, "cuda")
+        # nnU-Net's reference value for the target, as its own rules scale it: the usable bytes.
+        scaled = self.usable * self.UNet_reference_val_corresp_GB / self.UNet_vram_target_GB
+        self.UNet_reference_val_3d = self.UNet_reference_val_2d = scaled
+
+    # nnU-Net declares it a staticmethod and calls it through self: an instance's method here.
+    def static_estimate_VRAM_usage(
+        self,
+        patch_size: tuple[int, ...],
+        input_channels: int,
+        output_channels: int,
+        arch_class_name: str,
+        arch_kwargs: dict,
+        arch_kwargs_req_import: tuple[str, ...],
+    ) -> float:
+        from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+        from bigbatch.memory.predict import predict_peak
+
+        def build() -> nn.Module:
+            return get_network_from_plans(
+                arch_class_name,
+                arch_kwargs,
+                arch_kwargs_req_import,
+                input_channels,
+                output_channels,
+                allow_init=False,
+                deep_supervision=True,
+            )
+
+        spec = _planner_spec(build, tuple(patch_size), input_channels, output_channels, arch_kwargs)
+        one, two = (predict_peak(spec.with_batch(b)).planning_bytes for b in (1, 2))
+        ref_bs = (
+            self.UNet_reference_val_corresp_bs_2d
+            if len(patch_size) == 2
+            else self.UNet_reference_val_corresp_bs_3d
+        )
+        return planner_estimate(2 * one - two, two - one, self.usable, ref_bs)
+
+
+def _planner_spec(
+    build: Callable[[], nn.Module],
+    patch: tuple[int, ...],
+    channels: int,
+    outputs: int,
+    arch_kwargs: dict,
+) -> StepSpec:
+    """nnU-Net's training step for a plan being made: DC+CE on every deep supervision output
+    (the lowest weighted 0, as nnU-Net's trainer weighs them), fp16, SGD with momentum."""
+    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
+
+    strides = np.array(arch_kwargs["strides"], dtype=float)
+    scales = [list(s) for s in 1 / np.cumprod(strides, axis=0)][:-1]
+    weights = np.array([1 / (2**i) for i in range(len(scales))])
+    weights[-1] = 0
+    dice = {"batch_dice": len(patch) == 2, "smooth": 1e-5, "do_bg": False, "ddp": False}
+    loss = DeepSupervisionWrapper(
+        DC_and_CE_loss(
+            dice, {}, weight_ce=1, weight_dice=1, dice_class=MemoryEfficientSoftDiceLoss
+        ),
+        weights / weights.sum(),
+    )
+
+    def example(b: int, where: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = torch.randn(b, channels, *patch, device=where)
+        shapes = [[max(1, round(p * f)) for p, f in zip(patch, s, strict=True)] for s in scales]
+        return x, [torch.randint(0, outputs, (b, 1, *sh), device=where).float() for sh in shapes]
+
+    def step(model: nn.Module, micro: Any) -> torch.Tensor:
+        x, y = micro
+        return loss(model(x), y)
+
+    return StepSpec(
+        build, (channels, *patch), 1, "sgd_momentum", "fp16", "cuda", step=step, batch=example
+    )
