@@ -93,10 +93,20 @@ def main() -> int:
         help="of default, M, L, XL, bigbatch8, bigbatch24 (nnUNetPlannerBigBatch at 8 / 24 GB)",
     )
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--root",
+        type=Path,
+        help="keep nnU-Net's folders there (raw, preprocessed, results: then `bigbatch nnunet "
+        "plan 988 --budget rtx3060` with nnUNet_preprocessed=ROOT/preprocessed); default: a "
+        "temporary one",
+    )
     args = ap.parse_args()
     chosen = [p.strip() for p in args.planners.split(",") if p.strip()]
-    with tempfile.TemporaryDirectory(prefix="nnunet-plans-") as tmp:
-        rows = _plan_all(Path(tmp), chosen)
+    if args.root:
+        rows = _plan_all(args.root, chosen)
+    else:
+        with tempfile.TemporaryDirectory(prefix="nnunet-plans-") as tmp:
+            rows = _plan_all(Path(tmp), chosen)
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -120,7 +130,7 @@ def _plan_all(root: Path, chosen: list[str]) -> list[dict[str, object]]:
     """nnU-Net's planners on the BraTS-shaped fingerprint, then each 3d_fullres plan's
     training step predicted on an H100-class card (what its process would hold)."""
     for name in ("raw", "preprocessed", "results"):
-        (root / name).mkdir(exist_ok=True)
+        (root / name).mkdir(parents=True, exist_ok=True)
         os.environ[f"nnUNet_{name}"] = str(root / name)  # before nnU-Net is imported
     write_dataset(root)
     from nnunetv2.experiment_planning.plan_and_preprocess_api import (

@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-DATASET = "Dataset987_Tiny"
+DATASET = "Dataset987_Example"
 
 
 def _paths(root: Path) -> None:
@@ -28,38 +26,10 @@ def _paths(root: Path) -> None:
         os.environ[f"nnUNet_{name}"] = str(root / name)
 
 
-def write_raw(root: Path, cases: int = 5, side: int = 16) -> Path:
-    """A dataset in nnU-Net's raw format: one modality, labels 0/1/2 (two nested blobs)."""
-    import nibabel as nib
-
-    folder = root / "raw" / DATASET
-    (folder / "imagesTr").mkdir(parents=True, exist_ok=True)
-    (folder / "labelsTr").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    grid = np.stack(np.meshgrid(*[np.arange(side)] * 3, indexing="ij"))
-    for i in range(cases):
-        centre = rng.uniform(side * 0.35, side * 0.65, size=3)[:, None, None, None]
-        dist = np.sqrt(((grid - centre) ** 2).sum(0))
-        label = (dist < side * 0.3).astype(np.uint8) + (dist < side * 0.15).astype(np.uint8)
-        image = label * 1.0 + rng.normal(0, 0.3, label.shape)
-        affine = np.eye(4)
-        nib.save(
-            nib.Nifti1Image(image.astype(np.float32), affine),
-            folder / "imagesTr" / f"case_{i:03d}_0000.nii.gz",
-        )
-        nib.save(nib.Nifti1Image(label, affine), folder / "labelsTr" / f"case_{i:03d}.nii.gz")
-    dataset = {
-        "channel_names": {"0": "MRI"},
-        "labels": {"background": 0, "outer": 1, "inner": 2},
-        "numTraining": cases,
-        "file_ending": ".nii.gz",
-    }
-    (folder / "dataset.json").write_text(json.dumps(dataset))
-    return folder
-
-
 def prepare(root: Path) -> None:
-    write_raw(root)
+    from bigbatch.integrations.nnunet import write_example_dataset
+
+    write_example_dataset(root / "raw", 987)
     from nnunetv2.experiment_planning.plan_and_preprocess_api import (
         extract_fingerprints,
         plan_experiment_dataset,
@@ -209,6 +179,24 @@ def _exact_one(batch_dice: bool, wide: bool) -> dict[str, float]:
     }
 
 
+def memory(root: Path) -> None:
+    """nnU-Net's training step at its batch on this CPU: the planner's (calibrated) prediction
+    against the measured peak of the same step (bigbatch.memory.measure), as JSON."""
+    import torch
+
+    from bigbatch.integrations.nnunet import _spec_at, plan_configuration
+    from bigbatch.memory.measure import measure_step_peak
+
+    trainer = _trainer()
+    torch.manual_seed(0)
+    trainer.initialize()
+    plan = plan_configuration(trainer, "64GB", "cpu")
+    batch = int(trainer.batch_size)
+    measured = measure_step_peak(_spec_at(trainer, "cpu")(batch))
+    predicted = dict(plan.curve).get(batch, plan.predicted_peak_bytes)
+    print(json.dumps({"batch": batch, "predicted": predicted, "measured": measured}))
+
+
 def train(root: Path) -> None:
     import torch
 
@@ -234,4 +222,4 @@ def train(root: Path) -> None:
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     _paths(root)
-    {"prepare": prepare, "exact": exact, "train": train}[sys.argv[2]](root)
+    {"prepare": prepare, "exact": exact, "memory": memory, "train": train}[sys.argv[2]](root)

@@ -16,7 +16,10 @@ from bigbatch.cli import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="nnunet_command", metavar="{train,plan}")
+    sub = p.add_subparsers(dest="nnunet_command", metavar="{example,train,plan}")
+    example = sub.add_parser("example", help="a tiny generated dataset in nnU-Net's raw format")
+    example.add_argument("dataset_id", type=int, nargs="?", default=987, help="its id (987)")
+    example.add_argument("--cases", type=int, default=5, help="volumes (5 or more: five folds)")
     sub.required = True
     train = sub.add_parser("train", help="train a fold of a plan with exact micro-batches")
     train.add_argument("dataset", help="the dataset's name or id (Dataset004_Hippocampus, 4)")
@@ -74,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UserError(str(exc)) from exc
     try:
+        if args.nnunet_command == "example":
+            return _example(nnunet, args)
         if args.nnunet_command == "train":
             return _train(nnunet, args)
         return _plan(nnunet, args)
@@ -81,6 +86,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"{type(exc).__name__}: {exc}" if isinstance(exc, RuntimeError) else str(exc)
         ) from exc
+
+
+def _example(nnunet: Any, args: argparse.Namespace) -> int:
+    import os
+
+    raw = os.environ.get("nnUNet_raw")  # noqa: SIM112 - nnU-Net's own name
+    if not raw:
+        raise UserError(
+            "nnUNet_raw is not set: export nnUNet_raw, nnUNet_preprocessed and nnUNet_results first"
+        )
+    folder = nnunet.write_example_dataset(raw, args.dataset_id, cases=args.cases)
+    print(
+        f"{folder}: {args.cases} cases; next: nnUNetv2_plan_and_preprocess -d {args.dataset_id} "
+        f"-c 3d_fullres, then bigbatch nnunet train {args.dataset_id} 3d_fullres 0 --device cpu "
+        "--epochs 1 --iterations-per-epoch 5"
+    )
+    return 0
 
 
 def _train(nnunet: Any, args: argparse.Namespace) -> int:

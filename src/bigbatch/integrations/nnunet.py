@@ -58,6 +58,7 @@ __all__ = [
     "planner_estimate",
     "split_sizes",
     "trainer_for",
+    "write_example_dataset",
 ]
 
 # How ``nnUNetv2_train``-style construction (which passes no extra arguments) is told the budget.
@@ -525,3 +526,43 @@ def _planner_spec(
     return StepSpec(
         build, (channels, *patch), 1, "sgd_momentum", "fp16", "cuda", step=step, batch=example
     )
+
+
+def write_example_dataset(
+    raw_root: str | os.PathLike[str], dataset_id: int = 987, *, cases: int = 5, side: int = 16
+) -> Path:
+    """A tiny dataset in nnU-Net's raw format under ``raw_root`` (``DatasetXXX_Example``):
+    ``cases`` volumes of ``side``^3 voxels, one MRI-like channel, labels 0/1/2 (two nested
+    blobs), ``dataset.json``; what nnU-Net's planning, preprocessing and a short training take
+    in seconds on a CPU. Five cases or more: nnU-Net splits them into five folds.
+
+    >>> import tempfile
+    >>> write_example_dataset(tempfile.mkdtemp(), 987, cases=5, side=8).name
+    'Dataset987_Example'
+    """
+    import json
+
+    import nibabel as nib
+
+    folder = Path(raw_root) / f"Dataset{dataset_id:03d}_Example"
+    (folder / "imagesTr").mkdir(parents=True, exist_ok=True)
+    (folder / "labelsTr").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    grid = np.stack(np.meshgrid(*[np.arange(side)] * 3, indexing="ij"))
+    for i in range(cases):
+        centre = rng.uniform(side * 0.35, side * 0.65, size=3)[:, None, None, None]
+        dist = np.sqrt(((grid - centre) ** 2).sum(0))
+        label = (dist < side * 0.3).astype(np.uint8) + (dist < side * 0.15).astype(np.uint8)
+        image = (label + rng.normal(0, 0.3, label.shape)).astype(np.float32)
+        nib.save(
+            nib.Nifti1Image(image, np.eye(4)), folder / "imagesTr" / f"case_{i:03d}_0000.nii.gz"
+        )
+        nib.save(nib.Nifti1Image(label, np.eye(4)), folder / "labelsTr" / f"case_{i:03d}.nii.gz")
+    dataset = {
+        "channel_names": {"0": "MRI"},
+        "labels": {"background": 0, "outer": 1, "inner": 2},
+        "numTraining": cases,
+        "file_ending": ".nii.gz",
+    }
+    (folder / "dataset.json").write_text(json.dumps(dataset, indent=1))
+    return folder
