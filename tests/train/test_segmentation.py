@@ -49,6 +49,17 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) 
     assert mask.shape == (40, 48) and set(np.unique(mask)) <= {0, 1, 2}
     assert main(["predict", str(tmp_path / "run"), str(test), "--patch", "16"]) == 2
 
+    # An ensemble of two runs averages their probabilities into one mask per image.
+    other = load_config(
+        overrides=[f"data={data}", *COMMON, "size=32", "batch=8", "micro_batch=4", "epochs=1",
+                   "seed=1"]
+    )  # fmt: skip
+    train(other, tmp_path / "run2", progress=False, log=lambda _: None)
+    runs = [str(tmp_path / "run"), str(tmp_path / "run2")]
+    assert main(["ensemble", *runs, "--images", str(test), "--out", str(tmp_path / "ens")]) == 0
+    averaged = np.asarray(Image.open(tmp_path / "ens" / "masks" / "odd.png"))
+    assert averaged.shape == (40, 48) and set(np.unique(averaged)) <= {0, 1, 2}
+
 
 @pytest.mark.slow
 def test_3d_volumes_train_and_predict_npy_and_nifti(

@@ -254,7 +254,7 @@ register_task(
         "(with image_root=)"
     ),
     fractions=("dice", "jaccard"),
-    ensemble=f"{_TASKS_PKG}.segmentation.submit:ensemble_request",
+    ensemble=f"{_TASKS_PKG}.segmentation.ensemble:ensemble_request",
     predict_options=f"{_TASKS_PKG}.segmentation.options:SegmentationPredictOptions",
 )
 register_task(

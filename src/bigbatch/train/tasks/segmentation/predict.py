@@ -14,6 +14,7 @@ volumes, NIfTI with the input's affine and header for NIfTI volumes; each file a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,7 @@ def predict_request(request: PredictRequest) -> str:
 
 
 def predict_masks(
-    run_dir: str | Path,
+    run_dir: str | Path | Sequence[str | Path],
     folder: str | Path,
     out: str | Path,
     *,
@@ -166,7 +167,8 @@ def predict_masks(
     overlap: float = 0.5,
 ) -> list[Path]:
     """Write a mask for every image or volume under ``folder`` (or case listed in a CSV's
-    ``image`` column) into ``out``; return their paths.
+    ``image`` column) into ``out``; return their paths. Several runs (an ensemble) average
+    their probabilities before the mask is taken.
 
     Volumes are predicted in overlapping windows of the training size (``patch`` to choose
     another multiple of the network's stride), overlapping by ``overlap``."""
@@ -174,12 +176,41 @@ def predict_masks(
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
     if not 0 <= overlap < 1:
         raise ConfigError(f"overlap is a fraction in [0, 1), got {overlap}")
-    run_dir, folder, out = Path(run_dir), Path(folder), Path(out)
-    run = TrainedRun.open(run_dir, checkpoint)
-    cfg, info = run.config, run.info
-    dims, channels, classes = int(info["dims"]), int(info["channels"]), int(info["num_classes"])
+    dirs = [run_dir] if isinstance(run_dir, str | Path) else list(run_dir)
+    folder, out = Path(folder), Path(out)
+    runs = [TrainedRun.open(d, checkpoint) for d in dirs]
+    kind = _kind(runs[0])
+    for run in runs[1:]:
+        if _kind(run) != kind:
+            raise ConfigError(
+                f"{run.run_dir} segments {_kind(run)}, {runs[0].run_dir} {kind} (dimensions, "
+                "channels, classes): an ensemble averages runs of the same kind"
+            )
+    dims, channels, classes = kind
     tta_flips(dims, tta)
-    multiple = int(info.get("multiple", 8))
+    for run in runs:
+        _check_patch(patch, dims, int(run.info.get("multiple", 8)))
+    cases, root = _inputs(folder, dims)
+    _check_inputs(cases, root, out, dims, channels)
+    dev = resolve_device(device, "--device")
+    members = [_member(run, dev, patch, overlap) for run in runs]
+    written = []
+    for case in cases:
+        with torch.no_grad():
+            probs = torch.stack([m(case, tta) for m in members]).mean(0)
+        mask = (probs[0] > 0.5).long() if classes == 1 else probs.argmax(0)
+        if dims == 2 and runs[0].info.get("binary_255"):
+            mask = mask * 255  # as the run's masks were stored
+        written.append(_write_mask(mask.cpu().numpy(), case, root, out))
+    return written
+
+
+def _kind(run: TrainedRun) -> tuple[int, int, int]:
+    """(dimensions, channels, classes) a run segments."""
+    return int(run.info["dims"]), int(run.info["channels"]), int(run.info["num_classes"])
+
+
+def _check_patch(patch: int, dims: int, multiple: int) -> None:
     if patch and (dims == 2 or patch < 2 * multiple or patch % multiple):
         raise ConfigError(
             "--patch is for volumes (2D images are predicted whole at the run's size)"
@@ -188,14 +219,19 @@ def predict_masks(
             f"voxels there), so it must be a multiple of {multiple}, at least {2 * multiple}; "
             f"try {max(2 * multiple, patch // multiple * multiple)}"
         )
-    cases, root = _inputs(folder, dims)
-    _check_inputs(cases, root, out, dims, channels)
+
+
+def _member(
+    run: TrainedRun, dev: torch.device, patch: int, overlap: float
+) -> Callable[[Case, int], torch.Tensor]:
+    """One run's probabilities of a case (on the CPU, in the input's own grid), with TTA."""
+    cfg = run.config
+    dims, channels, classes = _kind(run)
     model = run.load_into(build_seg_model(cfg, channels, classes, dims)())
-    dev = resolve_device(device, "--device")
     precision = resolve_precision(cfg.precision, dev)
     model.to(dev).eval()
     # Patches a forward pass: as many as the run's validation planned (at its patch size).
-    window_batch = planned_eval_batch(run_dir, dev, default=1) if not patch else 1
+    window_batch = planned_eval_batch(run.run_dir, dev, default=1) if not patch else 1
     backoff = EvalBackoff()
 
     def probabilities(x: torch.Tensor) -> torch.Tensor:
@@ -203,19 +239,13 @@ def predict_masks(
             logits = model(x.to(dev)).float()
         return torch.sigmoid(logits) if classes == 1 else torch.softmax(logits, 1)
 
-    written = []
-    for case in cases:
-        with torch.no_grad():
-            if dims == 2:
-                probs = _image_probs(probabilities, case, cfg.size, tta)
-            else:
-                windows = (window_batch, backoff)
-                probs = _volume_probs(probabilities, case, cfg, (patch, overlap, windows), tta)
-        mask = (probs[0] > 0.5).long() if classes == 1 else probs.argmax(0)
-        if dims == 2 and info.get("binary_255"):
-            mask = mask * 255  # as the run's masks were stored
-        written.append(_write_mask(mask.cpu().numpy(), case, root, out))
-    return written
+    def of(case: Case, tta: int) -> torch.Tensor:
+        if dims == 2:
+            return _image_probs(probabilities, case, cfg.size, tta)
+        windows = (window_batch, backoff)
+        return _volume_probs(probabilities, case, cfg, (patch, overlap, windows), tta)
+
+    return of
 
 
 def _image_probs(probabilities: Probabilities, case: Case, size: int, tta: int) -> torch.Tensor:

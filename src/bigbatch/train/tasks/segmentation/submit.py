@@ -33,7 +33,6 @@ from bigbatch.segmentation.rle import RLEError, parse_mask_size, write_rle_csv
 from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict, split_items
 from bigbatch.train.runtime import resolve_device, resolve_precision
-from bigbatch.train.tasks import EnsembleRequest
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
@@ -46,7 +45,7 @@ from bigbatch.train.tasks.segmentation.task import build_seg_model
 from bigbatch.train.tasks.segmentation.tta import tta_flips, with_tta
 from bigbatch.train.trained_run import TrainedRun
 
-__all__ = ["SubmissionRun", "ensemble_request", "load_submission_run", "write_submission"]
+__all__ = ["SubmissionRun", "load_submission_run", "write_submission"]
 
 
 @dataclass
@@ -301,20 +300,3 @@ def _rules_at(run: SubmissionRun, size: tuple[int, int]) -> tuple[list[ClassRule
         f"per-class rules of {run.run_dir / 'postprocess.json'}, tuned at {tuned[0]}x{tuned[1]}: "
         f"smallest components scaled by the area to {size[0]}x{size[1]}"
     )
-
-
-def ensemble_request(request: EnsembleRequest) -> str:
-    """``bigbatch ensemble RUN RUN ... --images DIR`` on segmentation runs trained on a Kaggle
-    RLE CSV: their probabilities averaged before the per-class rules, one submission."""
-    request.refuse_options("Kaggle RLE segmentation", ("mask_size",))
-    target, rows, note = write_submission(
-        request.runs,
-        request.images,
-        request.out or Path("submission.csv"),
-        mask_size=str(request.options.get("mask_size", "")),
-        tta=request.tta,
-        checkpoint=request.checkpoint,
-        device=request.device,
-    )
-    runs = len(request.runs)
-    return f"submission of {runs} run(s), probabilities averaged: {rows} rows, {note}: {target}"
