@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -18,7 +19,7 @@ from torch.utils.data import Dataset
 from bigbatch.images import ImageInfo, UnreadableImageError, probe, read_pixels, scale_for
 from bigbatch.models import MEAN, STD, UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.data import DataError
+from bigbatch.train.data import DataError, make_loader
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "format_of",
     "parse_window",
     "resolve_data_config",
+    "tta_mean",
 ]
 
 
@@ -284,3 +286,39 @@ def build_model(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> Callab
         )
     except (UnknownArchitectureError, ValueError) as exc:  # an unknown name, unreadable weights
         raise ConfigError(str(exc)) from exc
+
+
+def tta_mean(
+    forward: Callable[[torch.Tensor], np.ndarray],
+    files: Sequence[Path],
+    *,
+    tta: int,
+    size: int,
+    item_transform: str,
+    data: dict[str, Any] | None,
+    fmt: ImageFormat,
+    batch_size: int,
+    seed: int = 0,
+) -> np.ndarray:
+    """The mean over ``tta`` test-time passes of ``forward(batch)`` (one row per image) over
+    ``files``: pass 0 the validation transform, pass 1 its horizontal flip, further passes the
+    training augmentation, each seeded (``seed + pass``), so a prediction is repeatable."""
+    if not files:
+        raise DataError("no images to predict: give a folder (or list) that holds some")
+    total: np.ndarray | float = 0.0
+    for k in range(tta):
+        transform = build_transforms(
+            size, item_transform, train=k >= 2, augment=k >= 2, flip=k == 1, data=data, fmt=fmt
+        )
+        torch.manual_seed(seed + k)
+        loader = make_loader(
+            ImageDataset(files, None, transform, fmt),
+            batch_size,
+            shuffle=False,
+            seed=seed,
+            num_workers=0,
+        )
+        with torch.no_grad():
+            rows = [forward(x) for x, _ in loader]
+        total = total + (np.concatenate(rows) if rows else 0.0)
+    return np.asarray(total, dtype=np.float64) / tta

@@ -18,11 +18,12 @@ import torch
 from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.data import images_to_predict, make_loader
+from bigbatch.train.data import images_to_predict
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
-from bigbatch.train.tasks.classification.data import ImageDataset, ImageFormat, build_transforms
+from bigbatch.train.tasks.classification.data import ImageFormat
 from bigbatch.train.tasks.classification.task import build_model
+from bigbatch.train.tasks.images import tta_mean
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = [
@@ -84,32 +85,23 @@ def predict_files(
     batch_size = batch_size or planned_eval_batch(run_dir, dev)
     backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
     model.to(dev).eval()
-    total = np.zeros((len(files), len(classes)), dtype=np.float64)
-    for k in range(tta):
-        transform = build_transforms(
-            cfg.size,
-            cfg.options.item_transform,
-            train=k >= 2,
-            augment=k >= 2,
-            flip=k == 1,
-            data=info.get("data"),
-            fmt=fmt,
-        )
-        torch.manual_seed(seed + k)
-        loader = make_loader(
-            ImageDataset(files, None, transform, fmt),
-            batch_size,
-            shuffle=False,
-            seed=seed,
-            num_workers=0,
-        )
-        out = []
-        with torch.no_grad():
-            for x, _ in loader:
-                logits = infer_fitting(model, x.to(dev), backoff)
-                out.append(torch.softmax(logits.float(), dim=1).cpu().double().numpy())
-        total += np.concatenate(out) if out else 0
-    return Predictions([str(f) for f in files], total / tta, classes)
+
+    def probabilities(x: torch.Tensor) -> np.ndarray:
+        logits = infer_fitting(model, x.to(dev), backoff)
+        return torch.softmax(logits.float(), dim=1).cpu().double().numpy()
+
+    mean = tta_mean(
+        probabilities,
+        files,
+        tta=tta,
+        size=cfg.size,
+        item_transform=cfg.options.item_transform,
+        data=info.get("data"),
+        fmt=fmt,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    return Predictions([str(f) for f in files], mean.reshape(len(files), len(classes)), classes)
 
 
 def predict_folder(run_dir: str | Path, folder: str | Path, **kwargs: object) -> Predictions:

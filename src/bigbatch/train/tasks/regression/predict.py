@@ -15,10 +15,10 @@ import torch
 from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
 from bigbatch.train.config import ConfigError
-from bigbatch.train.data import images_to_predict, make_loader
+from bigbatch.train.data import images_to_predict
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
-from bigbatch.train.tasks.images import ImageDataset, ImageFormat, build_model, build_transforms
+from bigbatch.train.tasks.images import ImageFormat, build_model, tta_mean
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["ensemble_request", "predict_files", "predict_request", "save_values"]
@@ -46,32 +46,23 @@ def predict_files(
     mean = torch.tensor(info["mean"], dtype=torch.float64)
     std = torch.tensor(info["std"], dtype=torch.float64)
     batch, backoff = planned_eval_batch(run.run_dir, dev), EvalBackoff()
-    total = np.zeros((len(files), len(info["targets"])), dtype=np.float64)
-    for k in range(tta):
-        transform = build_transforms(
-            cfg.size,
-            "squish",
-            train=k >= 2,
-            augment=k >= 2,
-            flip=k == 1,
-            data=info.get("data"),
-            fmt=fmt,
-        )
-        torch.manual_seed(seed + k)
-        loader = make_loader(
-            ImageDataset(files, None, transform, fmt),
-            batch,
-            shuffle=False,
-            seed=seed,
-            num_workers=0,
-        )
-        out = []
-        with torch.no_grad():
-            for x, _ in loader:
-                values = infer_fitting(model, x.to(dev), backoff).double().cpu() * std + mean
-                out.append(values.numpy())
-        total += np.concatenate(out) if out else 0
-    return total / tta, list(info["targets"])
+
+    def values(x: torch.Tensor) -> np.ndarray:
+        out = infer_fitting(model, x.to(dev), backoff).double().cpu() * std + mean
+        return out.numpy()
+
+    averaged = tta_mean(
+        values,
+        files,
+        tta=tta,
+        size=cfg.size,
+        item_transform="squish",
+        data=info.get("data"),
+        fmt=fmt,
+        batch_size=batch,
+        seed=seed,
+    )
+    return averaged.reshape(len(files), len(info["targets"])), list(info["targets"])
 
 
 def save_values(
