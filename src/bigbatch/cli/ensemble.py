@@ -96,7 +96,12 @@ def _run_folders(args: argparse.Namespace) -> int:
             raise ValueError(f"task={names[0]} registered no ensemble: average its runs by hand")
         args.out.mkdir(parents=True, exist_ok=True)
         request = EnsembleRequest(
-            tuple(runs), args.images, args.out, args.tta, "best", args.device, options
+            runs=tuple(runs),
+            images=args.images,
+            out=args.out,
+            tta=args.tta,
+            device=args.device,
+            options=options,
         )
         print(ensemble(request))
     except KeyError as exc:

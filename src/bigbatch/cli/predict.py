@@ -42,7 +42,13 @@ def run(args: argparse.Namespace) -> int:
     # A task's own options, passed only when set: a task refuses those it does not take.
     options = task_options(args)
     request = PredictRequest(
-        args.run, args.images, args.out, args.tta, args.checkpoint, args.device, options
+        run_dir=args.run,
+        inputs=args.images,
+        out=args.out,
+        tta=args.tta,
+        checkpoint=args.checkpoint,
+        device=args.device,
+        options=options,
     )
     try:
         name = run_task_name(args.run)

@@ -51,51 +51,49 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class _RunRequest:
+    """What prediction and ensembles share: where to write (None: the task's default), TTA
+    passes, which checkpoint, the device, and the task's own options, given only when the
+    user set them (segmentation's ``patch``, ``overlap``, ``mask_size``)."""
+
+    out: Path | None = None
+    tta: int = 2
+    checkpoint: str = "best"
+    device: str = "cpu"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def refuse_options(self, task: str, allowed: tuple[str, ...] = ()) -> None:
+        """ValueError naming an option this task does not take here."""
+        for name in self.options:
+            if name not in allowed:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} is not an option of {self.what(task)}; drop it")
+
+    def what(self, task: str) -> str:
+        return f"a {task} run's prediction"
+
+
 @dataclass(frozen=True)
-class EnsembleRequest:
+class EnsembleRequest(_RunRequest):
     """What ``bigbatch ensemble RUN RUN ... --images DIR`` asks of finished runs of one task:
     their predictions of the images, averaged as the task averages them (probabilities,
-    values, masks), written to ``out`` (None: the task's default), and the task's own options
-    (``mask_size``)."""
+    values, masks)."""
 
     runs: tuple[Path, ...]
     images: Path
-    out: Path | None = None
-    tta: int = 2
-    checkpoint: str = "best"
-    device: str = "cpu"
-    options: Mapping[str, Any] = field(default_factory=dict)
 
-    def refuse_options(self, task: str, allowed: tuple[str, ...] = ()) -> None:
-        """ValueError naming an option this task's ensemble does not take."""
-        _refuse(self.options, f"a {task} ensemble", allowed)
+    def what(self, task: str) -> str:
+        return f"a {task} ensemble"
 
 
 @dataclass(frozen=True)
-class PredictRequest:
+class PredictRequest(_RunRequest):
     """What ``bigbatch predict`` asks of a trained run: its inputs (a folder, or a CSV a task
-    reads), where to write (None: the task's default inside the run), TTA passes, which
-    checkpoint, the device, and the task's own options (segmentation's ``patch``, ``overlap``),
-    given only when the user set them."""
+    reads)."""
 
     run_dir: Path
     inputs: Path
-    out: Path | None = None
-    tta: int = 2
-    checkpoint: str = "best"
-    device: str = "cpu"
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    def refuse_options(self, task: str, allowed: tuple[str, ...] = ()) -> None:
-        """ValueError naming an option this task's prediction does not take."""
-        _refuse(self.options, f"a {task} run's prediction", allowed)
-
-
-def _refuse(options: Mapping[str, Any], what: str, allowed: tuple[str, ...]) -> None:
-    for name in options:
-        if name not in allowed:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} is not an option of {what}; drop it")
 
 
 def task_for(cfg: TrainConfig) -> Task:
