@@ -118,6 +118,9 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "usable_bytes": self.usable_bytes,
             "overhead_bytes": self.overhead_bytes,
+            # What the plan keeps free for the prediction's own error (the allocator's rounding
+            # and fragmentation are in the prediction: breakdown's allocator_cache on CUDA).
+            "margin_bytes": self.budget_bytes - self.usable_bytes - self.overhead_bytes,
             "floor_bytes": self.floor_bytes,
             "max_micro_batch": self.max_micro_batch,
             "confirmed_peak_bytes": self.confirmed_peak_bytes,
