@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent / "train"))
 from conftest import TINY_MODEL, write_images
 
 from bigbatch.train.config import ConfigError
-from bigbatch.train.ensemble import run_ensemble, submission_ids
+from bigbatch.train.ensemble import run_ensemble
+from bigbatch.train.tasks.classification.experiments import submission_ids
 
 COMMON = """[common]
 data = "train"
@@ -143,7 +144,7 @@ def test_members_share_one_overhead_and_the_log_names_their_model(comp: Path) ->
 
 def test_write_submission_refuses_ids_it_cannot_place(tmp_path: Path) -> None:
     """Two test images with one name used to raise a bare KeyError (or overwrite one row)."""
-    from bigbatch.train.ensemble import write_submission
+    from bigbatch.train.tasks.classification.experiments import write_submission
 
     sample = tmp_path / "sample.csv"
     sample.write_text("id,label\na.png,\nb.png,\n")

@@ -57,12 +57,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_ensemble(args.experiments, args.out, overrides=args.overrides)
     except (ConfigError, DataError, DamagedFileError) as exc:
         raise UserError(str(exc)) from exc
-    print("\nvalidation accuracy")
-    for row in result.scores:
-        print(f"  {row['member']:<20} weight {row['weight']:<5g} accuracy {row['accuracy']:.4f}")
-    print(f"\nscores: {args.out / 'scores.csv'}")
-    if result.submission:
-        print(f"submission: {result.submission}\nensemble probabilities: {result.predictions}")
+    print("\n" + result.summary(args.out))
     return 0
 
 

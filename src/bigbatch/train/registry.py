@@ -80,6 +80,8 @@ class TaskEntry:
     ensemble: Any = None
     # ``bigbatch predict``'s options of this task: a dataclass of option() fields, as ``options``.
     predict_options: Any = None
+    # ``bigbatch ensemble EXPERIMENTS.toml``: members trained, then ensembled as the task does.
+    experiments: Any = None
 
     def __post_init__(self) -> None:
         unknown = set(self.lower_is_better) - set(self.metrics)
@@ -103,6 +105,9 @@ class TaskEntry:
     def ensembler(self) -> Callable[[Any], str] | None:
         return load_ref(self.ensemble) if self.ensemble is not None else None
 
+    def experiments_fn(self) -> Callable[..., Any]:
+        return load_ref(self.experiments)
+
     def predict_options_class(self) -> type[Any] | None:
         return load_ref(self.predict_options) if self.predict_options is not None else None
 
@@ -123,6 +128,7 @@ def register_task(
     fractions: tuple[str, ...] = (),
     ensemble: Any = None,
     predict_options: Any = None,
+    experiments: Any = None,
 ) -> TaskEntry:
     """Make ``task=name`` build ``task`` (see :class:`TaskEntry`; every part may be a
     ``"module:attr"`` reference, loaded when the task is used).
@@ -144,6 +150,7 @@ def register_task(
         frozenset(fractions),
         ensemble,
         predict_options,
+        experiments,
     )
     _TASKS[name] = entry
     return entry
@@ -240,6 +247,7 @@ register_task(
     data_help="a folder with one sub-folder per class, or a CSV of file,label",
     fractions=("accuracy", "error_rate", "top5", "f1_macro", "f1_micro", "auroc", "kappa"),
     ensemble=f"{_TASKS_PKG}.classification.predict:ensemble_request",
+    experiments=f"{_TASKS_PKG}.classification.experiments:run_experiments",
 )
 register_task(
     "segmentation",
