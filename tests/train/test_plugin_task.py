@@ -51,6 +51,12 @@ def test_an_installed_task_trains_resumes_predicts_and_ensembles_from_the_comman
     assert json.loads((one / "task.json").read_text())["task"] == "toy_boxes"
     assert json.loads((one / "best.json").read_text())["box_l1"] > 0  # lower is better
     assert _train(two, "toy_boxes", "seed=1") == 0
+    # Planned the way train plans it (its own step on its example batches), from the command.
+    capsys.readouterr()
+    plan = ["plan", "task=toy_boxes", "data=generated", "batch=8", "budget=1GB", "overhead=0"]
+    assert main([*plan, "device=cpu", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert planned["task"] == "toy_boxes" and planned["micro_batch"] == 8
     (one / "done.json").unlink()  # as if killed after its last checkpoint
     assert main(["train", "--resume", str(one), "--no-progress"]) == 0  # from its config.json
     assert len((one / "history.csv").read_text().splitlines()) == 1 + 2  # nothing redone
