@@ -6,9 +6,13 @@ that the CUDA memory model can read.
     python benchmarks/cudnn_workspaces.py --out profile.json [--seconds 45]
     python benchmarks/cudnn_workspaces.py --dry-run --out p.json   # no GPU: the code path only
 
-Signatures: kernel 1/3/7, dense or depthwise, 64/256 channels, 28/56 px, batch 8/64,
-float16/float32, NCHW/NHWC, cuDNN's benchmark mode off/on; passes: forward, data gradient,
-weight gradient. The sweep stops at ``--seconds`` and says how far it got.
+Signatures, the networks' own first: ResNet-50's bottleneck convolutions (1x1 between 64 and
+2048 channels, 3x3 at 7-56 px, the strided ones) at batch 32/128 in float16/bfloat16 NCHW, which
+the first profile did not cover (its 1x1 rule, batch x in x out x 4 bytes for the weight
+gradient at 64/256 channels, overshoots ResNet-50 by 7-15 %); then the grid: kernel 1/3/7,
+dense or depthwise, 64/256 channels, 28/56 px, batch 8/64, float16/float32, NCHW/NHWC, cuDNN's
+benchmark mode off/on. Passes: forward, data gradient, weight gradient. The sweep stops at
+``--seconds`` and says how far it got.
 """
 
 from __future__ import annotations
@@ -26,8 +30,43 @@ import torch
 MiB = 2**20
 
 
+# ResNet-50's convolutions: (in, out, kernel, stride, input size).
+BOTTLENECK = (
+    (64, 64, 1, 1, 56),
+    (64, 256, 1, 1, 56),
+    (256, 64, 1, 1, 56),
+    (256, 128, 1, 1, 56),
+    (128, 128, 3, 2, 56),
+    (128, 512, 1, 1, 28),
+    (512, 128, 1, 1, 28),
+    (256, 512, 1, 2, 56),
+    (512, 256, 1, 1, 28),
+    (256, 256, 3, 2, 28),
+    (256, 1024, 1, 1, 14),
+    (1024, 256, 1, 1, 14),
+    (512, 1024, 1, 2, 28),
+    (1024, 512, 1, 1, 14),
+    (512, 512, 3, 2, 14),
+    (512, 2048, 1, 1, 7),
+    (2048, 512, 1, 1, 7),
+    (1024, 2048, 1, 2, 14),
+    (64, 64, 3, 1, 56),
+    (128, 128, 3, 1, 28),
+    (256, 256, 3, 1, 14),
+    (512, 512, 3, 1, 7),
+)
+
+
 def signatures() -> list[dict[str, Any]]:
-    rows = []
+    rows = [
+        {
+            "benchmark": False, "layout": "nchw", "dtype": dtype, "kernel": k, "groups": 1,
+            "channels": cin, "out_channels": cout, "stride": stride, "size": size, "batch": b,
+        }
+        for dtype in ("float16", "bfloat16")
+        for b in (32, 128)
+        for cin, cout, k, stride, size in BOTTLENECK
+    ]  # fmt: skip
     for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
         (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
         (64, 256), (56, 28), (64, 8),
@@ -64,10 +103,11 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     dtype = getattr(torch, sig["dtype"])
     fmt = torch.channels_last if sig["layout"] == "nhwc" else torch.contiguous_format
     c, k, g = sig["channels"], sig["kernel"], sig["groups"]
+    out, stride = sig.get("out_channels", c), sig.get("stride", 1)
     x = torch.randn(sig["batch"], c, sig["size"], sig["size"], device=device, dtype=dtype)
     x = x.contiguous(memory_format=fmt)
-    w = torch.randn(c, c // g, k, k, device=device, dtype=dtype).contiguous(memory_format=fmt)
-    conv: dict[str, Any] = {"stride": [1, 1], "padding": [k // 2] * 2, "dilation": [1, 1]}
+    w = torch.randn(out, c // g, k, k, device=device, dtype=dtype).contiguous(memory_format=fmt)
+    conv: dict[str, Any] = {"stride": [stride] * 2, "padding": [k // 2] * 2, "dilation": [1, 1]}
     y = torch.nn.functional.conv2d(x, w, None, groups=g, **conv)
     grad = torch.randn_like(y)
 
