@@ -411,3 +411,21 @@ def test_prediction_takes_the_runs_planned_validation_batch_on_the_same_kind_of_
     (tmp_path / "plan.json").write_text('{"valid_batch": ')
     with pytest.raises(DamagedFileError, match=r"plan\.json is damaged"):
         planned_eval_batch(tmp_path, cpu)
+
+
+def test_predict_plans_its_own_batch_under_a_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bigbatch predict --budget``: the no-grad step of the run's model with its weights
+    alone, the most images a pass may take under the budget."""
+    import bigbatch.memory.plan as plan_module
+    from bigbatch.train.config import ConfigError
+    from bigbatch.train.tasks.images import predict_batch
+
+    # The budget for the step alone: not whatever this test process holds.
+    monkeypatch.setattr(plan_module, "default_overhead", lambda budget, device: 0)
+    cpu = torch.device("cpu")
+    one = predict_evaluation_peak(StepSpec(_fcn, (3, 64, 64), 1, "sgd"), state_copies=0)
+    roomy = predict_batch(_fcn, (3, 64, 64), cpu, "64GB", largest=256)
+    tight = predict_batch(_fcn, (3, 64, 64), cpu, str(int(one.planning_bytes * 40 / 0.9)) + "B")
+    assert roomy == 256 and 1 <= tight < 64
+    with pytest.raises(ConfigError, match=r"--budget lots"):
+        predict_batch(_fcn, (3, 64, 64), cpu, "lots")

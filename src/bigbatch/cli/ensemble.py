@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "horizontal, 3 + vertical, 4 + both",
     )
     p.add_argument("--device", default="cpu", help="run folders: cpu, cuda, cuda:N, mps or auto")
+    p.add_argument(
+        "--budget",
+        default="",
+        help="memory for the forward passes (8GB, a card's name, auto): the batch planned under "
+        "it; default: the batch the run planned for its validation (an OOM halves it either way)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,6 +103,7 @@ def _run_folders(args: argparse.Namespace) -> int:
             tta=args.tta,
             device=args.device,
             options=options,
+            budget=args.budget,
         )
         print(ensemble(request))
     except KeyError as exc:

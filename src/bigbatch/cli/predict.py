@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: RUN/masks), or the submission CSV of an RLE run (default: RUN/submission.csv)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    p.add_argument(
+        "--budget",
+        default="",
+        help="memory for the forward passes (8GB, a card's name, auto): the batch planned under "
+        "it; default: the batch the run planned for its validation (an OOM halves it either way)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         device=args.device,
         options=options,
+        budget=args.budget,
     )
     try:
         name = run_task_name(args.run)

@@ -62,6 +62,7 @@ class _RunRequest:
     checkpoint: str = "best"
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)
+    budget: str = ""  # memory for prediction's forward passes ("": the run's planned batch)
 
     def refuse_options(self, task: str, allowed: tuple[str, ...] = ()) -> None:
         """ValueError naming an option this task does not take here."""

@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -322,3 +322,34 @@ def tta_mean(
             rows = [forward(x) for x, _ in loader]
         total = total + (np.concatenate(rows) if rows else 0.0)
     return np.asarray(total, dtype=np.float64) / tta
+
+
+def predict_batch(
+    factory: Callable[[], nn.Module],
+    shape: tuple[int, ...],
+    device: torch.device,
+    budget: str,
+    *,
+    precision: str = "fp32",
+    largest: int = 512,
+) -> int:
+    """``bigbatch predict --budget``: the most images one forward pass may take under
+    ``budget`` on ``device``, from a prediction of the no-grad step (the weights alone: no
+    optimizer state at prediction) at the input ``shape``; 1 where even one is over (the OOM
+    back-off then guards it)."""
+    from bigbatch.memory.evaluate import plan_evaluation_batch, predict_evaluation_peak
+    from bigbatch.memory.plan import default_overhead, resolve_budget, usable_bytes
+    from bigbatch.memory.step import StepSpec
+
+    try:
+        usable = usable_bytes(
+            resolve_budget(budget, device), default_overhead(budget, device), device
+        )
+    except ValueError as exc:
+        raise ConfigError(f"--budget {budget}: {exc}") from None
+
+    def peak(b: int) -> int:
+        spec = StepSpec(factory, shape, b, "sgd", cast(Any, precision), device.type)
+        return predict_evaluation_peak(spec, state_copies=0).planning_bytes
+
+    return plan_evaluation_batch(peak, largest, usable, shape).batch

@@ -23,7 +23,7 @@ from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
 from bigbatch.train.tasks.classification.data import ImageFormat
 from bigbatch.train.tasks.classification.task import build_model
-from bigbatch.train.tasks.images import tta_mean
+from bigbatch.train.tasks.images import predict_batch, tta_mean
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = [
@@ -70,11 +70,12 @@ def predict_files(
     device: str = "cpu",
     batch_size: int | None = None,
     seed: int = 0,
+    budget: str = "",
 ) -> Predictions:
     """Averaged class probabilities of ``files`` over ``tta`` passes (1 = no augmentation),
     ``batch_size`` images a forward pass (None: the run's planned validation batch, when it
     was planned on this kind of device, else 64); an OOM runs a batch again in smaller
-    pieces."""
+    pieces. ``budget``: the batch planned under it instead (``bigbatch predict --budget``)."""
 
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
@@ -82,6 +83,9 @@ def predict_files(
     run_dir = Path(run_dir)
     model, classes, cfg, info = _load_run(run_dir, checkpoint)
     fmt = ImageFormat.from_dict(info.get("format"))
+    if budget and not batch_size:
+        shape = (fmt.channels, cfg.size, cfg.size)
+        batch_size = predict_batch(build_model(cfg, len(classes), fmt.channels), shape, dev, budget)
     batch_size = batch_size or planned_eval_batch(run_dir, dev)
     backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
     model.to(dev).eval()
@@ -124,6 +128,7 @@ def predict_request(request: PredictRequest) -> str:
         tta=request.tta,
         checkpoint=request.checkpoint,
         device=request.device,
+        budget=request.budget,
     )
     npz, csv_path = save_predictions(pred, out)
     return (
@@ -143,7 +148,12 @@ def ensemble_request(request: EnsembleRequest) -> str:
     files = images_to_predict(request.images)
     members = [
         predict_files(
-            r, files, tta=request.tta, checkpoint=request.checkpoint, device=request.device
+            r,
+            files,
+            tta=request.tta,
+            checkpoint=request.checkpoint,
+            device=request.device,
+            budget=request.budget,
         )
         for r in request.runs
     ]

@@ -18,7 +18,7 @@ from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
-from bigbatch.train.tasks.images import ImageFormat, build_model, tta_mean
+from bigbatch.train.tasks.images import ImageFormat, build_model, predict_batch, tta_mean
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["ensemble_request", "predict_files", "predict_request", "save_values"]
@@ -32,6 +32,7 @@ def predict_files(
     checkpoint: str = "best",
     device: str = "cpu",
     seed: int = 0,
+    budget: str = "",
 ) -> tuple[np.ndarray, list[str]]:
     """``(values [files, targets], target names)``: the run's predictions of ``files`` in the
     targets' units, averaged over ``tta`` passes."""
@@ -45,7 +46,13 @@ def predict_files(
     model.to(dev).eval()
     mean = torch.tensor(info["mean"], dtype=torch.float64)
     std = torch.tensor(info["std"], dtype=torch.float64)
-    batch, backoff = planned_eval_batch(run.run_dir, dev), EvalBackoff()
+    if budget:  # bigbatch predict --budget: planned now, for this device
+        shape = (fmt.channels, cfg.size, cfg.size)
+        factory = build_model(cfg, len(info["targets"]), fmt.channels)
+        batch = predict_batch(factory, shape, dev, budget)
+    else:
+        batch = planned_eval_batch(run.run_dir, dev)
+    backoff = EvalBackoff()
 
     def values(x: torch.Tensor) -> np.ndarray:
         out = infer_fitting(model, x.to(dev), backoff).double().cpu() * std + mean
@@ -100,6 +107,7 @@ def predict_request(request: PredictRequest) -> str:
         tta=request.tta,
         checkpoint=request.checkpoint,
         device=request.device,
+        budget=request.budget,
     )
     npz, csv_path = save_values(files, values, names, out)
     return (
@@ -118,7 +126,12 @@ def ensemble_request(request: EnsembleRequest) -> str:
     total, names = np.zeros(0), list[str]()
     for i, run in enumerate(runs):
         values, these = predict_files(
-            run, files, tta=request.tta, checkpoint=request.checkpoint, device=request.device
+            run,
+            files,
+            tta=request.tta,
+            checkpoint=request.checkpoint,
+            device=request.device,
+            budget=request.budget,
         )
         if i and these != names:
             raise ConfigError(
