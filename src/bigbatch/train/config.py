@@ -15,7 +15,7 @@ from typing import Any
 
 from bigbatch.memory.budget import parse_bytes
 from bigbatch.memory.cards import find_card
-from bigbatch.train.registry import TaskEntry, task_entry, task_names
+from bigbatch.train.registry import DEFAULT_TASK, TaskEntry, task_entry, task_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -45,7 +45,7 @@ class TrainConfig:
     are its options dataclass's, in ``options``, set in the same flat file or ``key=value``
     (``bigbatch train --help`` lists both)."""
 
-    task: str = "classification"
+    task: str = DEFAULT_TASK
     data: str = ""
     image_root: str = ""
     valid: str = ""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "DEFAULT_TASK",
     "ENTRY_POINT_GROUP",
     "TaskEntry",
     "load_ref",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "bigbatch.tasks"
+# The task a configuration without ``task=`` trains (and a run folder from before task.json).
+DEFAULT_TASK = "classification"
 
 
 def load_ref(ref: Any) -> Any:

@@ -19,6 +19,7 @@ import torch
 
 from bigbatch.io import read_json
 from bigbatch.train.registry import (
+    DEFAULT_TASK,
     TaskEntry,
     lower_is_better,
     register_task,
@@ -131,7 +132,7 @@ def read_task_info(run_dir: str | Path) -> dict[str, Any]:
     ValueError with the fix."""
     path = Path(run_dir) / "task.json"
     if not path.is_file():
-        return {"task": "classification"}
+        return {"task": DEFAULT_TASK}
     try:
         info = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
