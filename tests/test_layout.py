@@ -26,7 +26,11 @@ def _imports(path: Path, modules: dict[str, Path], top_only: bool) -> set[str]:
     """The bigbatch modules ``path`` imports (``from pkg import submodule`` counts as the
     submodule)."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if top_only else list(ast.walk(tree))
+    return _named(tree.body if top_only else list(ast.walk(tree)), modules)
+
+
+def _named(nodes: list[ast.AST], modules: dict[str, Path]) -> set[str]:
+    """The bigbatch modules the import statements among ``nodes`` name."""
     found: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -81,17 +85,7 @@ def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for n in ast.walk(node)
     }
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in hidden:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("bigbatch")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bigbatch"):
-            base = node.module or ""
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in modules else base)
+    found = _named([n for n in ast.walk(tree) if id(n) not in hidden], modules)
     parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
     return (found | parents) & set(modules)
 
