@@ -10,6 +10,7 @@ EMA copy), and on CUDA through the caching allocator's model.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.fake_branches import real_branches
 from bigbatch.memory.meta import build_on_meta, to_empty_shared
+from bigbatch.memory.plan import largest_fitting
 from bigbatch.memory.predict import MemoryPrediction, _assemble, tracing_for
 from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss
 
@@ -92,8 +94,8 @@ def plan_evaluation_batch(
     peak_at: Callable[[int], int], largest: int, usable: int, shape: tuple[int, ...]
 ) -> EvaluationPlan:
     """The largest evaluation batch up to ``largest`` whose predicted peak (``peak_at(b)``, in
-    bytes) fits ``usable``: the largest if it fits, else a search between 1 and it (the peak
-    grows about linearly with the batch). A batch of 1 that does not fit is returned with
+    bytes) fits ``usable``: the largest if it fits, else the planner's search between 1 and it
+    (:func:`~bigbatch.memory.plan.largest_fitting`). A batch of 1 that does not fit is returned with
     ``fits=False``: evaluation then relies on its OOM back-off.
 
     >>> plan_evaluation_batch(lambda b: 100 + 10 * b, 64, 500, (3, 32, 32)).batch
@@ -101,20 +103,10 @@ def plan_evaluation_batch(
     """
     if largest < 1:
         raise ValueError(f"the largest evaluation batch must be >= 1, got {largest}")
-    floor = peak_at(1)
-    if floor > usable:
-        return EvaluationPlan(1, floor, usable, shape, False)
-    top = peak_at(largest)
-    if top <= usable:
-        return EvaluationPlan(largest, top, usable, shape, True)
-    lo, hi = 1, largest  # lo fits, hi does not
-    peaks = {1: floor, largest: top}
-    while hi - lo > 1:
-        # Where the line through the two ends meets the budget, kept strictly inside them.
-        guess = lo + (usable - peaks[lo]) * (hi - lo) // max(1, peaks[hi] - peaks[lo])
-        guess = min(max(guess, lo + 1), hi - 1)
-        if hi - lo > 8 and guess in (lo + 1, hi - 1):
-            guess = (lo + hi) // 2  # the line stalls at an end: halve instead
-        peaks[guess] = peak_at(guess)
-        lo, hi = (guess, hi) if peaks[guess] <= usable else (lo, guess)
-    return EvaluationPlan(lo, peaks[lo], usable, shape, True)
+    peak = functools.cache(peak_at)  # the search asks the same sizes again
+    if peak(1) > usable:
+        return EvaluationPlan(1, peak(1), usable, shape, False)
+    if peak(largest) <= usable:
+        return EvaluationPlan(largest, peak(largest), usable, shape, True)
+    batch = largest_fitting(peak, 1, largest, usable)
+    return EvaluationPlan(batch, peak(batch), usable, shape, True)

@@ -37,6 +37,7 @@ from bigbatch.memory.step import StepSpec
 __all__ = [
     "DoesNotFitError",
     "Plan",
+    "largest_fitting",
     "overhead_bytes",
     "plan_micro_batch",
     "plan_under_budget",
@@ -467,9 +468,23 @@ def _fewer_steps(peak: Callable[[int], int], micro: int, cap: int, target: int, 
 
 
 def _search(peak: Callable[[int], int], smallest: int, cap: int, target: int, usable: int) -> int:
-    """The largest micro-batch that fits, by interpolation guarded by bisection (where the
-    peak is not affine: allocator segments, kernel choices), then balanced."""
-    lo, hi = smallest, cap + 1  # lo fits; hi does not (or is past the cap)
+    """The largest micro-batch that fits (:func:`largest_fitting`, past the cap unknown),
+    balanced."""
+    return _balanced(target, largest_fitting(peak, smallest, cap + 1, usable, cap=cap))
+
+
+def largest_fitting(
+    peak: Callable[[int], int], lo: int, hi: int, usable: int, *, cap: int | None = None
+) -> int:
+    """The largest size in ``[lo, hi)`` whose ``peak`` fits ``usable``, given that ``lo`` fits
+    and ``hi`` does not (or, past ``cap``, is not known): by interpolation guarded by bisection,
+    where the peak is not affine (allocator segments, kernel choices). ``peak`` is called
+    repeatedly at the same sizes: cache it.
+
+    >>> largest_fitting(lambda b: 100 + 10 * b, 1, 64, 500)
+    40
+    """
+    cap = hi if cap is None else cap
     bisect = False
     while hi - lo > 1:
         guess = (
@@ -484,7 +499,7 @@ def _search(peak: Callable[[int], int], smallest: int, cap: int, target: int, us
         else:
             hi = guess
         bisect = (hi - lo) * 2 > width
-    return _balanced(target, lo)
+    return lo
 
 
 def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
