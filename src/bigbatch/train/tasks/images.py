@@ -16,10 +16,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.images import ImageInfo, UnreadableImageError, probe, read_pixels, scale_for
 from bigbatch.models import MEAN, STD, UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import DataError, make_loader
+from bigbatch.train.tasks import planned_eval_batch
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = [
@@ -353,3 +355,49 @@ def predict_batch(
         return predict_evaluation_peak(spec, state_copies=0).planning_bytes
 
     return plan_evaluation_batch(peak, largest, usable, shape).batch
+
+
+def predict_images(
+    run: Any,
+    outputs: int,
+    files: Sequence[Path],
+    head: Callable[[torch.Tensor], np.ndarray],
+    *,
+    tta: int,
+    device: torch.device,
+    item_transform: str = "squish",
+    batch_size: int | None = None,
+    budget: str = "",
+    seed: int = 0,
+) -> np.ndarray:
+    """A finished image run's predictions of ``files``, one row each: ``head`` of the model's
+    ``outputs`` for a batch (probabilities, values in the targets' units), averaged over
+    ``tta`` passes (:func:`tta_mean`). ``run`` is a :class:`~bigbatch.train.trained_run.TrainedRun`;
+    ``batch_size`` images a forward pass (None: planned under ``budget`` when one is given,
+    else the run's planned validation batch on this kind of device, else 64); an OOM runs a
+    batch again in smaller pieces."""
+    cfg, info = run.config, run.info
+    fmt = ImageFormat.from_dict(info.get("format"))
+    factory = build_model(cfg, outputs, fmt.channels)
+    model = run.load_into(factory())
+    if budget and not batch_size:
+        batch_size = predict_batch(factory, (fmt.channels, cfg.size, cfg.size), device, budget)
+    batch_size = batch_size or planned_eval_batch(run.run_dir, device)
+    backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
+    model.to(device).eval()
+
+    def rows(x: torch.Tensor) -> np.ndarray:
+        return head(infer_fitting(model, x.to(device), backoff))
+
+    mean = tta_mean(
+        rows,
+        files,
+        tta=tta,
+        size=cfg.size,
+        item_transform=item_transform,
+        data=info.get("data"),
+        fmt=fmt,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    return mean.reshape(len(files), -1)

@@ -10,20 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
-from bigbatch.train.config import ConfigError, TrainConfig
+from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
-from bigbatch.train.tasks.classification.data import ImageFormat
-from bigbatch.train.tasks.classification.task import build_model
-from bigbatch.train.tasks.images import predict_batch, tta_mean
+from bigbatch.train.tasks import EnsembleRequest, PredictRequest
+from bigbatch.train.tasks.images import predict_images
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = [
@@ -46,19 +42,15 @@ class Predictions:
         return [self.classes[i] for i in self.probs.argmax(axis=1)]
 
 
-def _load_run(
-    run_dir: Path, checkpoint: str
-) -> tuple[torch.nn.Module, list[str], TrainConfig, dict[str, Any]]:
-    """The model with its trained weights, the classes, the config and ``task.json`` (the
-    image format and data config the run trained with; older runs: 8-bit RGB, ImageNet's)."""
+def _open_run(run_dir: Path, checkpoint: str) -> tuple[TrainedRun, list[str]]:
+    """The finished run and its classes (its ``task.json`` holds the image format and data
+    config it trained with; older runs: 8-bit RGB, ImageNet's)."""
     run = TrainedRun.open(run_dir, checkpoint)
     try:
         classes = json.loads((run_dir / "classes.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{run_dir}/classes.json is missing or damaged: {exc}") from exc
-    fmt = ImageFormat.from_dict(run.info.get("format"))
-    model = run.load_into(build_model(run.config, len(classes), fmt.channels)())
-    return model, classes, run.config, run.info
+    return run, classes
 
 
 def predict_files(
@@ -80,32 +72,24 @@ def predict_files(
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
     dev = resolve_device(device, "--device")
-    run_dir = Path(run_dir)
-    model, classes, cfg, info = _load_run(run_dir, checkpoint)
-    fmt = ImageFormat.from_dict(info.get("format"))
-    if budget and not batch_size:
-        shape = (fmt.channels, cfg.size, cfg.size)
-        batch_size = predict_batch(build_model(cfg, len(classes), fmt.channels), shape, dev, budget)
-    batch_size = batch_size or planned_eval_batch(run_dir, dev)
-    backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
-    model.to(dev).eval()
+    run, classes = _open_run(Path(run_dir), checkpoint)
 
-    def probabilities(x: torch.Tensor) -> np.ndarray:
-        logits = infer_fitting(model, x.to(dev), backoff)
+    def probabilities(logits: torch.Tensor) -> np.ndarray:
         return torch.softmax(logits.float(), dim=1).cpu().double().numpy()
 
-    mean = tta_mean(
-        probabilities,
+    probs = predict_images(
+        run,
+        len(classes),
         files,
+        probabilities,
         tta=tta,
-        size=cfg.size,
-        item_transform=cfg.options.item_transform,
-        data=info.get("data"),
-        fmt=fmt,
+        device=dev,
+        item_transform=run.config.options.item_transform,
         batch_size=batch_size,
+        budget=budget,
         seed=seed,
     )
-    return Predictions([str(f) for f in files], mean.reshape(len(files), len(classes)), classes)
+    return Predictions([str(f) for f in files], probs, classes)
 
 
 def predict_folder(run_dir: str | Path, folder: str | Path, **kwargs: object) -> Predictions:

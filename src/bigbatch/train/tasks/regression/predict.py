@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.io import atomic_path, atomic_write_csv, check_writable
 from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict
 from bigbatch.train.runtime import resolve_device
-from bigbatch.train.tasks import EnsembleRequest, PredictRequest, planned_eval_batch
-from bigbatch.train.tasks.images import ImageFormat, build_model, predict_batch, tta_mean
+from bigbatch.train.tasks import EnsembleRequest, PredictRequest
+from bigbatch.train.tasks.images import predict_images
 from bigbatch.train.trained_run import TrainedRun
 
 __all__ = ["ensemble_request", "predict_files", "predict_request", "save_values"]
@@ -39,37 +38,18 @@ def predict_files(
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
     run = TrainedRun.open(run_dir, checkpoint, task="regression")
-    cfg, info = run.config, run.info
-    fmt = ImageFormat.from_dict(info.get("format"))
-    model = run.load_into(build_model(cfg, len(info["targets"]), fmt.channels)())
+    targets = list(run.info["targets"])
+    mean = torch.tensor(run.info["mean"], dtype=torch.float64)
+    std = torch.tensor(run.info["std"], dtype=torch.float64)
+
+    def values(outputs: torch.Tensor) -> np.ndarray:
+        return (outputs.double().cpu() * std + mean).numpy()
+
     dev = resolve_device(device, "--device")
-    model.to(dev).eval()
-    mean = torch.tensor(info["mean"], dtype=torch.float64)
-    std = torch.tensor(info["std"], dtype=torch.float64)
-    if budget:  # bigbatch predict --budget: planned now, for this device
-        shape = (fmt.channels, cfg.size, cfg.size)
-        factory = build_model(cfg, len(info["targets"]), fmt.channels)
-        batch = predict_batch(factory, shape, dev, budget)
-    else:
-        batch = planned_eval_batch(run.run_dir, dev)
-    backoff = EvalBackoff()
-
-    def values(x: torch.Tensor) -> np.ndarray:
-        out = infer_fitting(model, x.to(dev), backoff).double().cpu() * std + mean
-        return out.numpy()
-
-    averaged = tta_mean(
-        values,
-        files,
-        tta=tta,
-        size=cfg.size,
-        item_transform="squish",
-        data=info.get("data"),
-        fmt=fmt,
-        batch_size=batch,
-        seed=seed,
+    rows = predict_images(
+        run, len(targets), files, values, tta=tta, device=dev, budget=budget, seed=seed
     )
-    return averaged.reshape(len(files), len(info["targets"])), list(info["targets"])
+    return rows, targets
 
 
 def save_values(
