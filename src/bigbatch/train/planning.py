@@ -4,7 +4,6 @@ second)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,6 @@ from bigbatch.device import (
     return_freed_cpu_memory,
     total_bytes,
 )
-from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.plan import (
@@ -34,6 +32,7 @@ from bigbatch.memory.predict import check_forward, predict_peak
 from bigbatch.memory.step import Precision, StepSpec
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.optim import PLAN_OPTIMIZER
+from bigbatch.train.run_dir import add_to_plan, measured_as
 from bigbatch.train.tasks import Placement, Task
 
 __all__ = ["MemoryCheck", "PlanChoice", "plan_for", "plan_validation"]
@@ -158,9 +157,8 @@ def plan_validation(
     cap = (shape.largest if shape else None) or max(unplanned, cfg.batch)
     if shape is None or choice.usable_bytes is None:
         return choice._replace(valid_batch=min(cap, unplanned))
-    copies = STATE_COPIES[PLAN_OPTIMIZER[cfg.optimizer]] + (1 if cfg.ema else 0)
-
     optimizer, held = PLAN_OPTIMIZER[cfg.optimizer], shape.held_bytes
+    copies = STATE_COPIES[optimizer] + (1 if cfg.ema else 0)
 
     def peak_at(b: int) -> int:
         spec = StepSpec(factory, shape.shape, b, optimizer, cast(Precision, precision), device.type)
@@ -231,14 +229,16 @@ class MemoryCheck:
             smallest=backoff.min_micro_batch,
             grow=c.planned and not whole_process,
         )
-        self._record(optimizer_step, backoff.micro_batch, peak, limit + overhead, new)
+        self._record(optimizer_step, backoff.micro_batch, measured, limit + overhead, new)
         backoff.refit(optimizer_step, new)
 
-    def _record(self, step: int, micro: int, peak: int, limit: int, new: int) -> None:
-        c = self.choice
-        what = "process peak resident" if self.device.type == "cpu" else "allocator reserved peak"
+    def _record(
+        self, step: int, micro: int, measured: tuple[int, bool], limit: int, new: int
+    ) -> None:
+        c, (peak, whole_process) = self.choice, measured
+        what = measured_as(whole_process)
         predicted = dict(c.curve).get(micro, c.predicted_peak_bytes or 0)
-        if self.device.type == "cpu":
+        if whole_process:
             predicted += c.overhead_bytes or 0
         action = "kept" if new == micro else f"{micro} -> {new}"
         self.log(
@@ -248,9 +248,7 @@ class MemoryCheck:
         )
         if self.run_dir is None:
             return
-        path = self.run_dir / "plan.json"
-        plan = json.loads(path.read_text())
-        plan["first_steps"] = {
+        first_steps = {
             "optimizer_steps": step,
             "micro_batch": micro,
             "measured_peak_bytes": peak,
@@ -259,7 +257,7 @@ class MemoryCheck:
             "limit_bytes": limit,
             "new_micro_batch": new,
         }
-        atomic_write_text(path, json.dumps(plan, indent=1))
+        add_to_plan(self.run_dir, {"first_steps": first_steps})
 
 
 def _budget(cfg: TrainConfig, device: torch.device) -> int:

@@ -19,7 +19,9 @@ from bigbatch.train.checkpoint import load_state, save_state
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 
 __all__ = [
+    "add_to_plan",
     "check_run_dir",
+    "measured_as",
     "record_measured_peak",
     "save_checkpoint",
     "write_run_files",
@@ -141,21 +143,33 @@ def write_run_files(
             atomic_write_text(run_dir / "split.json", json.dumps(split, indent=1))
 
 
+def measured_as(whole_process: bool) -> str:
+    """What a measured peak is (:func:`bigbatch.device.peak_memory_bytes`' second value)."""
+    return "process peak resident" if whole_process else "allocator reserved peak"
+
+
+def add_to_plan(run_dir: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """``plan.json`` with ``values`` added, written back atomically; the whole plan."""
+    path = run_dir / "plan.json"
+    plan = json.loads(path.read_text()) | values
+    atomic_write_text(path, json.dumps(plan, indent=1))
+    return dict(plan)
+
+
 def record_measured_peak(run_dir: Path, device: torch.device, log: Any) -> None:
     """plan.json gets the measured peak beside the predicted one, and the log a line with
     both: each run is a data point for the memory model. On a GPU the allocator's reserved
     peak against the step's prediction; on a CPU the process's peak resident memory against
     the prediction plus the planned overhead."""
     measured = peak_memory_bytes(device)
-    path = run_dir / "plan.json"
-    plan = json.loads(path.read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
     if measured is None or not plan.get("predicted_peak_bytes"):
         return
     peak, with_overhead = measured
     predicted = plan["predicted_peak_bytes"] + (plan["overhead_bytes"] or 0) * with_overhead
-    what = "process peak resident" if with_overhead else "allocator reserved peak"
-    plan |= {"measured_peak_bytes": peak, "measured": what, "compared_prediction_bytes": predicted}
-    atomic_write_text(path, json.dumps(plan, indent=1))
+    what = measured_as(with_overhead)
+    values = {"measured_peak_bytes": peak, "measured": what, "compared_prediction_bytes": predicted}
+    add_to_plan(run_dir, values)
     log(
         f"memory: predicted {format_bytes(predicted)}, measured {format_bytes(peak)} ({what}), "
         f"budget {format_bytes(plan['budget_bytes'])}"
