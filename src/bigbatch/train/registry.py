@@ -239,16 +239,25 @@ def lower_is_better(task: str, metric: str) -> bool:
 
 # The built-in tasks: every part a reference, loaded when the task is chosen.
 _TASKS_PKG = "bigbatch.train.tasks"
+_CLASSIFICATION_METRICS = (
+    "accuracy",
+    "error_rate",
+    "top5",
+    "f1_macro",
+    "f1_micro",
+    "auroc",
+    "kappa",
+)
 register_task(
     "classification",
     f"{_TASKS_PKG}.classification.task:ClassificationTask",
-    metrics=("accuracy", "error_rate", "top5", "f1_macro", "f1_micro", "auroc", "kappa"),
+    metrics=_CLASSIFICATION_METRICS,
     lower_is_better=("error_rate",),
     predict=f"{_TASKS_PKG}.classification.predict:predict_request",
     options=f"{_TASKS_PKG}.classification.options:ClassificationOptions",
     summary="image -> class",
     data_help="a folder with one sub-folder per class, or a CSV of file,label",
-    fractions=("accuracy", "error_rate", "top5", "f1_macro", "f1_micro", "auroc", "kappa"),
+    fractions=_CLASSIFICATION_METRICS,  # every one a fraction of 1
     ensemble=f"{_TASKS_PKG}.classification.predict:ensemble_request",
     experiments=f"{_TASKS_PKG}.classification.experiments:run_experiments",
 )

@@ -456,9 +456,10 @@ def sliding_window_fitting(
 ) -> torch.Tensor:
     """MONAI's Gaussian-weighted sliding-window inference over ``x`` with ``window_batch``
     patches a forward pass (``backoff.chunk`` once an OOM has halved it), the output gathered
-    on ``gather`` (default: ``x``'s device); an OOM at one patch gathers it on the CPU instead (the patches still run
-    on the device, and the result is on the CPU). Each patch's output is its own whatever the
-    batch (up to the kernels' round-off at another batch size): so is the result.
+    on ``gather`` (default: ``x``'s device); an OOM at one patch gathers it on the CPU instead
+    (the patches still run on the device, and the result is on the CPU). Each patch's output
+    is its own whatever the batch (up to the kernels' round-off at another batch size): so is
+    the result.
 
     >>> net = torch.nn.Conv3d(1, 2, 3, padding=1)
     >>> sliding_window_fitting(net, torch.zeros(1, 1, 8, 8, 8), (4, 4, 4), 2, EvalBackoff()).shape
