@@ -12,6 +12,7 @@ PATHS := src tests examples benchmarks docs/hooks
 .PHONY: venv test test-fast lint typecheck unit docs install-check demo bench gpu-evidence clean
 
 $(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) .ci/check_disk.py --need-gib 14 --for "the test venv (torch, and TensorFlow and JAX for Keras' backends) and the tests' temporary runs"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev,docs,nnunet]'
 	touch $(STAMP)
@@ -44,6 +45,7 @@ install-check: $(STAMP)
 test: lint typecheck unit docs
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(DEMO_VENV)/bin/python || $(PYTHON) .ci/check_disk.py --need-gib 8 --for "the demo's venv (torch, timm, MONAI) and its runs"
 	test -x $(DEMO_VENV)/bin/python || $(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/python -m pip install -qq -c constraints.txt -e '.[train,seg,plot]'
 	touch $(DEMO_STAMP)
