@@ -7,9 +7,13 @@ that the CUDA memory model can read.
     python benchmarks/cudnn_workspaces.py --dry-run --out p.json   # no GPU: the code path only
 
 Signatures, the networks' own first: ResNet-50's bottleneck convolutions (1x1 between 64 and
-2048 channels, 3x3 at 7-56 px, the strided ones) at batch 32/128 in float16/bfloat16 NCHW, which
-the first profile did not cover (its 1x1 rule, batch x in x out x 4 bytes for the weight
-gradient at 64/256 channels, overshoots ResNet-50 by 7-15 %); then the grid: kernel 1/3/7,
+2048 channels, 3x3 at 7-56 px, the strided ones), ResNet-18's basic blocks and the 7x7 stem, at
+batch 32/128/256 in float16/bfloat16/float32 NCHW, which the first profile did not cover (its 1x1
+rule, batch x in x out x 4 bytes for the weight gradient at 64/256 channels, overshoots
+ResNet-50 by 7-15 %; and float32, which runs on TF32 tensor cores with workspaces of its own
+(the traces: 1x1 convolutions copy their operands at 7 px and not at 56 px, weight gradients
+take 2-8 MiB over the forward's), is where the model misses most: resnet18 b256 -21 %); then the
+grid: kernel 1/3/7,
 dense or depthwise, 64/256 channels, 28/56 px, batch 8/64, float16/float32, NCHW/NHWC, cuDNN's
 benchmark mode off/on. Passes: forward, data gradient, weight gradient. The sweep stops at
 ``--seconds`` and says how far it got.
@@ -55,6 +59,16 @@ BOTTLENECK = (
     (256, 256, 3, 1, 14),
     (512, 512, 3, 1, 7),
 )
+# ResNet-18's basic blocks beside those: the strided 3x3s and 1x1 shortcuts; and both nets' stem.
+BASIC = (
+    (64, 128, 3, 2, 56),
+    (64, 128, 1, 2, 56),
+    (128, 256, 3, 2, 28),
+    (128, 256, 1, 2, 28),
+    (256, 512, 3, 2, 14),
+    (256, 512, 1, 2, 14),
+    (3, 64, 7, 2, 224),
+)
 
 
 def signatures() -> list[dict[str, Any]]:
@@ -63,9 +77,9 @@ def signatures() -> list[dict[str, Any]]:
             "benchmark": False, "layout": "nchw", "dtype": dtype, "kernel": k, "groups": 1,
             "channels": cin, "out_channels": cout, "stride": stride, "size": size, "batch": b,
         }
-        for dtype in ("float16", "bfloat16")
-        for b in (32, 128)
-        for cin, cout, k, stride, size in BOTTLENECK
+        for dtype in ("float16", "bfloat16", "float32")
+        for b in (32, 128, 256)
+        for cin, cout, k, stride, size in BOTTLENECK + BASIC
     ]  # fmt: skip
     for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
         (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
@@ -157,6 +171,8 @@ def main() -> int:
             "{}.{}".format(*torch.cuda.get_device_capability(0)) if device == "cuda" else None
         ),
         "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
+        # float32 convolutions run on TF32 tensor cores (other kernels, other workspaces) when on.
+        "allow_tf32": torch.backends.cudnn.allow_tf32,
         "torch": torch.__version__,
         "signatures_done": len(rows) // 3,
         "signatures_total": len(sigs),
