@@ -5,6 +5,7 @@ that the CUDA memory model can read.
 
     python benchmarks/cudnn_workspaces.py --out profile.json [--seconds 45]
     python benchmarks/cudnn_workspaces.py --dry-run --out p.json   # no GPU: the code path only
+    python benchmarks/cudnn_workspaces.py --package profile.json  # into bigbatch's profiles
 
 Signatures, the networks' own first: ResNet-50's bottleneck convolutions (1x1 between 64 and
 2048 channels, 3x3 at 7-56 px, the strided ones), ResNet-18's basic blocks and the 7x7 stem, at
@@ -145,12 +146,40 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     return rows
 
 
+PACKAGED = Path(__file__).parents[1] / "src" / "bigbatch" / "memory" / "cudnn_profiles"
+
+
+def package(result: Path) -> Path:
+    """A sweep's profile as the CUDA model reads it (bigbatch.memory.cuda_cudnn): named by the
+    card's architecture and cuDNN version, each row's signature, pass, batch and workspace."""
+    data = json.loads(result.read_text())
+    if not data.get("compute_capability"):
+        raise SystemExit(f"{result} is a dry run's (no card): nothing to package")
+    keep = ("benchmark", "layout", "dtype", "kernel", "groups", "channels", "out_channels",
+            "stride", "size", "batch", "pass", "extra_bytes")  # fmt: skip
+    # A table (columns once, a list a row): a third of the rows-of-objects' size in the wheel.
+    rows = [[r.get(k, r["channels"] if k == "out_channels" else 1) for k in keep] for r in data["rows"]]  # fmt: skip
+    header = {k: data.get(k) for k in ("device", "compute_capability", "cudnn", "torch")}
+    profile = {**header, "allow_tf32": data.get("allow_tf32", True), "columns": keep, "rows": rows}
+    name = "sm{}-cudnn{}.json".format(data["compute_capability"].replace(".", ""), data["cudnn"])
+    out = PACKAGED / name
+    out.write_text(json.dumps(profile, separators=(",", ":")).replace("],[", "],\n[") + "\n")
+    out.chmod(0o644)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
     p.add_argument("--seconds", type=float, default=45.0)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--package", type=Path, metavar="PROFILE", help="a sweep's output, packaged")
     args = p.parse_args()
+    if args.package:
+        print(f"packaged: {package(args.package)}")
+        return 0
+    if args.out is None:
+        p.error("--out is required (or --package PROFILE)")
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: run on an NVIDIA GPU, or --dry-run", file=sys.stderr)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from bigbatch.memory.cuda_cudnn import CudnnProfile, profile_for_target, signature_of
+
 __all__ = [
     "CUBLAS_HANDLE_BYTES",
     "CUBLAS_OPS",
@@ -110,31 +112,41 @@ def _tensor_core(*channels: int) -> bool:
     return all(c % 8 == 0 for c in channels)
 
 
-def cudnn_workspaces(func: str, args: tuple[Any, ...], out: Any) -> list[int]:
+def cudnn_workspaces(
+    func: str, args: tuple[Any, ...], out: Any, profile: CudnnProfile | None = None
+) -> list[int]:
     """The transient workspaces cuDNN takes for one convolution op (forward, or backward: one
-    for the input's gradient and one for the weight's), by the rule above; ``[]`` for other
-    ops, 32-bit tensors, grouped convolutions and channels-last inputs (no copy needed)."""
+    for the input's gradient and one for the weight's): what ``profile`` measured for its
+    signature, else the rule above, which gives none to 32-bit tensors, grouped convolutions
+    and channels-last inputs (no copy needed); ``[]`` for other ops."""
     if func not in ("aten.convolution.default", "aten.convolution_backward.default"):
         return []
     if func == "aten.convolution.default":
-        x, w, groups = args[0], args[1], args[8]
-        operands = [(x, w, out)]
+        x, w, stride, groups = args[0], args[1], args[3], args[8]
+        passes = [("forward", (x, w, out))]
     else:
-        grad_out, x, w, groups = args[0], args[1], args[2], args[9]
+        grad_out, x, w, stride, groups = args[0], args[1], args[2], args[4], args[9]
         grad_x, grad_w = out[0], out[1]
-        operands = [(grad_out, w, grad_x)] if grad_x is not None else []
-        operands += [(grad_out, x, grad_w)] if grad_w is not None else []
-    if (
-        groups != 1
-        or x.dtype not in (torch.float16, torch.bfloat16)
-        or not x.is_contiguous()
-        or not _tensor_core(w.shape[0], w.shape[1])
-    ):
-        return []
-    return [
-        sum(t.numel() * t.element_size() for t in trio if _layouts_differ(t)) + _CUDNN_EXTRA
-        for trio in operands
-    ]
+        passes = [("data_grad", (grad_out, w, grad_x))] if grad_x is not None else []
+        passes += [("weight_grad", (grad_out, x, grad_w))] if grad_w is not None else []
+    by_rule = (
+        groups == 1
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.is_contiguous()
+        and _tensor_core(w.shape[0], w.shape[1])
+    )
+    sig = signature_of(x, w, stride, groups) if profile is not None else None
+    sizes = []
+    for name, trio in passes:
+        measured = profile.workspace(sig, name, x.shape[0]) if profile and sig else None
+        if profile is not None:
+            profile.counts["rule" if measured is None else "profile"] += 1
+        if measured is None and by_rule:
+            measured = sum(t.numel() * t.element_size() for t in trio if _layouts_differ(t))
+            measured += _CUDNN_EXTRA
+        if measured:
+            sizes.append(measured)
+    return sizes
 
 
 class CudaLibraries:
@@ -146,6 +158,7 @@ class CudaLibraries:
     def __init__(self) -> None:
         self.autograd_blas = False
         self._transients = 0
+        self.cudnn_profile = profile_for_target()
 
     def start(self) -> list[tuple[str, Any, int]]:
         return [("malloc", "cublas:main", cublas_workspace_bytes())]
@@ -158,11 +171,15 @@ class CudaLibraries:
 
     def after(self, func: str, args: tuple[Any, ...], out: Any) -> list[tuple[str, Any, int]]:
         events: list[tuple[str, Any, int]] = []
-        for size in cudnn_workspaces(func, args, out):
+        for size in cudnn_workspaces(func, args, out, self.cudnn_profile):
             self._transients += 1
             key = ("cudnn", self._transients)
             events += [("malloc", key, size), ("free", key, 0)]
         return events
+
+    def cudnn_note(self) -> str:
+        """Where the convolutions' workspaces came from (the profile, the rule), or ""."""
+        return self.cudnn_profile.note() if self.cudnn_profile is not None else ""
 
     @property
     def workspace_bytes(self) -> int:

@@ -135,6 +135,7 @@ class Plan:
             "curve": self.curve,
             "predictions": self.predictions,
             "notes": self.prediction.notes,
+            "cudnn_workspaces": self.prediction.cudnn_workspaces or None,
             "samples_per_s": {str(b): v for b, v in self.samples_per_s.items()} or None,
             "heap_growth_bytes": self.heap_growth_bytes,
             "return_freed_memory": self.return_freed_memory,

@@ -72,6 +72,9 @@ class MemoryPrediction:
     cuda_handle_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # CUDA: how many convolution passes' workspaces came from a card's measured cuDNN profile
+    # (bigbatch.memory.cuda_cudnn) and how many from the rule; empty without convolutions.
+    cudnn_workspaces: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -745,10 +748,12 @@ def _assemble(
             f"op sequence left the calibration at op {tracker.left_at}: workspaces after it are not counted"
         )
     reserved = allocated = library = handles = 0
+    cudnn = ""
     if tracker.events is not None and tracker.cuda is not None:
         allocator = simulate(tracker.events)
         reserved, allocated = allocator.reserved_bytes, allocator.allocated_bytes
         library, handles = tracker.cuda.workspace_bytes, tracker.cuda.handle_bytes
+        cudnn = tracker.cuda.cudnn_note()
     return MemoryPrediction(
         peak_bytes=tracker.peak_bytes,
         workspace_bytes=tracker.peak_workspace,
@@ -757,6 +762,7 @@ def _assemble(
         library_workspace_bytes=library,
         cuda_handle_bytes=handles,
         notes=notes,
+        cudnn_workspaces=cudnn,
         batch_size=spec.batch_size,
         device=device_type,
         precision=spec.precision,

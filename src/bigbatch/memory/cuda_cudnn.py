@@ -1,0 +1,179 @@
+"""cuDNN's convolution workspaces as a card measured them: a profile per GPU architecture and
+cuDNN version, read by the CUDA memory model before its rule.
+
+cuDNN picks a convolution's algorithm by heuristics that depend on the whole signature (dtype,
+layout, kernel, channels, stride, size, batch), and each algorithm takes its own scratch
+memory: the recorded traces show 1x1 convolutions copying their operands at 7 px and not at
+56 px, and weight gradients taking a few MiB more than the forward. No one rule holds, so
+``benchmarks/cudnn_workspaces.py`` records, on a card, what each signature's forward, data
+gradient and weight gradient allocate beyond their outputs; ``--package`` stores that here
+(``cudnn_profiles/sm<major><minor>-cudnn<version>.json``).
+
+A convolution whose signature the profile holds gets its measured workspace, interpolated
+linearly in the batch between two measured batches (its layout copies grow with the batch);
+any other falls back to the transposed-copy rule of :mod:`bigbatch.memory.cuda_runtime`, and
+the prediction says how many did (:attr:`CudnnProfile.counts`).
+
+>>> profile = CudnnProfile.from_rows([{"dtype": "float16", "layout": "nchw", "kernel": 3,
+...     "groups": 1, "channels": 64, "size": 56, "batch": b, "benchmark": False,
+...     "pass": "forward", "extra_bytes": 1000 * b} for b in (8, 64)], "test card")
+>>> sig = Signature("float16", "nchw", 3, 1, 64, 64, 1, 56, False)
+>>> profile.workspace(sig, "forward", 32)
+32000
+>>> profile.workspace(sig, "forward", 128) is None  # outside what was measured: the rule's
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["CudnnProfile", "Signature", "profile_for_target"]
+
+PROFILES = Path(__file__).with_name("cudnn_profiles")
+PASSES = ("forward", "data_grad", "weight_grad")
+
+
+class Signature(NamedTuple):
+    """A 2D convolution as the profile keys it, the batch aside."""
+
+    dtype: str  # "float16", "bfloat16", "float32"
+    layout: str  # "nchw" (contiguous) or "nhwc" (channels last)
+    kernel: int  # square kernels only
+    groups: int
+    in_channels: int
+    out_channels: int
+    stride: int
+    size: int  # the input's height (and width)
+    benchmark: bool  # cuDNN's benchmark mode
+
+
+@dataclass
+class CudnnProfile:
+    """One card's measured workspaces, by signature, pass and batch."""
+
+    card: str
+    allow_tf32: bool = True  # float32 rows were measured on TF32 kernels
+    rows: dict[tuple[Signature, str], dict[int, int]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: {"profile": 0, "rule": 0})
+
+    @classmethod
+    def from_rows(
+        cls, rows: list[dict[str, Any]], card: str, allow_tf32: bool = True
+    ) -> CudnnProfile:
+        """From ``benchmarks/cudnn_workspaces.py``'s rows (one per signature, pass, batch)."""
+        profile = cls(card, allow_tf32)
+        for r in rows:
+            sig = Signature(
+                r["dtype"],
+                r["layout"],
+                r["kernel"],
+                r["groups"],
+                r["channels"],
+                r.get("out_channels", r["channels"]),
+                r.get("stride", 1),
+                r["size"],
+                r["benchmark"],
+            )
+            profile.rows.setdefault((sig, r["pass"]), {})[r["batch"]] = r["extra_bytes"]
+        return profile
+
+    @classmethod
+    def load(cls, path: Path) -> CudnnProfile:
+        """A packaged profile: ``columns`` once and a list per row."""
+        data = json.loads(path.read_text())
+        rows = [dict(zip(data["columns"], row, strict=True)) for row in data["rows"]]
+        card = f"{data['device']}, cuDNN {data['cudnn']}"
+        return cls.from_rows(rows, card, data.get("allow_tf32", True))
+
+    def workspace(self, sig: Signature, pass_: str, batch: int) -> int | None:
+        """The measured workspace bytes of ``pass_`` at ``batch``, or None where the profile
+        does not hold the signature or the batch is outside the measured ones."""
+        if sig.dtype == "float32" and torch.backends.cudnn.allow_tf32 != self.allow_tf32:
+            return None  # other kernels than the ones measured
+        by_batch = self.rows.get((sig, pass_))
+        if not by_batch:
+            return None
+        if batch in by_batch:
+            return by_batch[batch]
+        below = [b for b in by_batch if b < batch]
+        above = [b for b in by_batch if b > batch]
+        if not below or not above:
+            return None
+        lo, hi = max(below), min(above)
+        return round(by_batch[lo] + (by_batch[hi] - by_batch[lo]) * (batch - lo) / (hi - lo))
+
+    def note(self) -> str:
+        """What the prediction says of its convolutions ("" where it had none)."""
+        measured, rule = self.counts["profile"], self.counts["rule"]
+        if not measured + rule:
+            return ""
+        return (
+            f"cuDNN workspaces: {measured} of {measured + rule} convolution passes from the "
+            f"card profile ({self.card}), the rest by the transposed-copy rule"
+        )
+
+
+def signature_of(x: torch.Tensor, w: torch.Tensor, stride: Any, groups: int) -> Signature | None:
+    """The profile's key for a convolution of ``x`` by ``w``; None where it cannot hold one
+    (not 2D, a non-square kernel, input or stride)."""
+    if x.dim() != 4 or w.shape[-1] != w.shape[-2] or x.shape[-1] != x.shape[-2]:
+        return None
+    if len(set(stride)) != 1:
+        return None
+    layout = "nchw" if x.is_contiguous() else "nhwc"
+    return Signature(
+        str(x.dtype).removeprefix("torch."),
+        layout,
+        int(w.shape[-1]),
+        int(groups),
+        int(x.shape[1]),
+        int(w.shape[0]),
+        int(stride[0]),
+        int(x.shape[-1]),
+        bool(torch.backends.cudnn.benchmark),
+    )
+
+
+@functools.cache
+def _load(path: Path) -> CudnnProfile:
+    return CudnnProfile.load(path)
+
+
+def _choose(installed: list[str], architecture: str | None, cudnn: int | None) -> str | None:
+    """Among the packaged profiles' names (``sm90-cudnn91900``), the one for this card: its
+    architecture and cuDNN version, else its architecture's newest cuDNN; with no card at hand
+    (``architecture`` None), sm90's, the card the traces, the rule and the CUDA context come
+    from. None where the architecture was never measured.
+
+    >>> _choose(["sm90-cudnn91900", "sm80-cudnn91900"], "sm80", 90800)
+    'sm80-cudnn91900'
+    >>> _choose(["sm90-cudnn91900"], "sm75", 91900) is None
+    True
+    """
+    if f"{architecture}-cudnn{cudnn}" in installed:
+        return f"{architecture}-cudnn{cudnn}"
+    same = [n for n in installed if n.startswith(f"{architecture or 'sm90'}-cudnn")]
+    return max(same, key=lambda n: int(n.rsplit("cudnn", 1)[1]), default=None)
+
+
+def profile_for_target() -> CudnnProfile | None:
+    """The packaged profile for the card predicted for (:func:`_choose`: the GPU at hand's,
+    else sm90's), a copy of its own to count one prediction's convolutions; None where none
+    fits."""
+    architecture = cudnn = None
+    if torch.cuda.is_available():
+        architecture = "sm{}{}".format(*torch.cuda.get_device_capability())
+        cudnn = torch.backends.cudnn.version()
+    installed = {p.stem: p for p in PROFILES.glob("*.json")}
+    name = _choose(sorted(installed), architecture, cudnn)
+    if name is None:
+        return None
+    shared = _load(installed[name])
+    return CudnnProfile(shared.card, shared.allow_tf32, shared.rows)

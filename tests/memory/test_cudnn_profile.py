@@ -1,0 +1,127 @@
+"""The cuDNN profile the CUDA model reads (bigbatch.memory.cuda_cudnn): a signature the card
+measured gets its measured workspace, interpolated in the batch between measured batches; any
+other the transposed-copy rule's, and the prediction says how many of each."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.memory.cuda_cudnn import PROFILES, CudnnProfile, profile_for_target
+from bigbatch.memory.cuda_runtime import cudnn_workspaces
+from bigbatch.memory.predict import predict_peak
+from bigbatch.memory.step import StepSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEP = ROOT / "benchmarks" / "results" / "h200-cuda13.0-2026-11-26" / "cudnn-profile.json"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def sm90() -> CudnnProfile:
+    """The packaged H200 profile: the one chosen without a GPU, or beside an sm90 card."""
+    profile = profile_for_target()
+    if profile is None:
+        pytest.skip("this machine's GPU is of an architecture no profile was measured on")
+    return profile
+
+
+def measured(**sig: object) -> int:
+    """The sweep's own row (the H200's result file) for a signature and pass."""
+    rows = json.loads(SWEEP.read_text())["rows"]
+    return next(r["extra_bytes"] for r in rows if all(r.get(k) == v for k, v in sig.items()))
+
+
+def conv_backward(dtype: torch.dtype, batch: int, channels: int, size: int, kernel: int):  # type: ignore[no-untyped-def]
+    """A convolution_backward's arguments and outputs (meta tensors: shapes only)."""
+    x = torch.empty(batch, channels, size, size, dtype=dtype, device="meta")
+    w = torch.empty(channels, channels, kernel, kernel, dtype=dtype, device="meta")
+    pad = kernel // 2
+    args = (torch.empty_like(x), x, w, None, [1, 1], [pad, pad], [1, 1], False, [0, 0], 1)
+    return args, (torch.empty_like(x), torch.empty_like(w), None)
+
+
+def backward_workspaces(profile: CudnnProfile | None, dtype: torch.dtype, batch: int,
+                        channels: int = 64, size: int = 56, kernel: int = 3) -> list[int]:  # fmt: skip
+    args, out = conv_backward(dtype, batch, channels, size, kernel)
+    return cudnn_workspaces("aten.convolution_backward.default", args, out, profile)
+
+
+def test_a_measured_signature_gets_the_cards_workspaces() -> None:
+    profile = sm90()
+    assert "H200" in profile.card
+    sig = dict(dtype="float16", layout="nchw", kernel=3, channels=64, size=56, batch=64)
+    sizes = backward_workspaces(profile, torch.float16, 64)
+    assert sizes == [
+        measured(**sig, benchmark=False, groups=1, **{"pass": "data_grad"}),
+        measured(**sig, benchmark=False, groups=1, **{"pass": "weight_grad"}),
+    ]
+    # The weight gradient's is not the rule's: 1.83 MiB more than its transposed operands (the
+    # data gradient's 131 bytes more).
+    rule = backward_workspaces(None, torch.float16, 64)
+    assert sizes[1] - rule[1] == 1917591 and sizes[0] - rule[0] == 131
+    assert profile.counts == {"profile": 2, "rule": 0}
+
+
+def test_between_two_measured_batches_the_workspace_is_interpolated() -> None:
+    profile = sm90()
+    low, high = backward_workspaces(profile, torch.float32, 8), backward_workspaces(profile, torch.float32, 64)  # fmt: skip
+    mid = backward_workspaces(profile, torch.float32, 36)
+    assert mid == [round((a + b) / 2) for a, b in zip(low, high, strict=True)]
+
+
+def test_outside_the_profile_the_rule_and_the_prediction_says_how_many() -> None:
+    profile = sm90()
+    # 96 channels and batch 128: neither was measured. float16 takes the rule's copies;
+    # float32 none (the rule gives TF32 kernels no copy: what the sweep is for).
+    assert backward_workspaces(profile, torch.float16, 128, channels=96) == backward_workspaces(
+        None, torch.float16, 128, channels=96
+    )
+    assert backward_workspaces(profile, torch.float32, 128, channels=96) == []
+    assert profile.counts == {"profile": 0, "rule": 4}
+    assert profile.note().startswith("cuDNN workspaces: 0 of 4 convolution passes from the card")
+
+
+def test_float32_rows_need_tf32_as_they_were_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = sm90()
+    assert profile.allow_tf32
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert backward_workspaces(profile, torch.float32, 64) == []
+
+
+def test_a_cuda_prediction_says_where_its_workspaces_came_from() -> None:
+    sm90()
+
+    def convnet() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(64, 64, 3, padding=1),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(64, 10),
+        )
+
+    pred = predict_peak(StepSpec(convnet, (64, 56, 56), 64, "adamw", "fp16", "cuda"))
+    # Each traced step's forward and weight gradient, both measured (the input needs no
+    # gradient, so no data-gradient pass); the prediction traces two steps.
+    assert pred.cudnn_workspaces.startswith("cuDNN workspaces: 4 of 4 convolution passes"), pred
+    cpu = predict_peak(StepSpec(convnet, (64, 56, 56), 2, "adamw", "fp32", "cpu"))
+    assert cpu.cudnn_workspaces == ""
+
+
+def test_the_packaged_profile_is_the_sweeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cudnn_workspaces.py --package` of the committed sweep writes the committed profile
+    byte for byte (the two cannot drift), and refuses a dry run's."""
+    import cudnn_workspaces
+
+    monkeypatch.setattr(cudnn_workspaces, "PACKAGED", tmp_path)
+    written = cudnn_workspaces.package(SWEEP)
+    assert written.read_bytes() == (PROFILES / written.name).read_bytes()
+    dry = tmp_path / "dry.json"
+    dry.write_text(json.dumps({"compute_capability": None, "rows": []}))
+    with pytest.raises(SystemExit, match="dry run"):
+        cudnn_workspaces.package(dry)
