@@ -37,6 +37,9 @@ env_with() {  # env_with NAME FOLDER
 env_with full "$SITE"
 cd "$T"
 full/bin/python -c 'import bigbatch, sys; print(bigbatch.__file__); sys.exit("/site-packages/" not in bigbatch.__file__)'
+# The package data the wheel must carry: the CUDA model's cuDNN profile (read without a GPU).
+full/bin/python -c 'import sys, torch; from bigbatch.memory.cuda_cudnn import profile_for_target as p
+sys.exit(not torch.cuda.is_available() and p() is None)'
 full/bin/bigbatch --version
 full/bin/bigbatch demo --epochs 1 --out "$DEMO" >"$DEMO/demo.log" 2>&1 || { tail -30 "$DEMO/demo.log"; exit 1; }
 test -s "$DEMO/runs/submission.csv"
