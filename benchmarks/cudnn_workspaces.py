@@ -35,8 +35,8 @@ import torch
 MiB = 2**20
 
 
-# ResNet-50's convolutions: (in, out, kernel, stride, input size).
-BOTTLENECK = (
+# The networks' own convolutions, ResNet-50's first: (in, out, kernel, stride, input size).
+NETWORKS = (
     (64, 64, 1, 1, 56),
     (64, 256, 1, 1, 56),
     (256, 64, 1, 1, 56),
@@ -59,9 +59,7 @@ BOTTLENECK = (
     (128, 128, 3, 1, 28),
     (256, 256, 3, 1, 14),
     (512, 512, 3, 1, 7),
-)
-# ResNet-18's basic blocks beside those: the strided 3x3s and 1x1 shortcuts; and both nets' stem.
-BASIC = (
+    # ResNet-18's basic blocks beside those: the strided 3x3s and 1x1 shortcuts; both nets' stem.
     (64, 128, 3, 2, 56),
     (64, 128, 1, 2, 56),
     (128, 256, 3, 2, 28),
@@ -80,7 +78,7 @@ def signatures() -> list[dict[str, Any]]:
         }
         for dtype in ("float16", "bfloat16", "float32")
         for b in (32, 128, 256)
-        for cin, cout, k, stride, size in BOTTLENECK + BASIC
+        for cin, cout, k, stride, size in NETWORKS
     ]  # fmt: skip
     for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
         (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
