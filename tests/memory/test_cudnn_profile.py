@@ -35,18 +35,19 @@ def measured(**sig: object) -> int:
     return next(r["extra_bytes"] for r in rows if all(r.get(k) == v for k, v in sig.items()))
 
 
-def conv_backward(dtype: torch.dtype, batch: int, channels: int, size: int, kernel: int):  # type: ignore[no-untyped-def]
+def conv_backward(dtype: torch.dtype, batch: int, channels: int, size: int, kernel: int, pad: int):  # type: ignore[no-untyped-def]
     """A convolution_backward's arguments and outputs (meta tensors: shapes only)."""
     x = torch.empty(batch, channels, size, size, dtype=dtype, device="meta")
     w = torch.empty(channels, channels, kernel, kernel, dtype=dtype, device="meta")
-    pad = kernel // 2
     args = (torch.empty_like(x), x, w, None, [1, 1], [pad, pad], [1, 1], False, [0, 0], 1)
     return args, (torch.empty_like(x), torch.empty_like(w), None)
 
 
 def backward_workspaces(profile: CudnnProfile | None, dtype: torch.dtype, batch: int,
-                        channels: int = 64, size: int = 56, kernel: int = 3) -> list[int]:  # fmt: skip
-    args, out = conv_backward(dtype, batch, channels, size, kernel)
+                        channels: int = 64, size: int = 56, kernel: int = 3,
+                        pad: int | None = None) -> list[int]:  # fmt: skip
+    pad = kernel // 2 if pad is None else pad  # the sweep's: "same"
+    args, out = conv_backward(dtype, batch, channels, size, kernel, pad)
     return cudnn_workspaces("aten.convolution_backward.default", args, out, profile)
 
 
@@ -81,8 +82,10 @@ def test_outside_the_profile_the_rule_and_the_prediction_says_how_many() -> None
         None, torch.float16, 128, channels=96
     )
     assert backward_workspaces(profile, torch.float32, 128, channels=96) == []
-    assert profile.counts == {"profile": 0, "rule": 4}
-    assert profile.note().startswith("cuDNN workspaces: 0 of 4 convolution passes from the card")
+    # A measured signature but padded otherwise than the sweep: another output, not its row.
+    assert backward_workspaces(profile, torch.float32, 64, pad=0) == []
+    assert profile.counts == {"profile": 0, "rule": 6}
+    assert profile.note().startswith("cuDNN workspaces: 0 of 6 convolution passes from the card")
 
 
 def test_float32_rows_need_tf32_as_they_were_measured(monkeypatch: pytest.MonkeyPatch) -> None:

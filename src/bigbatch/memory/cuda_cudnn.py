@@ -37,7 +37,6 @@ import torch
 __all__ = ["CudnnProfile", "Signature", "profile_for_target"]
 
 PROFILES = Path(__file__).with_name("cudnn_profiles")
-PASSES = ("forward", "data_grad", "weight_grad")
 
 
 class Signature(NamedTuple):
@@ -120,18 +119,22 @@ class CudnnProfile:
         )
 
 
-def signature_of(x: torch.Tensor, w: torch.Tensor, stride: Any, groups: int) -> Signature | None:
-    """The profile's key for a convolution of ``x`` by ``w``; None where it cannot hold one
-    (not 2D, a non-square kernel, input or stride)."""
-    if x.dim() != 4 or w.shape[-1] != w.shape[-2] or x.shape[-1] != x.shape[-2]:
+def signature_of(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...]) -> Signature | None:
+    """The profile's key for a convolution of ``x`` by ``w`` with aten's ``conv`` arguments
+    (stride, padding, dilation, transposed, output padding, groups); None where the sweep
+    measures no such convolution (not 2D, non-square, transposed, dilated, or padded other
+    than "same": kernel // 2)."""
+    stride, padding, dilation, transposed, _, groups = conv
+    k = w.shape[-1]
+    if x.dim() != 4 or w.shape[-2] != k or x.shape[-1] != x.shape[-2] or transposed:
         return None
-    if len(set(stride)) != 1:
+    if len(set(stride)) != 1 or set(padding) != {k // 2} or set(dilation) != {1}:
         return None
     layout = "nchw" if x.is_contiguous() else "nhwc"
     return Signature(
         str(x.dtype).removeprefix("torch."),
         layout,
-        int(w.shape[-1]),
+        int(k),
         int(groups),
         int(x.shape[1]),
         int(w.shape[0]),

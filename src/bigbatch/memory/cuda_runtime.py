@@ -122,20 +122,21 @@ def cudnn_workspaces(
     if func not in ("aten.convolution.default", "aten.convolution_backward.default"):
         return []
     if func == "aten.convolution.default":
-        x, w, stride, groups = args[0], args[1], args[3], args[8]
+        x, w, conv = args[0], args[1], args[3:9]
         passes = [("forward", (x, w, out))]
     else:
-        grad_out, x, w, stride, groups = args[0], args[1], args[2], args[4], args[9]
+        grad_out, x, w, conv = args[0], args[1], args[2], args[4:10]
         grad_x, grad_w = out[0], out[1]
         passes = [("data_grad", (grad_out, w, grad_x))] if grad_x is not None else []
         passes += [("weight_grad", (grad_out, x, grad_w))] if grad_w is not None else []
+    groups = conv[-1]
     by_rule = (
         groups == 1
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.is_contiguous()
         and _tensor_core(w.shape[0], w.shape[1])
     )
-    sig = signature_of(x, w, stride, groups) if profile is not None else None
+    sig = signature_of(x, w, conv) if profile is not None else None
     sizes = []
     for name, trio in passes:
         measured = profile.workspace(sig, name, x.shape[0]) if profile and sig else None
