@@ -35,7 +35,8 @@ import torch
 MiB = 2**20
 
 
-# The networks' own convolutions, ResNet-50's first: (in, out, kernel, stride, input size).
+# The networks' own convolutions, ResNet-50's first: (in, out, kernel, stride, input size), and
+# the padding where it is not "same" (kernel // 2).
 NETWORKS = (
     (64, 64, 1, 1, 56),
     (64, 256, 1, 1, 56),
@@ -67,6 +68,10 @@ NETWORKS = (
     (256, 512, 3, 2, 14),
     (256, 512, 1, 2, 14),
     (3, 64, 7, 2, 224),
+    # ViT-B/16's and ViT-S/16's patch embedding: an RGB input, no tensor-core copy by the rule,
+    # yet a workspace that grows with the batch (the traces: 73.8 MiB at b64 in bfloat16).
+    (3, 768, 16, 16, 224, 0),
+    (3, 384, 16, 16, 224, 0),
 )
 
 
@@ -75,10 +80,11 @@ def signatures() -> list[dict[str, Any]]:
         {
             "benchmark": False, "layout": "nchw", "dtype": dtype, "kernel": k, "groups": 1,
             "channels": cin, "out_channels": cout, "stride": stride, "size": size, "batch": b,
+            "padding": pad[0] if pad else k // 2,
         }
         for dtype in ("float16", "bfloat16", "float32")
         for b in (32, 128, 256)
-        for cin, cout, k, stride, size in NETWORKS
+        for cin, cout, k, stride, size, *pad in NETWORKS
     ]  # fmt: skip
     for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
         (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
@@ -116,11 +122,11 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     dtype = getattr(torch, sig["dtype"])
     fmt = torch.channels_last if sig["layout"] == "nhwc" else torch.contiguous_format
     c, k, g = sig["channels"], sig["kernel"], sig["groups"]
-    out, stride = sig.get("out_channels", c), sig.get("stride", 1)
+    out, stride, pad = sig.get("out_channels", c), sig.get("stride", 1), sig.get("padding", k // 2)
     x = torch.randn(sig["batch"], c, sig["size"], sig["size"], device=device, dtype=dtype)
     x = x.contiguous(memory_format=fmt)
     w = torch.randn(out, c // g, k, k, device=device, dtype=dtype).contiguous(memory_format=fmt)
-    conv: dict[str, Any] = {"stride": [stride] * 2, "padding": [k // 2] * 2, "dilation": [1, 1]}
+    conv: dict[str, Any] = {"stride": [stride] * 2, "padding": [pad] * 2, "dilation": [1, 1]}
     y = torch.nn.functional.conv2d(x, w, None, groups=g, **conv)
     grad = torch.randn_like(y)
 
@@ -144,6 +150,12 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _default(row: dict[str, Any], key: str) -> Any:
+    """What the first sweep's grid rows leave out: as many outputs as inputs, stride 1, "same"
+    padding."""
+    return {"out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2}[key]
+
+
 PACKAGED = Path(__file__).parents[1] / "src" / "bigbatch" / "memory" / "cudnn_profiles"
 
 
@@ -154,9 +166,9 @@ def package(result: Path) -> Path:
     if not data.get("compute_capability"):
         raise SystemExit(f"{result} is a dry run's (no card): nothing to package")
     keep = ("benchmark", "layout", "dtype", "kernel", "groups", "channels", "out_channels",
-            "stride", "size", "batch", "pass", "extra_bytes")  # fmt: skip
+            "stride", "padding", "size", "batch", "pass", "extra_bytes")  # fmt: skip
     # A table (columns once, a list a row): a third of the rows-of-objects' size in the wheel.
-    rows = [[r.get(k, r["channels"] if k == "out_channels" else 1) for k in keep] for r in data["rows"]]  # fmt: skip
+    rows = [[r[k] if k in r else _default(r, k) for k in keep] for r in data["rows"]]
     header = {k: data.get(k) for k in ("device", "compute_capability", "cudnn", "torch")}
     profile = {**header, "allow_tf32": data.get("allow_tf32", True), "columns": keep, "rows": rows}
     name = "sm{}-cudnn{}.json".format(data["compute_capability"].replace(".", ""), data["cudnn"])

@@ -17,7 +17,7 @@ the prediction says how many did (:attr:`CudnnProfile.counts`).
 >>> profile = CudnnProfile.from_rows([{"dtype": "float16", "layout": "nchw", "kernel": 3,
 ...     "groups": 1, "channels": 64, "size": 56, "batch": b, "benchmark": False,
 ...     "pass": "forward", "extra_bytes": 1000 * b} for b in (8, 64)], "test card")
->>> sig = Signature("float16", "nchw", 3, 1, 64, 64, 1, 56, False)
+>>> sig = Signature("float16", "nchw", 3, 1, 64, 64, 1, 1, 56, False)
 >>> profile.workspace(sig, "forward", 32)
 32000
 >>> profile.workspace(sig, "forward", 128) is None  # outside what was measured: the rule's
@@ -49,6 +49,7 @@ class Signature(NamedTuple):
     in_channels: int
     out_channels: int
     stride: int
+    padding: int
     size: int  # the input's height (and width)
     benchmark: bool  # cuDNN's benchmark mode
 
@@ -77,6 +78,7 @@ class CudnnProfile:
                 r["channels"],
                 r.get("out_channels", r["channels"]),
                 r.get("stride", 1),
+                r.get("padding", r["kernel"] // 2),
                 r["size"],
                 r["benchmark"],
             )
@@ -122,13 +124,12 @@ class CudnnProfile:
 def signature_of(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...]) -> Signature | None:
     """The profile's key for a convolution of ``x`` by ``w`` with aten's ``conv`` arguments
     (stride, padding, dilation, transposed, output padding, groups); None where the sweep
-    measures no such convolution (not 2D, non-square, transposed, dilated, or padded other
-    than "same": kernel // 2)."""
+    measures no such convolution (not 2D, non-square, transposed or dilated)."""
     stride, padding, dilation, transposed, _, groups = conv
     k = w.shape[-1]
     if x.dim() != 4 or w.shape[-2] != k or x.shape[-1] != x.shape[-2] or transposed:
         return None
-    if len(set(stride)) != 1 or set(padding) != {k // 2} or set(dilation) != {1}:
+    if len(set(stride)) != 1 or len(set(padding)) != 1 or set(dilation) != {1}:
         return None
     layout = "nchw" if x.is_contiguous() else "nhwc"
     return Signature(
@@ -139,6 +140,7 @@ def signature_of(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...]) -> Sig
         int(x.shape[1]),
         int(w.shape[0]),
         int(stride[0]),
+        int(padding[0]),
         int(x.shape[-1]),
         bool(torch.backends.cudnn.benchmark),
     )
