@@ -24,7 +24,9 @@ COMMON = ["task=segmentation", "arch=unet", "num_workers=0", "threads=1", "devic
 
 
 @pytest.mark.slow
-def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) -> None:
+def test_2d_trains_scores_and_predicts_masks_at_the_images_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = write_shapes_2d(tmp_path / "shapes", n=20, size=32)
     cfg = load_config(
         overrides=[f"data={data}", *COMMON, "size=32", "batch=8", "micro_batch=4", "epochs=2",
@@ -56,6 +58,11 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(tmp_path: Path) 
     )  # fmt: skip
     train(other, tmp_path / "run2", progress=False, log=lambda _: None)
     runs = [str(tmp_path / "run"), str(tmp_path / "run2")]
+    # An --out that cannot be written is refused before any run predicts, as predict's is.
+    (tmp_path / "a_file").write_text("")
+    capsys.readouterr()
+    assert main(["ensemble", *runs, "--images", str(test), "--out", str(tmp_path / "a_file")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
     assert main(["ensemble", *runs, "--images", str(test), "--out", str(tmp_path / "ens")]) == 0
     averaged = np.asarray(Image.open(tmp_path / "ens" / "masks" / "odd.png"))
     assert averaged.shape == (40, 48) and set(np.unique(averaged)) <= {0, 1, 2}

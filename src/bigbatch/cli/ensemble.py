@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_folders(args: argparse.Namespace) -> int:
     """Finished runs of one task, averaged as their task averages (probabilities, values, or
     a Kaggle submission's probabilities before its rules)."""
-    from bigbatch.io import DamagedFileError
+    from bigbatch.io import DamagedFileError, check_writable
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
     from bigbatch.train.tasks import EnsembleRequest, run_task_name, task_entry
@@ -95,7 +95,7 @@ def _run_folders(args: argparse.Namespace) -> int:
         ensemble = task_entry(names[0]).ensembler()
         if ensemble is None:
             raise ValueError(f"task={names[0]} registered no ensemble: average its runs by hand")
-        args.out.mkdir(parents=True, exist_ok=True)
+        check_writable(args.out / "probe", "--out")  # the folder, made, or why it cannot be
         request = EnsembleRequest(
             runs=tuple(runs),
             images=args.images,

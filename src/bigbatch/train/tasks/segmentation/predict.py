@@ -104,6 +104,7 @@ def _target(case: Case, root: Path, out: Path) -> Path:
 
 def _check_inputs(cases: list[Case], root: Path, out: Path, dims: int, channels: int) -> None:
     """Everything that would stop prediction half-way, before the first mask is written."""
+    check_writable(out / "probe", "--out")
     seen: dict[Path, Path] = {}
     for case in cases:
         target = _target(case, root, out)
@@ -142,7 +143,6 @@ def predict_request(request: PredictRequest) -> str:
         return f"submission: {rows} rows, {request.tta} TTA pass(es) (flips), {note}: {target}"
     request.refuse_options("segmentation", ("patch", "overlap"))
     out = request.out or request.run_dir / "masks"
-    check_writable(out / "probe", "--out")
     masks = predict_masks(
         request.run_dir,
         request.inputs,
