@@ -151,6 +151,13 @@ def _load(path: Path) -> CudnnProfile:
     return CudnnProfile.load(path)
 
 
+@functools.cache
+def _installed() -> dict[str, Path]:
+    """The packaged profiles by name (``sm90-cudnn91900``), listed once: every CUDA prediction
+    asks, and a plan makes many."""
+    return {p.stem: p for p in PROFILES.glob("*.json")}
+
+
 def _choose(installed: list[str], architecture: str | None, cudnn: int | None) -> str | None:
     """Among the packaged profiles' names (``sm90-cudnn91900``), the one for this card: its
     architecture and cuDNN version, else its architecture's newest cuDNN; with no card at hand
@@ -176,9 +183,8 @@ def profile_for_target() -> CudnnProfile | None:
     if torch.cuda.is_available():
         architecture = "sm{}{}".format(*torch.cuda.get_device_capability())
         cudnn = torch.backends.cudnn.version()
-    installed = {p.stem: p for p in PROFILES.glob("*.json")}
-    name = _choose(sorted(installed), architecture, cudnn)
+    name = _choose(sorted(_installed()), architecture, cudnn)
     if name is None:
         return None
-    shared = _load(installed[name])
+    shared = _load(_installed()[name])
     return CudnnProfile(shared.card, shared.allow_tf32, shared.rows)
