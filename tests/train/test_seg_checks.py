@@ -291,6 +291,56 @@ def test_large_sets_are_checked_from_headers_and_each_volume_when_read(
         segdata.SegDataset(items, 8, train=True, augment=False)[0]
 
 
+def test_npy_headers_are_parsed_one_thread_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MONAI's CacheDataset reads cases from a thread pool; numpy parses each .npy header with
+    ast.literal_eval, and CPython 3.11's AST constructor fails ("SystemError: AST constructor
+    recursion depth mismatch") when two threads build ASTs at once. Parses must not overlap."""
+    import ast
+    import threading
+    import time
+
+    import bigbatch.train.tasks.segmentation.data as segdata
+
+    files = []
+    for i in range(4):
+        files.append(tmp_path / f"v{i}.npy")
+        np.save(files[-1], np.full((2, 3, 4), i, np.float32))
+    inside, most = [0], [0]
+    guard = threading.Lock()
+    literal_eval = ast.literal_eval
+
+    def slow_parse(text: str) -> object:
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # a parse long enough for the others to arrive: they must wait
+        with guard:
+            inside[0] -= 1
+        return literal_eval(text)
+
+    monkeypatch.setattr(ast, "literal_eval", slow_parse)
+    start = threading.Barrier(len(files))
+    arrays: dict[int, np.ndarray] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+
+    def read(i: int) -> None:
+        start.wait()
+        arrays[i] = segdata.read_volume(files[i]).array
+        shapes[i] = segdata.case_shape([files[i]])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(files))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    for i in range(len(files)):
+        assert type(arrays[i]) is np.ndarray and arrays[i].shape == (2, 3, 4)
+        assert (arrays[i] == i).all() and shapes[i] == (1, 2, 3, 4)
+
+
 def test_volumes_are_z_scored_over_the_foreground_and_patches_favour_the_labels(
     tmp_path: Path,
 ) -> None:

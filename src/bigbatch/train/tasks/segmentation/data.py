@@ -26,6 +26,7 @@ and intensity scaling and shifting when ``augment``.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,12 +95,26 @@ def _nibabel() -> Any:
     return nib
 
 
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11 counts the AST
+# constructor's recursion in one place for all threads (python/cpython#106905): two threads
+# parsing at once (MONAI's CacheDataset fills its cache from a thread pool) can fail with
+# "SystemError: AST constructor recursion depth mismatch". Headers are parsed one at a time.
+_NPY_HEADER = threading.Lock()
+
+
+def _npy_mapped(path: Path) -> np.ndarray:
+    """A ``.npy`` file mapped, not read: its header parsed (one thread at a time), its voxels
+    read when used, by any number of threads at once."""
+    with _NPY_HEADER:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
 def read_volume(path: Path) -> Volume:
     """One file as an array (NIfTI channels moved first) with its affine, if it has one."""
     suffix = volume_suffix(path)
     try:
         if suffix == ".npy":
-            return Volume(np.load(path, allow_pickle=False))
+            return Volume(np.array(_npy_mapped(path)))
         if suffix in (".nii", ".nii.gz"):
             image: Any = _nibabel().load(str(path))
             return Volume(_nifti_channels_first(np.asarray(image.dataobj)), image.affine)
@@ -451,7 +466,7 @@ def case_shape(files: Sequence[Path]) -> tuple[int, ...]:
     for f in files:
         try:
             if volume_suffix(f) == ".npy":
-                shape = np.load(f, mmap_mode="r", allow_pickle=False).shape
+                shape = _npy_mapped(f).shape
             else:
                 shape = tuple(_nibabel().load(str(f)).shape)
                 if len(shape) == 5 and shape[3] == 1:
