@@ -21,13 +21,14 @@ from bigbatch import distributed as bbdist
 from bigbatch.accumulate import Accumulator, StepResult
 from bigbatch.batching import batch_len, split_batch
 from bigbatch.coupled import cached_backward
-from bigbatch.device import free_memory
+from bigbatch.device import free_memory, onednn_stuck
 from bigbatch.memory.oom import HOST_OOM_MESSAGES, is_oom
 
 __all__ = [
     "BackoffEvent",
     "EvalBackoff",
     "OOMBackoff",
+    "OneDNNStuckError",
     "OutOfMemoryAtMinimumError",
     "infer_fitting",
     "run_coupled_window",
@@ -39,6 +40,26 @@ log = logging.getLogger("bigbatch")
 
 class OutOfMemoryAtMinimumError(RuntimeError):
     """Out of memory even at the smallest micro-batch."""
+
+
+class OneDNNStuckError(OutOfMemoryAtMinimumError):
+    """After an out-of-memory error, oneDNN cannot build CPU kernels in this process any more
+    (:func:`bigbatch.device.onednn_stuck`): no micro-batch of a new size can run here; a new
+    process can."""
+
+
+def _check_onednn(failure: str, size: int, what: str) -> None:
+    """Raise :class:`OneDNNStuckError` when ``failure`` (an OOM's text, its memory freed) left
+    oneDNN unable to build kernels: halving further would only fail again at every size."""
+    if "could not create a primitive" in failure and onednn_stuck():
+        raise OneDNNStuckError(
+            f"out of memory at {what} {size}, and oneDNN can no longer build CPU kernels in "
+            "this process (an allocation failed while it wrote one, and oneDNN never clears "
+            "that error), so no smaller size can run here. Start a new process at "
+            f"{size // 2 or 1} (bigbatch train: the same command with `--resume RUN_DIR "
+            f"micro_batch={size // 2 or 1}` continues from the last checkpoint), or give it "
+            "more memory"
+        )
 
 
 @dataclass(frozen=True)
@@ -276,6 +297,7 @@ def _step_fitting(
         acc.discard_window()
         buffers.restore()
         free_memory(host_oom)
+        _check_onednn(failure, backoff.micro_batch, "micro-batch")
         backoff.shrink(acc.optimizer_step, failure or "another rank ran out of memory")
 
 
@@ -321,6 +343,7 @@ def infer_fitting(fn: Callable[[Any], torch.Tensor], x: Any, backoff: EvalBackof
         # Out of the except block: the exception and the frames holding the failed outputs
         # are gone, so their memory can go back before the retry.
         free_memory(any(m in failure for m in HOST_OOM_MESSAGES))
+        _check_onednn(failure, size, "evaluation batch")
         if size <= 1:
             raise OutOfMemoryAtMinimumError(
                 f"out of memory evaluating a single sample ({failure.strip()[:300]}); give the "

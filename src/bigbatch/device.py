@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import sys
@@ -32,6 +33,7 @@ __all__ = [
     "empty_cache",
     "free_bytes",
     "free_memory",
+    "onednn_stuck",
     "peak_memory_bytes",
     "peak_memory_text",
     "pins_memory",
@@ -390,6 +392,36 @@ def bound_onednn_cache(
         return None  # a model this large already fills oneDNN's own bound
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
     return capacity
+
+
+# Each probe a convolution height never built before, so oneDNN must write a new kernel.
+_PROBE_ROWS = itertools.count(11)
+
+
+def onednn_stuck() -> bool:
+    """True when oneDNN can no longer build a CPU kernel on this thread, whatever memory is
+    free: then no smaller micro-batch can run in this process.
+
+    oneDNN writes its CPU kernels at run time with Xbyak, whose error flag is kept per thread
+    and never cleared by oneDNN: one out-of-memory error while a kernel's code buffer is
+    allocated (256 KiB, by mmap), and every convolution of a shape not built yet fails on
+    this thread with "could not create a primitive" for the rest of the process; shapes
+    already built keep running. Under an address-space limit (``ulimit -v``) about one back-off
+    in seven hit it (convnext_atto, ``tests/memory/test_oom.py``). Tested by building one tiny
+    convolution of a new shape (batch 2: oneDNN's, not torch's own kernel).
+
+    >>> onednn_stuck()
+    False
+    """
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    rows = next(_PROBE_ROWS)
+    try:
+        with torch.no_grad():
+            torch.nn.functional.conv2d(torch.zeros(2, 1, rows, 4), torch.zeros(1, 1, 3, 3))
+    except RuntimeError as exc:
+        return "could not create a primitive" in str(exc)
+    return False
 
 
 @contextlib.contextmanager

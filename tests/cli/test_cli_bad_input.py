@@ -286,6 +286,26 @@ def test_ctrl_c_is_one_line_that_says_resume(
     assert "interrupted" in err and "bigbatch train --resume run" in err
 
 
+def test_out_of_memory_at_the_smallest_micro_batch_is_one_line(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bigbatch.train.loop as loop
+    from bigbatch.backoff import OneDNNStuckError
+
+    def stuck(*args: object, **kwargs: object) -> None:
+        raise OneDNNStuckError("out of memory at micro-batch 4, and oneDNN can no longer ...")
+
+    monkeypatch.setattr(loop, "_loop", stuck)
+    _fails([*TRAIN, "--out", "run"], capsys, "out of memory at micro-batch 4, and oneDNN")
+
+    def other(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug, not the user's input")
+
+    monkeypatch.setattr(loop, "_loop", other)
+    with pytest.raises(RuntimeError, match="a bug"):  # other errors keep their traceback
+        main([*TRAIN, "--out", "run2"])
+
+
 def test_weights_files_get_the_usual_permissions(job: Path) -> None:
     """safetensors replaces the file it writes (0600); the run's files follow the umask."""
     import os

@@ -7,6 +7,9 @@ once the model has taken one small step.
     python real_oom_timm_script.py need MICRO          -> prints the MiB one step at MICRO adds
     python real_oom_timm_script.py clean EXTRA MICRO   -> OK or FAIL: trains at MICRO, no back-off
     python real_oom_timm_script.py backoff EXTRA OUT   -> starts at 128, backs off; saves weights
+    python real_oom_timm_script.py stuck               -> breaks oneDNN's kernel builder (a new
+                                                          shape's kernel under no headroom), lifts
+                                                          the limit, then a window at 16: one line
 
 test_oom.py imports build() for the reference without a limit."""
 
@@ -69,6 +72,26 @@ if __name__ == "__main__":
         before = status("VmSize")
         run_window(acc, (x, y), loss_fn, OOMBackoff(micro_batch=int(sys.argv[2])))
         print((status("VmPeak") - before) // 2**20)
+        sys.exit(0)
+    if mode == "stuck":
+        from bigbatch.device import onednn_stuck
+
+        healthy = not onednn_stuck()
+        conv = model.stem[0]  # a shape never built: its kernel's code buffer cannot be mapped
+        resource.setrlimit(resource.RLIMIT_AS, (status("VmSize"), resource.RLIM_INFINITY))
+        try:
+            conv(x[:3, :, :9, :9])
+            broke = "no error"
+        except RuntimeError as exc:
+            broke = str(exc)[:40]
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        backoff = OOMBackoff(micro_batch=16, grow_after=0)
+        try:
+            run_window(acc, (x, y), loss_fn, backoff)
+            outcome = "trained"
+        except OutOfMemoryAtMinimumError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        print(f"healthy={healthy} broke={broke} events={len(backoff.events)} {outcome}")
         sys.exit(0)
     extra = int(sys.argv[2])
     resource.setrlimit(

@@ -180,6 +180,13 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
         return int(module.run(args))
     except (UserError, UserCodeError) as exc:
         message = str(exc)
+    except RuntimeError as exc:
+        # Out of memory at the smallest micro-batch: its text says what to try. Looked up, not
+        # imported, so that the CLI starts without torch.
+        backoff = sys.modules.get("bigbatch.backoff")
+        if backoff is None or not isinstance(exc, backoff.OutOfMemoryAtMinimumError):
+            raise
+        message = str(exc)
     except ModuleNotFoundError as exc:
         needed = _EXTRAS.get((exc.name or "").split(".")[0])
         if needed is None:
