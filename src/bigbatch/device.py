@@ -406,9 +406,9 @@ def onednn_stuck() -> bool:
     and never cleared by oneDNN: one out-of-memory error while a kernel's code buffer is
     allocated (256 KiB, by mmap), and every convolution of a shape not built yet fails on
     this thread with "could not create a primitive" for the rest of the process; shapes
-    already built keep running. Under an address-space limit (``ulimit -v``) about one back-off
-    in seven hit it (convnext_atto, ``tests/memory/test_oom.py``). Tested by building one tiny
-    convolution of a new shape (batch 2: oneDNN's, not torch's own kernel).
+    already built keep running. Under an address-space limit (``ulimit -v``) 5 back-offs in
+    27 hit it (convnext_atto, ``tests/memory/test_oom.py``, under CPU load). Tested by
+    building one tiny convolution of a new shape (batch 2: oneDNN's, not torch's own kernel).
 
     >>> onednn_stuck()
     False

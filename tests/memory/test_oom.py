@@ -236,7 +236,7 @@ def test_real_limit_a_few_mib_above_a_clean_start_lands_there(
     env.update(BIGBATCH_TEST_ENTRIES=str(entries), BIGBATCH_TEST_SIZES="1")
     out = tmp_path / "weights.pt"
     # oneDNN never clears its kernel builder's error: when the limit lands on a kernel's code
-    # buffer rather than a tensor (about one back-off in seven here, with the jitter of a MiB
+    # buffer rather than a tensor (5 back-offs in 27 under load, with the jitter of a MiB
     # in the clean start), no new size can run in that process, and the back-off says so
     # (OneDNNStuckError, test_a_broken_onednn_kernel_builder_is_named_not_halved_to_1). Such a
     # try is started again in a fresh process, its clean start measured again; any other
