@@ -22,7 +22,7 @@ from bigbatch.accumulate import Accumulator, StepResult
 from bigbatch.batching import batch_len, split_batch
 from bigbatch.coupled import cached_backward
 from bigbatch.device import free_memory, onednn_stuck
-from bigbatch.memory.oom import HOST_OOM_MESSAGES, is_oom
+from bigbatch.memory.oom import HOST_OOM_MESSAGES, ONEDNN_OOM_MESSAGE, is_oom
 
 __all__ = [
     "BackoffEvent",
@@ -51,7 +51,7 @@ class OneDNNStuckError(OutOfMemoryAtMinimumError):
 def _check_onednn(failure: str, size: int, what: str) -> None:
     """Raise :class:`OneDNNStuckError` when ``failure`` (an OOM's text, its memory freed) left
     oneDNN unable to build kernels: halving further would only fail again at every size."""
-    if "could not create a primitive" in failure and onednn_stuck():
+    if ONEDNN_OOM_MESSAGE in failure and onednn_stuck():
         raise OneDNNStuckError(
             f"out of memory at {what} {size}, and oneDNN can no longer build CPU kernels in "
             "this process (an allocation failed while it wrote one, and oneDNN never clears "

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from bigbatch.memory.oom import ONEDNN_OOM_MESSAGE
+
 __all__ = [
     "DEVICE_KINDS",
     "DeviceKind",
@@ -420,7 +422,7 @@ def onednn_stuck() -> bool:
         with torch.no_grad():
             torch.nn.functional.conv2d(torch.zeros(2, 1, rows, 4), torch.zeros(1, 1, 3, 3))
     except RuntimeError as exc:
-        return "could not create a primitive" in str(exc)
+        return ONEDNN_OOM_MESSAGE in str(exc)
     return False
 
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HOST_OOM_MESSAGES", "is_oom"]
+__all__ = ["HOST_OOM_MESSAGES", "ONEDNN_OOM_MESSAGE", "is_oom"]
+
+# oneDNN on CPU when an allocation fails while it builds a kernel (torch raises it as a
+# RuntimeError); after one, see bigbatch.device.onednn_stuck.
+ONEDNN_OOM_MESSAGE = "could not create a primitive"
 
 # Fallbacks for errors that are OOM but not raised as an OutOfMemoryError type.
 OOM_MESSAGES = (
     "out of memory",  # CUDA (older torch), XPU
     "DefaultCPUAllocator: can't allocate memory",  # CPU allocator
-    "could not create a primitive",  # oneDNN on CPU when its allocation fails
+    ONEDNN_OOM_MESSAGE,
     "MPS backend out of memory",
 )
 
@@ -22,7 +26,7 @@ OOM_MESSAGES = (
 NOT_OOM_MESSAGE = "could not create a primitive descriptor"
 
 # Of those, the CPU's (whatever type torch raises them as): the host heap ran out.
-HOST_OOM_MESSAGES = ("DefaultCPUAllocator", "could not create a primitive")
+HOST_OOM_MESSAGES = ("DefaultCPUAllocator", ONEDNN_OOM_MESSAGE)
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:
