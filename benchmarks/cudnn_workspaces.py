@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from bigbatch.memory.cuda_cudnn import with_defaults
+
 MiB = 2**20
 
 
@@ -122,7 +124,8 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     dtype = getattr(torch, sig["dtype"])
     fmt = torch.channels_last if sig["layout"] == "nhwc" else torch.contiguous_format
     c, k, g = sig["channels"], sig["kernel"], sig["groups"]
-    out, stride, pad = sig.get("out_channels", c), sig.get("stride", 1), sig.get("padding", k // 2)
+    full = with_defaults(sig)
+    out, stride, pad = full["out_channels"], full["stride"], full["padding"]
     x = torch.randn(sig["batch"], c, sig["size"], sig["size"], device=device, dtype=dtype)
     x = x.contiguous(memory_format=fmt)
     w = torch.randn(out, c // g, k, k, device=device, dtype=dtype).contiguous(memory_format=fmt)
@@ -150,12 +153,6 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _default(row: dict[str, Any], key: str) -> Any:
-    """What the first sweep's grid rows leave out: as many outputs as inputs, stride 1, "same"
-    padding."""
-    return {"out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2}[key]
-
-
 PACKAGED = Path(__file__).parents[1] / "src" / "bigbatch" / "memory" / "cudnn_profiles"
 
 
@@ -168,7 +165,7 @@ def package(result: Path) -> Path:
     keep = ("benchmark", "layout", "dtype", "kernel", "groups", "channels", "out_channels",
             "stride", "padding", "size", "batch", "pass", "extra_bytes")  # fmt: skip
     # A table (columns once, a list a row): a third of the rows-of-objects' size in the wheel.
-    rows = [[r[k] if k in r else _default(r, k) for k in keep] for r in data["rows"]]
+    rows = [[r[k] for k in keep] for r in map(with_defaults, data["rows"])]
     header = {k: data.get(k) for k in ("device", "compute_capability", "cudnn", "torch")}
     profile = {**header, "allow_tf32": data.get("allow_tf32", True), "columns": keep, "rows": rows}
     name = "sm{}-cudnn{}.json".format(data["compute_capability"].replace(".", ""), data["cudnn"])

@@ -34,9 +34,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CudnnProfile", "Signature", "profile_for_target"]
+__all__ = ["CudnnProfile", "Signature", "profile_for_target", "with_defaults"]
 
 PROFILES = Path(__file__).with_name("cudnn_profiles")
+
+
+def with_defaults(row: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's row or signature with what the first sweep's grid rows leave out filled in:
+    as many outputs as inputs, stride 1, "same" padding.
+
+    >>> with_defaults({"channels": 64, "kernel": 3})["padding"]
+    1
+    """
+    return {"out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2} | row
 
 
 class Signature(NamedTuple):
@@ -69,16 +79,16 @@ class CudnnProfile:
     ) -> CudnnProfile:
         """From ``benchmarks/cudnn_workspaces.py``'s rows (one per signature, pass, batch)."""
         profile = cls(card, allow_tf32)
-        for r in rows:
+        for r in map(with_defaults, rows):
             sig = Signature(
                 r["dtype"],
                 r["layout"],
                 r["kernel"],
                 r["groups"],
                 r["channels"],
-                r.get("out_channels", r["channels"]),
-                r.get("stride", 1),
-                r.get("padding", r["kernel"] // 2),
+                r["out_channels"],
+                r["stride"],
+                r["padding"],
                 r["size"],
                 r["benchmark"],
             )
