@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bigbatch import Accumulator, EmptyWindowWarning
+from bigbatch import Accumulator, EmptyWindowWarning, NonFiniteGradientWarning
 from helpers import (
     big_batch_run,
     bigbatch_run,
@@ -656,3 +656,17 @@ def test_logged_loss_ignores_an_all_padding_micro_batch() -> None:
         expected = float(token_loss(copy_model(t), labels))
     assert math.isfinite(result.loss)
     assert result.loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_disabled_grad_scaler_never_steps_a_non_finite_gradient() -> None:
+    """GradScaler(enabled=False) checks nothing: the window's own check stops the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulator(sgd(model.parameters()), scaler=torch.amp.GradScaler("cpu", enabled=False))
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 0])
+    acc.backward(F.cross_entropy(model(x), y) * math.inf, count=3)
+    with pytest.warns(NonFiniteGradientWarning):
+        result = acc.step()
+    assert result.skipped and result.non_finite and acc.optimizer_step == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start, strict=True))

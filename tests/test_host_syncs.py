@@ -51,3 +51,45 @@ def test_a_windows_host_syncs_do_not_grow_with_its_micro_batches(
     two = _syncs_per_window(monkeypatch, 16)
     sixteen = _syncs_per_window(monkeypatch, 2)
     assert sixteen == two  # the finite check of the step, whatever the split
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_nothing_is_read_from_the_device_once_the_optimizer_step_is_queued(
+    monkeypatch: pytest.MonkeyPatch, scaled: bool
+) -> None:
+    """A read after the step would wait for it: the GPU then idles while the CPU queues the
+    next micro-batch. With a GradScaler whether it skipped is known before the step."""
+    stepped = False
+
+    class Watched(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            nonlocal stepped
+            out = super().step(closure)  # its own reads: the step counts on the host
+            stepped = True
+            return out
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    acc = Accumulator(Watched(model.parameters(), lr=1e-3), scaler=scaler)
+    window = (torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    reads_after_step = 0
+
+    def counted(name: str) -> Any:
+        real = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any) -> Any:
+            nonlocal reads_after_step
+            reads_after_step += stepped
+            return real(self, *args)
+
+        return read
+
+    with monkeypatch.context() as m:
+        for name in READS:
+            m.setattr(torch.Tensor, name, counted(name))
+        result = run_window(
+            acc, window, lambda b: F.cross_entropy(model(b[0]), b[1]), OOMBackoff(micro_batch=8)
+        )
+    assert stepped and not result.skipped
+    assert reads_after_step == 0

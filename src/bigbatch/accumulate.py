@@ -346,11 +346,12 @@ class Accumulator:
         finite, grad_norm = _finish_gradient(
             self.optimizer, params, self.scaler, ref / count, self.clip_grad_norm
         )
-        if not finite:
+        scaling = self.scaler is not None and self.scaler.is_enabled()
+        if not finite and not scaling:  # with a GradScaler: its routine skip, below
             _warn_non_finite(self.optimizer_step, self.window)
             self._discard()
             return StepResult(self.optimizer_step, micro_batches, count, None, True, loss, True)
-        skipped = _step_optimizer(self.optimizer, self.scaler)
+        skipped = _step_optimizer(self.optimizer, self.scaler, finite)
         if not skipped:
             self.optimizer_step += 1
             if self.scheduler is not None:
@@ -418,32 +419,40 @@ def _finish_gradient(
 ) -> tuple[bool, float | None]:
     """Unscale (fp16), divide the window's summed gradient by its true count (``factor`` =
     the reference count the losses were weighted by / the true count) and clip it once.
-    Returns (finite, the norm before clipping); a non-finite gradient is left unclipped."""
-    if scaler is not None:
+    Returns (finite, the norm before clipping); a non-finite gradient is left unclipped.
+
+    With a GradScaler the check reads the still-scaled gradient, GradScaler's own check on the
+    same values: it skips the step exactly when this says non-finite, so whether it skipped is
+    known before the optimizer's step is queued, and nothing is read from the device after it
+    (a read there would wait for the step and leave the GPU idle while the next one is queued)."""
+    scaling = scaler is not None and scaler.is_enabled()
+    finite = _grads_finite(params) if scaling else True
+    if scaling:
         scaler.unscale_(optimizer)
     if factor != 1.0:  # exactly 1.0 for a full window of equal micro-batches
         scale_grads_(params, factor)
-    if scaler is None and not _grads_finite(params):
+    if not scaling:
         # GradScaler skips such a step itself; without one, optimizer.step() would turn every
         # parameter into nan. After the all-reduce, so every rank skips alike.
+        finite = _grads_finite(params)
+    if not finite:
         return False, None
     if clip_grad_norm is None:
         return True, None
     return True, float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
 
 
-def _step_optimizer(optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
-    """Step the optimizer (through the scaler) and zero its gradients; True when fp16 skipped it."""
-    if scaler is None:
+def _step_optimizer(optimizer: torch.optim.Optimizer, scaler: Any, finite: bool) -> bool:
+    """Step the optimizer (through the scaler) and zero its gradients; True when fp16 skipped
+    it, which GradScaler does exactly when the gradient was not ``finite``."""
+    if scaler is None or not scaler.is_enabled():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return False
-    scale_before = scaler.get_scale()
     scaler.step(optimizer)
-    scaler.update()
+    scaler.update()  # lowers the scale after a skipped step
     optimizer.zero_grad(set_to_none=True)
-    # GradScaler lowers its scale exactly when it found inf/nan and skipped the step.
-    return bool(scaler.get_scale() < scale_before)
+    return not finite
 
 
 def _state_dict(acc: Accumulator) -> dict[str, Any]:
