@@ -26,7 +26,9 @@ measured: resnet50 at 224 px, batch 128, fp16, 3000 JPEGs of 256 px in 10 classe
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -163,6 +165,46 @@ def bigbatch_run(
     return time.perf_counter() - t0, [float(row["seconds"]) for row in result.history]
 
 
+PROFILED_STAGES = {
+    "_setup", "plan_for", "plan_validation", "_train_epoch", "_step_window", "_finish_epoch",
+    "save_weights", "save_checkpoint", "write_history", "plot_history",
+}  # fmt: skip
+
+
+def profile_of(run: Any) -> dict[str, Any]:
+    """Where one run's main thread spends its time (cProfile): the seconds spent waiting for the
+    loader's next batch, and the functions with the most time of their own. On a GPU the
+    kernels run beside it: what shows here is the host's share (waits, reads, Python)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = [
+        (tottime, cumtime, calls, f"{Path(file).name}:{line}({func})")
+        for (file, line, func), (_, calls, tottime, cumtime, _) in stats.items()
+    ]
+    waits = [cum for _, cum, _, name in rows if "dataloader.py" in name and "(__next__)" in name]
+    rows.sort(reverse=True)
+    # bigbatch's own stages, each the time under it (the hand loop has none of these).
+    stages = {
+        name.split("(")[1][:-1]: round(cum, 3)
+        for _, cum, _, name in rows
+        if name.startswith(
+            ("loop.py:", "planning.py:", "checkpoint.py:", "report.py:", "run_dir.py:")
+        )
+        and name.split("(")[1][:-1] in PROFILED_STAGES
+    }
+    return {
+        "seconds": round(sum(r[0] for r in rows), 2),
+        "data_wait_seconds": round(max(waits, default=0.0), 2),
+        "stages_seconds": stages,
+        "top_own_time": [
+            {"seconds": round(t, 3), "calls": n, "function": name} for t, _, n, name in rows[:25]
+        ],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -181,6 +223,7 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=3)
     p.add_argument("--stored-size", type=int, default=0, help="the images' side (default: --size)")
     p.add_argument("--format", default="png", choices=["png", "jpg"])
+    p.add_argument("--profile", action="store_true", help="then one run of each under cProfile")
     args = p.parse_args()
     dev = Device(args.device, args.precision, args.workers if args.device != "cpu" else 0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,6 +233,8 @@ def main() -> None:
         shape = (args.arch, args.size, args.batch, args.micro, args.epochs)
         hand_loop(data, *shape, dev)  # warm-up: imports, kernel choices, file cache
         ratios, epoch_ratios, hand_s, ours_s = [], [], [], []
+        steady_ratios: list[float] = []
+        epochs_s: dict[str, list[list[float]]] = {"hand": [], "bigbatch": []}
         for r in range(args.rounds):
             h, h_epochs = hand_loop(data, *shape, dev)
             b, b_epochs = bigbatch_run(data, Path(tmp) / f"run{r}", *shape, dev)
@@ -197,6 +242,14 @@ def main() -> None:
             ours_s.append(b)
             ratios.append(h / b)
             epoch_ratios += [x / y for x, y in zip(h_epochs, b_epochs, strict=True)]
+            steady_ratios += [x / y for x, y in zip(h_epochs[1:], b_epochs[1:], strict=True)]
+            epochs_s["hand"].append([round(x, 3) for x in h_epochs])
+            epochs_s["bigbatch"].append([round(x, 3) for x in b_epochs])
+        profiles = {}
+        if args.profile:
+            profiles["hand"] = profile_of(lambda: hand_loop(data, *shape, dev))
+            out = Path(tmp) / "profiled"
+            profiles["bigbatch"] = profile_of(lambda: bigbatch_run(data, out, *shape, dev))
     images = args.classes * args.per_class
     result = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -215,11 +268,16 @@ def main() -> None:
         },
         # The loop: an epoch of training and validation, bigbatch's against the hand loop's.
         "ratio_vs_hand_loop": statistics.median(epoch_ratios),
+        # The same after each run's first epoch (workers and kernels started): the pipeline's.
+        "steady_ratio": statistics.median(steady_ratios) if steady_ratios else None,
+        "epoch_seconds": epochs_s,
         # The whole run, with bigbatch's fixed costs (scan, plan check, checkpoints, plots).
         "whole_run_ratio": statistics.median(ratios),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    if profiles:
+        result["profile"] = profiles
     if args.json:
         print(json.dumps(result, indent=1))
         return
