@@ -185,14 +185,27 @@ def test_an_explicit_budget_caps_the_cuda_allocator_simulated(
     gib = 2**30
     calls: list[tuple[float, object]] = []
     props = SimpleNamespace(total_memory=80 * gib)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.75)
+
+    def index_of(device: object) -> int:
+        # As torch's memory-fraction calls: a device without an index is refused (a bare
+        # device="cuda" failed so on an H100).
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index, got {device}")
+        return device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_per_process_memory_fraction", lambda device: index_of(device) + 0.75
+    )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(
-        torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device))
+        torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda f, device: calls.append((f, index_of(device))),
     )
     cuda = torch.device("cuda")
     assert cap_cuda_allocator(torch.device("cpu"), 10 * gib) is None and not calls
-    assert cap_cuda_allocator(cuda, 10 * gib) == (10 * gib, 0.75) and calls[-1] == (0.125, cuda)
+    assert cap_cuda_allocator(cuda, 10 * gib) == (10 * gib, 0.75) and calls[-1] == (0.125, 0)
     assert cap_cuda_allocator(cuda, 100 * gib) == (80 * gib, 0.75) and calls[-1][0] == 1.0
     lines: list[str] = []
     choice = PlanChoice(32, 32, 5 * gib, gib // 2, 16 * gib)
@@ -208,4 +221,4 @@ def test_an_explicit_budget_caps_the_cuda_allocator_simulated(
     from bigbatch.device import uncap_cuda_allocator
 
     uncap_cuda_allocator(cuda, 0.75)  # what the run does at its end
-    assert calls[-1] == (0.75, cuda)
+    assert calls[-1] == (0.75, 0)

@@ -277,11 +277,12 @@ def cap_cuda_allocator(device: torch.device, cap_bytes: int) -> tuple[int, float
     ``device`` is not CUDA."""
     if device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = _cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory
     cap = max(0, min(cap_bytes, total))
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
-    before = float(getter(device)) if getter is not None else 1.0
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    before = float(getter(index)) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
     return cap, before
 
 
@@ -289,7 +290,13 @@ def uncap_cuda_allocator(device: torch.device, fraction: float | None) -> None:
     """Put back the allocator's fraction :func:`cap_cuda_allocator` replaced (None: it capped
     nothing): the caller's process keeps its own setting after a run."""
     if device.type == "cuda" and fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        torch.cuda.set_per_process_memory_fraction(fraction, _cuda_index(device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """``device``'s index, the current device's for a bare ``cuda``: torch's memory-fraction
+    calls refuse a device without one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, bool] | None:
