@@ -44,7 +44,12 @@ from PIL import Image
 from bigbatch.train.config import load_config
 from bigbatch.train.data import split_items
 from bigbatch.train.loop import train
-from bigbatch.train.tasks.classification.data import ImageDataset, build_transforms, load_items
+from bigbatch.train.tasks.classification.data import (
+    ImageDataset,
+    build_transforms,
+    load_items,
+    resolve_data_config,
+)
 
 
 def write_images(
@@ -91,15 +96,18 @@ def hand_loop(
     train_items, valid_items = split_items(items, 0.2, 42)
     torch.manual_seed(42)
     model = timm.create_model(arch, num_classes=len(items.classes))
+    # The model's own data config (timm's resolve_model_data_config: resnet50's bicubic
+    # resizing, its mean and std), as a timm user's loop and bigbatch's both take it.
+    data_config = resolve_data_config(lambda: timm.create_model(arch))
     train_ds = ImageDataset(
         train_items.files,
         train_items.labels,
-        build_transforms(size, "squish", train=True, augment=True),
+        build_transforms(size, "squish", train=True, augment=True, data=data_config),
     )
     valid_ds = ImageDataset(
         valid_items.files,
         valid_items.labels,
-        build_transforms(size, "squish", train=False, augment=False),
+        build_transforms(size, "squish", train=False, augment=False, data=data_config),
     )
     fmt = torch.channels_last if dev.gpu else torch.contiguous_format
     model = model.to(dev.name, memory_format=fmt)

@@ -99,10 +99,12 @@ def test_a_plan_on_an_emulated_card_trains_and_the_refused_size_runs_out(card_gi
         y = torch.randint(0, 10, (plan.micro_batch,), generator=g).cuda()
         _, backoff = _window_train(plan.micro_batch, (x, y))
         assert not backoff.events, backoff.events  # the plan fits
-        # The premise, computed: a micro-batch predicted 10 % past the cap (the predictions
-        # are within a few % of the card) must run out.
+        # The premise, computed: a micro-batch whose live tensors alone are predicted 10 %
+        # past the cap must run out. Not its reserved peak: under a cap the allocator frees its
+        # cache and retries before it raises, so a step needs less than it reserves uncapped
+        # (on an H100, 1.1x the cap's reserved peak trained at 296 and 643 without an OOM).
         bigger = plan.max_micro_batch + 1
-        while predict_peak(timm_spec("resnet18", 224, bigger, "fp32")).planning_bytes < 1.1 * cap:
+        while predict_peak(timm_spec("resnet18", 224, bigger, "fp32")).allocated_bytes < 1.1 * cap:
             bigger = int(bigger * 1.25) + 1
         x = torch.randn(bigger, 3, 224, 224, generator=g).cuda()
         y = torch.randint(0, 10, (bigger,), generator=g).cuda()

@@ -167,6 +167,8 @@ def _setup(
     if not lone_ok:
         check_no_lone_sample(len(train_items), rank_batch, world, log)
     train_ds, valid_ds = task.datasets(train_items, valid_items)
+    if len(valid_ds):
+        task.metrics()  # its library imported now (torchmetrics: seconds), not in epoch 1's time
     sampler = distributed_sampler(train_ds, rank, world, cfg.seed)
     loaders = RunData(
         train_ds,

@@ -59,6 +59,10 @@ class ClassificationMetrics:
     count: int = 0
     _metrics: Any = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.num_classes:  # torchmetrics' import (seconds) when made, not at a first batch
+            self._metrics = _collection(max(2, self.num_classes))
+
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         logits = logits.float()
         if self._metrics is None:
