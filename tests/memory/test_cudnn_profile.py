@@ -17,12 +17,15 @@ from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import StepSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-SWEEP = ROOT / "benchmarks" / "results" / "h200-cuda13.0-2026-11-26" / "cudnn-profile.json"
+SWEEP = (
+    ROOT / "benchmarks" / "results" / "h100-80gb-hbm3-cuda13.0-2026-11-26" / "cudnn-profile.json"
+)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def sm90() -> CudnnProfile:
-    """The packaged H200 profile: the one chosen without a GPU, or beside an sm90 card."""
+    """The packaged sm90 profile (an H100's sweep, which holds every signature the H200's did):
+    the one chosen without a GPU, or beside an sm90 card."""
     profile = profile_for_target()
     if profile is None:
         pytest.skip("this machine's GPU is of an architecture no profile was measured on")
@@ -30,7 +33,7 @@ def sm90() -> CudnnProfile:
 
 
 def measured(**sig: object) -> int:
-    """The sweep's own row (the H200's result file) for a signature and pass."""
+    """The sweep's own row (the H100's result file) for a signature and pass."""
     rows = json.loads(SWEEP.read_text())["rows"]
     return next(r["extra_bytes"] for r in rows if all(r.get(k) == v for k, v in sig.items()))
 
@@ -53,7 +56,7 @@ def backward_workspaces(profile: CudnnProfile | None, dtype: torch.dtype, batch:
 
 def test_a_measured_signature_gets_the_cards_workspaces() -> None:
     profile = sm90()
-    assert "H200" in profile.card
+    assert "H100" in profile.card
     sig = dict(dtype="float16", layout="nchw", kernel=3, channels=64, size=56, batch=64)
     sizes = backward_workspaces(profile, torch.float16, 64)
     assert sizes == [
@@ -69,8 +72,8 @@ def test_a_measured_signature_gets_the_cards_workspaces() -> None:
 
 def test_between_two_measured_batches_the_workspace_is_interpolated() -> None:
     profile = sm90()
-    low, high = backward_workspaces(profile, torch.float32, 8), backward_workspaces(profile, torch.float32, 64)  # fmt: skip
-    mid = backward_workspaces(profile, torch.float32, 36)
+    low, high = backward_workspaces(profile, torch.float32, 32), backward_workspaces(profile, torch.float32, 64)  # fmt: skip
+    mid = backward_workspaces(profile, torch.float32, 48)
     assert mid == [round((a + b) / 2) for a, b in zip(low, high, strict=True)]
 
 
