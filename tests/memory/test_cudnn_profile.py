@@ -121,12 +121,34 @@ def test_the_packaged_profile_is_the_sweeps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`cudnn_workspaces.py --package` of the committed sweep writes the committed profile
-    byte for byte (the two cannot drift), and refuses a dry run's."""
+    byte for byte (the two cannot drift), again over it too; a later sweep replaces the
+    signatures it measured and keeps the rest; a dry run's is refused."""
     import cudnn_workspaces
 
     monkeypatch.setattr(cudnn_workspaces, "PACKAGED", tmp_path)
     written = cudnn_workspaces.package(SWEEP)
-    assert written.read_bytes() == (PROFILES / written.name).read_bytes()
+    committed = (PROFILES / written.name).read_bytes()
+    assert written.read_bytes() == committed
+    assert cudnn_workspaces.package(SWEEP).read_bytes() == committed
+    sweep = json.loads(SWEEP.read_text())
+    first, second = sweep["rows"][0], sweep["rows"][1]
+    later = tmp_path / "later.json"
+    later.write_text(
+        json.dumps(sweep | {"rows": [{**first, "extra_bytes": 7}, {**second, "batch": 3}]})
+    )
+    rows = json.loads(cudnn_workspaces.package(later).read_text())["rows"]
+    assert len(rows) == len(json.loads(committed)["rows"]) + 1  # one replaced, one added
+    profile = CudnnProfile.load(tmp_path / written.name)
+    sig, pass_ = next((s, p) for (s, p), by in profile.rows.items() if 3 in by)
+    assert (
+        pass_ == second["pass"]
+        and profile.rows[(sig, pass_)][second["batch"]] == second["extra_bytes"]
+    )
+    assert 7 in {
+        by[first["batch"]]
+        for (s, p), by in profile.rows.items()
+        if p == first["pass"] and first["batch"] in by
+    }
     dry = tmp_path / "dry.json"
     dry.write_text(json.dumps({"compute_capability": None, "rows": []}))
     with pytest.raises(SystemExit, match="dry run"):
