@@ -436,7 +436,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/gpu",
                   "-p", "no:cacheprovider", "--timeout=90", f"--junitxml={out / 'tests-gpu.xml'}"]  # fmt: skip
     # The boxes add up to 450 s. On an H100 (398 s in all) the tests took 83 s, the cuDNN
-    # sweep's 599 signatures 29 s (now 797: what fits in 40 s), decoding 16 s, the matrix 143 s
+    # sweep's 599 signatures 29 s (now 884: what fits in 40 s), decoding 16 s, the matrix 143 s
     # (12 of its 24 rows: a row's own process, CUDA's start and the model take 12 s), the speed
     # part 120 s (3000 images and a profiled run).
     plan: list[tuple[str, list[str], float]] = [
