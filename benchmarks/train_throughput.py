@@ -231,7 +231,11 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=3)
     p.add_argument("--stored-size", type=int, default=0, help="the images' side (default: --size)")
     p.add_argument("--format", default="png", choices=["png", "jpg"])
-    p.add_argument("--profile", action="store_true", help="then one run of each under cProfile")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then one run of each under cProfile (alone: --rounds 0)",
+    )
     args = p.parse_args()
     dev = Device(args.device, args.precision, args.workers if args.device != "cpu" else 0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,16 +263,23 @@ def main() -> None:
             out = Path(tmp) / "profiled"
             profiles["bigbatch"] = profile_of(lambda: bigbatch_run(data, out, *shape, dev))
     images = args.classes * args.per_class
-    result = {
+    result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "precision": args.precision,
+        "workload": f"{args.arch} @ {args.size} px, {images} images, "
+        f"batch {args.batch} = {-(-args.batch // args.micro)} x {args.micro}, {args.epochs} epochs",
+    }
+    if profiles:
+        result["profile"] = profiles
+    if not args.rounds:  # --rounds 0 --profile: where the time goes, nothing timed side by side
+        print(json.dumps(result, indent=1))
+        return
+    result |= {
         # Training images per second of an epoch (training and validation), the median.
         "images_per_s": {
             "hand": round(0.8 * images / statistics.median(h_epochs), 1),
             "bigbatch": round(0.8 * images / statistics.median(b_epochs), 1),
         },
-        "workload": f"{args.arch} @ {args.size} px, {images} images, "
-        f"batch {args.batch} = {-(-args.batch // args.micro)} x {args.micro}, {args.epochs} epochs",
         "rounds": args.rounds,
         "median_seconds": {
             "hand": statistics.median(hand_s),
@@ -284,8 +295,6 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    if profiles:
-        result["profile"] = profiles
     if args.json:
         print(json.dumps(result, indent=1))
         return
