@@ -273,13 +273,22 @@ def make_valid_loader(
     task: Task, dataset: Any, planned: int, seed: int, workers: int, pin: bool
 ) -> Any:
     """The validation loader, its batch the task's for validation's ``planned`` forward passes
-    (:meth:`Task.use_valid_batch`: whole volumes of different sizes go one at a time)."""
+    (:meth:`Task.use_valid_batch`: whole volumes of different sizes go one at a time). A worker
+    loads whole batches, so it has no more workers than batches: the others would never load
+    one, yet each is a process of its own for the whole run (validation draws nothing random,
+    so its batches are the same whatever the count).
+
+    >>> from bigbatch.train.tasks import Task
+    >>> make_valid_loader(Task(), list(range(600)), 256, 0, workers=15, pin=False).num_workers
+    3
+    """
+    batch = task.use_valid_batch(planned)
     return make_loader(
         dataset,
-        task.use_valid_batch(planned),
+        batch,
         shuffle=False,
         seed=seed,
-        num_workers=workers,
+        num_workers=min(workers, -(-len(dataset) // batch)),
         pin_memory=pin,
         collate_fn=task.collate,
     )
