@@ -179,7 +179,10 @@ def throughput(
 def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     out: dict[str, Any] = {}
-    left = lambda: deadline - time.monotonic()  # noqa: E731
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
     jobs: list[tuple[str, Any]] = [
         ("loaderless", lambda: loaderless(dry_run)),
         ("budget_train", lambda: budget_train(dry_run)),

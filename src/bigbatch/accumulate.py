@@ -343,15 +343,16 @@ class Accumulator:
             _warn_empty(self.optimizer_step, count)
             self._discard()
             return StepResult(self.optimizer_step, micro_batches, count, None, True)
+        # A disabled GradScaler checks and skips nothing: the step goes as without one.
+        scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
         finite, grad_norm = _finish_gradient(
-            self.optimizer, params, self.scaler, ref / count, self.clip_grad_norm
+            self.optimizer, params, scaler, ref / count, self.clip_grad_norm
         )
-        scaling = self.scaler is not None and self.scaler.is_enabled()
-        if not finite and not scaling:  # with a GradScaler: its routine skip, below
+        if not finite and scaler is None:  # with a GradScaler: its routine skip, below
             _warn_non_finite(self.optimizer_step, self.window)
             self._discard()
             return StepResult(self.optimizer_step, micro_batches, count, None, True, loss, True)
-        skipped = _step_optimizer(self.optimizer, self.scaler, finite)
+        skipped = _step_optimizer(self.optimizer, scaler, finite)
         if not skipped:
             self.optimizer_step += 1
             if self.scheduler is not None:
@@ -421,17 +422,17 @@ def _finish_gradient(
     the reference count the losses were weighted by / the true count) and clip it once.
     Returns (finite, the norm before clipping); a non-finite gradient is left unclipped.
 
-    With a GradScaler the check reads the still-scaled gradient, GradScaler's own check on the
-    same values: it skips the step exactly when this says non-finite, so whether it skipped is
-    known before the optimizer's step is queued, and nothing is read from the device after it
-    (a read there would wait for the step and leave the GPU idle while the next one is queued)."""
-    scaling = scaler is not None and scaler.is_enabled()
-    finite = _grads_finite(params) if scaling else True
-    if scaling:
+    With an enabled GradScaler (the caller passes None for a disabled one) the check reads the
+    still-scaled gradient, GradScaler's own check on the same values: it skips the step exactly
+    when this says non-finite, so whether it skipped is known before the optimizer's step is
+    queued, and nothing is read from the device after it (a read there would wait for the step
+    and leave the GPU idle while the next one is queued)."""
+    if scaler is not None:
+        finite = _grads_finite(params)
         scaler.unscale_(optimizer)
     if factor != 1.0:  # exactly 1.0 for a full window of equal micro-batches
         scale_grads_(params, factor)
-    if not scaling:
+    if scaler is None:
         # GradScaler skips such a step itself; without one, optimizer.step() would turn every
         # parameter into nan. After the all-reduce, so every rank skips alike.
         finite = _grads_finite(params)
@@ -445,7 +446,7 @@ def _finish_gradient(
 def _step_optimizer(optimizer: torch.optim.Optimizer, scaler: Any, finite: bool) -> bool:
     """Step the optimizer (through the scaler) and zero its gradients; True when fp16 skipped
     it, which GradScaler does exactly when the gradient was not ``finite``."""
-    if scaler is None or not scaler.is_enabled():
+    if scaler is None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return False

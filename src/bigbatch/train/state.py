@@ -288,7 +288,7 @@ def make_valid_loader(
         batch,
         shuffle=False,
         seed=seed,
-        num_workers=min(workers, -(-len(dataset) // batch)),
+        num_workers=min(workers, windows_per_epoch(len(dataset), batch)),
         pin_memory=pin,
         collate_fn=task.collate,
     )
