@@ -22,6 +22,7 @@ hence the measurement. Passes: forward, data gradient, weight gradient. The swee
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -76,25 +77,80 @@ NETWORKS = (
 )
 
 
-def convolutions_of(arch: str, size: int) -> tuple[tuple[int, ...], ...]:
-    """A timm network's convolutions at ``size`` px as NETWORKS lists them (in, out, kernel,
-    stride, input size, padding), each once: read from a forward pass on the meta device."""
-    import timm
-
-    seen: dict[tuple[int, ...], None] = {}
+def _hooked(build: Any, shape: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Each convolution a network's forward pass at input ``shape`` makes, once, as the sweep's
+    rows key it (without dtype, layout, batch): read on the meta device through forward hooks.
+    Square (cubic) kernels, inputs and strides alone, as the profile keys them."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    kinds = (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 
     def hook(conv: torch.nn.Module, args: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
-        if isinstance(conv, torch.nn.Conv2d) and conv.groups == 1:
-            k, stride, pad = conv.kernel_size[0], conv.stride[0], conv.padding
-            cin, cout = conv.in_channels, conv.out_channels
-            seen[(cin, cout, k, stride, args[0].shape[-1], int(pad[0]))] = None
+        if not isinstance(conv, kinds):
+            return
+        transposed = isinstance(conv, (torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d))
+        row = {
+            "kernel": conv.kernel_size[0], "groups": conv.groups,
+            "channels": conv.in_channels, "out_channels": conv.out_channels,
+            "stride": conv.stride[0], "padding": int(conv.padding[0]),
+            "size": args[0].shape[-1], "dims": args[0].dim() - 2,
+        }  # fmt: skip
+        if transposed:
+            row |= {"transposed": True, "output_padding": int(conv.output_padding[0])}
+        seen[tuple(row.values())] = row
 
     with torch.device("meta"):
-        net = timm.create_model(arch, num_classes=10)
+        net = build()
         for m in net.modules():
             m.register_forward_hook(hook)
-        net(torch.empty(1, 3, size, size))
-    return tuple(seen)
+        net(torch.empty(1, *shape))
+    return list(seen.values())
+
+
+def convolutions_of(arch: str, size: int) -> tuple[tuple[int, ...], ...]:
+    """A timm network's dense 2D convolutions at ``size`` px as NETWORKS lists them (in, out,
+    kernel, stride, input size, padding), each once."""
+    import timm
+
+    rows = _hooked(lambda: timm.create_model(arch, num_classes=10), (3, size, size))
+    return tuple(
+        (r["channels"], r["out_channels"], r["kernel"], r["stride"], r["size"], r["padding"])
+        for r in rows
+        if r["groups"] == 1
+    )
+
+
+def _unet3d() -> torch.nn.Module:
+    """The memory matrix's MONAI 3D U-Net (benchmarks/gpu_matrix.py's ``unet3d`` rows)."""
+    from monai.networks.nets import UNet
+
+    return UNet(3, 4, 4, channels=(32, 64, 128, 256), strides=(2, 2, 2), num_res_units=2)
+
+
+def _calls(
+    build: Any, shape: tuple[int, ...], batches: tuple[int, ...], dtypes: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """A network's own convolutions, every kind (depthwise, 3D, transposed), at ``batches``."""
+    return [
+        {"benchmark": False, "layout": "nchw", "dtype": dtype, "batch": b, **conv}
+        for b in batches
+        for dtype in dtypes
+        for conv in _hooked(build, shape)
+    ]
+
+
+def networks_beyond_2d() -> list[dict[str, Any]]:
+    """The matrix's rows the 2D dense sweep cannot key: the MONAI 3D U-Net's convolutions
+    (3D, strided, transposed; its rows miss 5-7 % reserved by the rule) at 96 and 128 voxels,
+    EfficientNet-B0's (depthwise 3x3 and 5x5, +3.0 %) at 224 px."""
+    import timm
+
+    half = ("float16", "bfloat16")
+    effnet = functools.partial(timm.create_model, "efficientnet_b0", num_classes=10)
+    return (
+        _calls(_unet3d, (4, 96, 96, 96), (2, 1), half)
+        + _calls(_unet3d, (4, 128, 128, 128), (1, 2), half)
+        + _calls(effnet, (3, 224, 224), (64, 32, 128), ("float16",))
+    )
 
 
 def _dense(nets: tuple[tuple[int, ...], ...], batches: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -118,7 +174,7 @@ def signatures() -> list[dict[str, Any]]:
     # ResNet-18 at 128 px (the recorded rows at b8 and b32, and tests/gpu's): its convolutions
     # at 4-32 px, which the 224 px networks' do not cover (so the rule's: -3.7 to -6.5 %).
     small = convolutions_of("resnet18", 128)
-    rows = _dense(NETWORKS, (64, 8)) + _dense(small, (8, 32, 64))
+    rows = _dense(NETWORKS, (64, 8)) + _dense(small, (8, 32, 64)) + networks_beyond_2d()
     rows += _dense(NETWORKS, (32, 128, 256))
     for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
         (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
@@ -154,25 +210,32 @@ def _allocs_during(fn: Any, device: str) -> tuple[list[int], int]:
 def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
     torch.backends.cudnn.benchmark = sig["benchmark"]
     dtype = getattr(torch, sig["dtype"])
-    fmt = torch.channels_last if sig["layout"] == "nhwc" else torch.contiguous_format
-    c, k, g = sig["channels"], sig["kernel"], sig["groups"]
     full = with_defaults(sig)
-    out, stride, pad = full["out_channels"], full["stride"], full["padding"]
-    x = torch.randn(sig["batch"], c, sig["size"], sig["size"], device=device, dtype=dtype)
+    dims, transposed = full["dims"], full["transposed"]
+    channels_last = torch.channels_last if dims == 2 else torch.channels_last_3d
+    fmt = channels_last if sig["layout"] == "nhwc" else torch.contiguous_format
+    c, k, g, out = sig["channels"], sig["kernel"], sig["groups"], full["out_channels"]
+    x = torch.randn(sig["batch"], c, *[sig["size"]] * dims, device=device, dtype=dtype)
     x = x.contiguous(memory_format=fmt)
-    w = torch.randn(out, c // g, k, k, device=device, dtype=dtype).contiguous(memory_format=fmt)
-    conv: dict[str, Any] = {"stride": [stride] * 2, "padding": [pad] * 2, "dilation": [1, 1]}
-    y = torch.nn.functional.conv2d(x, w, None, groups=g, **conv)
-    grad = torch.randn_like(y)
+    # A transposed convolution's weight is (in, out / groups, ...), a convolution's the reverse.
+    w_shape = (c, out // g) if transposed else (out, c // g)
+    w = torch.randn(*w_shape, *[k] * dims, device=device, dtype=dtype)
+    w = w.contiguous(memory_format=fmt)
+    conv = (
+        [full["stride"]] * dims, [full["padding"]] * dims, [1] * dims, transposed,
+        [full["output_padding"]] * dims, g,
+    )  # fmt: skip
+
+    def forward() -> tuple[torch.Tensor]:
+        return (torch.ops.aten.convolution(x, w, None, *conv),)
+
+    grad = torch.randn_like(forward()[0])
 
     def backward(mask: list[bool]) -> Any:
-        return torch.ops.aten.convolution_backward(
-            grad, x, w, None, conv["stride"], conv["padding"], conv["dilation"], False,
-            [0, 0], g, mask,
-        )  # fmt: skip
+        return torch.ops.aten.convolution_backward(grad, x, w, None, *conv, mask)
 
     passes = {
-        "forward": lambda: (torch.nn.functional.conv2d(x, w, None, groups=g, **conv),),
+        "forward": forward,
         "data_grad": lambda: backward([True, False, False]),
         "weight_grad": lambda: backward([False, True, False]),
     }

@@ -41,12 +41,15 @@ PROFILES = Path(__file__).with_name("cudnn_profiles")
 
 def with_defaults(row: dict[str, Any]) -> dict[str, Any]:
     """A sweep's row or signature with what the first sweep's grid rows leave out filled in:
-    as many outputs as inputs, stride 1, "same" padding.
+    as many outputs as inputs, stride 1, "same" padding, 2D, not transposed.
 
     >>> with_defaults({"channels": 64, "kernel": 3})["padding"]
     1
     """
-    return {"out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2} | row
+    return {
+        "out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2,
+        "dims": 2, "transposed": False, "output_padding": 0,
+    } | row  # fmt: skip
 
 
 class Signature(NamedTuple):
