@@ -174,7 +174,7 @@ def signatures() -> list[dict[str, Any]]:
     # ResNet-18 at 128 px (the recorded rows at b8 and b32, and tests/gpu's): its convolutions
     # at 4-32 px, which the 224 px networks' do not cover (so the rule's: -3.7 to -6.5 %).
     small = convolutions_of("resnet18", 128)
-    rows = _dense(NETWORKS, (64, 8)) + _dense(small, (8, 32, 64)) + networks_beyond_2d()
+    rows = networks_beyond_2d() + _dense(NETWORKS, (64, 8)) + _dense(small, (8, 32, 64))
     rows += _dense(NETWORKS, (32, 128, 256))
     for bench, layout, dtype, kernel, depthwise, channels, size, batch in itertools.product(
         (False, True), ("nchw", "nhwc"), ("float16", "float32"), (3, 1, 7), (False, True),
@@ -252,7 +252,8 @@ PACKAGED = Path(__file__).parents[1] / "src" / "bigbatch" / "memory" / "cudnn_pr
 
 
 COLUMNS = ("benchmark", "layout", "dtype", "kernel", "groups", "channels", "out_channels",
-           "stride", "padding", "size", "batch", "pass", "extra_bytes")  # fmt: skip
+           "stride", "padding", "size", "dims", "transposed", "output_padding", "batch", "pass",
+           "extra_bytes")  # fmt: skip
 
 
 def package(result: Path) -> Path:
@@ -268,9 +269,15 @@ def package(result: Path) -> Path:
     by_key: dict[tuple[Any, ...], list[Any]] = {}
     if out.exists():
         old = json.loads(out.read_text())
-        if tuple(old["columns"]) != COLUMNS or old.get("allow_tf32") != data.get("allow_tf32"):
+        # An older profile's columns are a subset (2D only): its rows take the defaults.
+        if not set(old["columns"]) <= set(COLUMNS) or old.get("allow_tf32") != data.get(
+            "allow_tf32"
+        ):
             raise SystemExit(f"{out} was measured otherwise: move it aside to package {result}")
-        by_key = {tuple(r[:-1]): r for r in old["rows"]}
+        for values in old["rows"]:
+            r = with_defaults(dict(zip(old["columns"], values, strict=True)))
+            row = [r[k] for k in COLUMNS]
+            by_key[tuple(row[:-1])] = row
     # A table (columns once, a list a row): a third of the rows-of-objects' size in the wheel.
     for r in map(with_defaults, data["rows"]):
         row = [r[k] for k in COLUMNS]
@@ -282,6 +289,30 @@ def package(result: Path) -> Path:
     out.write_text(json.dumps(profile, separators=(",", ":")).replace("],[", "],\n[") + "\n")
     out.chmod(0o644)
     return out
+
+
+def _profile(device: str, rows: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    cuda = device == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
+        "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(0))
+        if cuda
+        else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        # float32 convolutions run on TF32 tensor cores (other kernels, other workspaces) when on.
+        "allow_tf32": torch.backends.cudnn.allow_tf32,
+        "torch": torch.__version__,
+        "signatures_done": len(rows) // 3,
+        "signatures_total": total,
+        "rows": rows,
+    }
+
+
+def _write(out: Path, profile: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(profile) + "\n")
+    tmp.replace(out)
 
 
 def main() -> int:
@@ -303,30 +334,21 @@ def main() -> int:
     sigs = signatures()[:4] if args.dry_run else signatures()
     deadline = time.monotonic() + args.seconds
     rows: list[dict[str, Any]] = []
-    for sig in sigs:
+    written = time.monotonic()
+    for i, sig in enumerate(sigs):
         if time.monotonic() > deadline:
             break
         if device == "cpu" and sig["dtype"] == "float16":
             sig = {**sig, "dtype": "float32"}
         rows.extend(measure(sig, device))
         torch.cuda.empty_cache() if device == "cuda" else None
-    profile = {
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
-        "compute_capability": (
-            "{}.{}".format(*torch.cuda.get_device_capability(0)) if device == "cuda" else None
-        ),
-        "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
-        # float32 convolutions run on TF32 tensor cores (other kernels, other workspaces) when on.
-        "allow_tf32": torch.backends.cudnn.allow_tf32,
-        "torch": torch.__version__,
-        "signatures_done": len(rows) // 3,
-        "signatures_total": len(sigs),
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(profile) + "\n")
-    tmp.replace(args.out)
+        # Written as it goes: a time box that kills the sweep keeps what it measured.
+        if time.monotonic() - written > 5:
+            _write(args.out, _profile(device, rows, len(sigs)))
+            written = time.monotonic()
+            print(f"{i + 1} of {len(sigs)} signatures", flush=True)
+    profile = _profile(device, rows, len(sigs))
+    _write(args.out, profile)
     print(f"{profile['signatures_done']} of {len(sigs)} signatures: {args.out}")
     return 0
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1000)  # five parts, each its own processes: about a minute alone
+@pytest.mark.timeout(1000)  # six parts, each its own processes: about a minute alone
 def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
@@ -27,7 +27,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], logs)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["parts"]) == {
-        "gpu_tests", "cudnn_workspaces", "decode", "memory_matrix", "speed",
+        "imports", "gpu_tests", "cudnn_workspaces", "decode", "memory_matrix", "speed",
     }  # fmt: skip
     assert all(p["state"] == "passed" for p in summary["parts"].values()), summary["parts"]
     matrix = json.loads((tmp_path / "memory_matrix.json").read_text())
@@ -39,3 +39,26 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     assert {"loaderless", "budget_train", "resnet50_fp16"} <= set(speed)
     assert "ratio_vs_hand_loop" in speed["resnet50_fp16"]
     assert (tmp_path / "tests-gpu.xml").exists() and (tmp_path / "summary.md").exists()
+
+
+def test_a_second_run_that_day_never_writes_over_a_finished_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run writes into its card's and day's folder; one whose summary is written (it
+    finished) is kept as it is and the next run gets ``-run2``, then ``-run3``; a run its time
+    box cut (no summary) is finished in its own folder."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_evidence
+
+    monkeypatch.setattr(gpu_evidence, "HERE", tmp_path)
+    info = {"gpu": "NVIDIA H100 80GB HBM3", "cuda": "13.0", "date": "2026-11-26"}
+    first = gpu_evidence.results_dir(info, dry_run=False)
+    assert first.name == "h100-80gb-hbm3-cuda13.0-2026-11-26"
+    first.mkdir(parents=True)
+    assert gpu_evidence.results_dir(info, dry_run=False) == first  # cut short: finished there
+    (first / "summary.json").write_text("{}")
+    second = gpu_evidence.results_dir(info, dry_run=False)
+    assert second.name == first.name + "-run2"
+    second.mkdir()
+    (second / "summary.json").write_text("{}")
+    assert gpu_evidence.results_dir(info, dry_run=False).name == first.name + "-run3"

@@ -435,3 +435,49 @@ def test_a_log_on_the_line_between_two_traces_predicts_to_the_byte(
     assert at_line(spec, calibrate(spec, batch_sizes=(1, 2), also=())) == [True] * 3
     quadratic = StepSpec(BatchBySimilarity, (64,), 2)
     assert at_line(quadratic, None) == [False] * 3
+
+
+def _two_uses(record: list[int] | None = None) -> torch.Tensor:
+    """A loss over a tensor used twice (a residual connection's shape); with ``record``, the
+    address of each gradient that reaches it, and then of their sum."""
+
+    class Seen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            if record is not None:
+                record.append(grad.data_ptr())
+            return grad
+
+    h = nn.Linear(16, 32)(torch.randn(8, 16))
+    if record is not None:
+        h.register_hook(lambda grad: record.append(grad.data_ptr()))
+    return (Seen.apply(h) * 2.0).sum() + (Seen.apply(h) * 3.0).sum()
+
+
+def test_a_gradient_from_two_uses_is_summed_into_the_first_as_autograd_does() -> None:
+    """autograd's input buffer adds a tensor's second gradient into its first (``old.add_``)
+    where it holds the only reference, and makes a new tensor (``old + new``) for tensor
+    subclasses and under a dispatch mode, which a fake trace is. The trace makes no tensor for
+    that sum (the tracker keeps the first gradient's storage for it), so it allocates what a
+    real backward does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bigbatch.memory.predict import _StorageTracker
+
+    addresses: list[int] = []
+    _two_uses(addresses).backward()
+    first, second, total = addresses
+    assert total in (first, second)  # summed in place, into one of the two
+
+    with FakeTensorMode():
+        tracker = _StorageTracker()
+        loss = _two_uses()
+        with tracker, tracker.in_phase("backward"):
+            loss.backward()
+        # The loss's seed gradient, each branch's (a mul), the weight's and the bias's: five,
+        # none for the sum.
+        assert tracker._next_uid == 5

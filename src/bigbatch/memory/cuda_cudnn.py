@@ -53,18 +53,22 @@ def with_defaults(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class Signature(NamedTuple):
-    """A 2D convolution as the profile keys it, the batch aside."""
+    """A convolution as the profile keys it, the batch aside: square (2D) or cubic (3D)
+    kernels, inputs, strides and paddings."""
 
     dtype: str  # "float16", "bfloat16", "float32"
     layout: str  # "nchw" (contiguous) or "nhwc" (channels last)
-    kernel: int  # square kernels only
+    kernel: int
     groups: int
     in_channels: int
     out_channels: int
     stride: int
     padding: int
-    size: int  # the input's height (and width)
+    size: int  # the input's height (and width, and depth)
     benchmark: bool  # cuDNN's benchmark mode
+    dims: int = 2  # 2 or 3 spatial dimensions
+    transposed: bool = False
+    output_padding: int = 0  # a transposed convolution's
 
 
 @dataclass
@@ -94,6 +98,9 @@ class CudnnProfile:
                 r["padding"],
                 r["size"],
                 r["benchmark"],
+                r["dims"],
+                r["transposed"],
+                r["output_padding"],
             )
             profile.rows.setdefault((sig, r["pass"]), {})[r["batch"]] = r["extra_bytes"]
         return profile
@@ -137,25 +144,30 @@ class CudnnProfile:
 def signature_of(x: torch.Tensor, w: torch.Tensor, conv: tuple[Any, ...]) -> Signature | None:
     """The profile's key for a convolution of ``x`` by ``w`` with aten's ``conv`` arguments
     (stride, padding, dilation, transposed, output padding, groups); None where the sweep
-    measures no such convolution (not 2D, non-square, transposed or dilated)."""
-    stride, padding, dilation, transposed, _, groups = conv
-    k = w.shape[-1]
-    if x.dim() != 4 or w.shape[-2] != k or x.shape[-1] != x.shape[-2] or transposed:
+    measures no such convolution (neither 2D nor 3D, not square or cubic, or dilated)."""
+    stride, padding, dilation, transposed, output_padding, groups = conv
+    spatial, kernel = set(x.shape[2:]), set(w.shape[2:])
+    if x.dim() not in (4, 5) or len(spatial) != 1 or len(kernel) != 1:
         return None
-    if len(set(stride)) != 1 or len(set(padding)) != 1 or set(dilation) != {1}:
+    same = (set(stride), set(padding), set(output_padding) or {0})
+    if any(len(values) != 1 for values in same) or set(dilation) != {1}:
         return None
-    layout = "nchw" if x.is_contiguous() else "nhwc"
+    # A transposed convolution's weight is (in, out / groups, ...), a convolution's the reverse.
+    out_channels = w.shape[1] * groups if transposed else w.shape[0]
     return Signature(
         str(x.dtype).removeprefix("torch."),
-        layout,
-        int(k),
+        "nchw" if x.is_contiguous() else "nhwc",
+        int(w.shape[-1]),
         int(groups),
         int(x.shape[1]),
-        int(w.shape[0]),
+        int(out_channels),
         int(stride[0]),
         int(padding[0]),
         int(x.shape[-1]),
         bool(torch.backends.cudnn.benchmark),
+        x.dim() - 2,
+        bool(transposed),
+        int(output_padding[0]) if transposed else 0,
     )
 
 
