@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import sys
 import time
 import weakref
@@ -191,6 +192,25 @@ _LOOKAHEAD = 8  # calibration ops a fake op may skip when aligning
 _MAX_MISSES = 16
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _issued_by_autograd_engine() -> bool:
+    """Whether the op being dispatched comes from autograd's engine itself (a gradient sum),
+    not from Python code a backward runs (a checkpointed block's recomputed forward, a custom
+    Function's backward): the nearest frame outside torch and this module is none, and
+    autograd's ``_engine_run_backward`` is below."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__ and not path.startswith(_TORCH_DIR):
+            return False
+        if frame.f_code.co_name == "_engine_run_backward":
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _StorageTracker(TorchDispatchMode):
     """Live tensor storages by creation phase, with the peak and who was alive at it."""
 
@@ -300,7 +320,7 @@ class _StorageTracker(TorchDispatchMode):
         whole = old.untyped_storage().nbytes() == old.numel() * old.element_size()
         if old._is_view() or not whole or not is_non_overlapping_and_dense_or_false(old):
             return None
-        if sys.getrefcount(old) != sys.getrefcount(new):
+        if sys.getrefcount(old) != sys.getrefcount(new) or not _issued_by_autograd_engine():
             return None
         return self.uid_of(old)
 
