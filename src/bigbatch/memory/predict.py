@@ -21,6 +21,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
+from types import FrameType
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ def _issued_by_autograd_engine() -> bool:
     not from Python code a backward runs (a checkpointed block's recomputed forward, a custom
     Function's backward): the nearest frame outside torch and this module is none, and
     autograd's ``_engine_run_backward`` is below."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if path != __file__ and not path.startswith(_TORCH_DIR):
