@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bigbatch.memory.cuda_cudnn import CudnnProfile, profile_for_target, signature_of
+from bigbatch.memory.cuda_reduce import reduction_staging
 
 __all__ = [
     "CUBLAS_HANDLE_BYTES",
@@ -154,7 +155,7 @@ class CudaLibraries:
     """What cuBLAS and cuDNN add to a traced CUDA step's allocations, as allocator events:
     the main thread's cuBLAS workspace from the start (a training process's first matmul makes
     it), autograd's thread's handle and workspace at the backward's first matmul, and cuDNN's
-    transient convolution workspaces."""
+    transient convolution workspaces, and the reduction kernel's staging buffers."""
 
     def __init__(self) -> None:
         self.autograd_blas = False
@@ -176,6 +177,13 @@ class CudaLibraries:
             self._transients += 1
             key = ("cudnn", self._transients)
             events += [("malloc", key, size), ("free", key, 0)]
+        # A reduction's staging buffer and semaphores, both alive until the kernel is queued.
+        staged = []
+        for size in reduction_staging(func, args):
+            self._transients += 1
+            staged.append(("reduce", self._transients))
+            events.append(("malloc", staged[-1], size))
+        events += [("free", key, 0) for key in reversed(staged)]
         return events
 
     def cudnn_note(self) -> str:
