@@ -46,10 +46,8 @@ def with_defaults(row: dict[str, Any]) -> dict[str, Any]:
     >>> with_defaults({"channels": 64, "kernel": 3})["padding"]
     1
     """
-    return {
-        "out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2,
-        "dims": 2, "transposed": False, "output_padding": 0,
-    } | row  # fmt: skip
+    defaults = {"out_channels": row["channels"], "stride": 1, "padding": row["kernel"] // 2}
+    return defaults | {"dims": 2, "transposed": False, "output_padding": 0} | row
 
 
 class Signature(NamedTuple):
