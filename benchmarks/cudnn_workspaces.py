@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.io import atomic_write_text
 from bigbatch.memory.cuda_cudnn import with_defaults
 
 MiB = 2**20
@@ -130,11 +131,12 @@ def _calls(
     build: Any, shape: tuple[int, ...], batches: tuple[int, ...], dtypes: tuple[str, ...]
 ) -> list[dict[str, Any]]:
     """A network's own convolutions, every kind (depthwise, 3D, transposed), at ``batches``."""
+    convs = _hooked(build, shape)  # the network built and run once, not per batch and dtype
     return [
         {"benchmark": False, "layout": "nchw", "dtype": dtype, "batch": b, **conv}
         for b in batches
         for dtype in dtypes
-        for conv in _hooked(build, shape)
+        for conv in convs
     ]
 
 
@@ -266,7 +268,7 @@ def package(result: Path) -> Path:
         raise SystemExit(f"{result} is a dry run's (no card): nothing to package")
     name = "sm{}-cudnn{}.json".format(data["compute_capability"].replace(".", ""), data["cudnn"])
     out = PACKAGED / name
-    by_key: dict[tuple[Any, ...], list[Any]] = {}
+    kept: list[dict[str, Any]] = []
     if out.exists():
         old = json.loads(out.read_text())
         # An older profile's columns are a subset (2D only): its rows take the defaults.
@@ -274,12 +276,11 @@ def package(result: Path) -> Path:
             "allow_tf32"
         ):
             raise SystemExit(f"{out} was measured otherwise: move it aside to package {result}")
-        for values in old["rows"]:
-            r = with_defaults(dict(zip(old["columns"], values, strict=True)))
-            row = [r[k] for k in COLUMNS]
-            by_key[tuple(row[:-1])] = row
+        kept = [dict(zip(old["columns"], values, strict=True)) for values in old["rows"]]
     # A table (columns once, a list a row): a third of the rows-of-objects' size in the wheel.
-    for r in map(with_defaults, data["rows"]):
+    # The sweep's rows come last, replacing the kept ones of the same signature.
+    by_key: dict[tuple[Any, ...], list[Any]] = {}
+    for r in map(with_defaults, kept + data["rows"]):
         row = [r[k] for k in COLUMNS]
         by_key[tuple(row[:-1])] = row
     rows = sorted(by_key.values(), key=lambda r: [str(v) for v in r[:-1]])
@@ -306,13 +307,6 @@ def _profile(device: str, rows: list[dict[str, Any]], total: int) -> dict[str, A
         "signatures_total": total,
         "rows": rows,
     }
-
-
-def _write(out: Path, profile: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(profile) + "\n")
-    tmp.replace(out)
 
 
 def main() -> int:
@@ -344,11 +338,11 @@ def main() -> int:
         torch.cuda.empty_cache() if device == "cuda" else None
         # Written as it goes: a time box that kills the sweep keeps what it measured.
         if time.monotonic() - written > 5:
-            _write(args.out, _profile(device, rows, len(sigs)))
+            atomic_write_text(args.out, json.dumps(_profile(device, rows, len(sigs))) + "\n")
             written = time.monotonic()
             print(f"{i + 1} of {len(sigs)} signatures", flush=True)
     profile = _profile(device, rows, len(sigs))
-    _write(args.out, profile)
+    atomic_write_text(args.out, json.dumps(profile) + "\n")
     print(f"{profile['signatures_done']} of {len(sigs)} signatures: {args.out}")
     return 0
 

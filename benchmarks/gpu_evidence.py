@@ -49,6 +49,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from gpu_matrix import matrix, row_name  # noqa: E402
 
+from bigbatch.io import atomic_write_text  # noqa: E402
+
 MiB = 2**20
 
 
@@ -424,9 +426,7 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
 
 
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def orchestrate(args: argparse.Namespace) -> int:

@@ -290,8 +290,6 @@ class _StorageTracker(TorchDispatchMode):
             if self.log is not None and was_live:
                 self.log.append(("free", uid))
 
-        if any(u == uid for _, u in self._refs.get(key, [])):
-            return
         if uid in self.live:
             self._holders[uid] = self._holders.get(uid, 0) + 1
         self._refs.setdefault(key, []).append((weakref.ref(st, release), uid))
