@@ -128,12 +128,17 @@ def _unet3d() -> torch.nn.Module:
 
 
 def _calls(
-    build: Any, shape: tuple[int, ...], batches: tuple[int, ...], dtypes: tuple[str, ...]
+    build: Any,
+    shape: tuple[int, ...],
+    batches: tuple[int, ...],
+    dtypes: tuple[str, ...],
+    benchmark: tuple[bool, ...] = (False,),
 ) -> list[dict[str, Any]]:
     """A network's own convolutions, every kind (depthwise, 3D, transposed), at ``batches``."""
     convs = _hooked(build, shape)  # the network built and run once, not per batch and dtype
     return [
-        {"benchmark": False, "layout": "nchw", "dtype": dtype, "batch": b, **conv}
+        {"benchmark": bench, "layout": "nchw", "dtype": dtype, "batch": b, **conv}
+        for bench in benchmark
         for b in batches
         for dtype in dtypes
         for conv in convs
@@ -143,15 +148,18 @@ def _calls(
 def networks_beyond_2d() -> list[dict[str, Any]]:
     """The matrix's rows the 2D dense sweep cannot key: the MONAI 3D U-Net's convolutions
     (3D, strided, transposed; its rows miss 5-7 % reserved by the rule) at 96 and 128 voxels,
-    EfficientNet-B0's (depthwise 3x3 and 5x5, +3.0 %) at 224 px."""
+    EfficientNet-B0's (depthwise 3x3 and 5x5, +3.0 %) at 224 px, ConvNeXt-S's (depthwise 7x7
+    at 4-32 px, benchmark mode on and off: the H200's b64 row +7.5 %) at 128 px."""
     import timm
 
     half = ("float16", "bfloat16")
     effnet = functools.partial(timm.create_model, "efficientnet_b0", num_classes=10)
+    convnext = functools.partial(timm.create_model, "convnext_small", num_classes=10)
     return (
         _calls(_unet3d, (4, 96, 96, 96), (2, 1), half)
         + _calls(_unet3d, (4, 128, 128, 128), (1, 2), half)
         + _calls(effnet, (3, 224, 224), (64, 32, 128), ("float16",))
+        + _calls(convnext, (3, 128, 128), (64, 32, 16), ("float16",), (True, False))
     )
 
 

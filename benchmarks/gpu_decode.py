@@ -1,100 +1,58 @@
-"""JPEG decoding and augmentation on the GPU against CPU loader workers, the same augmentations
-(a random resized crop to 224 px and a horizontal flip), images per second delivered to the GPU
-as a float batch.
+"""bigbatch's two ways of feeding training images to a GPU, side by side: CPU loader workers
+(PIL decoding and timm's train transform, ``decode=cpu``) against decoding and augmenting on the
+GPU (``decode=gpu``: the workers read bytes and draw the crops, nvJPEG decodes, the crops and
+flips run on the GPU). The same random resized crop and flip, drawn from the same seeds; images
+per second delivered to the GPU as a normalised float batch, and the ratio.
 
-    python benchmarks/gpu_decode.py --json            # on an NVIDIA GPU
-    python benchmarks/gpu_decode.py --dry-run --json  # no GPU: tiny, both paths on the CPU
+    python benchmarks/gpu_decode.py --json                 # on an NVIDIA GPU
+    python benchmarks/gpu_decode.py --side 512 --workers 4 --json
+    python benchmarks/gpu_decode.py --dry-run --json       # no GPU: tiny, both paths on the CPU
 
-CPU path: a DataLoader with ``--workers`` persistent, pinned workers decoding with PIL and
-transforming with torchvision's v2 transforms. GPU path: torchvision's ``decode_jpeg`` on the
-device (nvJPEG) over a batch of encoded files read in the main process, then the same
-transforms on the device, image by image.
+``bigbatch train`` makes this choice itself with ``decode=auto``, from its own first epoch.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from bigbatch.device import synchronize
+from bigbatch.train.data import make_loader
+from bigbatch.train.tasks.device_images import DeviceAugment, EncodedImages, collate_encoded
+from bigbatch.train.tasks.images import DEFAULT_DATA, ImageDataset, build_transforms
 
-def make_jpegs(n: int, side: int) -> list[bytes]:
+
+def write_jpegs(folder: Path, n: int, side: int) -> list[Path]:
     rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
+    files = []
+    for k in range(n):
         pixels = rng.integers(0, 255, (side // 8, side // 8, 3), dtype=np.uint8)
-        img = Image.fromarray(pixels).resize((side, side), Image.BILINEAR)
-        buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
+        files.append(folder / f"{k}.jpg")
+        Image.fromarray(pixels).resize((side, side), Image.BILINEAR).save(files[-1], quality=90)
+    return files
 
 
-def augment(size: int) -> Any:
-    from torchvision.transforms import v2
-
-    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
-
-
-class Files(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, blobs: list[bytes], size: int) -> None:
-        from torchvision.transforms import v2
-
-        self.blobs, self.aug = blobs, augment(size)
-        self.to_tensor = v2.Compose([v2.PILToTensor()])
-
-    def __len__(self) -> int:
-        return len(self.blobs)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        img = Image.open(io.BytesIO(self.blobs[i])).convert("RGB")
-        return self.aug(self.to_tensor(img))
-
-
-def cpu_workers(blobs: list[bytes], size: int, batch: int, workers: int, device: str, epochs: int) -> float:  # fmt: skip
-    loader = torch.utils.data.DataLoader(
-        Files(blobs, size), batch_size=batch, shuffle=True, num_workers=workers,
-        pin_memory=device == "cuda", persistent_workers=workers > 0,
-    )  # fmt: skip
-    for x in loader:  # warm-up: the workers start
-        x.to(device, non_blocking=True).float()
+def rate(batches: Callable[[int], Iterable[Any]], device: torch.device, epochs: int, n: int) -> float:  # fmt: skip
+    """Images/s over ``epochs`` epochs after one of warm-up (workers starting, nvJPEG's handles)."""
+    for x, _ in batches(0):
+        x.to(device, non_blocking=True)
+    synchronize(device)
     t0 = time.perf_counter()
-    for _ in range(epochs):
-        for x in loader:
-            x.to(device, non_blocking=True).float().div_(255)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return epochs * len(blobs) / (time.perf_counter() - t0)
-
-
-def gpu_decode(blobs: list[bytes], size: int, batch: int, device: str, epochs: int) -> float:
-    from torchvision.io import decode_jpeg
-
-    aug = augment(size)
-    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
-
-    def epoch() -> None:
-        order = torch.randperm(len(data)).tolist()
-        for i in range(0, len(order), batch):
-            images = decode_jpeg([data[j] for j in order[i : i + batch]], device=device)
-            torch.stack([aug(img) for img in images]).float().div_(255)
-
-    epoch()  # warm-up: nvJPEG's handles
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(epochs):
-        epoch()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return epochs * len(blobs) / (time.perf_counter() - t0)
+    for e in range(1, epochs + 1):
+        for x, _ in batches(e):
+            x.to(device, non_blocking=True)
+    synchronize(device)
+    return epochs * n / (time.perf_counter() - t0)
 
 
 def main() -> int:
@@ -110,23 +68,40 @@ def main() -> int:
     args = p.parse_args()
     if args.dry_run:
         args.images, args.side, args.size, args.batch, args.workers, args.epochs = 16, 64, 32, 8, 0, 1  # fmt: skip
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device here: run on an NVIDIA GPU, or --dry-run", file=sys.stderr)
         return 2
-    blobs = make_jpegs(args.images, args.side)
-    shape = (blobs, args.size, args.batch)
-    result = {
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
+    folder = Path(tempfile.mkdtemp(prefix="bigbatch-decode-"))
+    files = write_jpegs(folder, args.images, args.side)
+    labels = [0] * len(files)
+    transform = build_transforms(args.size, "squish", train=True, augment=True)
+    on_cpu = ImageDataset(files, labels, transform)
+    on_gpu = EncodedImages(files, labels, size=args.size)
+    augment = DeviceAugment(args.size, 3, DEFAULT_DATA["interpolation"]).on(device)
+    common = {"shuffle": True, "seed": 0, "num_workers": args.workers}
+    cpu_loader = make_loader(on_cpu, args.batch, pin_memory=not args.dry_run, **common)
+    gpu_loader = make_loader(on_gpu, args.batch, collate_fn=collate_encoded, **common)
+
+    def cpu_batches(e: int) -> Iterable[Any]:
+        cpu_loader.batch_sampler.set_epoch(e)  # type: ignore[attr-defined]
+        return cpu_loader
+
+    def gpu_batches(e: int) -> Iterable[Any]:
+        gpu_loader.batch_sampler.set_epoch(e)  # type: ignore[attr-defined]
+        return (augment(batch) for batch in gpu_loader)
+
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if not args.dry_run else "cpu (dry run)",
         "workload": f"{args.images} JPEGs of {args.side} px, crop {args.size}, batch {args.batch}",
         "cpu_workers": args.workers,
         "images_per_s": {
-            "cpu_workers": round(cpu_workers(*shape, args.workers, device, args.epochs), 1),
-            "gpu_decode": round(gpu_decode(*shape, device, args.epochs), 1),
+            "cpu_workers": round(rate(cpu_batches, device, args.epochs, len(files)), 1),
+            "gpu_decode": round(rate(gpu_batches, device, args.epochs, len(files)), 1),
         },
     }
     ips = result["images_per_s"]
-    result["gpu_over_cpu"] = round(ips["gpu_decode"] / ips["cpu_workers"], 3)  # type: ignore[index]
+    result["gpu_over_cpu"] = round(ips["gpu_decode"] / ips["cpu_workers"], 3)
     print(json.dumps(result, indent=1) if args.json else result)
     return 0
 

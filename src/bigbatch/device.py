@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,14 @@ from bigbatch.memory.oom import ONEDNN_OOM_MESSAGE
 
 __all__ = [
     "DEVICE_KINDS",
+    "DeviceClock",
     "DeviceKind",
     "auto_device",
     "auto_precision",
     "autocast_for",
     "bound_onednn_cache",
     "cap_cuda_allocator",
+    "decodes_jpeg",
     "device_kind",
     "empty_cache",
     "free_bytes",
@@ -78,12 +81,13 @@ class DeviceKind:
     pin_memory: bool  # page-locked batches let the copy to it overlap compute
     channels_last: bool  # convolutions run faster NHWC (tensor cores): the default there
     per_rank_device: bool  # under torchrun each rank takes its own (LOCAL_RANK)
+    decodes_jpeg: bool  # torchvision decodes JPEGs on it (CUDA's nvJPEG)
 
 
 DEVICE_KINDS = {
-    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False),
-    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True),
-    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False),
+    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False, False),
+    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True, True),
+    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False, False),
 }
 
 
@@ -142,12 +146,54 @@ def pins_memory(device: torch.device) -> bool:
     return device_kind(device).pin_memory
 
 
+def decodes_jpeg(device: torch.device) -> bool:
+    """Whether torchvision decodes JPEGs on ``device`` (CUDA's nvJPEG).
+
+    >>> decodes_jpeg(torch.device("cuda")), decodes_jpeg(torch.device("cpu"))
+    (True, False)
+    """
+    return device_kind(device).decodes_jpeg
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+class DeviceClock:
+    """Spans of the device's own time (a step's, without making the host wait for it): CUDA
+    events recorded on the queue where the device is CUDA, the host's clock after synchronising
+    elsewhere. :meth:`seconds` waits for the device once and sums the spans.
+
+    >>> clock = DeviceClock(torch.device("cpu"))
+    >>> start = clock.now(); clock.add(start, clock.now()); clock.seconds() >= 0
+    True
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.spans: list[tuple[Any, Any]] = []
+
+    def now(self) -> Any:
+        """A mark at this point of the device's queue."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, start: Any, end: Any) -> None:
+        self.spans.append((start, end))
+
+    def seconds(self) -> float:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            return sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+        return float(sum(end - start for start, end in self.spans))
 
 
 def empty_cache() -> None:

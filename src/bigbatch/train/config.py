@@ -35,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule": ("one_cycle", "cosine", "plateau"),
     "optimizer": ("adamw", "sgd"),
     "channels_last": ("auto", "true", "false"),
+    "decode": ("auto", "cpu", "gpu"),
 }
 
 
@@ -80,6 +81,7 @@ class TrainConfig:
     checkpoint_every: str = ""
     channels_last: str = "auto"
     compile: bool = False
+    decode: str = "auto"
     # The task's own keys: its options dataclass (ClassificationOptions, SegmentationOptions),
     # made for the task when not given.
     options: Any = field(default=None, repr=False)
@@ -252,6 +254,7 @@ class TrainConfig:
             "log_every",
             "checkpoint_every",
             "compile",
+            "decode",
         }
         ignore |= {f.name for f in fields(self.options) if not f.metadata.get("trains", True)}
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
@@ -293,6 +296,7 @@ HELP: dict[str, str] = {
     "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
     "channels_last": "NHWC memory format for convolutional models: auto (on CUDA), true, false",
     "compile": "torch.compile the model for training (opt-in: the first steps compile)",
+    "decode": "where training JPEGs are decoded and augmented: cpu (loader workers), gpu (nvJPEG, crops and flips on the GPU) or auto: measured in the first epoch, the GPU from the second where it is faster",
 }
 
 

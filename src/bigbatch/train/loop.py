@@ -30,6 +30,7 @@ from bigbatch.device import (
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
+from bigbatch.train.decode_choice import decode_choice
 from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import MemoryCheck, plan_for, plan_validation
 from bigbatch.train.progress import progress
@@ -180,6 +181,7 @@ def _setup(
         pin,
         min_last=1 if lone_ok else 2,
         sampler=sampler,
+        decode=decode_choice(cfg, task, train_ds, device, world, log),  # where JPEGs decode
     )
     run = Run(
         cfg=cfg,

@@ -22,6 +22,7 @@ from bigbatch.train.optim import make_optimizer, phases
 from bigbatch.train.run_dir import save_checkpoint
 from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Placement, Task
+from bigbatch.train.tasks.device_images import collate_encoded
 
 __all__ = [
     "EpochLoss",
@@ -98,6 +99,8 @@ class RunData:
     min_last: int  # 2 where BatchNorm cannot train a lone sample, so no window of one is made
     sampler: Any = None  # torchrun's DistributedSampler
     train_loader: Any = None  # with workers: one loader for the run, its workers persistent
+    decode: Any = None  # decode_choice.DecodeChoice: where the training images are decoded
+    on_device: bool = False  # the loader delivers files, decoded on the device
 
     def windows_per_epoch(self) -> int:
         if self.sampler is not None:
@@ -106,7 +109,8 @@ class RunData:
 
     def epoch(self, seed: int, e: int, skip: int) -> Any:
         """Epoch ``e``'s windows, in an order that depends only on (seed, epoch); ``skip``:
-        the windows a mid-epoch checkpoint had done."""
+        the windows a mid-epoch checkpoint had done. Decoded where :attr:`decode` says (the
+        first epoch of ``decode=auto`` measured for its choice)."""
         if self.sampler is not None:
             self.sampler.set_epoch(e)
             return torch.utils.data.DataLoader(
@@ -116,20 +120,34 @@ class RunData:
                 num_workers=self.workers,
                 collate_fn=self.collate,
             )
-        epoch_seed = seed * 1000 + e
+        decode = self.decode
+        on_device = decode is not None and decode.on_device
+        if on_device and not self.on_device:  # chosen now: the CPU path's workers end
+            self.train_loader, self.on_device = None, True
+        loader = self._loader(seed * 1000 + e, skip)
+        if decode is not None and on_device:
+            return decode.decoded(loader)
+        if decode is not None and decode.pending:
+            return decode.timed(loader)
+        return loader
+
+    def _loader(self, epoch_seed: int, skip: int) -> Any:
         if self.train_loader is not None:  # its workers live on: the next epoch's batches
             self.train_loader.batch_sampler.set_epoch(epoch_seed, skip)
             return self.train_loader
+        dataset, collate, pin = self.train_ds, self.collate, self.pin
+        if self.on_device:  # files and their draws; pixels come on the device
+            dataset, collate, pin = self.decode.images, collate_encoded, False
         loader = make_loader(
-            self.train_ds,
+            dataset,
             self.window,
             shuffle=True,
             seed=epoch_seed,
             num_workers=self.workers,
             min_last=self.min_last,
             skip=skip,
-            pin_memory=self.pin,
-            collate_fn=self.collate,
+            pin_memory=pin,
+            collate_fn=collate,
         )
         if self.workers > 0:
             self.train_loader = loader

@@ -142,6 +142,13 @@ class Task:
         module-level function, so that loader workers can be spawned with it."""
         return None
 
+    def device_images(self, train_ds: Any) -> Any:
+        """The training set decoded and augmented on the device (``decode=gpu``): a pair of
+        :class:`~bigbatch.train.tasks.device_images.EncodedImages` and its
+        :class:`~bigbatch.train.tasks.device_images.DeviceAugment`, or a string saying why this
+        task's cannot be (by default: its samples are its own, loaded by the CPU)."""
+        return f"task={self.name} loads its own samples on the CPU"
+
     # -- what every task fills in ------------------------------------------------------------
 
     def prepare(self, log: Log, data: Any = None) -> tuple[Any, Any]:

@@ -22,6 +22,7 @@ from bigbatch.models import MEAN, STD, UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import DataError, make_loader
 from bigbatch.train.tasks import planned_eval_batch
+from bigbatch.train.tasks.device_images import DeviceAugment, EncodedImages
 from bigbatch.train.tasks.user_model import load_user_model
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "build_model",
     "build_transforms",
     "check_images",
+    "device_images",
     "format_of",
     "parse_window",
     "resolve_data_config",
@@ -123,6 +125,9 @@ def format_of(infos: Sequence[ImageInfo], window: tuple[float, float] | None = N
     )
 
 
+# The training crop's share of the image's area, the CPU's transforms and the GPU's alike.
+TRAIN_CROP_SCALE = (0.75, 1.0)
+
 DEFAULT_DATA: dict[str, Any] = {
     "mean": MEAN,
     "std": STD,
@@ -189,7 +194,7 @@ def build_transforms(
         out = create_transform(
             **common,
             is_training=True,
-            scale=(0.75, 1.0),
+            scale=TRAIN_CROP_SCALE,
             color_jitter=0.0,
             auto_augment=auto_augment or None,
         )
@@ -215,7 +220,7 @@ def _tensor_transforms(
     )
     if augment:
         steps: list[Any] = [
-            T.RandomResizedCrop(size, scale=(0.75, 1.0), interpolation=mode, antialias=True),
+            T.RandomResizedCrop(size, scale=TRAIN_CROP_SCALE, interpolation=mode, antialias=True),
             T.RandomHorizontalFlip(),
         ]
     elif item_transform == "squish":
@@ -264,6 +269,35 @@ class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
         # a seed (and a resumed run, which restores torch's state) replays the augmentation.
         random.seed(int(torch.randint(0, 2**31 - 1, ())))
         return self.transform(image), self.labels[i]
+
+
+def device_images(
+    dataset: Any, cfg: TrainConfig, data: dict[str, Any], auto_augment: str = ""
+) -> tuple[EncodedImages, DeviceAugment] | str:
+    """The training set of an :class:`ImageDataset` read as files for decoding and augmenting
+    on the device (:mod:`bigbatch.train.tasks.device_images`: the same crops and flips), or why
+    it cannot be (the fix for ``decode=gpu``)."""
+    if not isinstance(dataset, ImageDataset):
+        return "its samples are not images read by bigbatch's image layer"
+    if dataset.fmt.wide:
+        return "16-bit, float and DICOM images are read as floats on the CPU"
+    if not cfg.augment:
+        return "augment=false resizes without random crops; decode=gpu augments"
+    if auto_augment:
+        return f"auto_augment={auto_augment} runs PIL's operations on the CPU"
+    if data["interpolation"] not in ("bilinear", "bicubic"):
+        return f"the model's interpolation {data['interpolation']!r} is PIL's alone"
+    encoded = EncodedImages(
+        dataset.files, dataset.labels, size=cfg.size, grey=dataset.fmt.grey, scale=TRAIN_CROP_SCALE
+    )
+    augment = DeviceAugment(
+        cfg.size,
+        dataset.fmt.channels,
+        data["interpolation"],
+        tuple(data["mean"]),
+        tuple(data["std"]),
+    )
+    return encoded, augment
 
 
 def build_model(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> Callable[[], nn.Module]:

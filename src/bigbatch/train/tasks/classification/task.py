@@ -26,7 +26,7 @@ from bigbatch.train.tasks.classification.data import (
 )
 from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
 from bigbatch.train.tasks.classification.options import ClassificationOptions
-from bigbatch.train.tasks.images import build_model
+from bigbatch.train.tasks.images import build_model, device_images
 
 __all__ = ["ClassificationTask", "build_model", "prepare_data"]
 
@@ -132,6 +132,9 @@ class ClassificationTask(Task):
             ImageDataset(train_items.files, train_items.labels, train_tf, fmt),
             ImageDataset(valid_items.files, valid_items.labels, valid_tf, fmt),
         )
+
+    def device_images(self, train_ds: Any) -> Any:
+        return device_images(train_ds, self.cfg, self.data, self.options.auto_augment)
 
     def transform_window(
         self, window: tuple[torch.Tensor, torch.Tensor]

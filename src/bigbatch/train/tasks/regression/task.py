@@ -26,6 +26,7 @@ from bigbatch.train.tasks.images import (
     build_model,
     build_transforms,
     check_images,
+    device_images,
     resolve_data_config,
 )
 from bigbatch.train.tasks.regression.options import RegressionOptions
@@ -214,6 +215,9 @@ class RegressionTask(Task):
             ImageDataset(train_items.files, targets, train_tf, fmt),
             ImageDataset(valid_items.files, valid_targets, valid_tf, fmt),
         )
+
+    def device_images(self, train_ds: Any) -> Any:
+        return device_images(train_ds, self.cfg, self.data)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The chosen loss on standardised targets: each sample's a mean over its targets, the

@@ -1,0 +1,157 @@
+"""Where a run's training images are decoded and augmented: by the CPU loader workers, or on the
+GPU (:mod:`bigbatch.train.tasks.device_images`), chosen by measuring.
+
+``decode=auto`` trains the first epoch with the workers and measures it: the rate at which the
+workers delivered windows, and the step's own time (a few windows timed with the device
+synchronised around them). At the epoch's end it times the GPU decoding and augmenting a window
+of the training files. With the workers, the step waits for the slower of the two (they work in
+parallel); on the GPU, decoding and the step share the device, so their times add. Where the sum
+beats the workers' measured rate by :data:`MARGIN`, the run decodes on the GPU from the next
+epoch, and says so with the figures; otherwise it says why it stays.
+
+>>> round(expected_rate(step_seconds=1 / 4000, decode_seconds=1 / 3000))
+1714
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bigbatch.batching import batch_len
+from bigbatch.device import DeviceClock, decodes_jpeg, synchronize
+from bigbatch.train.config import ConfigError, TrainConfig
+from bigbatch.train.tasks.device_images import collate_encoded
+
+__all__ = ["MARGIN", "DecodeChoice", "decode_choice", "expected_rate"]
+
+Log = Callable[[str], None]
+
+# The GPU path must promise this much more than the workers delivered: the first epoch's rate
+# is measured while the workers warm up, and the choice holds for the rest of the run.
+MARGIN = 1.1
+STEPS_TIMED = 8  # windows whose step is timed alone (the first, with its autotuning, is not)
+PROBE_SAMPLES = 64  # training images decoded on the GPU to time it
+
+
+def expected_rate(step_seconds: float, decode_seconds: float) -> float:
+    """Samples/s on the GPU path, from the step's and the decoding's seconds per sample (they
+    share the device, so they add); the CPU path's is measured (the workers' pace, or the
+    step's where that is slower)."""
+    return 1.0 / (step_seconds + decode_seconds)
+
+
+@dataclass
+class DecodeChoice:
+    """A run's decoding path: ``on_device`` once chosen (``decode=gpu``, or ``auto`` after the
+    first epoch's measurement); ``images`` and ``augment`` are the task's pair (None where its
+    images cannot be decoded on the device). :meth:`timed` wraps the first epoch's loader."""
+
+    setting: str
+    device: torch.device
+    images: Any = None
+    augment: Any = None
+    on_device: bool = False
+    pending: bool = False  # auto, and not yet measured
+    log: Log = print
+    measured: dict[str, float] = field(default_factory=dict)
+
+    def decoded(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The device path's windows: each batch of files decoded and augmented on the device."""
+        augment = self.augment.on(self.device)
+        for batch in loader:
+            yield augment(batch)
+
+    def timed(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """``loader``'s windows, measuring the epoch for the choice (made when it ends): the
+        workers' rate from the first window's arrival on (before it they start), and the
+        device's own time for the steps of windows 2 to ``STEPS_TIMED + 1`` (nothing waits
+        for it: the loader's pace is measured as it is)."""
+        first: float | None = None
+        samples, step_samples = 0, 0
+        clock = DeviceClock(self.device)
+        for index, window in enumerate(loader):
+            n = batch_len(window)
+            if first is None:
+                first = time.perf_counter()
+            else:
+                samples += n
+            timed = 1 <= index <= STEPS_TIMED
+            start = clock.now() if timed else None
+            yield window
+            if timed:
+                clock.add(start, clock.now())
+                step_samples += n
+        if first is None or step_samples == 0 or samples == 0:
+            return  # an epoch too short to measure: the next one is
+        cpu_rate = samples / max(time.perf_counter() - first, 1e-9)
+        self.choose(cpu_rate, clock.seconds() / step_samples)
+
+    def choose(self, cpu_rate: float, step_seconds: float) -> None:
+        """Decide from the workers' measured rate and the step's seconds per sample."""
+        self.pending = False
+        decode_seconds = self.decode_seconds()
+        gpu_rate = expected_rate(step_seconds, decode_seconds)
+        self.measured = {
+            "cpu_workers_samples_per_s": round(cpu_rate, 1),
+            "step_samples_per_s": round(1 / step_seconds, 1),
+            "gpu_decode_samples_per_s": round(1 / decode_seconds, 1),
+            "expected_gpu_path_samples_per_s": round(gpu_rate, 1),
+        }
+        self.on_device = gpu_rate > MARGIN * cpu_rate
+        figures = (
+            f"the CPU workers delivered {cpu_rate:.0f} images/s, the step takes "
+            f"{1 / step_seconds:.0f} images/s and the GPU decodes and augments "
+            f"{1 / decode_seconds:.0f} images/s, so about {gpu_rate:.0f} images/s on the GPU"
+        )
+        if self.on_device:
+            self.log(f"decode: JPEGs are decoded on the GPU from the next epoch ({figures})")
+        else:
+            self.log(f"decode: JPEGs stay with the CPU workers ({figures})")
+
+    def decode_seconds(self) -> float:
+        """Seconds per training image to decode and augment on the device: up to
+        :data:`PROBE_SAMPLES` files, the second of two passes (the first starts the decoder).
+        Its random draws come from forked generators: the run's own streams are not moved."""
+        n = min(PROBE_SAMPLES, len(self.images))
+        with torch.random.fork_rng(devices=[]):
+            python_state = random.getstate()
+            batch = collate_encoded([self.images[i] for i in range(n)])
+            random.setstate(python_state)
+        augment = self.augment.on(self.device)
+        augment(batch)
+        synchronize(self.device)
+        start = time.perf_counter()
+        augment(batch)
+        synchronize(self.device)
+        return max(time.perf_counter() - start, 1e-9) / n
+
+
+def decode_choice(
+    cfg: TrainConfig, task: Any, train_ds: Any, device: torch.device, world: int, log: Log
+) -> DecodeChoice:
+    """The run's :class:`DecodeChoice` for ``cfg.decode``: ``gpu`` checked now (a
+    :class:`ConfigError` with the fix where it cannot apply), ``auto`` pending where the GPU
+    could decode this task's images, else the CPU's workers."""
+    pair = task.device_images(train_ds)
+    why = pair if isinstance(pair, str) else ""
+    if not decodes_jpeg(device):
+        why = f"{device.type} has no JPEG decoder torchvision drives (a CUDA GPU has nvJPEG)"
+    elif world > 1:
+        why = "under torchrun each rank's loader decodes on the CPU"
+    if cfg.decode == "gpu" and why:
+        raise ConfigError(f"decode=gpu cannot apply: {why}; use decode=auto or decode=cpu")
+    choice = DecodeChoice(cfg.decode, device, log=log)
+    # An explicit budget plans the step's memory alone: auto keeps the windows' pixels off
+    # the GPU there (decode=gpu puts them on it when asked).
+    if why or cfg.decode == "cpu" or (cfg.decode == "auto" and cfg.budget != "auto"):
+        return choice
+    choice.images, choice.augment = pair
+    choice.on_device = cfg.decode == "gpu"
+    choice.pending = cfg.decode == "auto"
+    return choice
