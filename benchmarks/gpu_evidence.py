@@ -198,7 +198,7 @@ def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
     if dry_run:  # the ViT's run is resnet50's code with another model
         del jobs[3]
     for name, job in jobs:
-        if time.monotonic() > deadline:
+        if left() < (60 if name.endswith("_profile") and not dry_run else 0):
             out[name] = {"skipped": "out of time"}
             continue
         try:
@@ -460,7 +460,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     )
     plan: list[tuple[str, list[str], float]] = [
         ("imports", [sys.executable, "-c", imports], 30),
-        ("gpu_tests", pytest_cmd, 120),
+        ("gpu_tests", pytest_cmd, 135),
         (
             "cudnn_workspaces",
             [
@@ -477,8 +477,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         ("decode", [*me, "--part", "decode"], 25),
         (
             "memory_matrix",
-            [*me, "--part", "memory_matrix", "--part-seconds", str(50 * scale)],
-            60,
+            [*me, "--part", "memory_matrix", "--part-seconds", str(37 * scale)],
+            45,
         ),
         ("speed", [*me, "--part", "speed", "--part-seconds", str(165 * scale)], 175),
     ]

