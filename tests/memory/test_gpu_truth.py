@@ -38,9 +38,11 @@ DATA_GRAD_ALGORITHM = (
     "8.1 MiB"
 )
 DEPTHWISE_H200 = (
-    "cuDNN's depthwise 7x7 workspaces (36.75 MiB x 54, 12 MiB x 66 in the trace) are not in the "
-    "sweep: the reductions' staging buffers, which the trace has to the byte, take new segments "
-    "in the prediction where the card put them in the workspaces' freed ones"
+    "allocations around the depthwise 7x7 convolutions (36.75 MiB x 54, 12 MiB x 66 in the "
+    "trace) that the model does not make, nor the same convolutions swept alone (H100, third "
+    "session: nothing beyond the output in any pass, NCHW, benchmark mode on and off): the "
+    "reductions' staging buffers, which the trace has to the byte, take new segments in the "
+    "prediction where the card put them in those blocks once freed"
 )
 
 

@@ -178,6 +178,15 @@ def test_auto_switches_to_the_device_where_its_expected_rate_beats_the_workers(
     choice = DecodeChoice("auto", CPU, pending=True, log=lines.append)
     choice.choose(cpu_rate=1600.0, step_seconds=1 / 4000)  # 1714 < 1.1 x 1600
     assert not choice.on_device and "stay with the CPU workers" in lines[-1]
+    assert "so about 1714 images/s on the GPU" in lines[-1]
+
+    def not_started(self: DecodeChoice) -> float:
+        raise AssertionError("the decoder was timed where the workers kept up")
+
+    monkeypatch.setattr(DecodeChoice, "decode_seconds", not_started)
+    choice = DecodeChoice("auto", CPU, pending=True, log=lines.append)
+    choice.choose(cpu_rate=2470.0, step_seconds=1 / 2526)  # the H100's resnet50 at 256 px
+    assert not choice.on_device and "the workers keep up" in lines[-1]
 
 
 def test_auto_measures_the_first_epoch_then_trains_on_the_device(

@@ -2,12 +2,14 @@
 GPU (:mod:`bigbatch.train.tasks.device_images`), chosen by measuring.
 
 ``decode=auto`` trains the first epoch with the workers and measures it: the rate at which the
-workers delivered windows, and the step's own time (a few windows timed with the device
-synchronised around them). At the epoch's end it times the GPU decoding and augmenting a window
-of the training files. With the workers, the step waits for the slower of the two (they work in
-parallel); on the GPU, decoding and the step share the device, so their times add. Where the sum
-beats the workers' measured rate by :data:`MARGIN`, the run decodes on the GPU from the next
-epoch, and says so with the figures; otherwise it says why it stays.
+workers delivered windows, and the step's own time on the device (a few windows, timed by
+:class:`~bigbatch.device.DeviceClock` without making the host wait). With the workers, the step
+waits for the slower of the two (they work in parallel); on the GPU, decoding and the step share
+the device, so their times add. Where the workers kept up with the step, nothing more is done.
+Where they fell behind, the GPU is timed decoding and augmenting a window of the training files,
+and where the sum of the times beats the workers' rate by :data:`MARGIN`, the run decodes on the
+GPU from the next epoch. Either way the run says so, with the figures. A resumed run measures
+again in its first epoch.
 
 >>> round(expected_rate(step_seconds=1 / 4000, decode_seconds=1 / 3000))
 1714
@@ -93,20 +95,31 @@ class DecodeChoice:
         self.choose(cpu_rate, clock.seconds() / step_samples)
 
     def choose(self, cpu_rate: float, step_seconds: float) -> None:
-        """Decide from the workers' measured rate and the step's seconds per sample."""
+        """Decide from the workers' measured rate and the step's seconds per sample. Where the
+        workers kept up with the step, no GPU path can beat them (the step alone is slower):
+        the decoder is not started to time it."""
         self.pending = False
-        decode_seconds = self.decode_seconds()
-        gpu_rate = expected_rate(step_seconds, decode_seconds)
+        step_rate = 1 / step_seconds
         self.measured = {
             "cpu_workers_samples_per_s": round(cpu_rate, 1),
-            "step_samples_per_s": round(1 / step_seconds, 1),
+            "step_samples_per_s": round(step_rate, 1),
+        }
+        if MARGIN * cpu_rate >= step_rate:
+            self.log(
+                f"decode: JPEGs stay with the CPU workers (they delivered {cpu_rate:.0f} "
+                f"images/s, the step takes {step_rate:.0f}: the workers keep up)"
+            )
+            return
+        decode_seconds = self.decode_seconds()
+        gpu_rate = expected_rate(step_seconds, decode_seconds)
+        self.measured |= {
             "gpu_decode_samples_per_s": round(1 / decode_seconds, 1),
             "expected_gpu_path_samples_per_s": round(gpu_rate, 1),
         }
         self.on_device = gpu_rate > MARGIN * cpu_rate
         figures = (
             f"the CPU workers delivered {cpu_rate:.0f} images/s, the step takes "
-            f"{1 / step_seconds:.0f} images/s and the GPU decodes and augments "
+            f"{step_rate:.0f} images/s and the GPU decodes and augments "
             f"{1 / decode_seconds:.0f} images/s, so about {gpu_rate:.0f} images/s on the GPU"
         )
         if self.on_device:
