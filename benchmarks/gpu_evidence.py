@@ -450,7 +450,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     # the model lacks come first), decoding 16 s, the matrix 143 s for 12 of its 24 rows (a row's
     # own process, CUDA's start and the model take 12 s; each row's trace is committed, the H100's
     # and the H200's alike, so the matrix now gets what is left), the speed part 120 s (resnet50's
-    # loops take 40 s, the ViT's 75 s, then the profiled runs).
+    # loops take 40 s, the ViT's 75 s, then the profiled runs). The third H100 run (494 s):
+    # tests 105 s for 12 (the ConvNeXt slope now measures b64 too: 135 s), sweep 946 of 1174
+    # in 70 s, decoding 23 s, the matrix 3 rows in 56 s (45 s now: its rows are committed),
+    # speed 172 s (the profiled run skipped where under 60 s is left).
     # First, the imports every part makes, untimed by them: on a fresh machine (files not yet
     # in the page cache) MONAI's import alone took 22 s, and every part ran out of its box.
     imports = (

@@ -26,6 +26,9 @@ SWEEP = (
     / "h100-80gb-hbm3-cuda13.0-2026-11-26-run2"
     / "cudnn-profile.json"
 )
+# The third H100 session's sweep (946 of its 1174 signatures in its time box, ConvNeXt-S's
+# among them), packaged over the second's: the profile holds both.
+LATER_SWEEP = SWEEP.parent.with_name("h100-80gb-hbm3-cuda13.0-2026-11-26-run3") / SWEEP.name
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
@@ -126,16 +129,18 @@ def test_a_cuda_prediction_says_where_its_workspaces_came_from() -> None:
 def test_the_packaged_profile_is_the_sweeps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`cudnn_workspaces.py --package` of the committed sweep writes the committed profile
-    byte for byte (the two cannot drift), again over it too; a later sweep replaces the
+    """`cudnn_workspaces.py --package` of the committed sweeps, in order, writes the committed
+    profile byte for byte (they cannot drift), again over it too; a later sweep replaces the
     signatures it measured and keeps the rest; a dry run's is refused."""
     import cudnn_workspaces
 
     monkeypatch.setattr(cudnn_workspaces, "PACKAGED", tmp_path)
-    written = cudnn_workspaces.package(SWEEP)
+    cudnn_workspaces.package(SWEEP)
+    written = cudnn_workspaces.package(LATER_SWEEP)
     committed = (PROFILES / written.name).read_bytes()
     assert written.read_bytes() == committed
-    assert cudnn_workspaces.package(SWEEP).read_bytes() == committed
+    cudnn_workspaces.package(SWEEP)
+    assert cudnn_workspaces.package(LATER_SWEEP).read_bytes() == committed
     sweep = json.loads(SWEEP.read_text())
     first, second = sweep["rows"][0], sweep["rows"][1]
     later = tmp_path / "later.json"

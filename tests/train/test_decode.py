@@ -209,6 +209,10 @@ def test_auto_measures_the_first_epoch_then_trains_on_the_device(
         ]
         said[decode] = [line for line in lines if line.startswith("decode:")]
     assert not said["cpu"] and not said["gpu"]
+    one_epoch = load_config(overrides=[*base, "decode=auto", "epochs=1"])
+    lines = []
+    train(one_epoch, tmp_path / "one", log=lines.append)
+    assert not [line for line in lines if line.startswith("decode:")]  # nothing left to use it
     assert len(said["auto"]) == 1 and "decoded on the GPU from the next epoch" in said["auto"][0]
     np.testing.assert_allclose(runs["gpu"], runs["cpu"], rtol=1e-3)  # the same crops and flips
     assert runs["auto"][0] == runs["cpu"][0]  # epoch 1: the workers' path, measured

@@ -28,6 +28,7 @@ import torch
 from bigbatch.batching import batch_len
 from bigbatch.device import DeviceClock, decodes_jpeg, synchronize
 from bigbatch.train.config import ConfigError, TrainConfig
+from bigbatch.train.optim import phases
 from bigbatch.train.tasks.device_images import collate_encoded
 
 __all__ = ["MARGIN", "DecodeChoice", "decode_choice", "expected_rate"]
@@ -61,6 +62,7 @@ class DecodeChoice:
     on_device: bool = False
     pending: bool = False  # auto, and not yet measured
     log: Log = print
+    epochs: int = 0  # the run's epochs, all phases: the last one is not measured for nothing
     measured: dict[str, float] = field(default_factory=dict)
 
     def decoded(self, loader: Iterable[Any]) -> Iterator[Any]:
@@ -68,6 +70,11 @@ class DecodeChoice:
         augment = self.augment.on(self.device)
         for batch in loader:
             yield augment(batch)
+
+    def measures(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (from 0) is measured: ``auto`` undecided, and an epoch left
+        after it to use the choice."""
+        return self.pending and epoch + 1 < self.epochs
 
     def timed(self, loader: Iterable[Any]) -> Iterator[Any]:
         """``loader``'s windows, measuring the epoch for the choice (made when it ends): the
@@ -159,7 +166,7 @@ def decode_choice(
         why = "under torchrun each rank's loader decodes on the CPU"
     if cfg.decode == "gpu" and why:
         raise ConfigError(f"decode=gpu cannot apply: {why}; use decode=auto or decode=cpu")
-    choice = DecodeChoice(cfg.decode, device, log=log)
+    choice = DecodeChoice(cfg.decode, device, log=log, epochs=sum(n for _, n in phases(cfg)))
     # An explicit budget plans the step's memory alone: auto keeps the windows' pixels off
     # the GPU there (decode=gpu puts them on it when asked).
     if why or cfg.decode == "cpu" or (cfg.decode == "auto" and cfg.budget != "auto"):

@@ -127,7 +127,7 @@ class RunData:
         loader = self._loader(seed * 1000 + e, skip)
         if decode is not None and on_device:
             return decode.decoded(loader)
-        if decode is not None and decode.pending:
+        if decode is not None and decode.measures(e):
             return decode.timed(loader)
         return loader
 
