@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,31 +144,32 @@ class DeviceAugment:
         return augment
 
     def inputs(self, batch: EncodedBatch, device: torch.device) -> torch.Tensor:
-        """The batch's normalised inputs, ``(n, C, size, size)`` float32 on ``device``."""
-        images = decode_on(batch, device, self.channels)
+        """The batch's normalised inputs, ``(n, C, size, size)`` float32 on ``device``; each
+        group of decoded images is cropped and let go before the next is decoded."""
         mode = "bicubic" if self.interpolation == "bicubic" else "bilinear"
-        out = []
-        for image, (top, left, height, width), flip in zip(
-            images, batch.boxes.tolist(), batch.flips.tolist(), strict=True
-        ):
+        boxes, flips = batch.boxes.tolist(), batch.flips.tolist()
+        out: list[Any] = [None] * len(batch)
+        for k, image in decode_on(batch, device, self.channels):
+            top, left, height, width = boxes[k]
             crop = image[:, top : top + height, left : left + width].unsqueeze(0).float()
             resized = F.interpolate(
                 crop, size=(self.size, self.size), mode=mode, antialias=True, align_corners=False
             )
-            out.append(resized.flip(-1) if flip else resized)
+            out[k] = resized.flip(-1) if flips[k] else resized
         x = torch.cat(out).clamp_(0, 255).round_().div_(255)
         mean = torch.tensor(self.mean, device=device).view(1, -1, 1, 1)
         std = torch.tensor(self.std, device=device).view(1, -1, 1, 1)
         return x.sub_(mean).div_(std)
 
 
-def decode_on(batch: EncodedBatch, device: torch.device, channels: int = 3) -> list[torch.Tensor]:
-    """Each sample's uint8 pixels on ``device``: the JPEGs decoded there in groups of at most
-    :data:`DECODE_GROUP_BYTES` decoded bytes, the others copied."""
-    images = [  # a JPEG's bytes stay here until its decoded pixels replace them
-        payload if encoded else payload.to(device, non_blocking=True)
-        for payload, encoded in zip(batch.payloads, batch.encoded, strict=True)
-    ]
+def decode_on(
+    batch: EncodedBatch, device: torch.device, channels: int = 3
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each sample's index and uint8 pixels on ``device``: the worker-decoded ones copied, then
+    the JPEGs decoded there in groups of at most :data:`DECODE_GROUP_BYTES` decoded bytes."""
+    for k, (payload, encoded) in enumerate(zip(batch.payloads, batch.encoded, strict=True)):
+        if not encoded:
+            yield k, payload.to(device, non_blocking=True)
     jpegs = [k for k, encoded in enumerate(batch.encoded) if encoded]
     group: list[int] = []
     group_bytes = 0
@@ -178,10 +179,9 @@ def decode_on(batch: EncodedBatch, device: torch.device, channels: int = 3) -> l
         group_bytes += height * width * channels
         if group_bytes >= DECODE_GROUP_BYTES or position == len(jpegs) - 1:
             decoded = _decode_jpegs([batch.payloads[j] for j in group], channels, device)
-            for j, image in zip(group, decoded, strict=True):
-                images[j] = image
+            yield from zip(group, decoded, strict=True)
+            del decoded  # before the next group is decoded
             group, group_bytes = [], 0
-    return images
 
 
 def _decode_jpegs(
