@@ -77,7 +77,7 @@ def main() -> int:
     labels = [0] * len(files)
     transform = build_transforms(args.size, "squish", train=True, augment=True)
     on_cpu = ImageDataset(files, labels, transform)
-    on_gpu = EncodedImages(files, labels, size=args.size)
+    on_gpu = EncodedImages(files, labels)
     augment = DeviceAugment(args.size, 3, DEFAULT_DATA["interpolation"]).on(device)
     common = {"shuffle": True, "seed": 0, "num_workers": args.workers}
     cpu_loader = make_loader(on_cpu, args.batch, pin_memory=not args.dry_run, **common)

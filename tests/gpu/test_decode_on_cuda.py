@@ -47,7 +47,7 @@ def test_nvjpeg_gives_the_cpu_paths_crops_and_flips(tmp_path: Path) -> None:
     labels = list(range(len(files)))
     transform = build_transforms(64, "squish", train=True, augment=True)
     cpu = SeededSamples(ImageDataset(files, labels, transform))
-    gpu = SeededSamples(EncodedImages(files, labels, size=64))
+    gpu = SeededSamples(EncodedImages(files, labels))
     augment = DeviceAugment(64).on(CUDA)
     keys = [(500 + i, i) for i in range(len(files))]
     on_cpu = torch.stack([cpu[k][0] for k in keys])

@@ -54,7 +54,7 @@ def both_paths(files: list[Path], seeds: list[int], grey: bool = False) -> tuple
     data |= {"interpolation": "bilinear", "crop_pct": 0.875}
     transform = build_transforms(32, "squish", train=True, augment=True, data=data, fmt=fmt)
     cpu = SeededSamples(ImageDataset(files, list(range(len(files))), transform, fmt))
-    gpu = SeededSamples(EncodedImages(files, list(range(len(files))), size=32, grey=grey))
+    gpu = SeededSamples(EncodedImages(files, list(range(len(files))), grey=grey))
     augment = DeviceAugment(32, channels, mean=data["mean"], std=data["std"]).on(CPU)
     keys = list(zip(seeds, range(len(files)), strict=True))
     on_cpu = torch.stack([cpu[k][0] for k in keys])
@@ -87,7 +87,7 @@ def test_photos_the_gpu_cannot_decode_as_stored_are_decoded_by_the_worker(tmp_pa
     Image.open(files[0]).save(rotated, exif=exif)
     grey = tmp_path / "grey.jpg"
     Image.open(files[0]).convert("L").save(grey)
-    images = EncodedImages([files[0], rotated, files[-1], grey], [0, 1, 2, 3], size=32)
+    images = EncodedImages([files[0], rotated, files[-1], grey], [0, 1, 2, 3])
     samples = [images[i] for i in range(4)]
     assert [s[1] for s in samples] == [True, False, False, False]
     assert samples[1][2] == (80, 60) and tuple(samples[1][0].shape) == (3, 80, 60)
@@ -105,7 +105,7 @@ def test_large_windows_are_decoded_in_groups_and_a_failed_batch_on_the_cpu(
     import torchvision.io
 
     files = photos(tmp_path, n=5)
-    batch = collate_encoded([EncodedImages(files, [0] * 6, size=32)[i] for i in range(6)])
+    batch = collate_encoded([EncodedImages(files, [0] * 6)[i] for i in range(6)])
     whole = dict(device_images.decode_on(batch, CPU))
     calls: list[int] = []
     real = torchvision.io.decode_jpeg
@@ -171,12 +171,12 @@ def test_auto_switches_to_the_device_where_its_expected_rate_beats_the_workers(
     times add), the workers' rate is what they delivered; the device path must beat it by the
     margin. Each outcome is said with its figures."""
     lines: list[str] = []
-    choice = DecodeChoice("auto", CPU, pending=True, log=lines.append)
+    choice = DecodeChoice(CPU, pending=True, log=lines.append)
     monkeypatch.setattr(DecodeChoice, "decode_seconds", lambda self: 1 / 3000)
     choice.choose(cpu_rate=800.0, step_seconds=1 / 4000)  # the GPU path: 1714 images/s
     assert choice.on_device and not choice.pending
     assert "decoded on the GPU from the next epoch" in lines[-1] and "1714 images/s" in lines[-1]
-    choice = DecodeChoice("auto", CPU, pending=True, log=lines.append)
+    choice = DecodeChoice(CPU, pending=True, log=lines.append)
     choice.choose(cpu_rate=1600.0, step_seconds=1 / 4000)  # 1714 < 1.1 x 1600
     assert not choice.on_device and "stay with the CPU workers" in lines[-1]
     assert "so about 1714 images/s on the GPU" in lines[-1]
@@ -185,7 +185,7 @@ def test_auto_switches_to_the_device_where_its_expected_rate_beats_the_workers(
         raise AssertionError("the decoder was timed where the workers kept up")
 
     monkeypatch.setattr(DecodeChoice, "decode_seconds", not_started)
-    choice = DecodeChoice("auto", CPU, pending=True, log=lines.append)
+    choice = DecodeChoice(CPU, pending=True, log=lines.append)
     choice.choose(cpu_rate=2470.0, step_seconds=1 / 2526)  # the H100's resnet50 at 256 px
     assert not choice.on_device and "the workers keep up" in lines[-1]
 

@@ -28,6 +28,7 @@ __all__ = [
     "list_images",
     "make_loader",
     "read_csv_rows",
+    "seed_python_from_torch",
     "split_items",
     "unreadable_reason",
     "windows_per_epoch",
@@ -138,6 +139,14 @@ class EpochBatches:
 def sample_seed(seed: int, index: int) -> int:
     """A sample's seed in an epoch: distinct for each (epoch seed, index), any worker."""
     return (seed * 0x9E3779B97F4A7C15 + index) % 2**63
+
+
+def seed_python_from_torch() -> None:
+    """Seed Python's ``random`` from torch's CPU generator, as an image sample's transforms
+    start: timm's PIL transforms draw from Python's generator, so a seed (and a resumed run,
+    which restores torch's state) replays the augmentation; the GPU path's draws
+    (:mod:`bigbatch.train.tasks.device_images`) start the same way, so both draw alike."""
+    random.seed(int(torch.randint(0, 2**31 - 1, ())))
 
 
 class SeededSamples(Dataset[Any]):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +55,6 @@ class DecodeChoice:
     first epoch's measurement); ``images`` and ``augment`` are the task's pair (None where its
     images cannot be decoded on the device). :meth:`timed` wraps the first epoch's loader."""
 
-    setting: str
     device: torch.device
     images: Any = None
     augment: Any = None
@@ -63,7 +62,6 @@ class DecodeChoice:
     pending: bool = False  # auto, and not yet measured
     log: Log = print
     epochs: int = 0  # the run's epochs, all phases: the last one is not measured for nothing
-    measured: dict[str, float] = field(default_factory=dict)
 
     def decoded(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The device path's windows: each batch of files decoded and augmented on the device."""
@@ -107,10 +105,6 @@ class DecodeChoice:
         the decoder is not started to time it."""
         self.pending = False
         step_rate = 1 / step_seconds
-        self.measured = {
-            "cpu_workers_samples_per_s": round(cpu_rate, 1),
-            "step_samples_per_s": round(step_rate, 1),
-        }
         if MARGIN * cpu_rate >= step_rate:
             self.log(
                 f"decode: JPEGs stay with the CPU workers (they delivered {cpu_rate:.0f} "
@@ -119,10 +113,6 @@ class DecodeChoice:
             return
         decode_seconds = self.decode_seconds()
         gpu_rate = expected_rate(step_seconds, decode_seconds)
-        self.measured |= {
-            "gpu_decode_samples_per_s": round(1 / decode_seconds, 1),
-            "expected_gpu_path_samples_per_s": round(gpu_rate, 1),
-        }
         self.on_device = gpu_rate > MARGIN * cpu_rate
         figures = (
             f"the CPU workers delivered {cpu_rate:.0f} images/s, the step takes "
@@ -166,7 +156,7 @@ def decode_choice(
         why = "under torchrun each rank's loader decodes on the CPU"
     if cfg.decode == "gpu" and why:
         raise ConfigError(f"decode=gpu cannot apply: {why}; use decode=auto or decode=cpu")
-    choice = DecodeChoice(cfg.decode, device, log=log, epochs=sum(n for _, n in phases(cfg)))
+    choice = DecodeChoice(device, log=log, epochs=sum(n for _, n in phases(cfg)))
     # An explicit budget plans the step's memory alone: auto keeps the windows' pixels off
     # the GPU there (decode=gpu puts them on it when asked).
     if why or cfg.decode == "cpu" or (cfg.decode == "auto" and cfg.budget != "auto"):

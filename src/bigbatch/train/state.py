@@ -125,7 +125,7 @@ class RunData:
         if on_device and not self.on_device:  # chosen now: the CPU path's workers end
             self.train_loader, self.on_device = None, True
         loader = self._loader(seed * 1000 + e, skip)
-        if decode is not None and on_device:
+        if on_device:
             return decode.decoded(loader)
         if decode is not None and decode.measures(e):
             return decode.timed(loader)

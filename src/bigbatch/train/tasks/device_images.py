@@ -13,7 +13,7 @@ augmented on the device like the others.
 >>> from PIL import Image
 >>> path = Path(tempfile.mkdtemp()) / "a.jpg"
 >>> Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(path)
->>> images = EncodedImages([path], [0], size=32)
+>>> images = EncodedImages([path], [0])
 >>> batch = collate_encoded([images[0]])
 >>> x, y = DeviceAugment(32).on(torch.device("cpu"))(batch)
 >>> tuple(x.shape), y.tolist()
@@ -23,7 +23,6 @@ augmented on the device like the others.
 from __future__ import annotations
 
 import io
-import random
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from torch.utils.data import Dataset, default_collate
 
 from bigbatch.images import exif_orientation
 from bigbatch.models import MEAN, STD
+from bigbatch.train.data import seed_python_from_torch
 
 __all__ = ["DeviceAugment", "EncodedBatch", "EncodedImages", "collate_encoded"]
 
@@ -73,14 +73,13 @@ class EncodedImages(Dataset[tuple[Any, ...]]):
         files: Sequence[Path],
         targets: Sequence[Any],
         *,
-        size: int,
         grey: bool = False,
         scale: tuple[float, float] = (0.75, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         hflip: float = 0.5,
     ) -> None:
         self.files, self.targets = list(files), list(targets)
-        self.size, self.grey, self.scale, self.ratio, self.hflip = size, grey, scale, ratio, hflip
+        self.grey, self.scale, self.ratio, self.hflip = grey, scale, ratio, hflip
 
     def __len__(self) -> int:
         return len(self.files)
@@ -103,7 +102,7 @@ class EncodedImages(Dataset[tuple[Any, ...]]):
                 payload = payload.permute(2, 0, 1)
         # The draws of ImageDataset + timm's train transform, in their order: Python's
         # generator seeded from torch's, the crop from Python's, the flip from torch's.
-        random.seed(int(torch.randint(0, 2**31 - 1, ())))
+        seed_python_from_torch()
         shape_only = torch.zeros(1).expand(1, height, width)  # the crop reads the size alone
         box = RandomResizedCropAndInterpolation.get_params(shape_only, self.scale, self.ratio)
         flip = bool(torch.rand(1) < self.hflip)

@@ -5,7 +5,6 @@ target, and the timm (or ``model=``) network with as many outputs as the task ne
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.images import ImageInfo, UnreadableImageError, probe, read_pixels, scale_for
 from bigbatch.models import MEAN, STD, UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.data import DataError, make_loader
+from bigbatch.train.data import DataError, make_loader, seed_python_from_torch
 from bigbatch.train.tasks import planned_eval_batch
 from bigbatch.train.tasks.device_images import DeviceAugment, EncodedImages
 from bigbatch.train.tasks.user_model import load_user_model
@@ -265,9 +264,7 @@ class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
         with Image.open(self.files[i]) as im:
             # Cameras store the orientation in EXIF: a photo taken upright must train upright.
             image = ImageOps.exif_transpose(im).convert("L" if fmt.grey else "RGB")
-        # timm's PIL transforms draw from Python's `random`: seeded from torch's generator, so
-        # a seed (and a resumed run, which restores torch's state) replays the augmentation.
-        random.seed(int(torch.randint(0, 2**31 - 1, ())))
+        seed_python_from_torch()
         return self.transform(image), self.labels[i]
 
 
@@ -288,7 +285,7 @@ def device_images(
     if data["interpolation"] not in ("bilinear", "bicubic"):
         return f"the model's interpolation {data['interpolation']!r} is PIL's alone"
     encoded = EncodedImages(
-        dataset.files, dataset.labels, size=cfg.size, grey=dataset.fmt.grey, scale=TRAIN_CROP_SCALE
+        dataset.files, dataset.labels, grey=dataset.fmt.grey, scale=TRAIN_CROP_SCALE
     )
     augment = DeviceAugment(
         cfg.size,
