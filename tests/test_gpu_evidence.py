@@ -62,3 +62,36 @@ def test_a_second_run_that_day_never_writes_over_a_finished_one(
     second.mkdir()
     (second / "summary.json").write_text("{}")
     assert gpu_evidence.results_dir(info, dry_run=False).name == first.name + "-run3"
+
+
+def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The matrix records first the rows whose trace from this card is not committed (the
+    H100's first traces sit at the top of the tests' data, later ones in its own folder), and
+    the cuDNN sweep first the signatures the card's packaged profile lacks."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cudnn_workspaces
+    import gpu_evidence
+    import torch
+    from gpu_matrix import matrix, row_name
+
+    assert gpu_evidence.card_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_evidence.card_tag("NVIDIA H200") == "h200"
+    names = [row_name(r) for r in matrix(False)]
+    h100 = gpu_evidence.committed("h100")
+    assert "resnet18-128-b8-fp16-adamw" in h100  # at the top
+    assert "resnet50-224-b32-fp16-adamw" in h100  # in h100-torch2.11/
+    assert set(names) <= gpu_evidence.committed("h200")
+    assert gpu_evidence.committed("a100") == set()
+
+    sigs = cudnn_workspaces.signatures()[:3]
+    monkeypatch.setattr(cudnn_workspaces, "PACKAGED", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=0: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert cudnn_workspaces.lacking_first(sigs) == sigs  # no profile for the card: as listed
+    sweep = tmp_path / "sweep.json"
+    rows = [{**sigs[0], "pass": "forward", "extra_bytes": 0}]
+    sweep.write_text(json.dumps({"compute_capability": "9.0", "cudnn": 91900, "rows": rows}))
+    cudnn_workspaces.package(sweep)
+    assert cudnn_workspaces.lacking_first(sigs) == [sigs[1], sigs[2], sigs[0]]

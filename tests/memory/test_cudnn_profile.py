@@ -26,9 +26,13 @@ SWEEP = (
     / "h100-80gb-hbm3-cuda13.0-2026-11-26-run2"
     / "cudnn-profile.json"
 )
-# The third H100 session's sweep (946 of its 1174 signatures in its time box, ConvNeXt-S's
-# among them), packaged over the second's: the profile holds both.
-LATER_SWEEP = SWEEP.parent.with_name("h100-80gb-hbm3-cuda13.0-2026-11-26-run3") / SWEEP.name
+# The third and fourth H100 sessions' sweeps (946 and 950 of their 1174 signatures in their
+# time boxes, ConvNeXt-S's among them; the fourth's 4 beyond the third's the second's, every
+# row repeated to the byte), packaged over the second's in order: the profile holds them all.
+LATER_SWEEPS = [
+    SWEEP.parent.with_name(f"h100-80gb-hbm3-cuda13.0-2026-11-26-{run}") / SWEEP.name
+    for run in ("run3", "run4")
+]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
@@ -135,12 +139,13 @@ def test_the_packaged_profile_is_the_sweeps(
     import cudnn_workspaces
 
     monkeypatch.setattr(cudnn_workspaces, "PACKAGED", tmp_path)
-    cudnn_workspaces.package(SWEEP)
-    written = cudnn_workspaces.package(LATER_SWEEP)
+    for sweep_path in (SWEEP, *LATER_SWEEPS):
+        written = cudnn_workspaces.package(sweep_path)
     committed = (PROFILES / written.name).read_bytes()
     assert written.read_bytes() == committed
-    cudnn_workspaces.package(SWEEP)
-    assert cudnn_workspaces.package(LATER_SWEEP).read_bytes() == committed
+    for sweep_path in (SWEEP, *LATER_SWEEPS):
+        written = cudnn_workspaces.package(sweep_path)
+    assert written.read_bytes() == committed
     sweep = json.loads(SWEEP.read_text())
     first, second = sweep["rows"][0], sweep["rows"][1]
     later = tmp_path / "later.json"

@@ -157,6 +157,9 @@ PREDICTED = [
     ),
     Row(H200 + "convnext_small-128-b64-fp16-adam", 0.08, 0.06, DEPTHWISE_H200),
     Row(H200 + "resnet18-128-b32-fp16-adamw", 0.08, 0.03, DATA_GRAD_ALGORITHM),
+    # The H100's rows whose peaks differ from the H200's (CARDS_DIFFER, below).
+    Row("h100-torch2.11/smp_unet_resnet34-512-b8-bf16-adamw"),
+    Row("h100-torch2.11/resnet50-224-b64-fp16-adamw-bench"),
 ]
 # Not predicted here: convnext_small at b16, whose GradScaler skipped the first optimizer step
 # (an inf at the initial scale), so its peaks are a step without the Adam state; and b32 with
@@ -187,15 +190,35 @@ def test_each_workload_is_predicted_from_a_cpu(row: Row) -> None:
 H100 = "h100-torch2.11/"  # make gpu-evidence on an H100 (benchmarks/results/h100-*)
 
 
+# Where the two cards' peaks differ: reserved MiB, the H100's less the H200's, and why.
+CARDS_DIFFER = {
+    "resnet50-224-b64-fp16-adamw-bench": (
+        -16,
+        "cuDNN's benchmark mode tries algorithms with the memory free, more on the H200",
+    ),
+    "smp_unet_resnet34-512-b8-bf16-adamw": (
+        -4,
+        "cuDNN's heuristics give two bf16 convolutions 32.8 and 8.5 MiB workspaces on the H100 "
+        "and 36.8 and 9.0 MiB on the H200 (twice and ten times in the step)",
+    ),
+}
+
+
 @pytest.mark.parametrize("name", [n for n in ROWS if n.startswith(H100)])
 def test_an_h100_and_an_h200_reserve_alike(name: str) -> None:
     """The same stack (torch 2.11, CUDA 13.0, cuDNN 9.19) on both Hopper cards: the same
-    allocated and reserved peaks to the byte, some frees in another order. So each H100 row is
-    predicted as its H200 row above is."""
-    h100, h200 = load(name), load(H200 + name.removeprefix(H100))
+    allocated and reserved peaks to the byte, some frees in another order, except where cuDNN
+    chose otherwise (CARDS_DIFFER). So each H100 row is predicted as its H200 row above is,
+    and those two on their own."""
+    row = name.removeprefix(H100)
+    h100, h200 = load(name), load(H200 + row)
+    assert "H100" in h100["device"] and "H200" in h200["device"]
+    if row in CARDS_DIFFER:
+        difference = h100["max_reserved_bytes"] - h200["max_reserved_bytes"]
+        assert difference == CARDS_DIFFER[row][0] * MiB, CARDS_DIFFER[row][1]
+        return
     assert h100["max_allocated_bytes"] == h200["max_allocated_bytes"]
     assert h100["max_reserved_bytes"] == h200["max_reserved_bytes"]
-    assert "H100" in h100["device"] and "H200" in h200["device"]
 
 
 def test_cudnn_forward_workspaces_are_the_transposed_operands() -> None:

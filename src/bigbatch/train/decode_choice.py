@@ -2,14 +2,16 @@
 GPU (:mod:`bigbatch.train.tasks.device_images`), chosen by measuring.
 
 ``decode=auto`` trains the first epoch with the workers and measures it: the rate at which the
-workers delivered windows, and the step's own time on the device (a few windows, timed by
+run took windows, and the step's own time on the device (a few windows, timed by
 :class:`~bigbatch.device.DeviceClock` without making the host wait). With the workers, the step
 waits for the slower of the two (they work in parallel); on the GPU, decoding and the step share
 the device, so their times add. Where the workers kept up with the step, nothing more is done.
 Where they fell behind, the GPU is timed decoding and augmenting a window of the training files,
-and where the sum of the times beats the workers' rate by :data:`MARGIN`, the run decodes on the
-GPU from the next epoch. Either way the run says so, with the figures. A resumed run measures
-again in its first epoch.
+and where the sum of the times beats the workers' rate by :data:`MARGIN`, the next epoch decodes
+on the GPU, measured the same way: where it took windows more slowly than the workers had
+delivered them (the estimate leaves out what the two paths do beside decoding), the run goes
+back to the workers. Each decision is logged with its figures. A resumed run measures again in
+its first epoch.
 
 >>> round(expected_rate(step_seconds=1 / 4000, decode_seconds=1 / 3000))
 1714
@@ -53,7 +55,7 @@ def expected_rate(step_seconds: float, decode_seconds: float) -> float:
 class DecodeChoice:
     """A run's decoding path: ``on_device`` once chosen (``decode=gpu``, or ``auto`` after the
     first epoch's measurement); ``images`` and ``augment`` are the task's pair (None where its
-    images cannot be decoded on the device). :meth:`timed` wraps the first epoch's loader."""
+    images cannot be decoded on the device). :meth:`timed` wraps a measured epoch's windows."""
 
     device: torch.device
     images: Any = None
@@ -62,6 +64,8 @@ class DecodeChoice:
     pending: bool = False  # auto, and not yet measured
     log: Log = print
     epochs: int = 0  # the run's epochs, all phases: the last one is not measured for nothing
+    trial: bool = False  # auto chose the GPU: its first epoch is measured against the workers
+    cpu_rate: float = 0.0  # samples/s the workers delivered in the measured epoch
 
     def decoded(self, loader: Iterable[Any]) -> Iterator[Any]:
         """The device path's windows: each batch of files decoded and augmented on the device."""
@@ -70,23 +74,23 @@ class DecodeChoice:
             yield augment(batch)
 
     def measures(self, epoch: int) -> bool:
-        """Whether epoch ``epoch`` (from 0) is measured: ``auto`` undecided, and an epoch left
-        after it to use the choice."""
-        return self.pending and epoch + 1 < self.epochs
+        """Whether epoch ``epoch`` (from 0) is measured: ``auto`` undecided or on trial, and an
+        epoch left after it to use what it shows."""
+        return (self.pending or self.trial) and epoch + 1 < self.epochs
 
-    def timed(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """``loader``'s windows, measuring the epoch for the choice (made when it ends): the
-        workers' rate from the first window's arrival on (before it they start), and the
-        device's own time for the steps of windows 2 to ``STEPS_TIMED + 1`` (nothing waits
-        for it: the loader's pace is measured as it is)."""
-        first: float | None = None
+    def timed(self, windows: Iterable[Any]) -> Iterator[Any]:
+        """``windows``, measuring the epoch (acted on when it ends): the rate at which the run
+        took them from the second window's arrival on (before it the workers start and the
+        first step warms up), and the device's own time for the steps of windows 2 to
+        ``STEPS_TIMED + 1`` (nothing waits for it: the loader's pace is measured as it is)."""
+        start_time: float | None = None
         samples, step_samples = 0, 0
         clock = DeviceClock(self.device)
-        for index, window in enumerate(loader):
+        for index, window in enumerate(windows):
             n = batch_len(window)
-            if first is None:
-                first = time.perf_counter()
-            else:
+            if index == 1:
+                start_time = time.perf_counter()
+            elif index > 1:
                 samples += n
             timed = 1 <= index <= STEPS_TIMED
             start = clock.now() if timed else None
@@ -94,16 +98,19 @@ class DecodeChoice:
             if timed:
                 clock.add(start, clock.now())
                 step_samples += n
-        if first is None or step_samples == 0 or samples == 0:
+        if start_time is None or step_samples == 0 or samples == 0:
             return  # an epoch too short to measure: the next one is
-        cpu_rate = samples / max(time.perf_counter() - first, 1e-9)
-        self.choose(cpu_rate, clock.seconds() / step_samples)
+        rate = samples / max(time.perf_counter() - start_time, 1e-9)
+        if self.trial:
+            self.judge(rate)
+        else:
+            self.choose(rate, clock.seconds() / step_samples)
 
     def choose(self, cpu_rate: float, step_seconds: float) -> None:
         """Decide from the workers' measured rate and the step's seconds per sample. Where the
         workers kept up with the step, no GPU path can beat them (the step alone is slower):
         the decoder is not started to time it."""
-        self.pending = False
+        self.pending, self.cpu_rate = False, cpu_rate
         step_rate = 1 / step_seconds
         if MARGIN * cpu_rate >= step_rate:
             self.log(
@@ -113,7 +120,7 @@ class DecodeChoice:
             return
         decode_seconds = self.decode_seconds()
         gpu_rate = expected_rate(step_seconds, decode_seconds)
-        self.on_device = gpu_rate > MARGIN * cpu_rate
+        self.on_device = self.trial = gpu_rate > MARGIN * cpu_rate
         figures = (
             f"the CPU workers delivered {cpu_rate:.0f} images/s, the step takes "
             f"{step_rate:.0f} images/s and the GPU decodes and augments "
@@ -123,6 +130,17 @@ class DecodeChoice:
             self.log(f"decode: JPEGs are decoded on the GPU from the next epoch ({figures})")
         else:
             self.log(f"decode: JPEGs stay with the CPU workers ({figures})")
+
+    def judge(self, gpu_rate: float) -> None:
+        """After the GPU path's first epoch: keep it where it took windows faster than the
+        workers delivered them, else go back to the workers for the rest of the run."""
+        self.trial = False
+        self.on_device = gpu_rate > self.cpu_rate
+        figures = f"{gpu_rate:.0f} images/s on the GPU, {self.cpu_rate:.0f} from the CPU workers"
+        if self.on_device:
+            self.log(f"decode: JPEGs stay on the GPU ({figures})")
+        else:
+            self.log(f"decode: JPEGs go back to the CPU workers from the next epoch ({figures})")
 
     def decode_seconds(self) -> float:
         """Seconds per training image to decode and augment on the device: up to

@@ -122,14 +122,13 @@ class RunData:
             )
         decode = self.decode
         on_device = decode is not None and decode.on_device
-        if on_device and not self.on_device:  # chosen now: the CPU path's workers end
-            self.train_loader, self.on_device = None, True
+        if on_device != self.on_device:  # the path changed: the other path's workers end
+            self.train_loader, self.on_device = None, on_device
         loader = self._loader(seed * 1000 + e, skip)
-        if on_device:
-            return decode.decoded(loader)
+        windows = decode.decoded(loader) if on_device else loader
         if decode is not None and decode.measures(e):
-            return decode.timed(loader)
-        return loader
+            return decode.timed(windows)
+        return windows
 
     def _loader(self, epoch_seed: int, skip: int) -> Any:
         if self.train_loader is not None:  # its workers live on: the next epoch's batches
