@@ -96,6 +96,28 @@ def test_photos_the_gpu_cannot_decode_as_stored_are_decoded_by_the_worker(tmp_pa
     assert x.shape == (4, 3, 32, 32) and torch.isfinite(x).all()
 
 
+def test_a_window_travels_from_the_worker_as_one_tensor(tmp_path: Path) -> None:
+    """A worker hands each tensor over through shared memory of its own: a window's payloads
+    come as one flat tensor, and each sample's is a view of it, the file's bytes or the
+    worker's pixels exactly."""
+    from bigbatch.train.data import make_loader
+
+    files = photos(tmp_path, n=3)
+    images = EncodedImages(files, [0] * 4)
+    loader = make_loader(
+        images, 4, shuffle=False, seed=0, num_workers=1, collate_fn=collate_encoded
+    )
+    (batch,) = list(loader)
+    assert batch.data.dim() == 1 and batch.data.dtype == torch.uint8
+    assert batch.encoded == [True, True, True, False] and len(batch) == 4
+    for k in range(3):
+        assert bytes(batch.payload(k).numpy()) == files[k].read_bytes()
+        assert (
+            batch.payload(k).untyped_storage().data_ptr() == batch.data.untyped_storage().data_ptr()
+        )
+    assert torch.equal(batch.payload(3), images[3][0])
+
+
 def test_large_windows_are_decoded_in_groups_and_a_failed_batch_on_the_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
