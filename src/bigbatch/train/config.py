@@ -296,7 +296,7 @@ HELP: dict[str, str] = {
     "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
     "channels_last": "NHWC memory format for convolutional models: auto (on CUDA), true, false",
     "compile": "torch.compile the model for training (opt-in: the first steps compile)",
-    "decode": "where training JPEGs are decoded and augmented: cpu (loader workers), gpu (nvJPEG, crops and flips on the GPU) or auto: measured in the first epoch, the GPU from the second where it is faster",
+    "decode": "where training JPEGs are decoded and augmented: cpu (loader workers), gpu (nvJPEG, crops and flips on the GPU) or auto: measured in the first epoch, the GPU from the second where it promises to be faster, kept where its epoch was",
 }
 
 
