@@ -424,7 +424,8 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
                       f"{r['ratio_vs_hand_loop']:.3f} (after the first epoch "
                       f"{steady if steady is None else round(steady, 3)}), whole run "
                       f"{r['whole_run_ratio']:.3f}"]  # fmt: skip
-            lines += [f"- bigbatch's {line}" for line in r.get("decode_said", [])[:1]]
+            # Its choice after the first epoch and, where it moved to the GPU, the verdict.
+            lines += [f"- bigbatch's {line}" for line in r.get("decode_said", [])[:2]]
     for who, prof in ((sp.get("resnet50_fp16_profile") or {}).get("profile") or {}).items():
         lines.append(f"- profiled resnet50, {who}: {prof['seconds']} s of host time, "
                      f"{prof['data_wait_seconds']} s of it waiting for batches")  # fmt: skip

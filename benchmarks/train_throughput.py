@@ -23,8 +23,9 @@ measured: resnet50 at 224 px, batch 128, fp16, 3000 JPEGs of 256 px in 10 classe
         --format jpg --epochs 3 --workers 8
 
 Where the loader limits (JPEGs of 512 px, 4 cores: ``--stored-size 512 --workers 4
---same-workers``), ``decode=auto`` moves decoding to the GPU after the first epoch; its line
-(``decode_said``) gives the figures it measured, and ``--decode cpu|gpu`` fixes either path.
+--same-workers``), ``decode=auto`` moves decoding to the GPU after the first epoch and keeps
+it where the next epoch was faster; its lines (``decode_said``) give the figures it measured,
+and ``--decode cpu|gpu`` fixes either path.
 """
 
 from __future__ import annotations
@@ -170,8 +171,9 @@ def bigbatch_run(
     dev: Device = CPU,
     said: list[str] | None = None,
 ) -> tuple[float, list[float]]:
-    """One ``bigbatch train`` run with its defaults; ``said`` collects its ``decode:`` line
-    (where ``decode=auto`` chose to decode the JPEGs, with its measured figures)."""
+    """One ``bigbatch train`` run with its defaults; ``said`` collects its ``decode:`` lines
+    (where ``decode=auto`` chose to decode the JPEGs and, after a move to the GPU, whether it
+    kept it, with the measured figures)."""
     overrides = [f"data={data}", f"arch={arch}", f"size={size}", f"batch={batch}"]
     overrides += [f"micro_batch={micro}", f"epochs={epochs}", "mode=fit", "log_every=0"]
     overrides += [f"device={dev.name}", f"precision={dev.precision}"]
