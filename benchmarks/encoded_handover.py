@@ -72,9 +72,12 @@ def main() -> int:
         f"{args.workers} workers",
         "per_window": best,
         "process_cpu_ratio": round(
-            best["per_sample"]["process_cpu_ms"] / best["one_tensor"]["process_cpu_ms"], 2
+            best["per_sample"]["process_cpu_ms"] / max(best["one_tensor"]["process_cpu_ms"], 0.01),
+            2,
         ),
-        "wall_ratio": round(best["per_sample"]["wall_ms"] / best["one_tensor"]["wall_ms"], 2),
+        "wall_ratio": round(
+            best["per_sample"]["wall_ms"] / max(best["one_tensor"]["wall_ms"], 0.01), 2
+        ),
     }
     print(json.dumps(result, indent=1) if args.json else result)
     return 0

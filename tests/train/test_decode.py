@@ -294,3 +294,24 @@ def test_auto_measures_the_first_epoch_then_trains_on_the_device(
     assert len(said["auto"]) == 1 and "decoded on the GPU from the next epoch" in said["auto"][0]
     np.testing.assert_allclose(runs["gpu"], runs["cpu"], rtol=1e-3)  # the same crops and flips
     assert runs["auto"][0] == runs["cpu"][0]  # epoch 1: the workers' path, measured
+
+
+def test_the_handover_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/encoded_handover.py, tiny: both handovers measured, the ratios printed (no
+    figure asserted: they are the machine's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["--images", "32", "--side", "64", "--batch", "8", "--workers", "1", "--epochs", "1"]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "encoded_handover.py"), *args, "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(root / "src"), TMPDIR=str(tmp_path)),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert set(result["per_window"]) == {"one_tensor", "per_sample"}
+    assert result["process_cpu_ratio"] > 0 and result["wall_ratio"] > 0
