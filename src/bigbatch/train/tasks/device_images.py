@@ -67,13 +67,12 @@ class EncodedBatch:
     def __len__(self) -> int:
         return len(self.encoded)
 
-    def payload(self, k: int, sizes: list[list[int]] | None = None) -> torch.Tensor:
-        """Sample ``k``'s JPEG bytes, or its decoded pixels as (C, H, W): a view of ``data``.
-        ``sizes``: :attr:`sizes` as a list, where the caller has it already."""
+    def payload(self, k: int) -> torch.Tensor:
+        """Sample ``k``'s JPEG bytes, or its decoded pixels as (C, H, W): a view of ``data``."""
         flat = self.data[self.offsets[k] : self.offsets[k + 1]]
         if self.encoded[k]:
             return flat
-        height, width = (sizes or self.sizes.tolist())[k]
+        height, width = self.sizes[k].tolist()
         return flat.view(-1, height, width)
 
 
@@ -188,7 +187,7 @@ def decode_on(
     sizes = batch.sizes.tolist()
     for k, encoded in enumerate(batch.encoded):
         if not encoded:
-            yield k, batch.payload(k, sizes).to(device, non_blocking=True)
+            yield k, batch.payload(k).to(device, non_blocking=True)
     jpegs = [k for k, encoded in enumerate(batch.encoded) if encoded]
     group: list[int] = []
     group_bytes = 0
