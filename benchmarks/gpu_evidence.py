@@ -515,6 +515,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         if args.only and name not in args.only.split(","):
             continue
         parts.run(name, cmd, box * scale)
+    write_summary(out, info, parts.status, args.dry_run)
+    return 0 if all(s["state"] == "passed" for s in parts.status.values()) else 1
+
+
+def write_summary(out: Path, info: dict[str, Any], status: dict[str, Any], dry_run: bool) -> None:
+    """``summary.json`` and ``summary.md`` from the part files in ``out``, as they are now."""
     files = {"memory_matrix": "memory_matrix.json", "speed": "speed.json",
              "decode": "decode.json", "cudnn_workspaces": "cudnn-profile.json"}  # fmt: skip
     results = {
@@ -524,8 +530,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     }
     summary = {
         "machine": info,
-        "parts": parts.status,
-        "dry_run": args.dry_run,
+        "parts": status,
+        "dry_run": dry_run,
         # Without the per-row and per-signature lists: those are in the parts' own files.
         "results": {
             name: {k: v for k, v in r.items() if k != "rows"} if isinstance(r, dict) else r
@@ -533,10 +539,23 @@ def orchestrate(args: argparse.Namespace) -> int:
         },
     }
     write_json(out / "summary.json", summary)
-    (out / "summary.md").write_text(summary_md(info, parts.status, results))
+    atomic_write_text(out / "summary.md", summary_md(info, status, results))
     print((out / "summary.md").read_text())
     print(f"[gpu-evidence] results in {out}")
-    return 0 if all(s["state"] == "passed" for s in parts.status.values()) else 1
+
+
+def summarize(out: Path) -> int:
+    """The summary again after a part was run once more on its own (``--part NAME --out``,
+    a follow-up call on the same machine): the machine and the parts' states are the
+    first run's, the figures the part files' now."""
+    summary_json = out / "summary.json"
+    if not summary_json.exists():
+        print(f"{summary_json} not found: --summarize takes a finished run's folder "
+              "(one `make gpu-evidence` wrote)", file=sys.stderr)  # fmt: skip
+        return 2
+    first = json.loads(summary_json.read_text())
+    write_summary(out, first["machine"], first["parts"], bool(first.get("dry_run")))
+    return 0
 
 
 def main() -> int:
@@ -551,7 +570,16 @@ def main() -> int:
     p.add_argument("--part-seconds", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--card", default="", help=argparse.SUPPRESS)  # the traces' folder prefix
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        metavar="DIR",
+        help="rebuild DIR's summary.json and summary.md from its part files (after a part "
+        "was run again into it), running nothing",
+    )
     args = p.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
     if args.part == "predict":
         print(json.dumps(predict_row(json.loads(args.row))))
         return 0

@@ -95,3 +95,31 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     sweep.write_text(json.dumps({"compute_capability": "9.0", "cudnn": 91900, "rows": rows}))
     cudnn_workspaces.package(sweep)
     assert cudnn_workspaces.lacking_first(sigs) == [sigs[1], sigs[2], sigs[0]]
+
+
+def test_the_summary_is_rebuilt_from_a_folders_part_files(tmp_path: Path) -> None:
+    """A follow-up call reruns a part into a finished run's folder; ``--summarize`` rebuilds
+    the summary from the part files as they are then (the fourth H100 session's: its first
+    call measured 2 matrix rows, the second 12), the machine and the states the first run's."""
+    run = ROOT / "benchmarks" / "results" / "h100-80gb-hbm3-cuda13.0-2026-11-26-run4"
+    for name in ("summary.json", "memory_matrix.json", "speed.json", "decode.json"):
+        (tmp_path / name).write_bytes((run / name).read_bytes())
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--summarize",
+         str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["results"]["memory_matrix"]["rows_measured"] == 12
+    assert summary["parts"]["gpu_tests"]["state"].startswith("out of time")
+    md = (tmp_path / "summary.md").read_text()
+    assert "12 of 24 rows measured" in md and "Decoding (" in md
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--summarize",
+         str(empty)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and "summary.json not found" in done.stderr

@@ -81,8 +81,9 @@ class DecodeChoice:
     def timed(self, windows: Iterable[Any]) -> Iterator[Any]:
         """``windows``, measuring the epoch (acted on when it ends): the rate at which the run
         took them from the second window's arrival on (before it the workers start and the
-        first step warms up), and the device's own time for the steps of windows 2 to
-        ``STEPS_TIMED + 1`` (nothing waits for it: the loader's pace is measured as it is)."""
+        first step warms up), and, to choose (a trial needs only the rate), the device's own
+        time for the steps of windows 2 to ``STEPS_TIMED + 1`` (nothing waits for it: the
+        loader's pace is measured as it is)."""
         start_time: float | None = None
         samples, step_samples = 0, 0
         clock = DeviceClock(self.device)
@@ -92,13 +93,13 @@ class DecodeChoice:
                 start_time = time.perf_counter()
             elif index > 1:
                 samples += n
-            timed = 1 <= index <= STEPS_TIMED
+            timed = not self.trial and 1 <= index <= STEPS_TIMED
             start = clock.now() if timed else None
             yield window
             if timed:
                 clock.add(start, clock.now())
                 step_samples += n
-        if start_time is None or step_samples == 0 or samples == 0:
+        if start_time is None or samples == 0 or (step_samples == 0 and not self.trial):
             return  # an epoch too short to measure: the next one is
         rate = samples / max(time.perf_counter() - start_time, 1e-9)
         if self.trial:
