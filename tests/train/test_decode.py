@@ -3,6 +3,10 @@ choice), simulated on the CPU: torchvision decodes JPEG there too, through the s
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -296,14 +300,10 @@ def test_auto_measures_the_first_epoch_then_trains_on_the_device(
     assert runs["auto"][0] == runs["cpu"][0]  # epoch 1: the workers' path, measured
 
 
+@pytest.mark.slow  # a subprocess with loader workers: about 10 s
 def test_the_handover_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/encoded_handover.py, tiny: both handovers measured, the ratios printed (no
     figure asserted: they are the machine's)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[2]
     args = ["--images", "32", "--side", "64", "--batch", "8", "--workers", "1", "--epochs", "1"]
     done = subprocess.run(
