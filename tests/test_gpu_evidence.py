@@ -97,6 +97,33 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     assert cudnn_workspaces.lacking_first(sigs) == [sigs[1], sigs[2], sigs[0]]
 
 
+def test_the_cudnn_sweep_ends_itself_inside_its_time_box(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ``--seconds`` count from its process's start (a fresh machine's imports included),
+    and it begins no signature that one as slow as its slowest would not finish: its box had
+    killed it in every GPU run since the first, failing ``make gpu-evidence``. Here on a clock
+    of its own, a signature taking 10 s: two fit in 25 s, a third would end at 30."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cudnn_workspaces
+
+    now = [100.0]
+    clock = type("Clock", (), {"monotonic": staticmethod(lambda: now[0])})
+
+    def measure(sig: dict, device: str) -> list[dict]:
+        now[0] += 10
+        return [{**sig, "pass": p, "extra_bytes": 0} for p in ("a", "b", "c")]
+
+    monkeypatch.setattr(cudnn_workspaces, "time", clock)
+    monkeypatch.setattr(cudnn_workspaces, "measure", measure)
+    monkeypatch.setattr(cudnn_workspaces, "STARTED", 95.0)  # its imports took 5 s
+    out = tmp_path / "sweep.json"
+    argv = ["cudnn_workspaces.py", "--dry-run", "--out", str(out), "--seconds", "30"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert cudnn_workspaces.main() == 0
+    assert json.loads(out.read_text())["signatures_done"] == 2 and now[0] == 120.0
+
+
 def test_the_summary_is_rebuilt_from_a_folders_part_files(tmp_path: Path) -> None:
     """A follow-up call reruns a part into a finished run's folder; ``--summarize`` rebuilds
     the summary from the part files as they are then (the fourth H100 session's: its first
