@@ -37,30 +37,29 @@ DATA_GRAD_ALGORITHM = (
     "workspaces, where the H100's sweep and its recording of this row (above, within 1 %%) took "
     "8.1 MiB"
 )
-DEPTHWISE_H200 = (
-    "allocations around the depthwise 7x7 convolutions (36.75 MiB x 54, 12 MiB x 66 in the "
-    "trace) that the model does not make, nor the same convolutions swept alone (H100, third "
-    "session: nothing beyond the output in any pass, NCHW, benchmark mode on and off): the "
-    "reductions' staging buffers, which the trace has to the byte, take new segments in the "
-    "prediction where the card put them in those blocks once freed"
+BENCHMARK_TRIALS = (
+    "cuDNN's benchmark mode: its trials of algorithms for the depthwise 7x7 convolutions take "
+    "workspaces from the memory free at the time (3036-3062 MiB reserved over three recordings); "
+    "without it the card reserves 2828 MiB (H100 and H200), predicted within 2.3 %"
 )
 
 
-def replay(events: list[list[Any]], card_addresses: bool = True) -> CachingAllocatorModel:
-    """A trace's own allocations and frees through the allocator model; with
-    ``card_addresses``, a segment the model makes for an allocation the card also made one for
-    (its cudaMalloc recorded just before) sits at the card's address, so that equal-sized free
-    blocks are chosen as the card chose them (the lowest address first)."""
+def replay(events: list[list[Any]], addresses: str = "driver") -> CachingAllocatorModel:
+    """A trace's own allocations and frees through the allocator model, its segments placed by
+    ``addresses``: ``"driver"``, as a prediction places them (``DriverAddresses``); ``"card"``,
+    where the card put each one the trace made too (its cudaMalloc recorded just before); or
+    ``"age"``, in the order they were made (the model before it placed them as the driver does)."""
     made_for: dict[int, int] = {}  # alloc event -> the card's new segment's address
     for i in range(1, len(events)):
         if events[i][0] == "alloc" and events[i - 1][0] == "segment_alloc":
             made_for[i] = int(events[i - 1][1])
     current = [0]  # the event being replayed
 
-    def at(index: int) -> int:
+    def card(index: int) -> int:
         return made_for.get(current[0], index << 48)
 
-    model = CachingAllocatorModel(segment_address=at if card_addresses else None)
+    placed = {"driver": None, "card": card, "age": lambda index: index << 48}[addresses]
+    model = CachingAllocatorModel(segment_address=placed)
     for i, (action, address, size, _) in enumerate(events):
         current[0] = i
         if action == "alloc":
@@ -76,40 +75,46 @@ H200 = "h200-torch2.11/"  # make gpu-evidence on an H200 (benchmarks/results/h20
 
 @pytest.mark.parametrize("name", ROWS)
 def test_the_allocator_model_replays_each_trace_to_its_measured_peaks(name: str) -> None:
-    """To the byte where cuDNN's benchmark mode is off, given the card's segment addresses:
-    the allocator takes the smallest free block that holds a request and, among equal ones,
-    the lowest address, so which of several equal blocks it splits depends on where the driver
-    put their segments. With benchmark mode, the trials reserve more than their recorded
-    events show (b32: 138 MiB), never less."""
+    """To the byte where cuDNN's benchmark mode is off, with the segments where the driver
+    puts them: the allocator takes the smallest free block that holds a request and, among
+    equal ones, the lowest address, so which of several equal blocks it splits depends on where
+    the driver put their segments (in its first 512 MiB reservation in order, then each below
+    the last: ``DriverAddresses``); the card's own addresses give the same peaks. With
+    benchmark mode, the trials reserve more than their recorded events show (b32: 138 MiB),
+    never less."""
     truth = load(name)
-    # With cuDNN's benchmark mode the trials allocate what the trace does not record: the
-    # card's segments are not the model's, nor their addresses.
-    model = replay(truth["events"], card_addresses=not truth["cudnn_benchmark"])
     measured = truth["max_reserved_bytes"]
     if truth["cudnn_benchmark"]:
-        assert abs(model.peak_allocated - truth["max_allocated_bytes"]) < 8 * MiB
+        # The trials allocate what the trace does not record: the card's segments are not the
+        # model's, nor their addresses, and a request can take a block whole that the card
+        # split (convnext_small at b16: 8.25 MiB more allocated at the peak).
+        model = replay(truth["events"])
+        assert abs(model.peak_allocated - truth["max_allocated_bytes"]) < 10 * MiB
         assert measured - 0.08 * measured <= model.peak_reserved <= measured + 16 * MiB
         return
-    assert model.peak_allocated == truth["max_allocated_bytes"]
-    assert model.peak_reserved == measured
+    for addresses in ("driver", "card"):
+        model = replay(truth["events"], addresses)
+        assert model.peak_allocated == truth["max_allocated_bytes"], addresses
+        assert model.peak_reserved == measured, addresses
 
 
-# Without the card's addresses (a prediction has none: cudaMalloc's addresses follow no rule
-# it can know), equal free blocks are taken in the order their segments were made.
-BY_ORDER = {
-    H200 + "resnet18-224-b256-fp32-sgd": -196,  # MiB against the card: a 394 MiB block split
+# The negative control: equal free blocks taken by the age of their segments (as if each new
+# segment sat above the last) fragment otherwise, by these MiB against the card (every other
+# recorded row within 4 MiB).
+BY_AGE = {
+    H200 + "resnet18-224-b256-fp32-sgd": -196,  # a 394 MiB block split
     H200 + "convnext_small-128-b64-fp16-adam": 228,  # freed 48-74 MiB workspace blocks
     H200 + "convnext_small-128-b32-fp16-adam": 38,
 }
 
 
-@pytest.mark.parametrize("name", sorted(BY_ORDER))
-def test_without_the_cards_addresses_equal_blocks_are_taken_by_age(name: str) -> None:
-    """What that costs a prediction where it matters: the fragmentation differs by the MiB in
-    BY_ORDER (every other recorded row replays to within 4 MiB this way too)."""
+@pytest.mark.parametrize("name", sorted(BY_AGE))
+def test_equal_blocks_taken_by_age_miss_where_the_driver_placed_segments_lower(name: str) -> None:
+    """Past its first reservation the driver puts each new segment below the earlier ones, so
+    the newest of several equal free blocks is the one the allocator splits."""
     truth = load(name)
-    model = replay(truth["events"], card_addresses=False)
-    assert (model.peak_reserved - truth["max_reserved_bytes"]) // MiB == BY_ORDER[name]
+    model = replay(truth["events"], "age")
+    assert (model.peak_reserved - truth["max_reserved_bytes"]) // MiB == BY_AGE[name]
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ PREDICTED = [
     Row("resnet18-128-b8-fp16-adamw", 0.04, 0.03, RECORDED_AGAIN % 328),
     Row("resnet18-128-b32-fp16-adamw"),
     Row("convnext_small-128-b32-fp16-adam-nobench", 0.08, 0.06, DEPTHWISE),
-    Row("convnext_small-128-b64-fp16-adam"),
+    Row("convnext_small-128-b64-fp16-adam", 0.06, 0.05, BENCHMARK_TRIALS),
     Row("unet3d-96-b2-fp16-adamw", 0.05, 0.03, RECORDED_AGAIN % 632),
     Row("llama8L-1024-2k-b1-bf16-adamw-ckpt-frozen"),
     # An H200 (make gpu-evidence); the same rows as the H100's above where they repeat. The
@@ -133,6 +138,7 @@ PREDICTED = [
         Row(H200 + n)
         for n in (
             "convnext_small-128-b32-fp16-adam",
+            "convnext_small-128-b64-fp16-adam",
             "efficientnet_b0-224-b64-fp16-adamw",
             "llama4L-512-1k-b4-bf16-adamw-full",
             "llama8L-1024-2k-b1-bf16-adamw-ckpt-frozen",
@@ -155,7 +161,6 @@ PREDICTED = [
             "vit_small_patch16_224-224-b128-fp16-adam",
         )
     ),
-    Row(H200 + "convnext_small-128-b64-fp16-adam", 0.08, 0.06, DEPTHWISE_H200),
     Row(H200 + "resnet18-128-b32-fp16-adamw", 0.08, 0.03, DATA_GRAD_ALGORITHM),
     # The H100's rows whose peaks differ from the H200's (CARDS_DIFFER, below).
     Row("h100-torch2.11/smp_unet_resnet34-512-b8-bf16-adamw"),
@@ -284,8 +289,8 @@ def test_float32_convolutions_take_workspaces_too() -> None:
             skipping.discard(event[1])
         else:
             kept.append(event)
-    with_them = replay(events, card_addresses=False).peak_reserved
-    without = replay(kept, card_addresses=False).peak_reserved
+    with_them = replay(events).peak_reserved
+    without = replay(kept).peak_reserved
     assert 0.2 < 1 - without / with_them < 0.26, (with_them / MiB, without / MiB)
 
 
