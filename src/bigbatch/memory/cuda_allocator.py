@@ -44,8 +44,9 @@ LARGE_BUFFER = 20 * 2**20  # large pool segment for requests under MIN_LARGE_ALL
 MIN_LARGE_ALLOC = 10 * 2**20
 ROUND_LARGE = 2 * 2**20
 # The virtual address range the CUDA driver reserves first for a process's device memory: the
-# allocator's first segments sit in it (in every trace recorded on an H100 and an H200 with
-# CUDA 13.0, the first 2 MiB segment at its top and the first 32 MiB one 510 MiB below).
+# allocator's first segments sit in it (in every trace make gpu-evidence recorded on an H100
+# and an H200 with CUDA 13.0, the first 2 MiB segment at its top and the first 32 MiB one
+# 510 MiB below).
 FIRST_RESERVATION = 512 * 2**20
 
 
