@@ -118,8 +118,11 @@ def test_the_tasks_own_key_is_checked_by_the_task(registered: None) -> None:
 
 def test_a_task_that_is_not_a_task_subclass_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
+    monkeypatch.setattr(registry, "_LOADED", {})
     tasks.register_task("duck", lambda cfg: object(), metrics=("m",))
-    with pytest.raises(TypeError, match=r"not a bigbatch Task: subclass it"):
+    from bigbatch.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"not a bigbatch Task: subclass it"):
         tasks.task_for(load_config(overrides=["task=duck", "data=x"]))
 
 
@@ -135,6 +138,7 @@ def test_bigbatch_predict_runs_the_runs_task_through_the_registry(
         return f"boxes for {request.inputs.name}"
 
     monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
+    monkeypatch.setattr(registry, "_LOADED", {})
     tasks.register_task("toy_boxes", toy_boxes.ToyBoxes, metrics=("box_l1",), predict=predict)
     run = tmp_path / "run"
     run.mkdir()

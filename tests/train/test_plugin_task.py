@@ -27,6 +27,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     (info / "entry_points.txt").write_text("[bigbatch.tasks]\ntoy_boxes = toy_boxes:ENTRY\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))  # nothing registered by hand
+    monkeypatch.setattr(registry, "_LOADED", {})
     registry._entry_points.cache_clear()
     yield
     registry._entry_points.cache_clear()
@@ -77,6 +78,7 @@ def test_task_module_class_needs_no_registration(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
+    monkeypatch.setattr(registry, "_LOADED", {})
     run = tmp_path / "run"
     assert _train(run, "toy_boxes.task:ToyBoxes", "monitor=box_l1") == 0
     # Known by the name it was chosen under: predict finds it the same way.
@@ -100,7 +102,7 @@ def test_a_plug_in_that_does_not_load_is_named_with_the_fix(
         assert "task=broken: its plug-in (no_such_module:ENTRY" in err
         assert "fix or uninstall that package" in err and "Traceback" not in err
         assert _train(tmp_path / "run", "nomodule:Nothing") == 2
-        assert "task=nomodule:Nothing: cannot import it" in capsys.readouterr().err
+        assert "task=nomodule:Nothing: importing 'nomodule' failed" in capsys.readouterr().err
     finally:
         registry._entry_points.cache_clear()
 

@@ -48,9 +48,18 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
                     metavar=f.name.upper(),
                     type=type(f.default),
                     default=None,
-                    help=f"{name}: {f.metadata['help']}",
+                    help=task_help(name, f.metadata["help"]),
                 )
             seen[f.name].append(name)
+
+
+def task_help(task: str, text: str) -> str:
+    """An option's help said to be ``task``'s, once (a plug-in's own help may name it already).
+
+    >>> task_help("tags", "tags: the threshold")
+    'tags: the threshold'
+    """
+    return text if text.startswith(f"{task}:") else f"{task}: {text}"
 
 
 def task_options(args: argparse.Namespace) -> dict[str, Any]:

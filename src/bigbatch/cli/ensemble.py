@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="run folders: cpu, cuda, cuda:N, mps or auto")
     p.add_argument(
+        "--unfinished",
+        action="store_true",
+        help="run folders: use runs that have not finished (their best epoch so far); by "
+        "default such a run is refused",
+    )
+    p.add_argument(
         "--budget",
         default="",
         help="memory for the forward passes (8GB, a card's name, auto): the batch planned under "
@@ -73,7 +79,7 @@ def _run_folders(args: argparse.Namespace) -> int:
     from bigbatch.io import DamagedFileError, check_writable
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
-    from bigbatch.train.tasks import EnsembleRequest, run_task_name, task_entry
+    from bigbatch.train.tasks import EnsembleRequest, check_finished, run_task_entry
 
     runs = [args.experiments, *map(Path, args.overrides)]
     not_runs = [r for r in runs if not (r / "task.json").is_file()]
@@ -86,13 +92,15 @@ def _run_folders(args: argparse.Namespace) -> int:
         raise UserError("run folders need --images DIR: the images to predict and average")
     options = task_options(args)
     try:
-        names = [run_task_name(r) for r in runs]
+        entries = [run_task_entry(r) for r in runs]
+        names = [e.name for e in entries]
         if len(set(names)) > 1:
             raise ValueError(
                 f"the runs are of different tasks ({', '.join(sorted(set(names)))}): an ensemble "
                 "averages runs of one task"
             )
-        ensemble = task_entry(names[0]).ensembler()
+        notes = [n for r in runs if (n := check_finished(r, unfinished=args.unfinished))]
+        ensemble = entries[0].ensembler()
         if ensemble is None:
             raise ValueError(f"task={names[0]} registered no ensemble: average its runs by hand")
         check_writable(args.out / "probe", "--out")  # the folder, made, or why it cannot be
@@ -106,10 +114,9 @@ def _run_folders(args: argparse.Namespace) -> int:
             budget=args.budget,
         )
         print(ensemble(request))
-    except KeyError as exc:
-        raise UserError(
-            f"the runs were trained for a task not registered here: {exc.args[0]}"
-        ) from None
     except (ConfigError, DataError, DamagedFileError, ValueError, OSError) as exc:
+        # A task's own bug (a KeyError, say) is not the user's input: its traceback shows.
         raise UserError(str(exc)) from exc
+    for note in notes:
+        print(note)
     return 0

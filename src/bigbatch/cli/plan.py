@@ -285,7 +285,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
     from bigbatch.train.data import DataError
     from bigbatch.train.planning import plan_for, plan_validation
     from bigbatch.train.runtime import resolve_device, resolve_precision
-    from bigbatch.train.tasks import task_for
+    from bigbatch.train.tasks import prepare_data, task_for
 
     keys = [k for k in args.train_keys if "=" in k]
     if len(keys) != len(args.train_keys):
@@ -304,7 +304,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
             )
         precision = resolve_precision(cfg.precision, device)
         task = task_for(cfg)
-        _, valid_items = task.prepare(lambda line: print(line, file=sys.stderr))
+        _, valid_items = prepare_data(task, lambda line: print(line, file=sys.stderr))
         factory = task.model_factory()
         choice = plan_for(cfg, factory, device, precision, print, target=cfg.batch, task=task)
         choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, print)

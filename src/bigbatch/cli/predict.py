@@ -23,6 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "axis and the combinations)",
     )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument(
+        "--unfinished",
+        action="store_true",
+        help="predict from a run that has not finished (its best epoch so far, without its "
+        "task's last step, such as tuned thresholds); by default such a run is refused",
+    )
     add_task_options(p)
     p.add_argument(
         "--out",
@@ -43,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
-    from bigbatch.train.tasks import PredictRequest, run_task_name, task_entry
+    from bigbatch.train.tasks import PredictRequest, check_finished, run_task_entry
 
     # A task's own options, passed only when set: a task refuses those it does not take.
     options = task_options(args)
@@ -58,17 +64,17 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
     )
     try:
-        name = run_task_name(args.run)
-        predict = task_entry(name).predictor()
+        entry = run_task_entry(args.run)
+        predict = entry.predictor()
         if predict is None:
             raise ValueError(
-                f"task={name} registered no prediction: bigbatch predict cannot run it"
+                f"task={entry.name} registered no prediction: bigbatch predict cannot run it"
             )
+        note = check_finished(args.run, unfinished=args.unfinished)
         print(predict(request))
-    except KeyError as exc:
-        raise UserError(
-            f"{args.run} was trained for a task not registered here: {exc.args[0]}"
-        ) from exc
     except (ConfigError, DataError, ValueError, OSError) as exc:
+        # A task's own bug (a KeyError, say) is not the user's input: its traceback shows.
         raise UserError(str(exc)) from exc
+    if note:
+        print(note)
     return 0

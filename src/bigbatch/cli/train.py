@@ -66,11 +66,15 @@ def run(args: argparse.Namespace) -> int:
         config = None
     run_dir: Path | None = args.resume or args.out
     try:
-        if args.resume and not config and not overrides:
+        if args.resume and not config:
+            # The run's own config, with the keys given on top (num_workers=0, say): not the
+            # defaults, which would name another task or data than the run's.
             saved = args.resume / "config.json"
             if not saved.is_file():
                 raise ConfigError(f"--resume {args.resume}: no run there (config.json is missing)")
             cfg = config_from_json(saved.read_text(), str(saved))
+            if overrides:
+                cfg = load_config(None, overrides, base=cfg)
         else:
             cfg = load_config(config, overrides)
         run_dir = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import json
@@ -168,9 +169,15 @@ class TrainConfig:
             )
         metrics = task_entry(self.task).metrics
         if self.monitor != "valid_loss" and self.monitor not in metrics:
+            if not metrics:
+                raise ConfigError(
+                    f"monitor={self.monitor}: task={self.task} declares no metrics (its "
+                    "metric_names, or its TaskEntry's metrics, are empty): use "
+                    f"monitor=valid_loss, or declare {self.monitor} in the task"
+                )
             raise ConfigError(
-                f"monitor={self.monitor} is not a {self.task} metric: use valid_loss, "
-                + " or ".join(metrics)
+                f"monitor={self.monitor} is not a {self.task} metric: use valid_loss or "
+                + ", ".join(metrics)
             )
         if not 0 <= self.ema < 1:
             raise ConfigError(f"ema is a decay in [0, 1) (0.999 is common; 0: off), got {self.ema}")
@@ -330,7 +337,10 @@ def help_for(key: str) -> str:
     """
     entries = [(n, _entry_or_none(n)) for n in task_names()]
     if key == "task":
-        said = [f"{n} ({e.summary if e else 'its plug-in does not load'})" for n, e in entries]
+        said = [
+            f"{n} ({e.summary})" if e and e.summary else n if e else f"{n} (does not load)"
+            for n, e in entries
+        ]
         return ", ".join(said) + "; an installed plug-in's name, or module:Class (a Task subclass)"
     if key == "data":
         return "; ".join(f"{n}: {_data_help(n)}" for n, _ in entries) + " (required)"
@@ -471,13 +481,19 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Defaults, then the TOML file (if any), then ``key=value`` overrides; validated.
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: TrainConfig | None = None,
+) -> TrainConfig:
+    """Defaults (or ``base``: a run's own config, for ``--resume RUN key=value``), then the
+    TOML file (if any), then ``key=value`` overrides; validated.
 
     >>> load_config(overrides=["data=images", "epochs=3", "augment=false"]).epochs
     3
     """
-    cfg = TrainConfig()
+    cfg = copy.deepcopy(base) if base is not None else TrainConfig()
     # One pass over the file's keys and the overrides (which win): task= in either decides
     # which keys are the task's own.
     values = read_toml(path, "config file") if path is not None else {}

@@ -30,10 +30,13 @@ def run_ensemble(
         entry = task_entry(task)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"{experiments}: {exc.args[0]}") from None
-    if entry.experiments is None:
+    try:
+        run = entry.experiments_fn()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if run is None:
         raise ConfigError(
             f"task={task} has no ensemble of experiments: train its runs with bigbatch train, "
             "then ensemble them with bigbatch ensemble RUN RUN ... --images DIR"
         )
-    run = entry.experiments_fn()
     return run(experiments, out_dir, train=train, log=log, overrides=overrides)

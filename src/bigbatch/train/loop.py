@@ -62,7 +62,13 @@ from bigbatch.train.state import (
     make_valid_loader,
     restore,
 )
-from bigbatch.train.tasks import Placement, check_declared_metrics, lower_is_better, task_for
+from bigbatch.train.tasks import (
+    Placement,
+    check_declared_metrics,
+    lower_is_better,
+    prepare_data,
+    task_for,
+)
 
 __all__ = ["train"]
 
@@ -144,7 +150,7 @@ def _setup(
     precision = resolve_precision(cfg.precision, device)
     threads, workers = threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)
-    train_items, valid_items = task.prepare(log, data)
+    train_items, valid_items = prepare_data(task, log, data)
     factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)

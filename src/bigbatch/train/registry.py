@@ -85,6 +85,10 @@ class TaskEntry:
     predict_options: Any = None
     # ``bigbatch ensemble EXPERIMENTS.toml``: members trained, then ensembled as the task does.
     experiments: Any = None
+    # The installed distribution whose entry point this is ("" for the built-in tasks and
+    # ``module:Class``): a run folder records it, so that a machine without the plug-in can
+    # say which package to install.
+    package: str = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.lower_is_better) - set(self.metrics)
@@ -94,25 +98,45 @@ class TaskEntry:
             )
 
     def build(self, cfg: Any) -> Any:
-        return load_ref(self.task)(cfg)
+        return self._load("task")(cfg)
 
     def options_class(self) -> type[Any]:
         """The dataclass of the task's own keys (the empty base for a task without any)."""
         if self.options is None:
             return load_ref("bigbatch.train.tasks.options:TaskOptions")  # type: ignore[no-any-return,unused-ignore]
-        return load_ref(self.options)  # type: ignore[no-any-return,unused-ignore]
+        return self._load("options")  # type: ignore[no-any-return,unused-ignore]
 
     def predictor(self) -> Callable[[Any], str] | None:
-        return load_ref(self.predict) if self.predict is not None else None
+        return self._load("predict") if self.predict is not None else None
 
     def ensembler(self) -> Callable[[Any], str] | None:
-        return load_ref(self.ensemble) if self.ensemble is not None else None
+        return self._load("ensemble") if self.ensemble is not None else None
 
-    def experiments_fn(self) -> Callable[..., Any]:
-        return load_ref(self.experiments)
+    def experiments_fn(self) -> Callable[..., Any] | None:
+        return self._load("experiments") if self.experiments is not None else None
 
     def predict_options_class(self) -> type[Any] | None:
-        return load_ref(self.predict_options) if self.predict_options is not None else None
+        return self._load("predict_options") if self.predict_options is not None else None
+
+    def _load(self, part: str) -> Any:
+        """One of the entry's parts, loaded; a reference that does not load is a ValueError
+        naming the part and the fix, not an ImportError from deep inside the command."""
+        ref = getattr(self, part)
+        try:
+            return load_ref(ref)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(
+                f"task={self.name}: its {part}={ref!r} does not load ({type(exc).__name__}: "
+                f"{str(exc)[:160]}); fix that reference in the task's TaskEntry"
+                + (f" (package {self.package})" if self.package else "")
+            ) from exc
+
+    def check_references(self) -> None:
+        """Load every ``"module:attr"`` part now (ValueError naming the first that fails): a
+        plug-in's typo is said when the task is chosen, not after training when it predicts."""
+        for part in ("task", "options", "predict", "ensemble", "predict_options", "experiments"):
+            if isinstance(getattr(self, part), str):
+                self._load(part)
 
 
 _TASKS: dict[str, TaskEntry] = {}
@@ -170,23 +194,45 @@ def task_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*_TASKS, *_entry_points()]))
 
 
+# Plug-ins and ``module:Class`` tasks once loaded (the registered ones are in _TASKS).
+_LOADED: dict[str, TaskEntry] = {}
+
+
 def task_entry(name: str) -> TaskEntry:
     """The task ``name``: registered, an installed plug-in (loaded now), or ``module:Class``.
     KeyError with the choices where it is none; ValueError, naming it and the fix, where it
-    is one but cannot load."""
+    is one but cannot load, or where a plug-in takes a registered task's name."""
+    plugin = _entry_points().get(name)
     if name in _TASKS:
+        if plugin is not None:
+            raise ValueError(
+                f"task={name} is two tasks here: the built-in one and the plug-in "
+                f"{plugin.value} ({_distribution(plugin) or 'an installed package'}, entry point "
+                f"of group {ENTRY_POINT_GROUP}): rename that entry point in the plug-in's "
+                "pyproject.toml and reinstall it (or uninstall it to use the built-in task)"
+            )
         return _TASKS[name]
-    if name in _entry_points():
-        return _TASKS.setdefault(name, _from_entry_point(name, _entry_points()[name]))
-    if ":" in name:
-        return _TASKS.setdefault(name, _from_class(name))
-    raise KeyError(
-        f"task={name!r} is not one of {', '.join(task_names())} (nor module:Class, a Task "
-        "subclass on the import path)"
-    )
+    if name not in _LOADED:
+        if plugin is not None:
+            _LOADED[name] = _from_entry_point(name, plugin)
+        elif ":" in name:
+            _LOADED[name] = _from_class(name)
+        else:
+            raise KeyError(
+                f"task={name!r} is not one of {', '.join(task_names())} (nor module:Class, a "
+                "Task subclass on the import path)"
+            )
+    return _LOADED[name]
+
+
+def _distribution(ep: Any) -> str:
+    """The name of the installed distribution an entry point belongs to ('' if unknown)."""
+    dist = getattr(ep, "dist", None)
+    return str(getattr(dist, "name", "") or "")
 
 
 def _from_entry_point(name: str, ep: Any) -> TaskEntry:
+    package = _distribution(ep)
     try:
         obj = ep.load()
     except Exception as exc:
@@ -199,25 +245,39 @@ def _from_entry_point(name: str, ep: Any) -> TaskEntry:
             f"task={name}: its entry point {ep.value} is a {type(obj).__name__}, not a "
             "bigbatch.train.registry.TaskEntry: point it at one"
         )
-    return obj if obj.name == name else TaskEntry(**{**obj.__dict__, "name": name})
+    entry = TaskEntry(**{**obj.__dict__, "name": name, "package": package})
+    entry.check_references()
+    return entry
 
 
 def _from_class(name: str) -> TaskEntry:
     """``task=module:Class``: the class's own declarations make its entry."""
+    from bigbatch.user_code import UserCodeError, load_object  # a leaf, like this module
+
     try:
-        cls = load_ref(name)
-    except (ImportError, AttributeError, ValueError) as exc:
+        # The working directory is on the path here, as for model=, under either
+        # `python -m bigbatch` or the `bigbatch` executable.
+        cls = load_object(name, f"task={name}")
+    except UserCodeError as exc:
         raise ValueError(
-            f"task={name}: cannot import it ({type(exc).__name__}: {str(exc)[:200]}); give "
-            "module:Class with the module on the import path (the working directory is)"
+            f"{exc}; give module:Class with the module in the working directory or installed"
         ) from exc
-    metrics = getattr(cls, "metric_names", None)
-    if not isinstance(cls, type) or not isinstance(metrics, tuple):
+    task_base = load_ref("bigbatch.train.tasks.base:Task")
+    if not isinstance(cls, type) or not issubclass(cls, task_base):
+        kind = cls.__name__ if isinstance(cls, type) else type(cls).__name__
         raise ValueError(
-            f"task={name} is not a Task subclass declaring metric_names (a tuple of the names "
-            "its metrics' as_dict returns): subclass bigbatch.train.tasks.Task and declare it"
+            f"task={name} is a {kind}, not a bigbatch Task: write `class {kind}"
+            "(bigbatch.train.tasks.Task)` with its metric_names (the names its metrics' "
+            "as_dict returns)"
+        )
+    metrics = getattr(cls, "metric_names", None)
+    if not isinstance(metrics, tuple) or not all(isinstance(m, str) for m in metrics):
+        raise ValueError(
+            f"task={name}: metric_names is {metrics!r}, not a tuple of the names its metrics' "
+            "as_dict returns: declare it, e.g. metric_names = ('f2', 'map')"
         )
     doc = (cls.__doc__ or "").strip().splitlines()
+    experiments = getattr(cls, "run_experiments", None)
     return TaskEntry(
         name,
         cls,
@@ -227,8 +287,10 @@ def _from_class(name: str) -> TaskEntry:
         getattr(cls, "options_class", None),
         doc[0] if doc else "",
         getattr(cls, "data_help", ""),
+        frozenset(getattr(cls, "fraction_names", ())),
         ensemble=getattr(cls, "ensemble_runs", None),
         predict_options=getattr(cls, "predict_options_class", None),
+        experiments=experiments,
     )
 
 

@@ -17,6 +17,7 @@ from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes
 from bigbatch.train.checkpoint import load_state, save_state
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
+from bigbatch.train.registry import task_entry
 
 __all__ = [
     "add_to_plan",
@@ -135,7 +136,11 @@ def write_run_files(
     atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
     atomic_write_text(run_dir / "config.toml", config_toml(cfg))
     atomic_write_text(run_dir / "classes.json", json.dumps(task.classes))
-    atomic_write_text(run_dir / "task.json", json.dumps(task.run_info(), indent=1))
+    info = task.run_info()
+    package = task_entry(cfg.task).package
+    if package:  # a plug-in's run: a machine without it names the package to install
+        info = {**info, "package": package}
+    atomic_write_text(run_dir / "task.json", json.dumps(info, indent=1))
     atomic_write_text(run_dir / "plan.json", json.dumps(plan_info, indent=1))
     if items is not None:
         split = {"train": task.sample_names(items[0]), "valid": task.sample_names(items[1])}

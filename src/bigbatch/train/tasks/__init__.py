@@ -41,10 +41,13 @@ __all__ = [
     "TaskEntry",
     "ValidShape",
     "check_declared_metrics",
+    "check_finished",
     "lower_is_better",
     "planned_eval_batch",
+    "prepare_data",
     "read_task_info",
     "register_task",
+    "run_task_entry",
     "run_task_name",
     "task_entry",
     "task_for",
@@ -99,16 +102,38 @@ class PredictRequest(_RunRequest):
 
 
 def task_for(cfg: TrainConfig) -> Task:
-    """The task ``cfg.task`` names, built for ``cfg``."""
-    task = task_entry(cfg.task).build(cfg)
+    """The task ``cfg.task`` names, built for ``cfg``; ConfigError with the fix where what it
+    builds is no :class:`Task`."""
+    from bigbatch.train.config import ConfigError  # the configuration imports no task
+
+    try:
+        task = task_entry(cfg.task).build(cfg)
+    except ValueError as exc:  # a reference in its entry that does not load
+        if isinstance(exc, ConfigError) or type(exc) is not ValueError:
+            raise
+        raise ConfigError(str(exc)) from exc
     if not isinstance(task, Task):
         kind = type(task).__name__
-        raise TypeError(
+        raise ConfigError(
             f"task={cfg.task} built a {kind}, which is not a bigbatch Task: subclass it, "
             f"`class {kind}(bigbatch.train.tasks.Task)`, for the defaults the loop relies on"
         )
     task.name = cfg.task  # known by the name it was chosen under (task.json, predict)
     return task
+
+
+def prepare_data(task: Task, log: Log, data: Any = None) -> tuple[Any, Any]:
+    """``task.prepare``, where the data is scanned and checked: a plain ValueError raised there
+    is the data's fault (a plug-in that did not raise :class:`~bigbatch.train.data.DataError`),
+    so every command says it in one line, the same under ``train`` and ``plan``."""
+    from bigbatch.train.data import DataError
+
+    try:
+        return task.prepare(log, data)
+    except ValueError as exc:
+        if isinstance(exc, DataError) or type(exc) is not ValueError:
+            raise
+        raise DataError(f"task={task.name}: {exc}") from exc
 
 
 def check_declared_metrics(task: str, monitor: str, scores: Mapping[str, Any]) -> None:
@@ -148,6 +173,55 @@ def read_task_info(run_dir: str | Path) -> dict[str, Any]:
 def run_task_name(run_dir: str | Path) -> str:
     """The task a run folder was trained for (:func:`read_task_info`)."""
     return str(read_task_info(run_dir)["task"])
+
+
+def run_task_entry(run_dir: str | Path) -> TaskEntry:
+    """The registry entry of the task a run folder was trained for; ValueError with the fix
+    where that task is not here (a plug-in not installed on this machine: the package its
+    ``task.json`` recorded is named) or does not load.
+
+    >>> run_task_entry("no/such/run").name  # a folder without task.json: classification
+    'classification'
+    """
+    info = read_task_info(run_dir)
+    name = str(info["task"])
+    try:
+        return task_entry(name)
+    except KeyError:
+        package = str(info.get("package") or "")
+        if package:
+            fix = f"install its plug-in here: pip install {package}"
+        elif ":" in name:
+            fix = f"run from the folder that holds {name.partition(':')[0]}.py, or install it"
+        else:
+            fix = f"install the package whose plug-in registers task {name!r}"
+        raise ValueError(
+            f"{run_dir} was trained with task={name}, which is not installed here: {fix}"
+        ) from None
+
+
+def check_finished(run_dir: str | Path, *, unfinished: bool = False) -> str:
+    """Refuse to predict from a run that has not finished (ValueError naming how to finish it
+    and how to use it anyway), unless ``unfinished``; returns a note for what is printed ('' for
+    a finished run). A finished run has ``done.json``: its task's last step (a segmentation
+    run's tuned thresholds) ran.
+
+    >>> check_finished("no/such/run", unfinished=True)
+    ''
+    """
+    run_dir = Path(run_dir)
+    if (run_dir / "done.json").is_file() or not (run_dir / "config.json").is_file():
+        return ""  # finished, or no run at all: opening it says so
+    history = run_dir / "history.csv"
+    epochs = max(len(history.read_text().splitlines()) - 1, 0) if history.is_file() else 0
+    where = f"it stopped after epoch {epochs}" if epochs else "it has finished no epoch"
+    if not unfinished:
+        raise ValueError(
+            f"{run_dir} is an unfinished run ({where}): `bigbatch train --resume {run_dir}` "
+            "finishes it; or add --unfinished to use its best epoch so far as it is (a task's "
+            "last step, such as a segmentation run's tuned thresholds, is then missing)"
+        )
+    return f"note: {run_dir} is unfinished ({where}); its best epoch so far was used"
 
 
 def planned_eval_batch(run_dir: Path, device: torch.device, default: int = 64) -> int:

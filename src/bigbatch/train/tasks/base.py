@@ -109,8 +109,16 @@ class Task:
     # help, and ``predict_run(request)`` / ``ensemble_runs(request)`` as static methods.
     metric_names: ClassVar[tuple[str, ...]] = ()
     lower_is_better_names: ClassVar[tuple[str, ...]] = ()
+    # Metrics that are fractions of 1 (F2, accuracy), plotted together in history.png.
+    fraction_names: ClassVar[tuple[str, ...]] = ()
     options_class: ClassVar[type | None] = None
     data_help: ClassVar[str] = ""
+
+    def __init__(self, cfg: Any = None) -> None:
+        """Keep the run's configuration (:class:`~bigbatch.train.config.TrainConfig`; its
+        task's own keys are ``cfg.options``). A subclass that needs no set-up of its own need
+        not define ``__init__``; one that does calls ``super().__init__(cfg)``."""
+        self.cfg = cfg
 
     def valid_shape(self, valid_items: Any) -> ValidShape:
         """What validation's forward passes meet (:class:`ValidShape`), found from the items'
