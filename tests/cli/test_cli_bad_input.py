@@ -458,4 +458,5 @@ def test_a_run_records_its_measured_peak_beside_the_predicted(
     assert plan["measured"] == "process peak resident" and plan["measured_peak_bytes"] > 0
     predicted = plan["predicted_peak_bytes"] + plan["overhead_bytes"]
     assert plan["compared_prediction_bytes"] == predicted
-    assert "memory: predicted" in out and "(process peak resident), budget 1.86 GiB" in out
+    # Like with like: the process's resident peak against the step plus the overhead.
+    assert "memory: the process's peak" in out and "budget 1.86 GiB for the whole process" in out

@@ -565,3 +565,113 @@ def test_conversions_and_other_sizes_are_said(
     out = capsys.readouterr().out
     assert f"2 test image(s) are not {H}x{W} like the training images" in out
     assert f"2 of them transposed ({W}x{H})" in out
+
+
+def test_a_mask_size_with_height_and_width_swapped_is_refused(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: --mask-size 24x16 for landscape images wrote a valid-looking submission at the
+    wrong orientation (Dice 0.661 instead of 0.940 read at the true size)."""
+    run, data = trained
+    out = tmp_path / "s.csv"
+    argv = ["predict", str(run), str(data / "test_images"), "--out", str(out)]
+    assert main([*argv, "--mask-size", "24x16"]) == 2
+    err = capsys.readouterr().err
+    assert "--mask-size 24x16 is HEIGHTxWIDTH, portrait, but the test images are landscape" in err
+    assert "the run's rules were tuned at 16x24: give --mask-size 16x24" in err
+    assert not out.exists()
+    assert main([*argv, "--mask-size", "32x48"]) == 0  # the same orientation: resized, as asked
+
+
+def test_predicting_an_unfinished_run_says_so_and_how_to_go_on(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: a run stopped after its first epoch wrote a threshold-0.5 submission "(the run
+    had no validation set)", though it had one."""
+    run, data = trained
+    copy = copy_run(run, tmp_path / "run")
+    (copy / "done.json").unlink()
+    (copy / "postprocess.json").unlink()  # tuned when a run finishes
+    argv = ["predict", str(copy), str(data / "test_images"), "--out", str(tmp_path / "s.csv")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{copy} is an unfinished run (it stopped after epoch 2)" in err
+    assert f"`bigbatch train --resume {copy}` finishes it; or add --unfinished" in err
+    assert main([*argv, "--unfinished"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold 0.5, no components dropped (the run is unfinished: its rules are" in out
+    assert "had no validation set" not in out
+
+
+def test_hidden_files_in_the_test_folder_are_no_submission_rows(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run, data = trained
+    images = tmp_path / "test"
+    shutil.copytree(data / "test_images", images)
+    first = sorted(images.iterdir())[0]
+    shutil.copy(first, images / f"._{first.name}")  # macOS's resource-fork copy
+    (images / ".ipynb_checkpoints").mkdir()
+    shutil.copy(first, images / ".ipynb_checkpoints" / first.name)
+    out = tmp_path / "s.csv"
+    assert main(["predict", str(run), str(images), "--out", str(out)]) == 0
+    assert sorted(read_rle_csv(out).masks) == sorted(
+        p.name for p in (data / "test_images").iterdir()
+    )
+
+
+@pytest.mark.parametrize(
+    ("rule", "said"),
+    [
+        ({"threshold": 1.5, "min_size": 0}, "threshold 1.5"),
+        ({"threshold": 0.5, "min_size": -3}, "min_size -3"),
+    ],
+)
+def test_a_hand_edited_rule_out_of_range_is_refused(
+    trained: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    rule: dict[str, float],
+    said: str,
+) -> None:
+    run, data = trained
+    copy = copy_run(run, tmp_path / "run")
+    rules = json.loads((copy / "postprocess.json").read_text())
+    rules["classes"][CLOUD_CLASSES[0]] |= rule
+    (copy / "postprocess.json").write_text(json.dumps(rules))
+    assert main(["predict", str(copy), str(data / "test_images")]) == 2
+    err = capsys.readouterr().err
+    assert f"class {CLOUD_CLASSES[0]!r} has" in err and said in err and "a threshold is a" in err
+
+
+def test_a_second_ensemble_into_a_busy_folder_is_refused(
+    trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bigbatch.io import lock_folder
+
+    run, data = trained
+    args = ["ensemble", str(run), str(run), "--images", str(data / "test_images")]
+    with lock_folder(tmp_path / "ens", "--out"):  # another ensemble writing there
+        assert main([*args, "--out", str(tmp_path / "ens")]) == 2
+    assert "is in use by" in capsys.readouterr().err
+    assert not (tmp_path / "ens" / "submission.csv").exists()
+
+
+def test_a_class_only_in_validation_and_a_gap_in_class_ids_are_said() -> None:
+    from bigbatch.segmentation.rle import RLETable
+    from bigbatch.train.tasks.segmentation.kaggle import class_notes
+    from bigbatch.train.tasks.segmentation.rle_data import RLEItems
+
+    masks = {"a.png": {"1": "1 2", "4": ""}, "b.png": {"2": "3 1"}, "c.png": {"4": "1 1"}}
+    table = RLETable("image_class", ["1", "2", "4"], masks)
+
+    def items(*names: str) -> RLEItems:
+        return RLEItems(table, [Path(n) for n in names], [(4, 4)] * len(names), True)
+
+    notes = class_notes(items("a.png", "b.png"), items("c.png"))
+    assert notes[0].startswith("class 4 has masks only in the validation images")
+    assert (
+        notes[1]
+        == "class id(s) 3 have no mask in the CSV: the run learns and submits classes 1, 2, 4 only"
+    )
+    assert class_notes(items("a.png", "b.png", "c.png"), items()) == [notes[1]]

@@ -87,7 +87,19 @@ def test_both_layouts_are_read_from_their_header(tmp_path: Path) -> None:
         ("Image_Label,EncodedPixels\n", "has a header but no rows"),
         ("Image_Label,EncodedPixels\nFish,1 2\n", "is not image_class"),
         ("ImageId,ClassId,EncodedPixels\na.jpg,1\n", "2 cells, the header has 3"),
-        ("ImageId,ClassId,EncodedPixels\na.jpg,1,1 2\na.jpg,1,5 2\n", "a second mask for a.jpg 1"),
+        ("ImageId,ClassId,EncodedPixels\na.jpg,1,1 2\na.jpg,1,5 2\n", "a second row for a.jpg 1"),
+        # An empty and a filled row for one mask: not merged, since either may be the one meant.
+        ("Image_Label,EncodedPixels\na.jpg_Fish,\na.jpg_Fish,1 2\n", "a second row for a.jpg Fish"),
+        # Two CSVs joined: the line named, not an image "not in the folder".
+        (
+            "Image_Label,EncodedPixels\na.jpg_Fish,1 2\nImage_Label,EncodedPixels\nb.jpg_Fish,\n",
+            r"line 3 is the header again \(two CSVs joined\?\): delete that line",
+        ),
+        # Image_Label lists every image and class: a missing row is no empty mask.
+        (
+            "Image_Label,EncodedPixels\na.jpg_Fish,1 2\na.jpg_Sugar,\nb.jpg_Fish,\n",
+            "b.jpg has no row for class Sugar .* add the row `b.jpg_Sugar,` if its mask is empty",
+        ),
     ],
 )
 def test_malformed_csvs_are_refused(tmp_path: Path, text: str, match: str) -> None:

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-    from bigbatch.io import DamagedFileError
+    from bigbatch.io import DamagedFileError, FolderBusyError, lock_folder
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
 
@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.train.ensemble import run_ensemble
 
     try:
-        result = run_ensemble(args.experiments, args.out, overrides=args.overrides)
-    except (ConfigError, DataError, DamagedFileError) as exc:
+        # Two ensembles into one folder would interleave their files: the second is refused.
+        with lock_folder(args.out, "--out"):
+            result = run_ensemble(args.experiments, args.out, overrides=args.overrides)
+    except (ConfigError, DataError, DamagedFileError, FolderBusyError, NotADirectoryError) as exc:
         raise UserError(str(exc)) from exc
     print("\n" + result.summary(args.out))
     return 0
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_folders(args: argparse.Namespace) -> int:
     """Finished runs of one task, averaged as their task averages (probabilities, values, or
     a Kaggle submission's probabilities before its rules)."""
-    from bigbatch.io import DamagedFileError, check_writable
+    from bigbatch.io import DamagedFileError, FolderBusyError, check_writable, lock_folder
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
     from bigbatch.train.tasks import EnsembleRequest, check_finished, run_task_entry
@@ -113,8 +115,10 @@ def _run_folders(args: argparse.Namespace) -> int:
             options=options,
             budget=args.budget,
         )
-        print(ensemble(request))
-    except (ConfigError, DataError, DamagedFileError, ValueError, OSError) as exc:
+        # Two ensembles into one folder would race on its files: the second is refused.
+        with lock_folder(args.out, "--out"):
+            print(ensemble(request))
+    except (ConfigError, DataError, DamagedFileError, FolderBusyError, ValueError, OSError) as exc:
         # A task's own bug (a KeyError, say) is not the user's input: its traceback shows.
         raise UserError(str(exc)) from exc
     for note in notes:

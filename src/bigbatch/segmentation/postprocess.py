@@ -195,4 +195,14 @@ def load_rules(path: str | Path, classes: Sequence[str]) -> tuple[list[ClassRule
             "predict with the run's own classes"
         )
     rules = [ClassRule(float(known[c]["threshold"]), int(known[c]["min_size"])) for c in classes]
+    for name, rule in zip(classes, rules, strict=True):
+        # A hand-edited rule out of range would quietly empty (or fill) a class's masks.
+        if not 0 <= rule.threshold <= 1 or rule.min_size < 0:
+            raise ValueError(
+                f"{path}: class {name!r} has threshold {rule.threshold} and min_size "
+                f"{rule.min_size}; a threshold is a probability in [0, 1] and min_size a pixel "
+                f"count >= 0: correct it, or {fix.split('; ', 1)[1]}"
+            )
+    if int(height) < 1 or int(width) < 1:
+        raise DamagedFileError(f"{path}: mask_size {height}x{width} is not a size: {fix}")
     return rules, (int(height), int(width))

@@ -251,17 +251,31 @@ def read_rle_csv(path: str | Path) -> RLETable:
     for line, row in enumerate(rows[1:], start=2):
         if not row:
             continue
+        if tuple(cell.strip() for cell in row) == header:
+            raise RLEError(
+                f"{path} line {line} is the header again (two CSVs joined?): delete that line, "
+                "and check the rows after it belong to this file"
+            )
         if len(row) != width:
             raise RLEError(f"{path} line {line}: {len(row)} cells, the header has {width}")
         image, name = _image_and_class(row, layout, line, path)
         if name not in table.classes:
             table.classes.append(name)
         own = table.masks.setdefault(image, {})
-        if own.get(name, "").strip() and row[-1].strip():
-            raise RLEError(f"{path} line {line}: a second mask for {image} {name}: keep one")
-        own[name] = row[-1].strip() or own.get(name, "")
+        if name in own:  # an empty and a filled row for one mask too: which one is meant?
+            raise RLEError(f"{path} line {line}: a second row for {image} {name}: keep one")
+        own[name] = row[-1].strip()
     if not table.masks:
         raise RLEError(f"{path} has a header but no rows")
+    if layout == "image_label":  # every image has a row for every class there
+        for image, own in table.masks.items():
+            absent = [c for c in table.classes if c not in own]
+            if absent:
+                raise RLEError(
+                    f"{path}: {image} has no row for class {absent[0]} (Image_Label lists every "
+                    f"image and class, an empty cell for an empty mask): add the row "
+                    f"`{image}_{absent[0]},` if its mask is empty, or check the file is whole"
+                )
     if layout == "image_class":  # Severstal's class ids, in their numeric order
         table.classes.sort(key=lambda c: (not c.isdigit(), int(c) if c.isdigit() else 0, c))
     return table

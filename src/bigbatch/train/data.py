@@ -89,8 +89,15 @@ def images_to_predict(folder: str | Path) -> list[Path]:
 
 
 def list_images(folder: Path) -> list[Path]:
+    """The images under ``folder``, recursively, leaving out hidden files and folders (a
+    ``.DS_Store``, macOS's ``._name.jpg`` copies, a ``.ipynb_checkpoints`` folder): they are no
+    test images, and a submission would gain rows for them."""
     return sorted(
-        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in IMAGE_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
 
 

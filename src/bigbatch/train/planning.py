@@ -241,9 +241,11 @@ class MemoryCheck:
         if whole_process:
             predicted += c.overhead_bytes or 0
         action = "kept" if new == micro else f"{micro} -> {new}"
+        # A step-only prediction (overhead=0) is not what a process's resident peak measures.
+        of = " for the step alone" if whole_process and not c.overhead_bytes else ""
         self.log(
             f"memory: after {step} optimizer steps at micro-batch {micro}, measured "
-            f"{format_bytes(peak)} ({what}), predicted {format_bytes(predicted)}, limit "
+            f"{format_bytes(peak)} ({what}), predicted {format_bytes(predicted)}{of}, limit "
             f"{format_bytes(limit)}: micro-batch {action}"
         )
         if self.run_dir is None:

@@ -22,6 +22,7 @@ from bigbatch.train.registry import task_entry
 __all__ = [
     "add_to_plan",
     "check_run_dir",
+    "compare_peaks",
     "measured_as",
     "record_measured_peak",
     "save_checkpoint",
@@ -171,11 +172,39 @@ def record_measured_peak(run_dir: Path, device: torch.device, log: Any) -> None:
     if measured is None or not plan.get("predicted_peak_bytes"):
         return
     peak, with_overhead = measured
-    predicted = plan["predicted_peak_bytes"] + (plan["overhead_bytes"] or 0) * with_overhead
+    step, overhead = plan["predicted_peak_bytes"], plan["overhead_bytes"] or 0
+    predicted = step + overhead * with_overhead
     what = measured_as(with_overhead)
     values = {"measured_peak_bytes": peak, "measured": what, "compared_prediction_bytes": predicted}
     add_to_plan(run_dir, values)
-    log(
-        f"memory: predicted {format_bytes(predicted)}, measured {format_bytes(peak)} ({what}), "
-        f"budget {format_bytes(plan['budget_bytes'])}"
+    log(f"memory: {compare_peaks(step, overhead, peak, with_overhead, plan['budget_bytes'])}")
+
+
+def compare_peaks(
+    step_bytes: int, overhead_bytes: int, peak_bytes: int, whole_process: bool, budget_bytes: int
+) -> str:
+    """A measured peak set against the prediction of the same thing, in words: the allocator's
+    reserved peak against the step's prediction (CUDA); the process's resident peak against the
+    step plus the planned overhead (a CPU); and where the budget is the step's alone
+    (overhead 0), the process's peak said apart, not as a budget blown.
+
+    >>> compare_peaks(100 * 2**20, 0, 1024 * 2**20, True, 200 * 2**20)
+    'the step predicted 100.0 MiB under a budget of 200.0 MiB for the step alone (overhead=0); the process peaked at 1.00 GiB resident, the interpreter, libraries and data included, which that budget leaves out'
+    """
+    fmt = format_bytes
+    if not whole_process:
+        return (
+            f"the step's allocator peak {fmt(peak_bytes)} reserved, predicted {fmt(step_bytes)}, "
+            f"budget {fmt(budget_bytes)}"
+        )
+    if overhead_bytes:
+        return (
+            f"the process's peak {fmt(peak_bytes)} resident, predicted "
+            f"{fmt(step_bytes + overhead_bytes)} (the step {fmt(step_bytes)} + overhead "
+            f"{fmt(overhead_bytes)}), budget {fmt(budget_bytes)} for the whole process"
+        )
+    return (
+        f"the step predicted {fmt(step_bytes)} under a budget of {fmt(budget_bytes)} for the "
+        f"step alone (overhead=0); the process peaked at {fmt(peak_bytes)} resident, the "
+        "interpreter, libraries and data included, which that budget leaves out"
     )

@@ -112,6 +112,45 @@ class CompetitionScores:
         return row | {f"dice_{n}": float(d) for n, d in zip(self.names, per_class, strict=True)}
 
 
+def class_notes(train_items: RLEItems, valid_items: RLEItems) -> list[str]:
+    """What the classes' masks say that changes what a run can learn, in words: a class with
+    masks only among the validation images (never learnt), and a gap in Severstal's numeric
+    class ids (no outputs, no submission rows, for the missing id).
+
+    >>> from bigbatch.segmentation.rle import RLETable
+    >>> table = RLETable("image_class", ["1", "2", "4"], {"a.png": {"1": "1 2"}, "b.png": {"4": "1 2"}})
+    >>> train = RLEItems(table, [Path("a.png")], [(4, 4)], True)
+    >>> class_notes(train, RLEItems(table, [Path("b.png")], [(4, 4)], True))[0][:46]
+    'class 4 has masks only in the validation image'
+    """
+    table = train_items.table
+
+    def with_masks(items: RLEItems) -> set[str]:
+        return {
+            c
+            for path in items.images
+            for c, rle in table.masks.get(path.name, {}).items()
+            if rle.strip()
+        }
+
+    notes = []
+    trained = with_masks(train_items)
+    for c in sorted(with_masks(valid_items) - trained, key=table.classes.index):
+        notes.append(
+            f"class {c} has masks only in the validation images, none in training: the run "
+            "cannot learn it; change seed= or valid_pct= to move some into training"
+        )
+    if table.layout == "image_class" and all(c.isdigit() for c in table.classes):
+        ids = {int(c) for c in table.classes}
+        gaps = sorted(set(range(1, max(ids) + 1)) - ids)
+        if gaps:
+            notes.append(
+                f"class id(s) {', '.join(map(str, gaps))} have no mask in the CSV: the run "
+                f"learns and submits classes {', '.join(table.classes)} only"
+            )
+    return notes
+
+
 class KaggleSegmentationTask(SegmentationTask):
     """task=segmentation when ``data=`` is a Kaggle RLE CSV (chosen by its header)."""
 
@@ -180,6 +219,8 @@ class KaggleSegmentationTask(SegmentationTask):
         converted = conversion_note(train_items.modes)
         if converted:
             log(f"data: {converted}")
+        for note in class_notes(train_items, valid_items):
+            log(f"data: {note}")
         return train_items, valid_items
 
     def input_shape(self) -> tuple[int, ...]:

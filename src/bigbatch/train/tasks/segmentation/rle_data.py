@@ -126,7 +126,11 @@ def scan_rle(data: str | Path, image_root: str = "", labels: str = "auto") -> RL
     if table.layout == "image_class":  # images without a row have empty masks there
         listed = {f.name for f in files}
         files += sorted(
-            p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.name not in listed
+            p
+            for p in root.iterdir()
+            if p.suffix.lower() in IMAGE_SUFFIXES
+            and p.name not in listed
+            and not p.name.startswith(".")
         )
     shapes, overlapping = [], ""
     modes: dict[str, int] = {}

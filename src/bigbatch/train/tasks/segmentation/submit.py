@@ -187,6 +187,8 @@ def write_submission(
     runs = [load_submission_run(r, checkpoint, dev) for r in run_dirs]
     _check_members(runs)
     lead = runs[0]
+    if size is not None:
+        _check_orientation(size, files, sizes, lead.rules_size)
     size = size or lead.rules_size
     if not size[0]:
         raise ConfigError("the run holds no mask size: give --mask-size HxW (e.g. 350x525)")
@@ -203,6 +205,34 @@ def write_submission(
     with atomic_path(target) as tmp:
         count = write_rle_csv(tmp, lead.layout, lead.classes, rows())
     return target, count, note + _size_note(files, sizes, lead.stored_size)
+
+
+def _check_orientation(
+    size: tuple[int, int],
+    files: Sequence[Path],
+    sizes: Sequence[tuple[int, int]],
+    tuned: tuple[int, int],
+) -> None:
+    """A ``--mask-size`` of the other orientation than the test images' (height and width
+    swapped) would write every mask turned, a submission that looks valid: refused, with the
+    size meant."""
+
+    def shape(h: int, w: int) -> str:
+        return "landscape" if w > h else "portrait" if h > w else "square"
+
+    wanted = shape(*size)
+    if wanted == "square":
+        return
+    other = [(path, hw) for path, hw in zip(files, sizes, strict=True) if shape(*hw) != "square"]
+    if not other or all(shape(*hw) == wanted for _, hw in other):
+        return
+    path, (height, width) = next((p, hw) for p, hw in other if shape(*hw) != wanted)
+    rules = f"; the run's rules were tuned at {tuned[0]}x{tuned[1]}" if tuned[0] else ""
+    raise ConfigError(
+        f"--mask-size {size[0]}x{size[1]} is HEIGHTxWIDTH, {wanted}, but the test images are "
+        f"{shape(height, width)} (e.g. {path.name}: {height}x{width}){rules}: give --mask-size "
+        f"{size[1]}x{size[0]}"
+    )
 
 
 def _header_sizes(files: Sequence[Path]) -> list[tuple[int, int]]:
@@ -288,9 +318,12 @@ def _rules_at(run: SubmissionRun, size: tuple[int, int]) -> tuple[list[ClassRule
     """The rules for masks of ``size``: smallest components scaled by the area when the rules
     were tuned at another size."""
     if run.rules is None:
-        return [ClassRule()] * len(
-            run.classes
-        ), "threshold 0.5, no components dropped (the run had no validation set to tune them on)"
+        why = (
+            "the run had no validation set to tune them on"
+            if (run.run_dir / "done.json").is_file()
+            else "the run is unfinished: its rules are tuned when it finishes"
+        )
+        return [ClassRule()] * len(run.classes), f"threshold 0.5, no components dropped ({why})"
     tuned = run.rules_size
     if size == tuned:
         return run.rules, f"per-class rules of {run.run_dir / 'postprocess.json'}"
