@@ -158,7 +158,7 @@ def test_each_backend_in_its_own_process(backend: str, jit: bool) -> None:
     assert saving.pop("no_size").endswith("n_acc=C (samples or tokens per optimizer step)")
     assert saving == dict.fromkeys(
         ("checkpoint_is_the_plain_model", "weights_file_into_a_new_wrapper",
-         "get_weights_is_the_models"), True,
+         "resumed_adam_continues_exactly", "get_weights_is_the_models"), True,
     )  # fmt: skip
     if backend == "tensorflow":
         assert "is not supported by bigbatch's Keras wrapper" in out["made_in_scope"]

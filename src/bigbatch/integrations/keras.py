@@ -101,6 +101,15 @@ class AccumulatingModel(keras.Model):
         the optimizer's state and the window, use ``save_weights`` on the wrapper."""
         return self.model.save(filepath, *args, **kwargs)
 
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load what ``save_weights`` wrote, the optimizer's state included: a compiled
+        wrapper's optimizer is built first, since Keras skips (with only a warning) the saved
+        state of an optimizer not built yet, and a resumed Adam would restart from step 0."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not optimizer.built and self.built:
+            optimizer.build(self.trainable_variables)
+        return super().load_weights(filepath, *args, **kwargs)
+
     def get_weights(self) -> list[Any]:
         """The wrapped model's weights (a plain model's list; the window's sums are no weights)."""
         return self.model.get_weights()
