@@ -16,6 +16,8 @@ MARKER = "<!-- generated: cli reference -->"
 END = "<!-- end of the generated reference -->"
 CLI_PAGE = Path(__file__).parents[1] / "cli.md"
 README = "<!-- generated: README -->"
+# docs/plugins.md shows the files `bigbatch new-task tags` writes, from the templates themselves.
+TASK_PACKAGE = "<!-- generated: task package -->"
 
 
 def _reference() -> str:
@@ -39,9 +41,27 @@ def with_reference(markdown: str) -> str:
     return f"{head}{MARKER}\n\n{_reference()}\n{END}{tail}"
 
 
+def task_package_files(name: str = "tags") -> str:
+    """The files ``bigbatch new-task NAME`` writes, each under its path, as Markdown.
+
+    >>> "### `pyproject.toml`" in task_package_files()
+    True
+    """
+    from bigbatch.train.scaffold import task_package
+
+    languages = {".py": "python", ".toml": "toml", ".md": "markdown"}
+    parts = []
+    for path, text in task_package(name).items():
+        language = languages.get(Path(path).suffix, "text")
+        parts += [f"### `{path}`", "", f"```{language}", text.rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     if MARKER in markdown:
         return with_reference(markdown)
+    if TASK_PACKAGE in markdown:
+        return markdown.replace(TASK_PACKAGE, task_package_files())
     if README in markdown:
         text = (Path(__file__).parents[2] / "README.md").read_text()
         # The README names pages as paths (a package index cannot follow relative links);

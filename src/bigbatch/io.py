@@ -185,7 +185,11 @@ def atomic_write_figure(fig: Any, path: str | Path, *, dpi: int = 100) -> None:
 
 def check_writable(path: str | Path, what: str) -> None:
     """Raise ``PermissionError``/``NotADirectoryError`` with the fix unless a file can be
-    written at ``path`` (its folder is created): checked before long work, not after it."""
+    written at ``path`` (its folder is created): checked before long work, not after it.
+
+    >>> import tempfile
+    >>> check_writable(Path(tempfile.mkdtemp()) / "out" / "submission.csv", "--out")
+    """
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{what} {path} is a folder; give a file name")

@@ -24,6 +24,7 @@ COMMANDS = {
     "predict": ("bigbatch.cli.predict", "class probabilities for a folder of images, with TTA"),
     "ensemble": ("bigbatch.cli.ensemble", "train members, TTA, weighted average, submission CSV"),
     "demo": ("bigbatch.cli.demo", "the whole job on the bundled digits (no download)"),
+    "new-task": ("bigbatch.cli.new_task", "write a plug-in package for a task of your own"),
     "nnunet": (
         "bigbatch.cli.nnunet",
         "nnU-Net v2's training with exact micro-batches; its plans on a card",

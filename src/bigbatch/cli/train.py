@@ -67,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir: Path | None = args.resume or args.out
     try:
         if args.resume and not config:
-            # The run's own config, with the keys given on top (num_workers=0, say): not the
-            # defaults, which would name another task or data than the run's.
+            # The run's own config with the keys given on top (not the defaults' task and data).
             saved = args.resume / "config.json"
             if not saved.is_file():
                 raise ConfigError(f"--resume {args.resume}: no run there (config.json is missing)")

@@ -27,7 +27,14 @@ __all__ = ["ConfigError", "TrainConfig", "load_config", "read_toml"]
 
 
 class ConfigError(ValueError):
-    """A configuration problem, with the fix in the message."""
+    """A configuration problem, with the fix in the message: said in one line by every
+    command. A task's options raise a plain ValueError in ``check``; bigbatch makes it this.
+
+    >>> load_config(overrides=["data=x", "epochs=-1"])
+    Traceback (most recent call last):
+    ...
+    bigbatch.train.config.ConfigError: epochs must be >= 1, got -1
+    """
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -49,7 +49,14 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 
 class DataError(ValueError):
-    """A problem with the data, naming the file or folder and the fix."""
+    """A problem with the data, naming the file or folder and the fix: what a task raises for
+    bad data. Every command says it in one line, without a traceback, before any training.
+
+    >>> raise DataError("train.csv line 3: no tags: every row is image,tag1 tag2 ...")
+    Traceback (most recent call last):
+    ...
+    bigbatch.train.data.DataError: train.csv line 3: no tags: every row is image,tag1 tag2 ...
+    """
 
 
 def unreadable_reason(path: Path) -> str:
@@ -77,7 +84,16 @@ def check_readable(files: Sequence[Path], where: str | Path) -> None:
 
 
 def images_to_predict(folder: str | Path) -> list[Path]:
-    """Every image under ``folder`` (recursively), each readable; DataError otherwise."""
+    """Every image under ``folder`` (recursively, hidden files and folders left out), each
+    readable; DataError otherwise.
+
+    >>> import tempfile
+    >>> from PIL import Image
+    >>> folder = Path(tempfile.mkdtemp()); Image.new("RGB", (4, 4)).save(folder / "a.png")
+    >>> Image.new("RGB", (4, 4)).save(folder / "._a.png")  # macOS's copy: not an image to predict
+    >>> [p.name for p in images_to_predict(folder)]
+    ['a.png']
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder of images")
@@ -232,7 +248,16 @@ def windows_per_epoch(n: int, batch: int, min_last: int = 1) -> int:
 
 
 def split_items(items: ItemsT, valid_pct: float, seed: int) -> tuple[ItemsT, ItemsT]:
-    """A seeded random split (the same seed always gives the same validation set)."""
+    """A seeded random split (the same seed always gives the same validation set); ``items``
+    has ``len()`` and ``subset(index)``, which a task's own items define.
+
+    >>> class Items(list):
+    ...     def subset(self, index):
+    ...         return Items(self[i] for i in index)
+    >>> train, valid = split_items(Items("abcdefghij"), 0.2, seed=0)
+    >>> len(train), len(valid)
+    (8, 2)
+    """
     index = list(range(len(items)))
     random.Random(seed).shuffle(index)
     n_valid = round(len(items) * valid_pct)
@@ -247,7 +272,13 @@ def split_items(items: ItemsT, valid_pct: float, seed: int) -> tuple[ItemsT, Ite
 
 def read_csv_rows(path: Path) -> list[list[str]]:
     """Every row of a CSV in the dialects spreadsheets write (:func:`bigbatch.io.read_csv_rows`);
-    DataError naming the file and the fix otherwise."""
+    DataError naming the file and the fix otherwise.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "train.csv"; _ = path.write_text("image,tags\\na.png,red\\n")
+    >>> read_csv_rows(path)
+    [['image', 'tags'], ['a.png', 'red']]
+    """
     try:
         return io.read_csv_rows(path)
     except io.CSVError as exc:

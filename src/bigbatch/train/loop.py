@@ -21,12 +21,7 @@ import torch
 from bigbatch.accumulate import NonFiniteGradientWarning
 from bigbatch.backoff import run_coupled_window, run_window
 from bigbatch.batching import batch_len
-from bigbatch.device import (
-    pins_memory,
-    rng_state,
-    set_rng_state,
-    uncap_cuda_allocator,
-)
+from bigbatch.device import pins_memory, rng_state, set_rng_state, uncap_cuda_allocator
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
@@ -62,13 +57,8 @@ from bigbatch.train.state import (
     make_valid_loader,
     restore,
 )
-from bigbatch.train.tasks import (
-    Placement,
-    check_declared_metrics,
-    lower_is_better,
-    prepare_data,
-    task_for,
-)
+from bigbatch.train.tasks import check_declared_metrics, lower_is_better, prepare_data, task_for
+from bigbatch.train.tasks.base import Placement
 
 __all__ = ["train"]
 

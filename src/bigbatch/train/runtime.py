@@ -40,7 +40,11 @@ Log = Callable[[str], None]
 
 
 def resolve_device(name: str, what: str = "device") -> torch.device:
-    """``auto`` (cuda, then mps, then cpu), or a device this machine has (else ConfigError)."""
+    """``auto`` (cuda, then mps, then cpu), or a device this machine has (else ConfigError).
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
     if name != "auto":
         check_device(name, what)
         return torch.device(name)

@@ -83,7 +83,12 @@ class _RunRequest:
 class EnsembleRequest(_RunRequest):
     """What ``bigbatch ensemble RUN RUN ... --images DIR`` asks of finished runs of one task:
     their predictions of the images, averaged as the task averages them (probabilities,
-    values, masks)."""
+    values, masks).
+
+    >>> request = EnsembleRequest(runs=(Path("runs/a"), Path("runs/b")), images=Path("test"))
+    >>> len(request.runs), request.tta
+    (2, 2)
+    """
 
     runs: tuple[Path, ...]
     images: Path
@@ -95,7 +100,15 @@ class EnsembleRequest(_RunRequest):
 @dataclass(frozen=True)
 class PredictRequest(_RunRequest):
     """What ``bigbatch predict`` asks of a trained run: its inputs (a folder, or a CSV a task
-    reads)."""
+    reads). A task's ``predict`` function takes it, writes its files and returns the line the
+    command prints; ``refuse_options`` refuses the options it does not take.
+
+    >>> request = PredictRequest(run_dir=Path("runs/a"), inputs=Path("test"), options={"patch": 64})
+    >>> request.refuse_options("tags")
+    Traceback (most recent call last):
+    ...
+    ValueError: --patch is not an option of a tags run's prediction; drop it
+    """
 
     run_dir: Path
     inputs: Path
@@ -125,7 +138,17 @@ def task_for(cfg: TrainConfig) -> Task:
 def prepare_data(task: Task, log: Log, data: Any = None) -> tuple[Any, Any]:
     """``task.prepare``, where the data is scanned and checked: a plain ValueError raised there
     is the data's fault (a plug-in that did not raise :class:`~bigbatch.train.data.DataError`),
-    so every command says it in one line, the same under ``train`` and ``plan``."""
+    so every command says it in one line, the same under ``train`` and ``plan``.
+
+    >>> class Broken(Task):
+    ...     def prepare(self, log, data=None):
+    ...         raise ValueError("tags.csv line 3: no tags")
+    >>> task = Broken(); task.name = "tags"
+    >>> prepare_data(task, print)
+    Traceback (most recent call last):
+    ...
+    bigbatch.train.data.DataError: task=tags: tags.csv line 3: no tags
+    """
     from bigbatch.train.data import DataError
 
     try:

@@ -30,7 +30,21 @@ Log = Callable[[str], None]
 
 
 class Metrics(Protocol):
-    """Validation metrics accumulated over batches by count (never a mean of batch means)."""
+    """Validation metrics accumulated over batches by count (never a mean of batch means);
+    ``as_dict`` returns ``valid_loss`` and every name the task declares in its metrics.
+
+    >>> class MeanError:
+    ...     def __init__(self):
+    ...         self.total, self.count = 0.0, 0
+    ...     def update(self, logits, targets):
+    ...         self.total += float((logits - targets).abs().sum())
+    ...         self.count += len(targets)
+    ...     def as_dict(self):
+    ...         mean = self.total / max(self.count, 1)
+    ...         return {"valid_loss": mean, "mae": mean}
+    >>> tally = MeanError(); tally.update(torch.ones(4), torch.zeros(4)); tally.as_dict()["mae"]
+    1.0
+    """
 
     def update(self, logits: torch.Tensor, targets: Any) -> None: ...
 
@@ -75,7 +89,11 @@ class ValidShape:
     """What validation's forward passes meet, for their plan (:meth:`Task.valid_shape`): one
     input's shape (the largest in the validation set), bytes held on the device beside each
     batch (a whole volume's input and logits while its sliding-window patches run), what the
-    shape is (for the log), and the most inputs one forward pass may take (None: any)."""
+    shape is (for the log), and the most inputs one forward pass may take (None: any).
+
+    >>> ValidShape((3, 512, 512), what="whole images").shape
+    (3, 512, 512)
+    """
 
     shape: tuple[int, ...]
     held_bytes: int = 0

@@ -44,7 +44,12 @@ class ImageFormat:
     """How a set's images become tensors, the same in training and prediction (saved in the
     run): 1 channel when every image is greyscale, else 3; ``wide`` images (16-bit, float,
     DICOM) read as floats (:func:`bigbatch.images.read_pixels`) and divided by ``scale``,
-    DICOM through ``window``; 8-bit ones through PIL and timm's transforms."""
+    DICOM through ``window``; 8-bit ones through PIL and timm's transforms.
+
+    >>> fmt = ImageFormat(grey=True)
+    >>> fmt.channels, ImageFormat.from_dict(fmt.to_dict()) == fmt
+    (1, True)
+    """
 
     grey: bool = False
     wide: bool = False
@@ -71,6 +76,17 @@ class ImageFormat:
 def check_images(
     files: list[Path], labels: list[int], bad_images: str
 ) -> tuple[list[Path], list[int], list[tuple[Path, str]], ImageFormat]:
+    """Every image probed (its header, not its pixels): ``(kept files, their labels, skipped
+    (file, why), the set's format)``. ``bad_images``: ``skip`` an unreadable image (and say
+    so), or ``error`` (a DataError naming it). ``labels`` may be indices into any targets.
+
+    >>> import tempfile
+    >>> from PIL import Image
+    >>> path = Path(tempfile.mkdtemp()) / "a.png"; Image.new("L", (8, 8)).save(path)
+    >>> kept, index, skipped, fmt = check_images([path], [0], "error")
+    >>> index, skipped, fmt.channels
+    ([0], [], 1)
+    """
     keep_f, keep_l, skipped, infos = [], [], [], []
     for f, label in zip(files, labels, strict=True):
         try:
@@ -139,7 +155,11 @@ def resolve_data_config(factory: Callable[[], Any], channels: int = 3) -> dict[s
     """The model's own input normalisation, interpolation and crop (timm's
     ``resolve_model_data_config``: ViT augreg's 0.5/0.5, CLIP's, inception's ...), built on the
     meta device (no weights, no memory); a model without timm's ``pretrained_cfg`` gets
-    ImageNet's. For 1-channel data the means of the three channels' statistics."""
+    ImageNet's. For 1-channel data the means of the three channels' statistics.
+
+    >>> resolve_data_config(lambda: torch.nn.Linear(2, 2), channels=1)["mean"]
+    [0.449]
+    """
     from timm.data import resolve_model_data_config
 
     with torch.device("meta"):
@@ -174,7 +194,13 @@ def build_transforms(
     ``item_transform``: squish or centre crop; when training, a random resized crop of 75-100 %
     of the image, a horizontal flip and ``auto_augment``, e.g. ``rand-m9-mstd0.5``), the same
     geometry on float tensors for wide images (16-bit, float, DICOM); both normalised with the
-    model's ``data`` config. ``flip`` adds a certain horizontal flip (a TTA pass)."""
+    model's ``data`` config. ``flip`` adds a certain horizontal flip (a TTA pass).
+
+    >>> from PIL import Image
+    >>> tf = build_transforms(32, "squish", train=True, augment=True)
+    >>> tuple(tf(Image.new("RGB", (64, 48))).shape)
+    (3, 32, 32)
+    """
     data = data or DEFAULT_DATA
     fmt = fmt or ImageFormat()
     if fmt.wide:
@@ -237,7 +263,17 @@ def _tensor_transforms(
 
 class ImageDataset(Dataset[tuple[torch.Tensor, int]]):
     """(image tensor, label): 8-bit images through PIL (greyscale or RGB by ``fmt``), wide
-    ones read as floats in [0, 1] (:func:`bigbatch.images.read_pixels`), then ``transform``."""
+    ones read as floats in [0, 1] (:func:`bigbatch.images.read_pixels`), then ``transform``.
+    A label may be any target (a class index, a row of tags, values).
+
+    >>> import tempfile
+    >>> from PIL import Image
+    >>> path = Path(tempfile.mkdtemp()) / "a.png"; Image.new("RGB", (40, 30)).save(path)
+    >>> tf = build_transforms(32, "squish", train=False, augment=False)
+    >>> x, y = ImageDataset([path], [torch.tensor([1.0, 0.0])], tf)[0]
+    >>> tuple(x.shape), y.tolist()
+    ((3, 32, 32), [1.0, 0.0])
+    """
 
     def __init__(
         self,
@@ -273,7 +309,11 @@ def device_images(
 ) -> tuple[EncodedImages, DeviceAugment] | str:
     """The training set of an :class:`ImageDataset` read as files for decoding and augmenting
     on the device (:mod:`bigbatch.train.tasks.device_images`: the same crops and flips), or why
-    it cannot be (the fix for ``decode=gpu``)."""
+    it cannot be (the fix for ``decode=gpu``): what a task's ``Task.device_images`` returns.
+
+    >>> device_images([], None, {})  # not an ImageDataset
+    "its samples are not images read by bigbatch's image layer"
+    """
     if not isinstance(dataset, ImageDataset):
         return "its samples are not images read by bigbatch's image layer"
     if dataset.fmt.wide:
@@ -299,7 +339,13 @@ def device_images(
 
 def build_model(cfg: TrainConfig, num_classes: int, in_chans: int = 3) -> Callable[[], nn.Module]:
     """A zero-argument factory for the configured model (timm by name, or module:factory);
-    ``in_chans`` 1 for greyscale data (timm adapts a pretrained stem)."""
+    ``in_chans`` 1 for greyscale data (timm adapts a pretrained stem).
+
+    >>> from bigbatch.train.config import load_config
+    >>> factory = build_model(load_config(overrides=["data=x", "arch=test_resnet"]), 4)
+    >>> factory().eval()(torch.zeros(1, 3, 32, 32)).shape
+    torch.Size([1, 4])
+    """
     if cfg.model:
         user = load_user_model(cfg.model)
 
@@ -406,7 +452,12 @@ def predict_images(
     ``tta`` passes (:func:`tta_mean`). ``run`` is a :class:`~bigbatch.train.trained_run.TrainedRun`;
     ``batch_size`` images a forward pass (None: planned under ``budget`` when one is given,
     else the run's planned validation batch on this kind of device, else 64); an OOM runs a
-    batch again in smaller pieces."""
+    batch again in smaller pieces.
+
+    >>> probabilities = lambda logits: torch.sigmoid(logits.float()).cpu().numpy()
+    >>> # rows = predict_images(TrainedRun.open("runs/a"), 4, files, probabilities, tta=2,
+    >>> #                       device=torch.device("cpu"))  # [len(files), 4]
+    """
     cfg, info = run.config, run.info
     fmt = ImageFormat.from_dict(info.get("format"))
     factory = build_model(cfg, outputs, fmt.channels)

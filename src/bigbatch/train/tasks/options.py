@@ -35,7 +35,17 @@ def option(default: Any, help: str, choices: tuple[str, ...] = (), trains: bool 
 class TaskOptions:
     """The base of a task's options dataclass (and the options of a task without keys of its
     own): subclass it as a dataclass of :func:`option` fields and check their values in
-    :meth:`check`."""
+    :meth:`check`.
+
+    >>> @dataclass
+    ... class TagsOptions(TaskOptions):
+    ...     threshold: float = option(0.5, "a tag where its probability is above this")
+    ...     def check(self, cfg):
+    ...         if not 0 < self.threshold < 1:
+    ...             raise ValueError(f"threshold is in (0, 1), got {self.threshold}")
+    >>> TagsOptions(threshold=0.3).threshold
+    0.3
+    """
 
     # The head-only epochs of mode=fine_tune apply (a classifier's head); a decoder's last
     # layer is no head worth training alone.
