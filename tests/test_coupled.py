@@ -289,3 +289,49 @@ def test_encode_misuse_names_encode_or_micro_batches() -> None:
             loss_fn,
             batches,
         )
+
+
+class TwoHeads(nn.Module):
+    """Two outputs, as deep supervision has; the loss below uses only the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.used, self.unused = nn.Linear(8, 6), nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.used(h), self.unused(h)
+
+
+def _first_only(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return batch_dice_loss(a[..., None], y[..., None])  # couples the samples
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_an_output_the_loss_does_not_use_leaves_its_weights_without_gradient(parts: int) -> None:
+    """Seen in nnU-Net (its lowest deep-supervision output has weight 0): caching backpropagated
+    zeros through it, so SGD's weight decay and momentum moved weights the big batch leaves
+    alone. Those weights keep no gradient now, as in the big batch; the rest equal it."""
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    x = torch.randn(9, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (9,))
+    _first_only(*model(x), y).backward()
+    want = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    calls = []
+
+    def encode(mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(mb))
+        return model(mb)
+
+    acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-2))
+    cached_backward(acc, encode, _first_only, list(x.tensor_split(parts)), targets=y)
+    for name, p in model.named_parameters():
+        if want[name] is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None and float((p.grad - want[name]).abs().max()) < 1e-12, name
+    assert want["unused.weight"] is None
+    # One micro-batch is the big batch: its own forward and backward, no second pass.
+    assert calls == ([9] if parts == 1 else [3, 3, 3, 3, 3, 3])

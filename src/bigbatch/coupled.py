@@ -166,6 +166,14 @@ def cached_backward(
         raise ValueError("micro_batches is empty: give the big batch's micro-batches")
     # Checked before the first pass's work; backward() checks again.
     acc.window.check_open()
+    if len(micro_batches) == 1 and not gather:
+        # The big batch is one micro-batch: its own forward and backward are the big batch's,
+        # with no second forward pass to pay (nor representations to cache).
+        towers_of_one = _towers(encode(micro_batches[0]), "micro-batch 0")
+        extra = [targets] if targets is not None else []
+        loss = loss_fn(*towers_of_one, *extra)
+        acc.backward(loss, count=count if count is not None else len(towers_of_one[0]))
+        return loss.detach()
     states = []
     parts: list[tuple[torch.Tensor, ...]] = []
     with _batchnorm_stats_kept():  # the second pass updates them, once per micro-batch
@@ -189,22 +197,30 @@ def cached_backward(
         # The loss's gradient with respect to every row of this rank (all-gather's backward
         # routes the other ranks' share here), then each micro-batch's own backward.
         weighted.backward()
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in local]
+        # A tower the loss does not use (deep supervision's output of weight 0) gets no
+        # gradient: backpropagating zeros through it would give the weights only it reaches a
+        # zero gradient where the big batch leaves none, and weight decay and momentum would
+        # then move them.
+        grads = [t.grad for t in local]
         start = 0
         for i, (state, mb, n) in enumerate(zip(states, micro_batches, sizes, strict=True)):
             set_rng_state(state)  # the same dropout masks as the first pass
             out = _towers(encode(mb), "the second pass")
             cached = [t[start : start + n] for t in local]
             _check_replayed(out, cached, i)
-            pairs = [(o, g[start : start + n]) for o, g in zip(out, grads, strict=True)]
-            trainable = [(o, g) for o, g in pairs if o.requires_grad]
-            if not trainable:
+            if not any(o.requires_grad for o in out):
                 raise RuntimeError(
                     f"encode's output for micro-batch {i} does not require grad in the second "
                     "pass: the encoder is frozen (requires_grad=False) or encode detaches or runs "
                     "under torch.no_grad(); gradient caching needs a trainable encoder"
                 )
-            torch.autograd.backward([o for o, _ in trainable], [g for _, g in trainable])
+            used = [
+                (o, g[start : start + n])
+                for o, g in zip(out, grads, strict=True)
+                if o.requires_grad and g is not None
+            ]
+            if used:
+                torch.autograd.backward([o for o, _ in used], [g for _, g in used])
             start += n
         set_rng_state(after_first_pass)
 

@@ -110,14 +110,116 @@ def exact(root: Path) -> None:
     3), against nnU-Net's own (the whole batch through its loss), in float64, with and without
     batch_dice; and ``loss / N``. Printed as JSON: the largest absolute differences."""
 
-    out = {}
+    out: dict[str, Any] = {}
     # As shipped (float32 Dice sums) once: the round-off comparison needs no second plan.
     for batch_dice, wide in ((False, True), (True, True), (False, False)):
         with _dice_in_float64() if wide else contextlib.nullcontext():
             out[
                 ("batch_dice" if batch_dice else "sample_dice") + ("" if wide else "_float32_sums")
             ] = _exact_one(batch_dice, wide)
+    with _dice_in_float64():  # clipping active: the unclipped gradients are compared above
+        for batch_dice in (False, True):
+            name = "batch_dice" if batch_dice else "sample_dice"
+            out[f"steps_{name}"] = _steps_one(batch_dice, clipped=True)
     print(json.dumps(out))
+
+
+class _Scaled:
+    """nnU-Net's loss times a factor: large enough, its gradient's norm passes nnU-Net's clip
+    at 12, so the steps are compared with clipping active."""
+
+    def __init__(self, loss: Any, factor: float) -> None:
+        self.loss, self.factor = loss, factor
+
+    def __call__(self, *args: Any) -> Any:
+        return self.loss(*args) * self.factor
+
+
+def _steps_one(batch_dice: bool, clipped: bool, steps: int = 3) -> dict[str, Any]:
+    """Several optimizer steps of nnU-Net's own optimizer (SGD, Nesterov momentum 0.99, weight
+    decay 3e-5) and clipping at 12, from one state: nnU-Net's own ``train_step`` on each whole
+    batch against the bigbatch trainer's at micro-batches of 1 and 2 (2 + 1), and ``loss / N``
+    at 2, in float64. Every parameter after the steps, and which ones had no gradient (None,
+    as nnU-Net leaves deep supervision's unused output), at each step."""
+    import torch
+    from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
+
+    from bigbatch import Accumulator, OOMBackoff
+    from bigbatch.integrations.nnunet import CLIP_NORM
+
+    trainer = _trainer(batch_dice)
+    torch.manual_seed(0)
+    trainer.initialize()
+    trainer.network.double()
+    loss = trainer._build_loss()
+    trainer.loss = _Scaled(loss, 1e4) if clipped else loss
+    patch = [int(p) for p in trainer.configuration_manager.patch_size]
+    batches = []
+    for k in range(steps):
+        torch.manual_seed(100 + k)
+        x = torch.randn(3, 1, *patch, dtype=torch.float64)
+        y = [
+            torch.randint(
+                0, 3, (3, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)])
+            ).double()
+            for sc in trainer._get_deep_supervision_scales()
+        ]
+        batches.append({"data": x, "target": y})
+    state = {k: v.clone() for k, v in trainer.network.state_dict().items()}
+    net = trainer.network
+    norms: list[float] = []
+
+    def naive_step(batch: dict, micro: int) -> None:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        xs = batch["data"].split(micro)
+        ys = list(zip(*[t.split(micro) for t in batch["target"]], strict=True))
+        for xm, ym in zip(xs, ys, strict=True):
+            (trainer.loss(net(xm), list(ym)) / len(xs)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP_NORM)
+        trainer.optimizer.step()
+
+    def run(micro: int, naive: bool = False) -> tuple[list[Any], list[list[bool]]]:
+        net.load_state_dict(state)
+        trainer.optimizer, _ = trainer.configure_optimizers()
+        trainer.accumulator = Accumulator(trainer.optimizer, clip_grad_norm=CLIP_NORM)
+        trainer.backoff = OOMBackoff(micro_batch=micro or 3, grow_after=0)
+        missing: list[list[bool]] = []
+        real_step = trainer.optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:  # which gradients are None, as stepped
+            missing.append([p.grad is None for p in net.parameters()])
+            return real_step(*args, **kwargs)
+
+        trainer.optimizer.step = step
+        for batch in batches:
+            if naive:
+                naive_step(batch, micro)
+            elif micro:
+                trainer.train_step(batch)
+            else:
+                nnUNetTrainer.train_step(trainer, batch)  # nnU-Net's own step
+                norms.append(
+                    float(
+                        torch.norm(
+                            torch.stack(
+                                [p.grad.norm() for p in net.parameters() if p.grad is not None]
+                            )
+                        )
+                    )
+                )
+        return [p.detach().clone() for p in net.parameters()], missing
+
+    reference, reference_missing = run(0)
+    out: dict[str, Any] = {
+        "grad_norms": norms,
+        "no_grad_params": sum(reference_missing[-1]),
+        "steps": len(reference_missing),
+    }
+    for name, micro, naive in (("micro_1", 1, False), ("micro_2", 2, False), ("naive_2", 2, True)):
+        params, missing = run(micro, naive)
+        out[name] = max(float((a - b).abs().max()) for a, b in zip(params, reference, strict=True))
+        out[f"{name}_same_none_grads"] = missing == reference_missing
+    return out
 
 
 class _Torch64:
@@ -197,7 +299,19 @@ def memory(root: Path) -> None:
     print(json.dumps({"batch": batch, "predicted": predicted, "measured": measured}))
 
 
+def pretrained(root: Path) -> None:
+    """``load_pretrained`` of the checkpoint named on the command line into a fresh trainer of
+    fold 2: how many weights it took."""
+    import torch
+
+    from bigbatch.integrations.nnunet import load_pretrained, trainer_for
+
+    trainer = trainer_for(DATASET, "3d_fullres", 2, device=torch.device("cpu"))
+    print(load_pretrained(trainer, sys.argv[3]))
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     _paths(root)
-    {"prepare": prepare, "exact": exact, "memory": memory}[sys.argv[2]](root)
+    scenarios = {"prepare": prepare, "exact": exact, "memory": memory, "pretrained": pretrained}
+    scenarios[sys.argv[2]](root)

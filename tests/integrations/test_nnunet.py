@@ -39,6 +39,17 @@ def _run(root: Path, *argv: str, **env: str) -> str:
     return done.stdout
 
 
+def _fails(root: Path, *argv: str) -> str:
+    """A command refused: exit status 2 and one line, no traceback (also none from nnU-Net's
+    data workers); that line."""
+    done = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=_env(root), timeout=300
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.stderr.strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The dataset through nnU-Net's fingerprint, planner and preprocessing (3d_fullres)."""
@@ -49,7 +60,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_trainers_update_is_nnunets_own_batch_update(root: Path) -> None:
     """In float64, with and without batch_dice, with deep supervision: micro-batches of 1 and
-    an uneven 2 + 1 give nnU-Net's own gradient to 1e-12; ``loss / N`` does not. nnU-Net's Dice
+    an uneven 2 + 1 give nnU-Net's own gradient to 1e-12, and its own optimizer's steps;
+    ``loss / N`` does not. nnU-Net's Dice
     sums in float32 whatever its inputs: as shipped, the split is judged against the round-off
     of nnU-Net's own update (its float32 sums against float64)."""
     out = json.loads(_run(root, str(SCENARIOS), str(root), "exact").strip().splitlines()[-1])
@@ -59,6 +71,17 @@ def test_the_trainers_update_is_nnunets_own_batch_update(root: Path) -> None:
     shipped = out["sample_dice_float32_sums"]
     assert shipped["micro_2"] <= 100 * shipped["own_round_off"], shipped
     assert shipped["naive_2"] >= 1e4 * shipped["own_round_off"], shipped
+    # Three steps of nnU-Net's own optimizer (SGD, Nesterov, weight decay), clipping at 12
+    # active, against nnU-Net's own train_step: every parameter to 1e-12, and the same weights
+    # without a gradient at every step (deep supervision's unused output: gradient caching
+    # gave them zeros, which weight decay and momentum then moved).
+    for plan in ("steps_sample_dice", "steps_batch_dice"):
+        row = out[plan]
+        assert row["steps"] == 3 and min(row["grad_norms"]) > 11.9, row  # clipped each step
+        assert row["no_grad_params"] == 2, row  # seg_layers.0's weight and bias
+        for name in ("micro_1", "micro_2"):
+            assert row[name] < 1e-12 and row[f"{name}_same_none_grads"], (plan, name, row)
+        assert row["naive_2"] > 1e-4, row  # loss / N
 
 
 def test_nnunets_step_is_predicted_as_this_cpu_runs_it(root: Path) -> None:
@@ -86,9 +109,12 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
     ``bigbatch nnunet train`` plans the micro-batch under the budget, says so in nnU-Net's log,
     and trains and validates the fold as nnU-Net does (a micro-batch of 1 is the exactness
     test's)."""
+    before = set((root / "results").rglob("*"))
     rows = json.loads(
         _run(root, "-m", "bigbatch", "nnunet", "plan", "987", "--budget", "t4", "--json")
     )
+    # Planning writes nothing into nnUNet_results (it made a trainer folder and log per plan).
+    assert set((root / "results").rglob("*")) == before
     by_configuration = {r["configuration"]: r for r in rows}
     assert set(by_configuration) == {"2d", "3d_fullres"}
     for row in rows:
@@ -102,3 +128,43 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
     # nnU-Net's own outputs, as nnUNetv2_train writes them.
     assert (fold / "checkpoint_final.pth").is_file()
     assert (fold / "validation" / "summary.json").is_file()
+    # nnU-Net's own prediction command uses the fold ("Unable to locate trainer class
+    # nnUNetTrainerBigBatch" before: its checkpoint names nnU-Net's class, whose network it is).
+    out = root / "predicted"
+    predict = ["-c", "from nnunetv2.inference.predict_from_raw_data import predict_entry_point; predict_entry_point()"]  # fmt: skip
+    _run(
+        root, *predict, "-i", str(root / "raw/Dataset987_Example/imagesTr"), "-o", str(out),
+        "-d", "987", "-c", "3d_fullres", "-f", "1", "-tr", "nnUNetTrainerBigBatch",
+        "-device", "cpu", "-npp", "1", "-nps", "1", "--disable_progress_bar",
+    )  # fmt: skip
+    assert len(list(out.glob("case_*.nii.gz"))) == len(
+        list((root / "raw/Dataset987_Example/imagesTr").iterdir())
+    )
+    # Its checkpoint as --pretrained-weights: read with weights_only=True (numpy's scalars in
+    # nnU-Net's logs were refused), every weight but the segmentation outputs taken.
+    taken = _run(root, str(SCENARIOS), str(root), "pretrained", str(fold / "checkpoint_final.pth"))
+    assert int(taken.strip().splitlines()[-1]) > 0
+
+
+def test_refusals_come_before_any_work_in_one_line(root: Path) -> None:
+    """A dataset with an ignore label (its plans copied, its dataset.json naming one): plan and
+    train refuse it in one line, before nnU-Net's data workers start (train printed the reason,
+    then some 30 lines of their tracebacks; plan failed inside the trace); a negative
+    micro-batch is refused too."""
+    source = root / "preprocessed" / "Dataset987_Example"
+    target = root / "preprocessed" / "Dataset988_Ignore"
+    target.mkdir(exist_ok=True)
+    plans = json.loads((source / "nnUNetPlans.json").read_text())
+    plans["dataset_name"] = "Dataset988_Ignore"
+    (target / "nnUNetPlans.json").write_text(json.dumps(plans))
+    dataset = json.loads((source / "dataset.json").read_text())
+    dataset["labels"] = {**dataset["labels"], "ignore": max(dataset["labels"].values()) + 1}
+    (target / "dataset.json").write_text(json.dumps(dataset))
+    said = "this dataset has an ignore label"
+    assert said in _fails(root, "-m", "bigbatch", "nnunet", "plan", "988", "--budget", "t4")
+    train = ["-m", "bigbatch", "nnunet", "train", "988", "3d_fullres", "0", "--device", "cpu"]
+    assert said in _fails(root, *train)
+    micro = _fails(
+        root, "-m", "bigbatch", "nnunet", "train", "987", "3d_fullres", "0", "--micro-batch", "-1"
+    )
+    assert "--micro-batch is a number of samples >= 1 (0: planned), got -1" in micro

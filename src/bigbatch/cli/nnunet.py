@@ -110,6 +110,16 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
 
     if args.continue_training and args.pretrained_weights:
         raise UserError("--c continues a training; --pretrained-weights starts one: choose one")
+    if args.micro_batch < 0:
+        raise UserError(
+            f"--micro-batch is a number of samples >= 1 (0: planned), got {args.micro_batch}"
+        )
+    for flag, value in (
+        ("--epochs", args.epochs),
+        ("--iterations-per-epoch", args.iterations_per_epoch),
+    ):
+        if value < 0:
+            raise UserError(f"{flag} must be >= 1 (0: nnU-Net's default), got {value}")
     trainer = nnunet.trainer_for(
         args.dataset,
         args.configuration,
@@ -118,6 +128,7 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
         continue_training=args.continue_training,
         device=torch.device(args.device),
     )
+    nnunet.check_exact(trainer)  # before any data worker starts
     trainer.budget, trainer.micro_batch = args.budget, args.micro_batch
     if args.epochs:
         trainer.num_epochs = args.epochs

@@ -49,6 +49,7 @@ from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer  # noqa:
 __all__ = [
     "BUDGET_ENV",
     "MICRO_BATCH_ENV",
+    "check_exact",
     "load_own_checkpoint",
     "load_pretrained",
     "nnUNetPlannerBigBatch",
@@ -101,8 +102,10 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
     # -- set-up ----------------------------------------------------------------------------
 
     def on_train_start(self) -> None:
+        # Refused before nnU-Net's own start, which launches its data workers: their tracebacks
+        # would bury the one line that says why.
+        check_exact(self)
         super().on_train_start()
-        self._check_exact()
         micro, line = self._choose_micro_batch()
         self.backoff = OOMBackoff(micro_batch=micro, max_micro_batch=micro, grow_after=0)
         self.accumulator = Accumulator(
@@ -110,20 +113,17 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         )
         self.print_to_log_file(line)
 
-    def _check_exact(self) -> None:
-        if self.label_manager.ignore_label is not None:
-            raise ValueError(
-                "this dataset has an ignore label: nnU-Net's cross-entropy is then a mean over "
-                "the voxels each batch does not ignore, which micro-batches cannot reproduce "
-                "exactly; train it with nnU-Net's own trainer"
-            )
-
     def _choose_micro_batch(self) -> tuple[int, str]:
         batch = int(self.batch_size)
         if self.micro_batch:
             micro = min(self.micro_batch, batch)
             return micro, f"bigbatch: batch {batch} in micro-batches of {micro} (fixed)"
-        self.plan = plan_configuration(self, self.budget)
+        from bigbatch.memory.plan import DoesNotFitError
+
+        try:
+            self.plan = plan_configuration(self, self.budget)
+        except DoesNotFitError as exc:
+            raise ValueError(does_not_fit(self, self.budget, exc.floor.planning_bytes)) from None
         micro = self.plan.micro_batch
         if self.budget.strip().lower() != "auto":
             cap_cuda_allocator(self.device, self.plan.budget_bytes - self.plan.overhead_bytes)
@@ -132,6 +132,23 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             f"{format_bytes(self.plan.predicted_peak_bytes)} of {format_bytes(self.plan.usable_bytes)} "
             f"usable (budget {self.budget})"
         )
+
+    def save_checkpoint(self, filename: str) -> None:
+        """nnU-Net's checkpoint, naming nnU-Net's own ``nnUNetTrainer`` as its trainer class:
+        ``nnUNetv2_predict`` (and what builds on it: ``nnUNetv2_find_best_configuration``,
+        ``nnUNetv2_ensemble``) rebuilds the network from the class a checkpoint names, and looks
+        for it only inside nnunetv2's own package. This trainer's network is that class's, so
+        the fold predicts the same; the class that trained it is kept as ``bigbatch_trainer``."""
+        super().save_checkpoint(filename)
+        if self.local_rank != 0 or self.disable_checkpointing or not os.path.isfile(filename):
+            return
+        with torch.serialization.safe_globals(_checkpoint_types()):
+            checkpoint = torch.load(filename, map_location="cpu", weights_only=True)
+        checkpoint["bigbatch_trainer"] = checkpoint.get("trainer_name", type(self).__name__)
+        checkpoint["trainer_name"] = nnUNetTrainer.__name__
+        partial = f"{filename}.partial"
+        torch.save(checkpoint, partial)
+        os.replace(partial, filename)  # whole or not at all
 
     # -- the step --------------------------------------------------------------------------
 
@@ -185,6 +202,57 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             if not self.enable_deep_supervision and isinstance(output, list | tuple):
                 output = output[0]
             return self.loss(output, target)
+
+
+def check_exact(trainer: nnUNetTrainer) -> None:
+    """Refuse a plan whose update micro-batches cannot reproduce exactly (ValueError with the
+    reason): a label map with an ignore label, whose cross-entropy is a mean over the voxels
+    each batch does not ignore."""
+    if trainer.label_manager.ignore_label is not None:
+        raise ValueError(
+            "this dataset has an ignore label: nnU-Net's cross-entropy is then a mean over "
+            "the voxels each batch does not ignore, which micro-batches cannot reproduce "
+            "exactly; train it with nnU-Net's own trainer (nnUNetv2_train)"
+        )
+
+
+def does_not_fit(trainer: nnUNetTrainer, budget: str, floor_bytes: int) -> str:
+    """What to do when even one sample of this plan does not fit, with the fixes the nnU-Net
+    commands have (not bigbatch train's keys)."""
+    patch = "x".join(str(int(p)) for p in trainer.configuration_manager.patch_size)
+    return (
+        f"nnU-Net's step for {trainer.configuration_name} (patch {patch}) needs "
+        f"{format_bytes(floor_bytes)} at one sample, more than --budget {budget} leaves: give a "
+        "larger --budget (a bigger card), or train a configuration or plans with a smaller "
+        "patch (bigbatch nnunet plan DATASET --budget B lists them; nnUNetv2_plan_experiment "
+        "-gpu_memory_target makes smaller ones)"
+    )
+
+
+def _checkpoint_types() -> list[Any]:
+    """What an nnU-Net checkpoint holds besides tensors and Python's own values: numpy's
+    scalars and dtypes (its EMA of the Dice, its logs). Allowed to ``torch.load`` by name, so
+    that the file is still read with ``weights_only=True``: nothing else is unpickled."""
+    multiarray = getattr(np, "_core", None) or np.core  # numpy 2, numpy 1
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    return [multiarray.multiarray.scalar, np.dtype, *dtypes]
+
+
+@contextlib.contextmanager
+def _results_elsewhere() -> Any:
+    """nnU-Net's trainer makes its fold's folder and log file in ``nnUNet_results`` when it is
+    built; a trainer built only to plan leaves nothing there (a temporary folder instead)."""
+    import tempfile
+
+    import nnunetv2.training.nnUNetTrainer.nnUNetTrainer as trainer_module
+
+    real = trainer_module.nnUNet_results
+    with tempfile.TemporaryDirectory(prefix="bigbatch-nnunet-plan-") as scratch:
+        trainer_module.nnUNet_results = scratch
+        try:
+            yield
+        finally:
+            trainer_module.nnUNet_results = real
 
 
 def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
@@ -310,7 +378,8 @@ def load_pretrained(trainer: nnUNetTrainer, path: str | os.PathLike[str]) -> int
     if not trainer.was_initialized:
         trainer.initialize()
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_checkpoint_types()):
+            saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ValueError(
             f"{path} cannot be read as weights only ({type(exc).__name__}: {str(exc)[:160]}): "
@@ -358,7 +427,8 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
     rows = []
     for plans_file in plans_files:
         for configuration in load_json(str(plans_file))["configurations"]:
-            with contextlib.redirect_stdout(sys.stderr):  # nnU-Net's banner: not the table
+            # nnU-Net's banner is not the table; its trainer's folders are not to be made.
+            with contextlib.redirect_stdout(sys.stderr), _results_elsewhere():
                 trainer = trainer_for(
                     name,
                     configuration,
@@ -366,6 +436,7 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
                     plans_identifier=plans_file.stem,
                     device=torch.device("cpu"),
                 )
+            check_exact(trainer)
             trainer._set_batch_size_and_oversample()
             trainer.num_input_channels = determine_num_input_channels(
                 trainer.plans_manager, trainer.configuration_manager, trainer.dataset_json
