@@ -59,7 +59,13 @@ def write_dataset(root: Path, cases: int = 484) -> None:
     )
     names = {"0": "T1", "1": "T1ce", "2": "T2", "3": "FLAIR"}
     labels = {"background": 0, "edema": 1, "non_enhancing": 2, "enhancing": 3}
-    dataset = {"channel_names": names, "labels": labels, "numTraining": 1, "file_ending": ".nii.gz"}
+    # numTraining as the fingerprint has cases: nnU-Net caps the batch of a small dataset.
+    dataset = {
+        "channel_names": names,
+        "labels": labels,
+        "numTraining": cases,
+        "file_ending": ".nii.gz",
+    }
     (raw / "dataset.json").write_text(json.dumps(dataset))
     rng = np.random.default_rng(0)
     shapes = np.stack(

@@ -299,6 +299,54 @@ def memory(root: Path) -> None:
     print(json.dumps({"batch": batch, "predicted": predicted, "measured": measured}))
 
 
+def planner_fits(root: Path) -> None:
+    """Each configuration of nnUNetBigBatchPlans: its batch, the predicted peak of the planner's
+    step at that batch, and what the planner could use, as JSON; and what a
+    split batch-Dice plan holds for gradient caching against the outputs alone."""
+    import numpy as np
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    from bigbatch.integrations.nnunet import (
+        _planner_spec,
+        batch_dice_cache_bytes,
+        nnUNetPlannerBigBatch,
+    )
+    from bigbatch.memory.predict import predict_peak
+
+    folder = root / "preprocessed" / DATASET
+    plans = json.loads((folder / "nnUNetBigBatchPlans.json").read_text())
+    usable = nnUNetPlannerBigBatch(987, 8).usable
+    out: dict[str, Any] = {"usable": usable}
+    for name, c in plans["configurations"].items():
+        arch = c["architecture"]
+
+        def build(arch: dict = arch) -> Any:
+            return get_network_from_plans(
+                arch["network_class_name"], arch["arch_kwargs"], arch["_kw_requires_import"],
+                1, 3, allow_init=False, deep_supervision=True,
+            )  # fmt: skip
+
+        spec = _planner_spec(build, tuple(c["patch_size"]), 1, 3, arch["arch_kwargs"])
+        batch = int(c["batch_size"])
+        out[name] = {
+            "batch": batch,
+            "peak": predict_peak(spec.with_batch(batch)).planning_bytes,
+        }
+    trainer = _trainer(batch_dice=True)
+    trainer.initialize()
+    patch = [int(p) for p in trainer.configuration_manager.patch_size]
+    scales = trainer._get_deep_supervision_scales()
+    outputs = sum(
+        3 * int(np.prod([max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)]))
+        for sc in scales
+    )
+    out["cache"] = {
+        "held": batch_dice_cache_bytes(trainer, 8, "fp32"),
+        "outputs_and_gradients": 2 * 8 * outputs * 4,
+    }
+    print(json.dumps(out))
+
+
 def pretrained(root: Path) -> None:
     """``load_pretrained`` of the checkpoint named on the command line into a fresh trainer of
     fold 2: how many weights it took."""
@@ -313,5 +361,11 @@ def pretrained(root: Path) -> None:
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     _paths(root)
-    scenarios = {"prepare": prepare, "exact": exact, "memory": memory, "pretrained": pretrained}
+    scenarios = {
+        "prepare": prepare,
+        "exact": exact,
+        "memory": memory,
+        "pretrained": pretrained,
+        "planner_fits": planner_fits,
+    }
     scenarios[sys.argv[2]](root)

@@ -49,14 +49,15 @@ from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer  # noqa:
 __all__ = [
     "BUDGET_ENV",
     "MICRO_BATCH_ENV",
+    "batch_dice_cache_bytes",
     "check_exact",
+    "largest_fitting_batch",
     "load_own_checkpoint",
     "load_pretrained",
     "nnUNetPlannerBigBatch",
     "nnUNetTrainerBigBatch",
     "plan_configuration",
     "plan_dataset",
-    "planner_estimate",
     "split_sizes",
     "trainer_for",
     "write_example_dataset",
@@ -267,9 +268,64 @@ def plan_configuration(trainer: nnUNetTrainer, budget: str | int, device: str = 
     device = device or trainer.device.type
     spec_at = _spec_at(trainer, device)
     usable_budget = resolve_budget(budget, device)
-    return plan_under_budget(
-        spec_at, int(trainer.batch_size), usable_budget, device=device, calibrate=device == "cpu"
+    batch = int(trainer.batch_size)
+    plan = plan_under_budget(
+        spec_at, batch, usable_budget, device=device, calibrate=device == "cpu"
     )
+    if not trainer.configuration_manager.batch_dice or plan.micro_batch >= batch:
+        return plan  # not split: the batch's own step, nothing cached
+    # Split, a batch Dice goes through gradient caching, which holds the whole batch's
+    # outputs, their gradients and the loss's activations beside each micro-batch's step.
+    precision: Precision = "fp16" if device_kind(device).dedicated_memory else "fp32"
+    held = batch_dice_cache_bytes(trainer, batch, precision)
+    return plan_under_budget(
+        spec_at,
+        batch,
+        usable_budget,
+        device=device,
+        calibrate=device == "cpu",
+        extra_bytes=held,
+    )
+
+
+def batch_dice_cache_bytes(trainer: nnUNetTrainer, batch: int, precision: Precision) -> int:
+    """What gradient caching holds for a batch-Dice plan split into micro-batches, besides each
+    micro-batch's step: every deep-supervision output of the whole ``batch`` (16 bits under
+    fp16 autocast), the copy nnU-Net's loss differentiates and their gradients, or, while the
+    loss runs, its own activations at the whole batch: measured from real CPU runs of
+    nnU-Net's loss at 2 and 4 samples, extrapolated (they grow with the samples)."""
+    from bigbatch.memory.measure import profiled_peak
+
+    patch = [int(p) for p in trainer.configuration_manager.patch_size]
+    heads = int(trainer.label_manager.num_segmentation_heads)
+    labels = max(2, len(trainer.label_manager.all_labels))
+    scales = (
+        trainer._get_deep_supervision_scales()
+        if trainer.enable_deep_supervision
+        else [[1.0] * len(patch)]
+    )
+    shapes = [[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)] for sc in scales]
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    element = torch.empty((), dtype=dtype).element_size()
+    per_sample = sum(heads * int(np.prod(sh)) for sh in shapes) * element
+
+    def loss_moment(n: int) -> int:
+        outputs = [torch.zeros((n, heads, *sh), dtype=dtype) for sh in shapes]
+        targets = [torch.randint(0, labels, (n, 1, *sh)).float() for sh in shapes]
+
+        def run() -> None:
+            local = [o.float().requires_grad_(True) for o in outputs]
+            loss = trainer.loss(local if trainer.enable_deep_supervision else local[0],
+                                targets if trainer.enable_deep_supervision else targets[0])  # fmt: skip
+            loss.backward()
+
+        return profiled_peak(run, alive_at_start=n * per_sample)
+
+    small, large = min(2, batch), min(4, batch)
+    at_small = loss_moment(small)
+    at_large = loss_moment(large) if large > small else at_small
+    slope = (at_large - at_small) / (large - small) if large > small else at_small / small
+    return max(int(at_small + slope * (batch - small)), 3 * batch * per_sample)
 
 
 def _spec_at(trainer: nnUNetTrainer, device: str) -> Callable[[int], StepSpec]:
@@ -476,19 +532,28 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
     return rows
 
 
-def planner_estimate(fixed: float, per_sample: float, usable: float, ref_bs: int) -> float:
-    """The number nnU-Net's planner compares (its "VRAM estimate") such that its own rules pick
-    what bigbatch's prediction says: with ``reference = usable``, its loop shrinks the patch
-    while fewer than 2 samples fit (``estimate / ref_bs * 2 > reference``), and its batch,
-    ``round(reference / estimate * ref_bs)``, is the most samples that fit. ``fixed`` and
-    ``per_sample`` are the predicted peak's parts (peak = fixed + per_sample x batch).
+def largest_fitting_batch(peak_at: Callable[[int], int], usable: float, most: int = 4096) -> int:
+    """The largest batch whose predicted peak (``peak_at(batch)``) is within ``usable``, found
+    by predicting candidates (doubling, then halving the gap), never by extrapolating from
+    small batches: per-sample memory at batch 1 to 2 is not that at large batches (0.57x for a
+    2d plan, whose batch extrapolated from them was predicted 66 % over). 0 where one sample
+    does not fit; 1 where two do not (nnU-Net then shrinks the patch, without a search).
 
-    >>> fit = planner_estimate(1000.0, 300.0, 2500.0, 2)  # 5 samples fit: 1000 + 5 x 300
-    >>> round(2500.0 / fit * 2), fit / 2 * 2 > 2500.0
-    (5, False)
+    >>> largest_fitting_batch(lambda b: 1000 + 300 * b + 5 * b * b, 20_000)
+    40
     """
-    fits = int((usable - fixed) // per_sample) if per_sample > 0 else 10**6
-    return ref_bs * usable / max(fits, 1e-3)
+    if peak_at(1) > usable:
+        return 0
+    if peak_at(2) > usable:
+        return 1
+    low, high = 2, 4  # low fits; high is the next candidate
+    while high <= most and peak_at(high) <= usable:
+        low, high = high, high * 2
+    high = min(high, most + 1)
+    while high - low > 1:  # low fits, high does not (or is past the most)
+        middle = (low + high) // 2
+        low, high = (middle, high) if peak_at(middle) <= usable else (low, middle)
+    return low
 
 
 class nnUNetPlannerBigBatch(ExperimentPlanner):
@@ -551,13 +616,16 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
             )
 
         spec = _planner_spec(build, tuple(patch_size), input_channels, output_channels, arch_kwargs)
-        one, two = (predict_peak(spec.with_batch(b)).planning_bytes for b in (1, 2))
         ref_bs = (
             self.UNet_reference_val_corresp_bs_2d
             if len(patch_size) == 2
             else self.UNet_reference_val_corresp_bs_3d
         )
-        return planner_estimate(2 * one - two, two - one, self.usable, ref_bs)
+        fits = largest_fitting_batch(
+            lambda b: predict_peak(spec.with_batch(b)).planning_bytes, self.usable
+        )
+        # nnU-Net's rules then pick that batch (or shrink the patch while fewer than 2 fit).
+        return ref_bs * self.usable / max(fits, 1e-3)
 
 
 def _planner_spec(
