@@ -85,6 +85,54 @@ def seg_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float(), (x[:, 0] > 0).long())
 
 
+def nnunet_arch(stages: int) -> dict[str, Any]:
+    """nnU-Net's default 3d_fullres network for a cubic patch, as its planner writes it into a
+    plans file: a PlainConvUNet of ``stages`` stages, 32 features doubling to at most 320,
+    3x3x3 convolutions, strides of 2 after the first stage, InstanceNorm, LeakyReLU."""
+    return {
+        "network_class_name": "dynamic_network_architectures.architectures.unet.PlainConvUNet",
+        "arch_kwargs": {
+            "n_stages": stages,
+            "features_per_stage": [min(32 * 2**i, 320) for i in range(stages)],
+            "conv_op": "torch.nn.modules.conv.Conv3d",
+            "kernel_sizes": [[3, 3, 3]] * stages,
+            "strides": [[1, 1, 1]] + [[2, 2, 2]] * (stages - 1),
+            "n_conv_per_stage": [2] * stages,
+            "n_conv_per_stage_decoder": [2] * (stages - 1),
+            "conv_bias": True,
+            "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
+            "norm_op_kwargs": {"eps": 1e-05, "affine": True},
+            "dropout_op": None,
+            "dropout_op_kwargs": None,
+            "nonlin": "torch.nn.LeakyReLU",
+            "nonlin_kwargs": {"inplace": True},
+        },
+        "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"],
+    }
+
+
+def _nnunet_spec(row: dict[str, Any], device: str) -> StepSpec:
+    """nnU-Net's training step (its network, deep supervision, DC+CE, SGD with momentum) for a
+    one-channel volume and three labels, as ``bigbatch.integrations.nnunet`` plans it."""
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    from bigbatch.integrations.nnunet import plan_step_spec
+
+    arch = nnunet_arch(row.get("stages", 6))
+
+    def build() -> nn.Module:
+        return get_network_from_plans(
+            arch["network_class_name"], arch["arch_kwargs"], arch["_kw_requires_import"],
+            1, 3, allow_init=False, deep_supervision=True,
+        )  # fmt: skip
+
+    patch = (row["size"],) * 3
+    spec = plan_step_spec(
+        build, patch, 1, 3, arch["arch_kwargs"], precision=row["precision"], device=device
+    )
+    return spec.with_batch(row["batch"])
+
+
 def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
     """The row's training step as a StepSpec on ``device``."""
     common: dict[str, Any] = {
@@ -111,7 +159,9 @@ def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
         return StepSpec(
             model, (size,), batch, input_dtype=torch.long, vocab=vocab, step=lm_step, **common
         )
-    raise ValueError(f"row kind {kind!r}: not one of timm, smp, unet3d, llama")
+    if kind == "nnunet":
+        return _nnunet_spec(row, device)
+    raise ValueError(f"row kind {kind!r}: not one of timm, smp, unet3d, llama, nnunet")
 
 
 def row_name(row: dict[str, Any]) -> str:
@@ -119,6 +169,8 @@ def row_name(row: dict[str, Any]) -> str:
     arch = row["arch"] if row["kind"] != "smp" else f"smp_{row['arch']}_{row['encoder']}"
     if row["kind"] == "llama":
         arch = f"llama{row.get('layers', 8)}L-{row.get('hidden', 1024)}"
+    if row["kind"] == "nnunet":
+        arch = f"nnunet3d{row.get('stages', 6)}s"
     size = str(row["size"])
     if row["kind"] == "llama" and row["size"] % 1024 == 0:
         size = f"{row['size'] // 1024}k"  # tokens
@@ -144,6 +196,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
             _timm_row("resnet10t", 32, 2, "fp32", "adamw"),
             {"kind": "unet3d", "arch": "unet3d", "widths": [8, 16], "size": 16, "batch": 1,
              "precision": "fp32", "optimizer": "adamw"},
+            {"kind": "nnunet", "arch": "nnunet3d", "stages": 3, "size": 16, "batch": 2,
+             "precision": "fp32", "optimizer": "sgd_momentum"},
         ]  # fmt: skip
     return [
         # First the rows the CUDA model missed most on the H200 (a short box records them):
@@ -185,6 +239,12 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "precision": "bf16", "optimizer": "adamw", "frozen": False, "ckpt": False},
         # cuDNN's benchmark mode (trials whose workspaces depend on the free memory).
         {**_timm_row("resnet50", 224, 64, "fp16", "adamw"), "cudnn_benchmark": True},
+        # nnU-Net's 3d_fullres step (128^3 patch, 6 stages, deep supervision, DC+CE, SGD): its
+        # batch of 2 whole, and the micro-batch of 1 bigbatch's trainer splits it into.
+        {"kind": "nnunet", "arch": "nnunet3d", "stages": 6, "size": 128, "batch": 2,
+         "precision": "fp16", "optimizer": "sgd_momentum"},
+        {"kind": "nnunet", "arch": "nnunet3d", "stages": 6, "size": 128, "batch": 1,
+         "precision": "fp16", "optimizer": "sgd_momentum"},
     ]  # fmt: skip
 
 

@@ -307,9 +307,9 @@ def planner_fits(root: Path) -> None:
     from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
 
     from bigbatch.integrations.nnunet import (
-        _planner_spec,
         batch_dice_cache_bytes,
         nnUNetPlannerBigBatch,
+        plan_step_spec,
     )
     from bigbatch.memory.predict import predict_peak
 
@@ -326,7 +326,7 @@ def planner_fits(root: Path) -> None:
                 1, 3, allow_init=False, deep_supervision=True,
             )  # fmt: skip
 
-        spec = _planner_spec(build, tuple(c["patch_size"]), 1, 3, arch["arch_kwargs"])
+        spec = plan_step_spec(build, tuple(c["patch_size"]), 1, 3, arch["arch_kwargs"])
         batch = int(c["batch_size"])
         out[name] = {
             "batch": batch,

@@ -11,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("nnunetv2")
+nib = pytest.importorskip("nibabel")
 
 SCENARIOS = Path(__file__).with_name("nnunet_scenarios.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -137,16 +139,31 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
     assert (fold / "validation" / "summary.json").is_file()
     # nnU-Net's own prediction command uses the fold ("Unable to locate trainer class
     # nnUNetTrainerBigBatch" before: its checkpoint names nnU-Net's class, whose network it is).
-    out = root / "predicted"
+    # Images larger than the patch (16^3), so that the sliding window has many windows.
+    images = root / "larger"
+    images.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        volume = rng.normal(size=(28, 24, 20)).astype(np.float32)
+        nib.save(nib.Nifti1Image(volume, np.eye(4)), images / f"big_{i:03d}_0000.nii.gz")
+    own = root / "predicted_by_nnunet"
     predict = ["-c", "from nnunetv2.inference.predict_from_raw_data import predict_entry_point; predict_entry_point()"]  # fmt: skip
     _run(
-        root, *predict, "-i", str(root / "raw/Dataset987_Example/imagesTr"), "-o", str(out),
+        root, *predict, "-i", str(images), "-o", str(own),
         "-d", "987", "-c", "3d_fullres", "-f", "1", "-tr", "nnUNetTrainerBigBatch",
         "-device", "cpu", "-npp", "1", "-nps", "1", "--disable_progress_bar",
     )  # fmt: skip
-    assert len(list(out.glob("case_*.nii.gz"))) == len(
-        list((root / "raw/Dataset987_Example/imagesTr").iterdir())
-    )
+    # bigbatch nnunet predict: the same masks, the windows' patches in batches planned under
+    # the budget (nnU-Net runs them one at a time).
+    ours = root / "predicted_by_bigbatch"
+    argv = ["-m", "bigbatch", "nnunet", "predict", "987", "3d_fullres", "-i", str(images)]
+    said = _run(root, *argv, "-o", str(ours), "--folds", "1", "--device", "cpu", "--budget", "2GB")
+    assert "predicted 2 case(s)" in said
+    masks = sorted(own.glob("big_*.nii.gz"))
+    assert len(masks) == 2
+    for path in masks:
+        theirs = np.asarray(nib.load(path).dataobj)
+        assert np.array_equal(np.asarray(nib.load(ours / path.name).dataobj), theirs), path.name
     # Its checkpoint as --pretrained-weights: read with weights_only=True (numpy's scalars in
     # nnU-Net's logs were refused), every weight but the segmentation outputs taken.
     taken = _run(root, str(SCENARIOS), str(root), "pretrained", str(fold / "checkpoint_final.pth"))

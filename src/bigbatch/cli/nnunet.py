@@ -16,7 +16,7 @@ from bigbatch.cli import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="nnunet_command", metavar="{example,train,plan}")
+    sub = p.add_subparsers(dest="nnunet_command", metavar="{example,train,plan,predict}")
     example = sub.add_parser("example", help="a tiny generated dataset in nnU-Net's raw format")
     example.add_argument("dataset_id", type=int, nargs="?", default=987, help="its id (987)")
     example.add_argument("--cases", type=int, default=5, help="volumes (5 or more: five folds)")
@@ -68,6 +68,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default="cuda", help="the device planned for (cuda: from any machine)"
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
+    predict = sub.add_parser(
+        "predict",
+        help="predict images with trained folds, several patches a forward pass under a budget",
+    )
+    predict.add_argument("dataset", help="the dataset's name or id")
+    predict.add_argument("configuration", help="the configuration the folds were trained in")
+    predict.add_argument("-i", dest="inputs", required=True, type=Path,
+                         help="a folder of images in nnU-Net's raw layout (CASE_0000.nii.gz ...)")  # fmt: skip
+    predict.add_argument("-o", dest="output", required=True, type=Path, help="the output folder")
+    predict.add_argument("--folds", nargs="+", default=["0"], help="the folds to average (0)")
+    predict.add_argument("--plans", default="nnUNetPlans", help="the plans' name")
+    predict.add_argument("--checkpoint", default="checkpoint_final.pth", help="each fold's")
+    predict.add_argument(
+        "--budget", default="auto", help="memory: 12GB, a card (t4), or auto (free memory)"
+    )
+    predict.add_argument("--tiles", type=int, default=0, help="patches a forward pass (0: planned)")
+    predict.add_argument("--device", default="cuda", help="cuda, cpu or mps")
+    predict.add_argument(
+        "--step-size", type=float, default=0.5, help="the windows' step, of the patch"
+    )
+    predict.add_argument("--disable-tta", action="store_true", help="no mirroring (nnU-Net's)")
+    predict.add_argument("--save-probabilities", action="store_true", help="also the .npz")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
             return _example(nnunet, args)
         if args.nnunet_command == "train":
             return _train(nnunet, args)
+        if args.nnunet_command == "predict":
+            return _predict(nnunet, args)
         return _plan(nnunet, args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise UserError(
@@ -141,6 +165,28 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
     if not args.validation_only:
         trainer.run_training()
     trainer.perform_actual_validation(False)
+    return 0
+
+
+def _predict(nnunet: Any, args: argparse.Namespace) -> int:
+    folds = tuple(f if f == "all" else int(f) for f in args.folds)
+    out = nnunet.predict_folds(
+        args.dataset,
+        args.configuration,
+        args.inputs,
+        args.output,
+        folds=folds,
+        plans_identifier=args.plans,
+        checkpoint=args.checkpoint,
+        budget=args.budget,
+        device=args.device,
+        tiles=args.tiles,
+        step_size=args.step_size,
+        mirroring=not args.disable_tta,
+        save_probabilities=args.save_probabilities,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    print(f"predicted {len(list(out.glob('*.nii.gz')))} case(s) into {out}")
     return 0
 
 

@@ -58,6 +58,10 @@ __all__ = [
     "nnUNetTrainerBigBatch",
     "plan_configuration",
     "plan_dataset",
+    "plan_step_spec",
+    "plan_tiles",
+    "predict_folds",
+    "predictor_class",
     "split_sizes",
     "trainer_for",
     "write_example_dataset",
@@ -254,6 +258,176 @@ def _results_elsewhere() -> Any:
             yield
         finally:
             trainer_module.nnUNet_results = real
+
+
+def predictor_class() -> type:
+    """:class:`nnUNetPredictorBigBatch`, made on first use (nnU-Net's predictor module imports
+    its data iterators and exporters: not needed to train)."""
+    global _PREDICTOR
+    if _PREDICTOR is None:
+        _PREDICTOR = _make_predictor_class()
+    return _PREDICTOR
+
+
+_PREDICTOR: type | None = None
+
+
+def _make_predictor_class() -> type:
+    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
+    from nnunetv2.inference.sliding_window_prediction import compute_gaussian
+
+    from bigbatch.backoff import EvalBackoff, infer_fitting
+
+    class nnUNetPredictorBigBatch(nnUNetPredictor):
+        """nnU-Net's predictor (its preprocessing, tiling, Gaussian weighting, mirroring,
+        fold averaging and export), whose sliding window runs ``tiles`` patches in one
+        forward pass instead of one: planned under a memory budget, and halved on an
+        out-of-memory error (:class:`~bigbatch.backoff.EvalBackoff`), down to one patch,
+        before nnU-Net's own fallback (the whole volume's results on the CPU). In eval mode
+        each patch's output is its own, so the prediction is nnU-Net's (up to the kernels'
+        round-off at another batch size, below the float16 it accumulates in)."""
+
+        def __init__(self, *args: Any, tiles: int = 1, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.tiles = max(1, int(tiles))
+            self.backoff = EvalBackoff(chunk=self.tiles)
+
+        def _internal_predict_sliding_window_return_logits(
+            self, data: torch.Tensor, slicers: Any, do_on_device: bool = True
+        ) -> torch.Tensor:
+            results_device = self.device if do_on_device else torch.device("cpu")
+            data = data.to(results_device)
+            heads = self.label_manager.num_segmentation_heads
+            logits = torch.zeros((heads, *data.shape[1:]), dtype=torch.half, device=results_device)
+            counts = torch.zeros(data.shape[1:], dtype=torch.half, device=results_device)
+            gaussian: Any = 1
+            if self.use_gaussian:
+                gaussian = compute_gaussian(
+                    tuple(self.configuration_manager.patch_size),
+                    sigma_scale=1.0 / 8,
+                    value_scaling_factor=10,
+                    device=results_device,
+                )
+            slicers = list(slicers)
+            for start in range(0, len(slicers), self.tiles):
+                group = slicers[start : start + self.tiles]
+                batch = torch.stack([data[s] for s in group]).to(self.device)
+                out = infer_fitting(self._internal_maybe_mirror_and_predict, batch, self.backoff)
+                for s, tile in zip(group, out.to(results_device), strict=True):
+                    logits[s] += tile * gaussian if self.use_gaussian else tile
+                    counts[s[1:]] += gaussian
+                del batch, out
+            torch.div(logits, counts, out=logits)
+            if torch.any(torch.isinf(logits)):
+                raise RuntimeError(
+                    "inf in the predicted logits (float16 sums): predict with nnU-Net's own "
+                    "predictor, whose arrays are the same, to see whether it is the model's"
+                )
+            return logits
+
+    return nnUNetPredictorBigBatch
+
+
+def plan_tiles(predictor: Any, budget: str, *, largest: int = 64) -> tuple[int, str]:
+    """The most patches one forward pass of ``predictor``'s sliding window may take under
+    ``budget`` on its device: nnU-Net's network in eval mode without gradients (fp16 on CUDA, as
+    nnU-Net autocasts there), beside the weights and, where nnU-Net keeps them on the device,
+    the median volume's input, logits and counts; and the line that says so. 1 where even one
+    patch is predicted over (the back-off and nnU-Net's CPU fallback then guard it)."""
+    from nnunetv2.utilities.label_handling.label_handling import determine_num_input_channels
+
+    from bigbatch.memory.evaluate import plan_evaluation_batch, predict_evaluation_peak
+    from bigbatch.memory.plan import default_overhead, usable_bytes
+
+    pm, cm = predictor.plans_manager, predictor.configuration_manager
+    device = predictor.device.type
+    patch = tuple(int(p) for p in cm.patch_size)
+    channels = int(determine_num_input_channels(pm, cm, predictor.dataset_json))
+    heads = int(predictor.label_manager.num_segmentation_heads)
+    median = [int(v) for v in cm.median_image_size_in_voxels]
+    volume = int(np.prod([max(m, p) for m, p in zip(median, patch, strict=True)]))
+    on_device = predictor.perform_everything_on_device and device != "cpu"
+    held = volume * (channels * 4 + heads * 2 + 2) if on_device else 0
+    precision: Precision = "fp16" if device_kind(device).dedicated_memory else "fp32"
+    usable = usable_bytes(resolve_budget(budget, device), default_overhead(budget, device), device)
+
+    def build() -> nn.Module:
+        return nnUNetTrainer.build_network_architecture(pm, cm, channels, heads, False)
+
+    def peak(k: int) -> int:
+        spec = StepSpec(build, (channels, *patch), k, "sgd", precision, device)
+        return predict_evaluation_peak(spec, state_copies=0, held_bytes=held).planning_bytes
+
+    plan = plan_evaluation_batch(peak, largest, usable, (channels, *patch))
+    size = "x".join(map(str, patch))
+    line = (
+        f"bigbatch: {plan.batch} patch(es) of {size} a forward pass, predicted peak "
+        f"{format_bytes(plan.predicted_peak_bytes)} of {format_bytes(usable)} usable "
+        f"(budget {budget})"
+    )
+    return plan.batch, line
+
+
+def predict_folds(
+    dataset: str | int,
+    configuration: str,
+    inputs: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    folds: tuple[int | str, ...] = (0,),
+    plans_identifier: str = "nnUNetPlans",
+    checkpoint: str = "checkpoint_final.pth",
+    budget: str = "auto",
+    device: str = "cuda",
+    tiles: int = 0,
+    step_size: float = 0.5,
+    mirroring: bool = True,
+    save_probabilities: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """``bigbatch nnunet predict``: the folds ``nnUNetTrainerBigBatch`` trained predict the
+    images in ``inputs`` (nnU-Net's raw layout, ``CASE_0000.nii.gz`` ...) into ``output``, as
+    ``nnUNetv2_predict -tr nnUNetTrainerBigBatch`` would, with ``tiles`` patches a forward pass
+    (0: planned under ``budget``); returns the output folder."""
+    from nnunetv2.utilities.file_path_utilities import get_output_folder
+
+    if step_size <= 0 or step_size > 1:
+        raise ValueError(f"--step-size is a fraction of the patch in (0, 1], got {step_size}")
+    if tiles < 0:
+        raise ValueError(f"--tiles is a number of patches >= 1 (0: planned), got {tiles}")
+    folder = get_output_folder(
+        dataset, nnUNetTrainerBigBatch.__name__, plans_identifier, configuration
+    )
+    missing = [
+        f for f in folds if not os.path.isfile(os.path.join(folder, f"fold_{f}", checkpoint))
+    ]
+    if missing:
+        raise ValueError(
+            f"{folder}/fold_{missing[0]}/{checkpoint} does not exist: train that fold first "
+            "(bigbatch nnunet train), or name the folds there with --folds"
+        )
+    if not os.path.isdir(inputs):
+        raise ValueError(f"{inputs} is not a folder of images in nnU-Net's raw layout")
+    predictor = predictor_class()(
+        tile_step_size=step_size,
+        use_mirroring=mirroring,
+        perform_everything_on_device=device.startswith("cuda"),
+        device=torch.device(device),
+        allow_tqdm=False,
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        predictor.initialize_from_trained_model_folder(folder, folds, checkpoint)
+    if tiles:
+        predictor.tiles, line = tiles, f"bigbatch: {tiles} patch(es) a forward pass (fixed)"
+    else:
+        predictor.tiles, line = plan_tiles(predictor, budget)
+    predictor.backoff.chunk = predictor.tiles
+    log(line)
+    predictor.predict_from_files(
+        str(inputs), str(output), save_probabilities=save_probabilities,
+        num_processes_preprocessing=1, num_processes_segmentation_export=1,
+    )  # fmt: skip
+    return Path(output)
 
 
 def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
@@ -615,7 +789,9 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
                 deep_supervision=True,
             )
 
-        spec = _planner_spec(build, tuple(patch_size), input_channels, output_channels, arch_kwargs)
+        spec = plan_step_spec(
+            build, tuple(patch_size), input_channels, output_channels, arch_kwargs
+        )
         ref_bs = (
             self.UNet_reference_val_corresp_bs_2d
             if len(patch_size) == 2
@@ -628,15 +804,20 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
         return ref_bs * self.usable / max(fits, 1e-3)
 
 
-def _planner_spec(
+def plan_step_spec(
     build: Callable[[], nn.Module],
     patch: tuple[int, ...],
     channels: int,
     outputs: int,
     arch_kwargs: dict,
+    *,
+    precision: Precision = "fp16",
+    device: str = "cuda",
 ) -> StepSpec:
-    """nnU-Net's training step for a plan being made: DC+CE on every deep supervision output
-    (the lowest weighted 0, as nnU-Net's trainer weighs them), fp16, SGD with momentum."""
+    """nnU-Net's training step for a plan being made, as its trainer runs it: DC+CE on every
+    deep supervision output (the lowest weighted 0, as nnU-Net's trainer weighs them), batch
+    Dice for a 2D patch, fp16 autocast on CUDA, SGD with momentum. What the planner predicts at
+    each candidate batch, and ``make gpu-evidence``'s nnU-Net rows record on a card."""
     from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
     from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
     from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
@@ -663,7 +844,7 @@ def _planner_spec(
         return loss(model(x), y)
 
     return StepSpec(
-        build, (channels, *patch), 1, "sgd_momentum", "fp16", "cuda", step=step, batch=example
+        build, (channels, *patch), 1, "sgd_momentum", precision, device, step=step, batch=example
     )
 
 
