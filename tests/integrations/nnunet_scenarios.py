@@ -153,17 +153,9 @@ def _steps_one(batch_dice: bool, clipped: bool, steps: int = 3) -> dict[str, Any
     trainer.network.double()
     loss = trainer._build_loss()
     trainer.loss = _Scaled(loss, 1e4) if clipped else loss
-    patch = [int(p) for p in trainer.configuration_manager.patch_size]
     batches = []
     for k in range(steps):
-        torch.manual_seed(100 + k)
-        x = torch.randn(3, 1, *patch, dtype=torch.float64)
-        y = [
-            torch.randint(
-                0, 3, (3, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)])
-            ).double()
-            for sc in trainer._get_deep_supervision_scales()
-        ]
+        x, y = _random_batch(trainer, seed=100 + k)
         batches.append({"data": x, "target": y})
     state = {k: v.clone() for k, v in trainer.network.state_dict().items()}
     net = trainer.network
@@ -245,6 +237,22 @@ def _dice_in_float64() -> Any:
         dice.torch = real
 
 
+def _random_batch(trainer: Any, seed: int) -> tuple[Any, list[Any]]:
+    """A batch of 3 float64 patches and their labels at every deep supervision scale."""
+    import torch
+
+    torch.manual_seed(seed)
+    patch = [int(p) for p in trainer.configuration_manager.patch_size]
+    x = torch.randn(3, 1, *patch, dtype=torch.float64)
+    y = [
+        torch.randint(
+            0, 3, (3, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)])
+        ).double()
+        for sc in trainer._get_deep_supervision_scales()
+    ]
+    return x, y
+
+
 def _exact_one(batch_dice: bool, wide: bool) -> dict[str, float]:
     """One plan's largest differences from nnU-Net's own gradient: the trainer at
     micro-batches of 1 and of 2 (2 + 1), ``loss / N`` at 2, and (its Dice summing in float32,
@@ -256,15 +264,7 @@ def _exact_one(batch_dice: bool, wide: bool) -> dict[str, float]:
     trainer.initialize()
     trainer.network.double()
     trainer.loss = trainer._build_loss()
-    torch.manual_seed(0)
-    patch = [int(p) for p in trainer.configuration_manager.patch_size]
-    x = torch.randn(3, 1, *patch, dtype=torch.float64)
-    y = [
-        torch.randint(
-            0, 3, (3, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)])
-        ).double()
-        for sc in trainer._get_deep_supervision_scales()
-    ]
+    x, y = _random_batch(trainer, seed=0)
     state = {k: v.clone() for k, v in trainer.network.state_dict().items()}
     grads = {}
     for name, micro in (("reference", 0), ("micro_1", 1), ("micro_2", 2), ("naive_2", 2)):

@@ -152,18 +152,34 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
         root, *predict, "-i", str(images), "-o", str(own),
         "-d", "987", "-c", "3d_fullres", "-f", "1", "-tr", "nnUNetTrainerBigBatch",
         "-device", "cpu", "-npp", "1", "-nps", "1", "--disable_progress_bar",
+        "--save_probabilities",
     )  # fmt: skip
     # bigbatch nnunet predict: the same masks, the windows' patches in batches planned under
     # the budget (nnU-Net runs them one at a time).
     ours = root / "predicted_by_bigbatch"
     argv = ["-m", "bigbatch", "nnunet", "predict", "987", "3d_fullres", "-i", str(images)]
-    said = _run(root, *argv, "-o", str(ours), "--folds", "1", "--device", "cpu", "--budget", "2GB")
+    said = _run(
+        root, *argv, "-o", str(ours), "--folds", "1", "--device", "cpu", "--budget", "2GB",
+        "--save-probabilities",
+    )  # fmt: skip
     assert "predicted 2 case(s)" in said
     masks = sorted(own.glob("big_*.nii.gz"))
     assert len(masks) == 2
     for path in masks:
         theirs = np.asarray(nib.load(path).dataobj)
         assert np.array_equal(np.asarray(nib.load(ours / path.name).dataobj), theirs), path.name
+    # The rest of nnU-Net's workflow on the fold: its best configuration and its ensembling.
+    best = _run(
+        root, "-c", "from nnunetv2.evaluation.find_best_configuration import "
+        "find_best_configuration_entry_point as f; f()",
+        "987", "-c", "3d_fullres", "-tr", "nnUNetTrainerBigBatch", "-f", "1", "-np", "1",
+    )  # fmt: skip
+    assert "*Best*: nnUNetTrainerBigBatch__nnUNetPlans__3d_fullres" in best
+    _run(
+        root, "-c", "from nnunetv2.ensembling.ensemble import entry_point_ensemble_folders as f; f()",
+        "-i", str(own), str(ours), "-o", str(root / "ensembled"), "-np", "1",
+    )  # fmt: skip
+    assert len(list((root / "ensembled").glob("big_*.nii.gz"))) == 2
     # Its checkpoint as --pretrained-weights: read with weights_only=True (numpy's scalars in
     # nnU-Net's logs were refused), every weight but the segmentation outputs taken.
     taken = _run(root, str(SCENARIOS), str(root), "pretrained", str(fold / "checkpoint_final.pth"))
