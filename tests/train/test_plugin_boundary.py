@@ -148,7 +148,7 @@ def test_a_typo_in_a_task_entry_is_said_when_the_task_is_chosen(
     plugins: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _install(plugins, typo="plugmod:TYPO")
-    assert "typo (does not load)" in help_for("task")
+    assert "typo (not usable here: `bigbatch train task=typo` says why)" in help_for("task")
     assert _train(plugins / "run", "typo") == 2
     line = _one_line(capsys.readouterr().err)
     assert "task=typo: its task='toy_boxes.task:ToyBox' does not load (AttributeError" in line

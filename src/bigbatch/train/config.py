@@ -345,7 +345,11 @@ def help_for(key: str) -> str:
     entries = [(n, _entry_or_none(n)) for n in task_names()]
     if key == "task":
         said = [
-            f"{n} ({e.summary})" if e and e.summary else n if e else f"{n} (does not load)"
+            f"{n} ({e.summary})"
+            if e and e.summary
+            else n
+            if e
+            else f"{n} (not usable here: `bigbatch train task={n}` says why)"
             for n, e in entries
         ]
         return ", ".join(said) + "; an installed plug-in's name, or module:Class (a Task subclass)"
