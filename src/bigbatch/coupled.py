@@ -134,6 +134,8 @@ def _gather(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
 
 
+# One function, long: the two passes share their state (the RNG states, the cached
+# representations and their gradients), which the second pass's closure reads.
 def cached_backward(
     acc: Accumulator,
     encode: Encode,

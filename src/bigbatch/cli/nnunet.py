@@ -74,8 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     predict.add_argument("dataset", help="the dataset's name or id")
     predict.add_argument("configuration", help="the configuration the folds were trained in")
-    predict.add_argument("-i", dest="inputs", required=True, type=Path,
-                         help="a folder of images in nnU-Net's raw layout (CASE_0000.nii.gz ...)")  # fmt: skip
+    predict.add_argument(
+        "-i",
+        dest="inputs",
+        required=True,
+        type=Path,
+        help="a folder of images in nnU-Net's raw layout (CASE_0000.nii.gz ...)",
+    )
     predict.add_argument("-o", dest="output", required=True, type=Path, help="the output folder")
     predict.add_argument("--folds", nargs="+", default=["0"], help="the folds to average (0)")
     predict.add_argument("--plans", default="nnUNetPlans", help="the plans' name")
