@@ -21,6 +21,7 @@ inexactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -472,6 +473,7 @@ def batch_dice_cache_bytes(trainer: nnUNetTrainer, batch: int, precision: Precis
     loss runs, its own activations at the whole batch: measured from real CPU runs of
     nnU-Net's loss at 2 and 4 samples, extrapolated (they grow with the samples)."""
     from bigbatch.memory.measure import profiled_peak
+    from bigbatch.memory.window_cache import extrapolated_window_bytes
 
     patch = [int(p) for p in trainer.configuration_manager.patch_size]
     heads = int(trainer.label_manager.num_segmentation_heads)
@@ -500,11 +502,7 @@ def batch_dice_cache_bytes(trainer: nnUNetTrainer, batch: int, precision: Precis
 
         return profiled_peak(run, alive_at_start=n * per_sample)
 
-    small, large = min(2, batch), min(4, batch)
-    at_small = loss_moment(small)
-    at_large = loss_moment(large) if large > small else at_small
-    slope = (at_large - at_small) / (large - small) if large > small else at_small / small
-    return max(int(at_small + slope * (batch - small)), 3 * batch * per_sample)
+    return extrapolated_window_bytes(loss_moment, batch, per_sample)
 
 
 def _spec_at(trainer: nnUNetTrainer, device: str) -> Callable[[int], StepSpec]:
@@ -711,9 +709,10 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
     return rows
 
 
-def largest_fitting_batch(peak_at: Callable[[int], int], usable: float, most: int = 4096) -> int:
+def largest_fitting_batch(peak_at: Callable[[int], int], usable: int, most: int = 4096) -> int:
     """The largest batch whose predicted peak (``peak_at(batch)``) is within ``usable``, found
-    by predicting candidates (doubling, then halving the gap), never by extrapolating from
+    by predicting candidates (doubling, then the planner's own search between the last batch
+    that fit and the first that did not), never by extrapolating from
     small batches: per-sample memory at batch 1 to 2 is not that at large batches (0.57x for a
     2d plan, whose batch extrapolated from them was predicted 66 % over). 0 where one sample
     does not fit; 1 where two do not (nnU-Net then shrinks the patch, without a search).
@@ -721,18 +720,18 @@ def largest_fitting_batch(peak_at: Callable[[int], int], usable: float, most: in
     >>> largest_fitting_batch(lambda b: 1000 + 300 * b + 5 * b * b, 20_000)  # 19,620 at 38
     38
     """
-    if peak_at(1) > usable:
+    from bigbatch.memory.plan import largest_fitting
+
+    peak = functools.cache(peak_at)  # the search asks the sizes the doubling did again
+    if peak(1) > usable:
         return 0
-    if peak_at(2) > usable:
+    if peak(2) > usable:
         return 1
     low, high = 2, 4  # low fits; high is the next candidate
-    while high <= most and peak_at(high) <= usable:
+    while high <= most and peak(high) <= usable:
         low, high = high, high * 2
-    high = min(high, most + 1)
-    while high - low > 1:  # low fits, high does not (or is past the most)
-        middle = (low + high) // 2
-        low, high = (middle, high) if peak_at(middle) <= usable else (low, middle)
-    return low
+    # low fits; high does not, or is past the most (not predicted: bisected towards)
+    return largest_fitting(peak, low, min(high, most + 1), usable, cap=most)
 
 
 class nnUNetPlannerBigBatch(ExperimentPlanner):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["window_cache_bytes"]
+__all__ = ["extrapolated_window_bytes", "window_cache_bytes"]
 
 
 def window_cache_bytes(
@@ -53,6 +53,20 @@ def window_cache_bytes(
 
         return profiled_peak(run, alive_at_start=n * per_sample)
 
+    return extrapolated_window_bytes(loss_moment, window, per_sample)
+
+
+def extrapolated_window_bytes(
+    loss_moment: Callable[[int], int], window: int, per_sample: int
+) -> int:
+    """What a coupled window of ``window`` samples holds: the loss's moment at the whole window
+    (``loss_moment(n)``, measured at 2 and 4 samples and extrapolated linearly: a loss over
+    pixels or voxels holds per-sample activations), or, if more, the outputs, their copy and
+    their gradient (3 x ``per_sample`` bytes a sample) that the second pass holds.
+
+    >>> extrapolated_window_bytes(lambda n: 100 + 10 * n, 16, 2)
+    260
+    """
     small, large = min(2, window), min(4, window)
     at_small = loss_moment(small)
     at_large = loss_moment(large) if large > small else at_small
