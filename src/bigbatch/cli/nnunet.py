@@ -174,6 +174,9 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
 
 
 def _predict(nnunet: Any, args: argparse.Namespace) -> int:
+    wrong = [f for f in args.folds if f != "all" and not f.isdigit()]
+    if wrong:
+        raise UserError(f"--folds takes fold numbers (0 1 2 3 4) or all, got {wrong[0]!r}")
     folds = tuple(f if f == "all" else int(f) for f in args.folds)
     out = nnunet.predict_folds(
         args.dataset,
