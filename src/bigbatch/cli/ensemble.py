@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_folders(args: argparse.Namespace) -> int:
     """Finished runs of one task, averaged as their task averages (probabilities, values, or
     a Kaggle submission's probabilities before its rules)."""
-    from bigbatch.io import DamagedFileError, FolderBusyError, lock_folder
+    from bigbatch.io import DamagedFileError, FolderBusyError, check_writable, lock_folder
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
     from bigbatch.train.tasks import EnsembleRequest, check_finished, run_task_entry
@@ -105,6 +105,7 @@ def _run_folders(args: argparse.Namespace) -> int:
         ensemble = entries[0].ensembler()
         if ensemble is None:
             raise ValueError(f"task={names[0]} registered no ensemble: average its runs by hand")
+        check_writable(args.out / "probe", "--out")  # the folder, made, or why it cannot be
         request = EnsembleRequest(
             runs=tuple(runs),
             images=args.images,
@@ -114,8 +115,7 @@ def _run_folders(args: argparse.Namespace) -> int:
             options=options,
             budget=args.budget,
         )
-        # The folder, made, or why it cannot be; and two ensembles into one folder would race
-        # on its files: the second is refused.
+        # Two ensembles into one folder would race on its files: the second is refused.
         with lock_folder(args.out, "--out"):
             print(ensemble(request))
     except (ConfigError, DataError, DamagedFileError, FolderBusyError, ValueError, OSError) as exc:
