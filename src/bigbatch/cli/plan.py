@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.cli import UserError, freeze_loaded
+from bigbatch.cli import UserError, freeze_loaded, plan_hf
 from bigbatch.device import torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, find_card
@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its validation, its data scanned for the shapes; with --config, that TOML first",
     )
     p.add_argument("--config", type=Path, help="a bigbatch train TOML to plan (see KEY=VALUE)")
+    plan_hf.add_arguments(p)
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +59,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     src.add_argument(
         "--model", help="module:factory returning your nn.Module (built on the meta device)"
+    )
+    src.add_argument(
+        "--hf",
+        metavar="NAME_OR_PATH",
+        help="a Hugging Face causal LM from its config.json alone (a file, its folder, or a hub "
+        "name from the cache; online, the config only): with --seq-len, --lora, --qlora ...",
     )
     p.add_argument(
         "--size", default="224", help="input size(s) for --arch, comma-separated: 128,224"
@@ -97,7 +104,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The budget, the training settings the plan is for, and the outputs."""
-    p.add_argument("--batch", type=int, help="target batch (samples per optimizer step; required)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="target batch (samples per optimizer step; required); with --hf, sequences a step "
+        "over all ranks",
+    )
     p.add_argument(
         "--budget",
         help="memory budget: 8GB, 16GiB, 512MiB, auto, or a GPU's name (t4, p100, l4, a10g, "
@@ -110,9 +122,12 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="the GPUs --budget takes by name, their memory and CUDA context, and the sources",
     )
     p.add_argument(
-        "--device", default="cpu", help="the device to plan for: cpu or cuda (no GPU needed)"
+        "--device",
+        help="the device to plan for: cpu or cuda (no GPU needed); default cpu, cuda with --hf",
     )
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument(
+        "--precision", choices=PRECISIONS, help="autocast's dtype; default fp32, bf16 with --hf"
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument(
@@ -364,6 +379,11 @@ def run(args: argparse.Namespace) -> int:
     if args.list_cards:
         _print_cards()
         return 0
+    language_model = args.hf is not None
+    args.device = args.device or ("cuda" if language_model else "cpu")
+    args.precision = args.precision or ("bf16" if language_model else "fp32")
+    if language_model:
+        return plan_hf.run(args)
     training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
     if args.config or training:
         return _plan_training_run(args)

@@ -15,10 +15,20 @@
   ``gradient_accumulation_steps``, which is wrong as soon as micro-batches hold different numbers
   of tokens. Give ``Trainer`` the loss instead: ``Trainer(..., compute_loss_func=token_loss())``
   sums the token losses and divides by the window's count.
+- **A plan for Trainer and TRL**: :func:`with_plan` sets ``per_device_train_batch_size`` and
+  ``gradient_accumulation_steps`` of ``TrainingArguments`` (or TRL's ``SFTConfig``) from
+  ``bigbatch plan --hf``'s plan (:func:`bigbatch.memory.lm.plan_lm`) for the global batch
+  asked, which they never change; :class:`MemoryBudget` caps CUDA's allocator at the budget and
+  measures the first steps; :func:`train_with_backoff` retries an out-of-memory run at half the
+  micro-batch and twice the accumulation from Trainer's last checkpoint, the same update.
+  Trainer's micro-batch is fixed for a run: bigbatch shrinks it on OOM, never grows it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +39,14 @@ from bigbatch.integrations import require
 
 require("transformers", "hf")
 
-__all__ = ["shift_labels_collator", "token_loss"]
+__all__ = [
+    "MemoryBudget",
+    "shift_labels_collator",
+    "token_loss",
+    "train_with_backoff",
+    "trainer_batch_sizes",
+    "with_plan",
+]
 
 
 def token_loss(
@@ -113,3 +130,158 @@ def shift_labels_collator(
         return batch
 
     return collate
+
+
+def trainer_batch_sizes(
+    global_batch: int, max_micro_batch: int, world_size: int = 1
+) -> tuple[int, int]:
+    """``(per_device_train_batch_size, gradient_accumulation_steps)`` for ``global_batch``
+    sequences a step over ``world_size`` ranks: the largest micro-batch up to
+    ``max_micro_batch`` that divides each rank's share (Trainer's micro-batches are all one
+    size), so that micro-batch x accumulation x ranks is ``global_batch`` exactly.
+
+    >>> trainer_batch_sizes(64, 6, world_size=2)  # 32 a rank: 4 x 8, not 6 x 6 (36)
+    (4, 8)
+    """
+    if global_batch < 1 or max_micro_batch < 1 or world_size < 1:
+        raise ValueError("the global batch, micro-batch and ranks must be positive")
+    if global_batch % world_size:
+        raise ValueError(
+            f"a global batch of {global_batch} does not split over {world_size} ranks: give a "
+            f"multiple of {world_size}"
+        )
+    per_rank = global_batch // world_size
+    micro = max(m for m in range(1, min(max_micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+def with_plan(args: Any, plan: Any) -> Any:
+    """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
+    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch.
+    Refuses arguments for another number of ranks than the plan's.
+
+    >>> from types import SimpleNamespace
+    >>> from bigbatch.memory.lm import LMSetup
+    >>> plan = SimpleNamespace(global_batch=32, setup=LMSetup(seq_len=512),
+    ...                        plan=SimpleNamespace(max_micro_batch=6))
+    >>> args = SimpleNamespace(world_size=1, per_device_train_batch_size=8,
+    ...                        gradient_accumulation_steps=1)
+    >>> new = with_plan(args, plan)
+    >>> new.per_device_train_batch_size, new.gradient_accumulation_steps
+    (4, 8)
+    """
+    ranks = int(getattr(args, "world_size", 1) or 1)
+    if ranks != plan.setup.world_size:
+        raise ValueError(
+            f"the plan is for {plan.setup.world_size} rank(s) and these arguments run on "
+            f"{ranks}: plan with --world-size {ranks}"
+        )
+    micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
+    return with_sizes(args, micro, steps)
+
+
+def _trainer_callback_base() -> type:
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
+    """A ``Trainer`` callback: caps this process's CUDA allocator at ``cap_bytes`` (the budget
+    less the CUDA context: past it, an allocation raises out-of-memory as on a card of that
+    size) for the run, and records the allocator's peak over the first ``steps`` optimizer
+    steps in :attr:`measured_bytes`, beside ``predicted_bytes`` (the plan's) in the log.
+    Does nothing to a CPU run's memory (it records the process's peak there).
+
+    >>> MemoryBudget(8 * 2**30).cap_bytes
+    8589934592
+    """
+
+    def __init__(self, cap_bytes: int, *, predicted_bytes: int | None = None, steps: int = 2):
+        self.cap_bytes, self.predicted_bytes, self.steps = cap_bytes, predicted_bytes, steps
+        self.measured_bytes: int | None = None
+        self._before: float | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from bigbatch.device import cap_cuda_allocator, reset_peak_memory
+
+        capped = cap_cuda_allocator(args.device, self.cap_bytes)
+        self._before = None if capped is None else capped[1]
+        reset_peak_memory(args.device)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from bigbatch.device import peak_memory_bytes
+
+        if state.global_step > self.steps:
+            return
+        peak = peak_memory_bytes(args.device)
+        if peak is not None:
+            self.measured_bytes = peak[0]
+        if state.global_step == self.steps and self.measured_bytes is not None:
+            line = {"bigbatch/measured_peak_bytes": self.measured_bytes}
+            if self.predicted_bytes:
+                line["bigbatch/predicted_peak_bytes"] = self.predicted_bytes
+            state.log_history.append({**line, "step": state.global_step})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from bigbatch.device import uncap_cuda_allocator
+
+        uncap_cuda_allocator(args.device, self._before)
+
+
+def train_with_backoff(
+    make_trainer: Callable[[Any], Any], args: Any, *, log: Callable[[str], None] = print
+) -> Any:
+    """``make_trainer(args).train()``, and on running out of memory the same run again at half
+    the micro-batch and twice the accumulation (the global batch, so the update, unchanged;
+    exact with Trainer's token count), from the last checkpoint Trainer saved in
+    ``args.output_dir`` if any. Raises the error when micro-batch 1 runs out too.
+
+    ``make_trainer`` builds the Trainer (model, data, callbacks) for the arguments it is given:
+    a new one each try, as a retry needs the micro-batch in its data loader.
+    """
+    from bigbatch.device import free_memory
+    from bigbatch.memory.oom import is_oom
+
+    while True:
+        failed = False
+        try:
+            trainer = make_trainer(args)
+            checkpoint = _last_checkpoint(args.output_dir)
+            return trainer.train(resume_from_checkpoint=checkpoint)
+        except Exception as exc:
+            if not is_oom(exc) or args.per_device_train_batch_size == 1:
+                raise
+            failed = True
+        finally:
+            trainer = None  # drop the model, optimizer and the exception's frames first
+        if failed:
+            free_memory(host_oom=False)
+            micro = args.per_device_train_batch_size
+            smaller = max(m for m in range(1, micro) if micro % m == 0)
+            steps = args.gradient_accumulation_steps * (micro // smaller)
+            log(
+                f"out of memory at micro-batch {micro}: again at {smaller} x {steps} "
+                "accumulation, the same global batch"
+            )
+            args = with_sizes(args, smaller, steps)
+
+
+def with_sizes(args: Any, micro_batch: int, accumulation: int) -> Any:
+    """``args`` with another micro-batch and accumulation (a copy for a dataclass)."""
+    changes = {
+        "per_device_train_batch_size": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+    }
+    if dataclasses.is_dataclass(args) and not isinstance(args, type):
+        return dataclasses.replace(args, **changes)
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+def _last_checkpoint(folder: str) -> str | None:
+    """Trainer's newest ``checkpoint-N`` folder in ``folder``, None without one."""
+    found = glob.glob(os.path.join(folder, "checkpoint-*"))
+    steps = [(int(p.rsplit("-", 1)[1]), p) for p in found if p.rsplit("-", 1)[1].isdigit()]
+    return max(steps)[1] if steps else None

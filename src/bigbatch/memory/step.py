@@ -31,7 +31,18 @@ __all__ = [
 ]
 
 Precision = Literal["fp32", "bf16", "fp16"]
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "rmsprop", "adagrad")
+# bitsandbytes' AdamW variants (8-bit, paged) are traced as stand-ins: bigbatch.memory.bnb.
+OPTIMIZERS = (
+    "adamw",
+    "adam",
+    "sgd",
+    "sgd_momentum",
+    "rmsprop",
+    "adagrad",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -91,6 +102,10 @@ def make_optimizer(
         return torch.optim.RMSprop(params, lr=lr, foreach=foreach)
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr, foreach=foreach)
+    if name in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
+        from bigbatch.memory.bnb import make_bnb_optimizer
+
+        return make_bnb_optimizer(name, params, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 

@@ -1,0 +1,216 @@
+"""``bigbatch plan --hf NAME_OR_PATH``: a language model's fine-tune planned from its config
+(the work is :mod:`bigbatch.memory.lm`'s; this parses and prints)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from bigbatch.cli import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The language-model options of ``bigbatch plan`` (with ``--hf``)."""
+    g = p.add_argument_group("language models (with --hf)")
+    g.add_argument(
+        "--seq-len",
+        default="",
+        help="tokens a sequence (comma-separated for a table: 512,1024,2048,4096)",
+    )
+    g.add_argument(
+        "--tokens",
+        type=int,
+        help="tokens a step, all ranks together, instead of --batch (a multiple of --seq-len)",
+    )
+    g.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R (peft)"
+    )
+    g.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="the layers LoRA adapts, peft's target_modules: all-linear or q_proj,v_proj,...",
+    )
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="peft's lora_dropout")
+    g.add_argument(
+        "--qlora",
+        type=int,
+        nargs="?",
+        const=4,
+        default=0,
+        metavar="BITS",
+        help="the base in bitsandbytes' 4-bit NF4 (default) or 8-bit; needs --lora",
+    )
+    g.add_argument(
+        "--no-double-quant",
+        action="store_true",
+        help="4-bit without double quantization (bnb_4bit_use_double_quant=False)",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="transformers' activation checkpointing (non-reentrant)",
+    )
+    g.add_argument(
+        "--attn",
+        default="sdpa",
+        help="attention: sdpa, eager or flash_attention_2 (as transformers)",
+    )
+    g.add_argument(
+        "--packing",
+        action="store_true",
+        help="sequences packed into one row (TRL's padding_free) instead of padded to --seq-len",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        help="the weights' dtype (auto: the config's, as from_pretrained loads them)",
+    )
+    g.add_argument(
+        "--world-size",
+        default="1",
+        help="ranks (processes, one GPU each), comma-separated for a table: 1,2,4,8",
+    )
+    g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan the fine-tune ``args`` describe; print the plan or the table (``--json``)."""
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
+    import logging
+    import warnings
+
+    # What libraries say on the way that is no news to a planner: bitsandbytes' CPU kernels
+    # (never run here), transformers' renamed checkpointing methods (peft calls the old ones).
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    from bigbatch.memory.budget import format_bytes, parse_bytes
+    from bigbatch.memory.cards import find_card
+    from bigbatch.memory.lm import LMPlan, LMSetup, load_lm_config, plan_lm, plan_table
+    from bigbatch.memory.plan import DoesNotFitError
+
+    if not args.seq_len:
+        raise UserError("--hf needs --seq-len, the tokens a sequence (e.g. 2048)")
+    seq_lens = _ints(args.seq_len, "--seq-len")
+    world_sizes = _ints(args.world_size, "--world-size")
+    if args.budget is None:
+        raise UserError("--budget is needed: a card's name (l4, rtx4090, a100-80gb) or 24GB")
+    if (args.batch is None) == (args.tokens is None):
+        raise UserError("give the global batch: --batch (sequences a step, all ranks) or --tokens")
+    if args.tokens is not None:
+        if len(seq_lens) > 1 or args.tokens % seq_lens[0]:
+            raise UserError(
+                f"--tokens {args.tokens} is no whole number of {seq_lens[0]}-token sequences: "
+                "give a multiple of --seq-len (one --seq-len), or --batch"
+            )
+        args.batch = args.tokens // seq_lens[0]
+    if args.batch < 1:
+        raise UserError(f"--batch must be a positive number of sequences, got {args.batch}")
+    setup = LMSetup(
+        seq_len=seq_lens[0],
+        lora_r=args.lora,
+        lora_targets=args.lora_targets,
+        lora_dropout=args.lora_dropout,
+        quant=args.qlora,
+        double_quant=not args.no_double_quant,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn=args.attn,
+        packing=args.packing,
+        dtype=args.dtype,
+        world_size=world_sizes[0],
+        fsdp=args.fsdp,
+    )
+    card = find_card(args.budget)
+    try:
+        overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
+        if card is not None and overhead is None:
+            overhead = card.context_bytes
+        config = load_lm_config(args.hf)
+        options: dict[str, Any] = {
+            "device": args.device,
+            "precision": args.precision,
+            "optimizer": args.optimizer,
+            "margin": args.margin,
+            "overhead": overhead,
+        }
+        if len(seq_lens) == 1 and len(world_sizes) == 1:  # one plan: why it fails, in full
+            rows: list[Any] = [plan_lm(config, setup, args.batch, args.budget, **options)]
+        else:
+            rows = plan_table(
+                config,
+                setup,
+                args.batch,
+                args.budget,
+                seq_lens=seq_lens,
+                world_sizes=world_sizes,
+                **options,
+            )
+    except DoesNotFitError as exc:
+        raise UserError(str(exc)) from None
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if card is not None:
+        print(f"card: {card.name}, {format_bytes(card.total_bytes)}", file=sys.stderr)
+    if args.json:
+        out: list[dict[str, Any]] = [
+            r.to_dict() | {"fits": True} if isinstance(r, LMPlan) else {"fits": False, "why": r}
+            for r in rows
+        ]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
+        return 0
+    _print(args, rows)
+    return 0
+
+
+def _print(args: argparse.Namespace, rows: list[Any]) -> None:
+    from bigbatch.memory.budget import format_bytes
+    from bigbatch.memory.lm import LMPlan
+
+    first = next((r for r in rows if isinstance(r, LMPlan)), None)
+    if len(rows) == 1 and first is not None:
+        sizes = first.sizes
+        print(
+            f"{args.hf}: {first.model_type}, {_count(sizes.parameter_count)} parameters, "
+            f"{_count(sizes.trainable_count)} trained; {first.setup.describe()}"
+        )
+        print(first.summary())
+        return
+    print(f"{args.hf}: global batch {args.batch} sequences, budget {args.budget} per rank")
+    header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>14} {'peak / rank':>12}  parts"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if not isinstance(r, LMPlan):
+            print(f"  {r}")
+            continue
+        parts = r.parts()
+        top = ", ".join(
+            f"{k} {format_bytes(v)}"
+            for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+            if v > 0
+        )
+        split = f"{r.micro_batch} x {r.accumulation}"
+        print(
+            f"{r.setup.seq_len:>7} {r.setup.world_size:>5} {split:>14} "
+            f"{format_bytes(r.peak_bytes):>12}  {top}"
+        )
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 8.03B, 41.9M, 5.1K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)

@@ -1,0 +1,665 @@
+"""Language models from their ``config.json``: the fine-tune a user describes (full, LoRA,
+QLoRA; checkpointing, attention, packing; one card, DDP or FSDP2) as the planner's
+:class:`~bigbatch.memory.step.StepSpec`, and the plan per rank.
+
+The model is built by transformers itself (``AutoModelForCausalLM.from_config``) on the meta
+device, its adapters by peft (``get_peft_model``), its 4-bit or 8-bit base by
+:mod:`bigbatch.memory.bnb`'s stand-ins for bitsandbytes' layers, and its step (the causal-LM
+loss over ``labels``, padded ``[B, L]`` or packed ``[1, B*L]`` with ``position_ids``) is
+traced on fake tensors like any other: no weights are read, no memory is allocated.
+
+Across processes, the trace is of one process's step and the per-rank memory is composed
+from it (:func:`per_rank_bytes`): DDP adds its gradient buckets; FSDP2 keeps ``1/N`` of the
+weights, gradients and optimizer state and adds its gather buffers (the root's weights, two
+layers' unsharded weights, two layers' gradients for the reduce-scatter).
+
+>>> setup = LMSetup(seq_len=512, lora_r=8)
+>>> setup.describe()
+'LoRA r=8 (all-linear), 512 tokens, padded'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
+from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.meta import build_on_meta
+from bigbatch.memory.plan import (
+    DEFAULT_MARGIN,
+    DoesNotFitError,
+    Plan,
+    default_overhead,
+    plan_micro_batch,
+    resolve_budget,
+    usable_bytes,
+)
+from bigbatch.memory.step import StepSpec
+
+__all__ = [
+    "ATTENTIONS",
+    "LMPlan",
+    "LMSetup",
+    "ModelSizes",
+    "lm_factory",
+    "lm_spec_at",
+    "load_lm_config",
+    "model_sizes",
+    "per_rank_bytes",
+    "plan_lm",
+]
+
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LMSetup:
+    """A language-model fine-tune as a fine-tuner says it.
+
+    ``lora_r`` 0 is a full fine-tune; ``quant`` 4 (QLoRA's NF4) or 8 (LLM.int8) quantizes the
+    base's linear layers and needs ``lora_r``; ``dtype`` is the weights' (``auto``: the
+    config's, as ``from_pretrained`` loads them); ``packing`` puts a micro-batch's sequences
+    in one row (TRL's ``padding_free``) instead of padding each to ``seq_len``.
+
+    >>> LMSetup(seq_len=2048, lora_r=16, quant=4, gradient_checkpointing=True).describe()
+    'QLoRA 4-bit r=16 (all-linear), 2048 tokens, padded, gradient checkpointing'
+    """
+
+    seq_len: int
+    lora_r: int = 0
+    lora_targets: str = "all-linear"  # peft's target_modules: comma-separated names
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.0
+    quant: int = 0  # 0, 4 or 8 bits for the base's linear layers (bitsandbytes)
+    double_quant: bool = True
+    gradient_checkpointing: bool = False
+    attn: str = "sdpa"
+    packing: bool = False
+    dtype: str = "auto"  # the weights': auto, bf16, fp16, fp32
+    world_size: int = 1
+    fsdp: bool = False
+
+    def describe(self) -> str:
+        kind = "full fine-tune"
+        if self.lora_r:
+            kind = f"LoRA r={self.lora_r} ({self.lora_targets})"
+            if self.quant:
+                kind = f"QLoRA {self.quant}-bit r={self.lora_r} ({self.lora_targets})"
+        parts = [kind, f"{self.seq_len} tokens", "packed" if self.packing else "padded"]
+        if self.gradient_checkpointing:
+            parts.append("gradient checkpointing")
+        if self.attn != "sdpa":
+            parts.append(self.attn)
+        if self.world_size > 1:
+            parts.append(f"{'FSDP2' if self.fsdp else 'DDP'} over {self.world_size} ranks")
+        return ", ".join(parts)
+
+
+def load_lm_config(source: str | Path) -> Any:
+    """A causal LM's config from a ``config.json`` (the file or its folder) or a hub name read
+    from the Hugging Face cache (fetched, config only, when not cached and the hub is
+    reachable). Raises ``ValueError`` with the fix for what transformers cannot build.
+
+    >>> import tempfile, transformers
+    >>> folder = tempfile.mkdtemp()
+    >>> transformers.LlamaConfig(num_hidden_layers=2).save_pretrained(folder)
+    >>> load_lm_config(folder).model_type
+    'llama'
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    text = str(source)
+    local = Path(text).expanduser()
+    try:
+        if local.exists():
+            if local.is_dir() and not (local / "config.json").is_file():
+                raise ValueError(f"{text}: a folder without config.json; give the model's folder")
+            config = AutoConfig.from_pretrained(str(local))
+        else:
+            config = _hub_config(text)
+    except ValueError as exc:
+        message = str(exc)
+        if "does not recognize this architecture" in message or "model type" in message:
+            kind = message.split("`")[1] if "`" in message else "?"
+            import transformers
+
+            raise ValueError(
+                f"{text}: model type {kind!r} is not one transformers {transformers.__version__} "
+                "knows: pip install -U transformers, or check config.json's model_type"
+            ) from None
+        raise
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{text}: a {config.model_type!r} model has no causal-LM head in transformers "
+            "(AutoModelForCausalLM): --hf plans decoder language models"
+        )
+    return config
+
+
+def _hub_config(name: str) -> Any:
+    from transformers import AutoConfig
+
+    if name.count("/") > 1 or name.startswith((".", "/", "~")):
+        raise ValueError(f"{name}: no such file or folder; give a config.json or a hub name")
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except OSError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        raise ValueError(
+            f"{name}: not in the Hugging Face cache and HF_HUB_OFFLINE is set: fetch its config "
+            f"once online (`hf download {name} config.json`) or give the path of a config.json"
+        )
+    try:
+        return AutoConfig.from_pretrained(name)  # config.json alone, into the cache
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{name}: no config.json in the Hugging Face cache, and fetching it failed ({first}): "
+            f"check the name, log in for a gated model (`hf auth login`), or give a config.json's path"
+        ) from None
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the model's positions allow (None when the config says none)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def weights_dtype(config: Any, setup: LMSetup) -> torch.dtype:
+    """The weights' dtype: ``setup.dtype``, or with ``auto`` the config's (float32 if none)."""
+    if setup.dtype != "auto":
+        return _DTYPES[setup.dtype]
+    # transformers 5 says dtype (torch_dtype, its old name, warns when read)
+    key = "dtype" if "dtype" in config.to_dict() or hasattr(config, "dtype") else "torch_dtype"
+    dtype = getattr(config, key, None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def check_setup(config: Any, setup: LMSetup) -> None:
+    """Refuse, with the fix, what cannot be planned or trained as given."""
+    longest = max_positions(config)
+    if setup.seq_len < 1:
+        raise ValueError(f"--seq-len must be a positive number of tokens, got {setup.seq_len}")
+    if longest is not None and setup.seq_len > longest:
+        raise ValueError(
+            f"--seq-len {setup.seq_len} is longer than the model's {longest} positions "
+            f"(max_position_embeddings): use --seq-len {longest} or less"
+        )
+    if setup.quant and not setup.lora_r:
+        raise ValueError(
+            "a quantized base cannot be trained itself: add --lora R (QLoRA trains adapters)"
+        )
+    if setup.quant not in (0, 4, 8):
+        raise ValueError(f"--qlora takes 4 or 8 bits, got {setup.quant}")
+    if setup.quant:
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:  # an ImportError, or a library that fails to load
+            raise ValueError(
+                f"--qlora needs bitsandbytes, which cannot load here ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): pip install bitsandbytes "
+                "(Linux or Windows), or plan LoRA on a 16-bit base without --qlora"
+            ) from None
+    if setup.attn not in ATTENTIONS:
+        raise ValueError(f"--attn must be one of {', '.join(ATTENTIONS)}, got {setup.attn!r}")
+    if setup.fsdp and setup.world_size < 2:
+        raise ValueError("--fsdp shards over ranks: give --world-size 2 or more")
+    if setup.quant and setup.fsdp:
+        raise ValueError(
+            "--qlora with --fsdp is not modelled (bitsandbytes' quant_storage sharding): plan "
+            "QLoRA on one card or with DDP"
+        )
+
+
+def _apply_lora(model: nn.Module, setup: LMSetup) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = setup.lora_targets
+    if targets != "all-linear":
+        targets = [t.strip() for t in setup.lora_targets.split(",") if t.strip()]
+    config = LoraConfig(
+        r=setup.lora_r,
+        lora_alpha=setup.lora_alpha or 2 * setup.lora_r,
+        lora_dropout=setup.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        if "not found in the base model" not in str(exc) and "target module" not in str(exc):
+            raise
+        names = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise ValueError(
+            f"--lora-targets {setup.lora_targets} matches no linear layer of "
+            f"{type(model).__name__}: name some of {', '.join(names)}, or all-linear"
+        ) from None
+
+
+def lm_factory(config: Any, setup: LMSetup) -> Callable[[], nn.Module]:
+    """What builds the model to train: transformers' causal LM from ``config`` in the weights'
+    dtype, its base quantized (``setup.quant``: the other weights in float32, as peft's
+    ``prepare_model_for_kbit_training`` leaves them), LoRA adapters (peft keeps them in
+    float32), activation checkpointing. Call it under the meta device (the planner does).
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                                num_attention_heads=4, vocab_size=100)
+    >>> model = build_on_meta(lm_factory(cfg, LMSetup(seq_len=16, lora_r=4)))
+    >>> sum(p.numel() for p in model.parameters() if p.requires_grad)
+    8704
+    """
+
+    def build() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        dtype = weights_dtype(config, setup)
+        # flash_attention_2 needs its package and a GPU; its memory is SDPA's flash kernel's
+        # (the output and a float32 log-sum-exp a head and token), which the trace runs.
+        attn = "sdpa" if setup.attn == "flash_attention_2" else setup.attn
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        model.config.use_cache = False
+        if setup.quant:
+            head = model.get_output_embeddings()
+            skip = tuple(n for n, m in model.named_modules() if m is head)
+            compute = dtype if dtype != torch.float32 else torch.bfloat16
+            quantize_linears(
+                model, bits=setup.quant, nested=setup.double_quant, compute_dtype=compute, skip=skip
+            )
+            for p in model.parameters():
+                if p.dtype in (torch.float16, torch.bfloat16):
+                    p.data = p.data.float()
+        if setup.lora_r:
+            model.requires_grad_(False)
+            model = _apply_lora(model, setup)
+        if setup.gradient_checkpointing:
+            enable_checkpointing(model)
+            if setup.lora_r:
+                model.enable_input_require_grads()
+        return model
+
+    return build
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Transformers' activation checkpointing, non-reentrant (by its name since 5.0)."""
+    kwargs = {"use_reentrant": False}
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs=kwargs)
+    else:
+        getattr(model, "gradient_checkpointing_enable")(gradient_checkpointing_kwargs=kwargs)  # noqa: B009
+
+
+def _lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    loss: torch.Tensor = model(**batch, use_cache=False).loss
+    return loss
+
+
+def lm_spec_at(
+    config: Any,
+    setup: LMSetup,
+    *,
+    device: str = "cuda",
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+) -> Callable[[int], StepSpec]:
+    """``spec_at(b)``: one rank's training step at micro-batch ``b`` sequences, for the planner.
+
+    Padded micro-batches are ``[b, seq_len]``, the longest sequence's length (the micro-batch
+    that decides the peak), with one pad token (a micro-batch of several sequences has some:
+    transformers then builds the attention mask, and SDPA takes it); packed ones one row of ``b * seq_len``
+    tokens whose ``position_ids`` restart at each sequence.
+    """
+    vocab = int(config.vocab_size)
+    length = setup.seq_len
+    factory = lm_factory(config, setup)
+
+    def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
+        if setup.packing:
+            ids = torch.randint(0, vocab, (1, b * length), device=where)
+            positions = torch.arange(length, device=where).repeat(b).unsqueeze(0)
+            return {"input_ids": ids, "labels": ids, "position_ids": positions}
+        ids = torch.randint(0, vocab, (b, length), device=where)
+        labels, mask = ids.clone(), torch.ones_like(ids)
+        if b > 1:  # one pad: transformers then builds the attention mask, as for real batches
+            labels[-1, -1], mask[-1, -1] = -100, 0
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    name = f"{config.model_type} {setup.describe()}"
+
+    def spec_at(b: int) -> StepSpec:
+        return StepSpec(
+            factory,
+            (length,),
+            b,
+            optimizer=optimizer,
+            precision=precision,  # type: ignore[arg-type]
+            device=device,
+            input_dtype=torch.long,
+            vocab=vocab,
+            name=name,
+            step=_lm_step,
+            batch=batch,
+        )
+
+    return spec_at
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """A built model's weights, by what training and sharding do with them (bytes)."""
+
+    parameters: int
+    trainable: int  # adapters (LoRA), or every weight (full fine-tune)
+    frozen: int
+    layer: int  # the largest decoder layer's weights (FSDP2 gathers it)
+    layer_trainable: int  # ... of which trainable (their gradients are reduce-scattered)
+    root: int  # outside the decoder layers (embeddings, the head, the final norm)
+    parameter_count: int
+    trainable_count: int
+
+
+def _nbytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def model_sizes(model: nn.Module) -> ModelSizes:
+    """Split ``model``'s weights into what FSDP2 shards per decoder layer and the root.
+
+    >>> sizes = model_sizes(nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)] * 2)))
+    >>> sizes.parameters, sizes.layer
+    (160, 80)
+    """
+    blocks = _decoder_layers(model)
+    params = list({id(p): p for p in model.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    return ModelSizes(
+        parameters=_nbytes(params),
+        trainable=_nbytes(trainable),
+        frozen=_nbytes(p for p in params if not p.requires_grad),
+        layer=max((_nbytes(b.parameters()) for b in blocks), default=0),
+        layer_trainable=max(
+            (_nbytes(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0
+        ),
+        root=_nbytes(p for p in params if id(p) not in in_blocks),
+        # A quantized layer's packed weight holds out x in parameters, whatever its bytes.
+        parameter_count=sum(p.numel() for p in params)
+        + sum(
+            m.in_features * m.out_features - m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, QuantizedLinear)
+        ),
+        trainable_count=sum(p.numel() for p in trainable),
+    )
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 wraps one by one: the longest ``nn.ModuleList``'s members."""
+    lists: list[list[nn.Module]] = [
+        list(m) for m in model.modules() if isinstance(m, nn.ModuleList)
+    ]
+    return max(lists, key=len) if lists else []
+
+
+def per_rank_bytes(
+    sizes: ModelSizes, peak_parts: dict[str, int], setup: LMSetup
+) -> tuple[int, str]:
+    """What one rank holds beyond (negative: below) the one-process trace's peak, and a note.
+
+    DDP keeps its own copy of the gradients in its buckets (``gradient_as_bucket_view`` off,
+    the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
+    the peak, and adds the root module's weights (gathered for the whole forward and backward),
+    the current and the prefetched layer's unsharded weights, and the current layer's
+    unsharded gradients with their reduce-scatter copy.
+
+    >>> sizes = ModelSizes(1000, 1000, 0, 100, 100, 200, 500, 500)
+    >>> per_rank_bytes(sizes, {"parameters": 1000, "gradients": 1000, "optimizer_state": 2000},
+    ...                LMSetup(seq_len=8, world_size=4, fsdp=True))[0]  # -3000 + 200 + 400
+    -2400
+    """
+    n = setup.world_size
+    if n <= 1:
+        return 0, ""
+    if not setup.fsdp:
+        return sizes.trainable, (
+            f"DDP over {n} ranks: its gradient buckets ({format_bytes(sizes.trainable)}) on "
+            "each rank"
+        )
+    resident = peak_parts.get("parameters", 0) + peak_parts.get("gradients", 0)
+    resident += peak_parts.get("optimizer_state", 0)
+    saved = resident - resident // n
+    gathered = sizes.root + 2 * sizes.layer + 2 * sizes.layer_trainable
+    note = (
+        f"FSDP2 over {n} ranks, composed onto one process's trace: 1/{n} of the weights, "
+        f"gradients and optimizer state, plus {format_bytes(gathered)} of gather buffers (the "
+        "root's weights, two layers unsharded, a layer's gradients for the reduce-scatter)"
+    )
+    return gathered - saved, note
+
+
+@dataclass
+class LMPlan:
+    """A language-model plan: the micro-batch and accumulation per rank for a global batch of
+    sequences, and the per-rank peak with its parts."""
+
+    setup: LMSetup
+    model_type: str
+    global_batch: int  # sequences per optimizer step, all ranks together
+    plan: Plan  # one rank's plan (its target: global_batch / world_size)
+    sizes: ModelSizes
+    per_rank_extra_bytes: int = 0
+    paged_bytes: int = 0
+    vocab: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.plan.micro_batch
+
+    @property
+    def accumulation(self) -> int:
+        return self.plan.micro_batches
+
+    @property
+    def peak_bytes(self) -> int:
+        """One rank's predicted peak (on CUDA: reserved memory and handles)."""
+        return self.plan.predicted_peak_bytes + self.per_rank_extra_bytes
+
+    def parts(self) -> dict[str, int]:
+        """The peak's parts: the base and adapter weights, gradients, optimizer state,
+        activations, temporaries (of which ``logits``: the micro-batch's logits and the
+        float32 copy the loss makes), the allocator's cache; per rank."""
+        p = self.plan.prediction
+        parts = p.parts()
+        weights = parts.pop("parameters")
+        adapters = min(weights, self.sizes.trainable) if self.setup.lora_r else 0
+        tokens = self.micro_batch * self.setup.seq_len
+        logits = tokens * self.vocab * (2 + 4 if p.precision != "fp32" else 4)
+        return {
+            "weights": weights - adapters,
+            "adapters": adapters,
+            **parts,
+            "logits": logits,
+            "per_rank": self.per_rank_extra_bytes,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.setup
+        return {
+            "model_type": self.model_type,
+            "setup": s.describe(),
+            "seq_len": s.seq_len,
+            "world_size": s.world_size,
+            "fsdp": s.fsdp,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
+            "tokens_per_step": self.global_batch * s.seq_len,
+            "peak_bytes_per_rank": self.peak_bytes,
+            "budget_bytes": self.plan.budget_bytes,
+            "usable_bytes": self.plan.usable_bytes,
+            "parameters": self.sizes.parameter_count,
+            "trainable_parameters": self.sizes.trainable_count,
+            "parts": self.parts(),
+            "paged_optimizer_bytes": self.paged_bytes,
+            "notes": [*self.notes, *self.plan.prediction.notes],
+        }
+
+    def summary(self) -> str:
+        s = self.setup
+        ranks = f" on each of {s.world_size} ranks" if s.world_size > 1 else ""
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.parts().items() if v > 0
+        )
+        text = (
+            f"{self.global_batch} sequences of {s.seq_len} tokens a step = micro-batch "
+            f"{self.micro_batch} x {self.accumulation} accumulation{ranks}; predicted peak "
+            f"{format_bytes(self.peak_bytes)} of {format_bytes(self.plan.usable_bytes)} usable "
+            f"(budget {format_bytes(self.plan.budget_bytes)}); {parts}"
+        )
+        if self.paged_bytes:
+            text += f"; paged optimizer state {format_bytes(self.paged_bytes)} outside the budget"
+        return text + "".join(f"; note: {n}" for n in self.notes)
+
+
+def plan_lm(
+    config: Any,
+    setup: LMSetup,
+    global_batch: int,
+    budget: str | int,
+    *,
+    device: str = "cuda",
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    margin: float = DEFAULT_MARGIN,
+    overhead: int | None = None,
+) -> LMPlan:
+    """Plan a fine-tune of ``config``'s model: the largest micro-batch (sequences per rank)
+    under ``budget`` and the accumulation that makes ``global_batch`` sequences a step over
+    ``setup.world_size`` ranks, never changing that batch.
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                                num_attention_heads=4, vocab_size=100)
+    >>> p = plan_lm(cfg, LMSetup(seq_len=32, lora_r=4), 8, "64MB", device="cpu", precision="fp32",
+    ...             overhead=0)
+    >>> p.micro_batch * p.accumulation
+    8
+    """
+    check_setup(config, setup)
+    n = setup.world_size
+    if global_batch < 1 or global_batch % n:
+        raise ValueError(
+            f"the global batch {global_batch} must be a positive multiple of the "
+            f"{n} ranks (each takes the same number of sequences)"
+        )
+    spec_at = lm_spec_at(config, setup, device=device, precision=precision, optimizer=optimizer)
+    model = build_on_meta(spec_at(1).model)
+    sizes = model_sizes(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    paged = paged_state_bytes(optimizer, trainable)
+    if setup.fsdp:
+        paged //= n
+    del model, trainable
+    budget_bytes = resolve_budget(budget, device)
+    if overhead is None:
+        overhead = default_overhead(budget, device)
+    usable = usable_bytes(budget_bytes, overhead, device, margin)
+    # The per-rank difference depends on the weights, gradients and state at the peak, which
+    # the floor's prediction gives; it is the same at every micro-batch.
+    from bigbatch.memory.predict import predict_peak
+
+    floor = predict_peak(spec_at(1))
+    extra, note = per_rank_bytes(sizes, floor.parts(), setup)
+    try:
+        plan = plan_micro_batch(
+            spec_at,
+            global_batch // n,
+            budget_bytes,
+            device=device,
+            margin=margin,
+            overhead=overhead,
+            extra_bytes=extra,
+            known={1: floor},
+        )
+    except DoesNotFitError as exc:
+        raise DoesNotFitError(
+            f"{config.model_type} ({setup.describe()}) does not fit even at micro-batch 1: "
+            f"predicted {format_bytes(floor.planning_bytes + extra)} a rank of "
+            f"{format_bytes(usable)} usable (budget {format_bytes(budget_bytes)} less "
+            f"{margin:.0%} margin and {format_bytes(overhead)} overhead; {floor.breakdown()}). Try "
+            + _what_to_try(setup),
+            exc.floor,
+        ) from None
+    notes = [note] if note else []
+    if setup.attn == "flash_attention_2":
+        notes.append("flash_attention_2 traced as SDPA's flash kernel (the same memory)")
+    return LMPlan(
+        setup=setup,
+        model_type=config.model_type,
+        global_batch=global_batch,
+        plan=plan,
+        sizes=sizes,
+        per_rank_extra_bytes=extra,
+        paged_bytes=paged,
+        vocab=int(config.vocab_size),
+        notes=notes,
+    )
+
+
+def _what_to_try(setup: LMSetup) -> str:
+    tries = []
+    if not setup.gradient_checkpointing:
+        tries.append("--gradient-checkpointing")
+    if not setup.lora_r:
+        tries.append("--lora 16")
+    elif not setup.quant:
+        tries.append("--qlora")
+    tries.append(f"a shorter --seq-len than {setup.seq_len}")
+    if not setup.fsdp:
+        tries.append("--fsdp over more ranks")
+    tries.append("a bigger card")
+    return ", ".join(tries)
+
+
+def plan_table(
+    config: Any,
+    setup: LMSetup,
+    global_batch: int,
+    budget: str | int,
+    *,
+    seq_lens: list[int],
+    world_sizes: list[int],
+    **kwargs: Any,
+) -> list[LMPlan | str]:
+    """One plan per sequence length and rank count (a ``str``, why, where none fits)."""
+    rows: list[LMPlan | str] = []
+    for length in seq_lens:
+        for ranks in world_sizes:
+            row = replace(setup, seq_len=length, world_size=ranks, fsdp=setup.fsdp and ranks > 1)
+            if global_batch % ranks:
+                rows.append(f"{length} tokens, {ranks} ranks: {global_batch} is no multiple")
+                continue
+            try:
+                rows.append(plan_lm(config, row, global_batch, budget, **kwargs))
+            except DoesNotFitError as exc:
+                rows.append(f"{length} tokens, {ranks} rank(s): {str(exc).split(' (budget')[0]}")
+    return rows

@@ -1,0 +1,220 @@
+"""Language models under Trainer and TRL, set from a plan: a peft LoRA model trained exactly over
+uneven token counts (float64, against one big batch), Trainer's per-micro-batch mean as the
+negative control, the OOM back-off that keeps the update, and TRL's SFTTrainer."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from bigbatch.integrations.hf import (  # noqa: E402
+    MemoryBudget,
+    train_with_backoff,
+    trainer_batch_sizes,
+    with_plan,
+)
+from bigbatch.memory.lm import LMSetup  # noqa: E402
+
+VOCAB, SEQ, N, LR = 48, 10, 12, 0.5
+
+
+def tiny_lora() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).double()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(base, lora)
+
+
+def sequences() -> list[dict[str, torch.Tensor]]:
+    """12 sequences of 2..10 tokens: micro-batches hold very different token counts."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(N):
+        ids = torch.randint(
+            1, VOCAB, (int(torch.randint(2, SEQ + 1, (), generator=g)),), generator=g
+        )
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    longest = max(len(i["input_ids"]) for i in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    labels = torch.full((len(items), longest), -100)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def trained(args_dir, micro: int, steps: int, **kwargs):  # type: ignore[no-untyped-def]
+    return transformers.TrainingArguments(
+        output_dir=str(args_dir), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=steps, num_train_epochs=1, learning_rate=LR, optim="sgd",
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[],
+        save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, **kwargs,
+    )  # fmt: skip
+
+
+def trainer_for(model, data, extra_callbacks=()):  # type: ignore[no-untyped-def]
+    def make(args):  # type: ignore[no-untyped-def]
+        return transformers.Trainer(
+            model=model, args=args, train_dataset=data, data_collator=collate,
+            callbacks=list(extra_callbacks),
+        )  # fmt: skip
+
+    return make
+
+
+def big_batch(model, data):  # type: ignore[no-untyped-def]
+    """One SGD step on all sequences at once: the mean over every predicted token."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    model(**collate(data)).loss.backward()
+    opt.step()
+    return model
+
+
+def update_err(got, want, init) -> float:  # type: ignore[no-untyped-def]
+    trio = [
+        (g, w, i)
+        for g, w, i in zip(got.parameters(), want.parameters(), init.parameters(), strict=True)
+        if i.requires_grad
+    ]
+    num = max(float((g - w).detach().abs().max()) for g, w, _ in trio)
+    return num / max(float((w - i).detach().abs().max()) for _, w, i in trio)
+
+
+def plan_of(global_batch: int, max_micro: int):  # type: ignore[no-untyped-def]
+    """A plan as bigbatch.memory.lm.plan_lm returns it, as far as with_plan reads it."""
+    return SimpleNamespace(
+        global_batch=global_batch,
+        setup=LMSetup(seq_len=SEQ),
+        plan=SimpleNamespace(max_micro_batch=max_micro),
+    )
+
+
+@pytest.mark.slow
+def test_lora_under_trainer_set_from_a_plan_is_exact_and_a_mean_per_micro_batch_is_not(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    init, data = tiny_lora(), sequences()
+    want = big_batch(copy.deepcopy(init), data)
+    args = with_plan(trained(tmp_path, 12, 1), plan_of(N, 5))
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+    got = copy.deepcopy(init)
+    trainer_for(got, data)(args).train()
+    assert update_err(got, want, init) < 1e-12
+    # The negative control: each micro-batch's mean divided by the accumulation (Trainer's
+    # way for a model it cannot pass the window's count to).
+    plain = copy.deepcopy(init)
+    trainer = trainer_for(plain, data)(args)
+    trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    assert update_err(plain, want, init) > 0.02
+
+
+class _OutOfMemoryAbove(transformers.TrainerCallback):  # type: ignore[misc]
+    """A card too small for micro-batches over ``largest``: the first step runs out."""
+
+    def __init__(self, largest: int) -> None:
+        self.largest = largest
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if args.per_device_train_batch_size > self.largest:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.slow
+def test_backoff_after_out_of_memory_keeps_the_update(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    init, data = tiny_lora(), sequences()
+    want = big_batch(copy.deepcopy(init), data)
+    got = copy.deepcopy(init)
+    said: list[str] = []
+    budget = MemoryBudget(2**40, steps=1)
+    make = trainer_for(got, data, [_OutOfMemoryAbove(3), budget])
+    train_with_backoff(make, trained(tmp_path, 12, 1), log=said.append)
+    assert said == [
+        "out of memory at micro-batch 12: again at 6 x 2 accumulation, the same global batch",
+        "out of memory at micro-batch 6: again at 3 x 4 accumulation, the same global batch",
+    ]
+    assert update_err(got, want, init) < 1e-12
+    assert budget.measured_bytes is not None and budget.measured_bytes > 0  # the CPU's peak RSS
+
+
+def test_backoff_reraises_what_is_not_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def make(args):  # type: ignore[no-untyped-def]
+        raise ValueError("a bad dataset")
+
+    with pytest.raises(ValueError, match="a bad dataset"):
+        train_with_backoff(make, SimpleNamespace(output_dir=str(tmp_path)))
+
+
+def test_trainer_batch_sizes_keep_the_global_batch() -> None:
+    for global_batch, largest, ranks in [(64, 6, 2), (12, 5, 1), (7, 3, 1), (32, 64, 4)]:
+        micro, steps = trainer_batch_sizes(global_batch, largest, ranks)
+        assert micro <= largest and micro * steps * ranks == global_batch
+    with pytest.raises(ValueError, match="multiple of 4"):
+        trainer_batch_sizes(30, 4, 4)
+
+
+def test_with_plan_refuses_another_rank_count(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    args = SimpleNamespace(
+        world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=1
+    )
+    with pytest.raises(ValueError, match="--world-size 2"):
+        with_plan(args, plan_of(8, 4))
+
+
+def tokenizer():  # type: ignore[no-untyped-def]
+    """A word-level tokenizer of the vocabulary's ids, built here (no download); 0 pads."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    fast = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=fast, pad_token="t0", eos_token=f"t{VOCAB - 1}"
+    )
+
+
+@pytest.mark.slow
+def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """TRL computes the token log-probabilities in float32 (its fused head), so its own big batch
+    is off the float64 one by float32's round-off: the accumulated run is judged against that."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    init, items = tiny_lora(), sequences()
+    want = big_batch(copy.deepcopy(init), items)
+    data = datasets.Dataset.from_list([{"input_ids": i["input_ids"].tolist()} for i in items])
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=N, num_train_epochs=1,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no",
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_length=None, bf16=False,
+    )  # fmt: skip
+
+    def run(args, per_micro_batch_mean: bool = False):  # type: ignore[no-untyped-def]
+        model = copy.deepcopy(init)
+        trainer = trl.SFTTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer()
+        )
+        trainer.model_accepts_loss_kwargs = not per_micro_batch_mean
+        trainer.train()
+        return model
+
+    round_off = update_err(run(config), want, init)  # one micro-batch of 12: TRL's big batch
+    assert round_off < 1e-5
+    planned = with_plan(config, plan_of(N, 5))
+    assert (planned.per_device_train_batch_size, planned.gradient_accumulation_steps) == (4, 3)
+    assert update_err(run(planned), want, init) < 10 * round_off
+    assert update_err(run(planned, per_micro_batch_mean=True), want, init) > 0.02
