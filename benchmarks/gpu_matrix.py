@@ -133,6 +133,44 @@ def _nnunet_spec(row: dict[str, Any], device: str) -> StepSpec:
     return spec.with_batch(row["batch"])
 
 
+# Public models' shapes (random weights: the config alone), for the ``hf`` rows.
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+                     "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                     "dtype": "bfloat16"},
+    "llama3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+                    "intermediate_size": 8192, "num_hidden_layers": 16,
+                    "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                    "dtype": "bfloat16"},
+    "tiny": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "max_position_embeddings": 256, "dtype": "float32"},
+}  # fmt: skip
+
+
+def _hf_spec(row: dict[str, Any], device: str) -> StepSpec:
+    """A language model from its config as ``bigbatch plan --hf`` plans it
+    (:mod:`bigbatch.memory.lm`): ``model`` (a :data:`HF_CONFIGS` key), ``lora`` (rank, 0 for a
+    full fine-tune), ``ckpt``, ``packing``; ``size`` is the sequence length."""
+    from transformers import AutoConfig
+
+    from bigbatch.memory.lm import LMSetup, lm_spec_at
+
+    values = dict(HF_CONFIGS[row["model"]])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    setup = LMSetup(
+        seq_len=row["size"], lora_r=row.get("lora", 0), gradient_checkpointing=row.get("ckpt", False),
+        packing=row.get("packing", False),
+    )  # fmt: skip
+    spec_at = lm_spec_at(
+        config, setup, device=device, precision=row["precision"], optimizer=row["optimizer"]
+    )
+    return spec_at(row["batch"])
+
+
 def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
     """The row's training step as a StepSpec on ``device``."""
     common: dict[str, Any] = {
@@ -161,7 +199,9 @@ def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
         )
     if kind == "nnunet":
         return _nnunet_spec(row, device)
-    raise ValueError(f"row kind {kind!r}: not one of timm, smp, unet3d, llama, nnunet")
+    if kind == "hf":
+        return _hf_spec(row, device)
+    raise ValueError(f"row kind {kind!r}: not one of timm, smp, unet3d, llama, nnunet, hf")
 
 
 def row_name(row: dict[str, Any]) -> str:
@@ -171,6 +211,10 @@ def row_name(row: dict[str, Any]) -> str:
         arch = f"llama{row.get('layers', 8)}L-{row.get('hidden', 1024)}"
     if row["kind"] == "nnunet":
         arch = f"nnunet3d{row.get('stages', 6)}s"
+    if row["kind"] == "hf":
+        arch = row["model"] + (f"-lora{row['lora']}" if row.get("lora") else "-full")
+        arch += "-packed" if row.get("packing") else ""
+        arch += "-ckpt" if row.get("ckpt") else ""
     size = str(row["size"])
     if row["kind"] == "llama" and row["size"] % 1024 == 0:
         size = f"{row['size'] // 1024}k"  # tokens
@@ -198,6 +242,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
              "precision": "fp32", "optimizer": "adamw"},
             {"kind": "nnunet", "arch": "nnunet3d", "stages": 3, "size": 16, "batch": 2,
              "precision": "fp32", "optimizer": "sgd_momentum"},
+            {"kind": "hf", "arch": "hf", "model": "tiny", "lora": 4, "ckpt": True, "size": 32,
+             "batch": 2, "precision": "fp32", "optimizer": "adamw"},
         ]  # fmt: skip
     return [
         # First the rows the CUDA model missed most on the H200 (a short box records them):
@@ -237,6 +283,17 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "optimizer": "adamw"},
         {"kind": "llama", "arch": "llama", "layers": 4, "hidden": 512, "size": 1024, "batch": 4,
          "precision": "bf16", "optimizer": "adamw", "frozen": False, "ckpt": False},
+        # Language models from their configs (bigbatch plan --hf): a bf16 full fine-tune, LoRA
+        # r=16 with checkpointing, padded and packed, 512 to 4096 tokens. QLoRA rows need
+        # bitsandbytes' own 4-bit layers on the GPU side of record_trace (not yet).
+        {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "size": 1024, "batch": 4,
+         "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "ckpt": True,
+         "size": 4096, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True,
+         "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True,
+         "packing": True, "size": 512, "batch": 8, "precision": "bf16", "optimizer": "adamw"},
         # cuDNN's benchmark mode (trials whose workspaces depend on the free memory).
         {**_timm_row("resnet50", 224, 64, "fp16", "adamw"), "cudnn_benchmark": True},
         # nnU-Net's 3d_fullres step (128^3 patch, 6 stages, deep supervision, DC+CE, SGD): its

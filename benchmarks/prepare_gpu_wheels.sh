@@ -7,7 +7,8 @@
 #     GPU_PYTHON=3.11 bash benchmarks/prepare_gpu_wheels.sh
 #
 # Only what such an image (torch, timm, transformers, numpy, pillow ... already there) lacks:
-# MONAI and nibabel (3D rows), segmentation_models_pytorch (2D segmentation rows). Versions from
+# MONAI and nibabel (3D rows), segmentation_models_pytorch (2D segmentation rows), peft (the
+# language-model rows' LoRA adapters). Versions from
 # constraints.txt, so the GPU runs the code the tests ran. Each is pure Python: --no-deps keeps
 # the image's own torch and numpy.
 set -euo pipefail
@@ -18,5 +19,5 @@ rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl \
-    "$(pin monai)" "$(pin segmentation-models-pytorch)" "$(pin nibabel)"
+    "$(pin monai)" "$(pin segmentation-models-pytorch)" "$(pin nibabel)" "$(pin peft)"
 ls .whl
