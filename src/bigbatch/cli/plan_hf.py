@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     from bigbatch.memory.budget import format_bytes, parse_bytes
     from bigbatch.memory.cards import find_card
-    from bigbatch.memory.lm import LMPlan, LMSetup, load_lm_config, plan_lm, plan_table
+    from bigbatch.memory.lm import LMPlan, load_lm_config, plan_lm, plan_table
     from bigbatch.memory.plan import DoesNotFitError
 
     if not args.seq_len:
@@ -118,20 +118,7 @@ def run(args: argparse.Namespace) -> int:
         args.batch = args.tokens // seq_lens[0]
     if args.batch < 1:
         raise UserError(f"--batch must be a positive number of sequences, got {args.batch}")
-    setup = LMSetup(
-        seq_len=seq_lens[0],
-        lora_r=args.lora,
-        lora_targets=args.lora_targets,
-        lora_dropout=args.lora_dropout,
-        quant=args.qlora,
-        double_quant=not args.no_double_quant,
-        gradient_checkpointing=args.gradient_checkpointing,
-        attn=args.attn,
-        packing=args.packing,
-        dtype=args.dtype,
-        world_size=world_sizes[0],
-        fsdp=args.fsdp,
-    )
+    setup = _setup(args, seq_lens[0], world_sizes[0])
     card = find_card(args.budget)
     try:
         overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
@@ -172,6 +159,26 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(args, rows)
     return 0
+
+
+def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
+    """The fine-tune the flags describe (:class:`bigbatch.memory.lm.LMSetup`)."""
+    from bigbatch.memory.lm import LMSetup
+
+    return LMSetup(
+        seq_len=seq_len,
+        lora_r=args.lora,
+        lora_targets=args.lora_targets,
+        lora_dropout=args.lora_dropout,
+        quant=args.qlora,
+        double_quant=not args.no_double_quant,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn=args.attn,
+        packing=args.packing,
+        dtype=args.dtype,
+        world_size=world_size,
+        fsdp=args.fsdp,
+    )
 
 
 def _print(args: argparse.Namespace, rows: list[Any]) -> None:

@@ -572,13 +572,7 @@ def plan_lm(
             f"{n} ranks (each takes the same number of sequences)"
         )
     spec_at = lm_spec_at(config, setup, device=device, precision=precision, optimizer=optimizer)
-    model = build_on_meta(spec_at(1).model)
-    sizes = model_sizes(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    paged = paged_state_bytes(optimizer, trainable)
-    if setup.fsdp:
-        paged //= n
-    del model, trainable
+    sizes, paged = _sizes_and_paged_state(spec_at(1), setup)
     budget_bytes = resolve_budget(budget, device)
     if overhead is None:
         overhead = default_overhead(budget, device)
@@ -623,6 +617,14 @@ def plan_lm(
         vocab=int(config.vocab_size),
         notes=notes,
     )
+
+
+def _sizes_and_paged_state(spec: StepSpec, setup: LMSetup) -> tuple[ModelSizes, int]:
+    """The model's weights by kind, and a paged optimizer's state per rank (0 for others)."""
+    model = build_on_meta(spec.model)
+    sizes = model_sizes(model)
+    paged = paged_state_bytes(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+    return sizes, paged // setup.world_size if setup.fsdp else paged
 
 
 def _what_to_try(setup: LMSetup) -> str:
