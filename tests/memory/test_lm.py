@@ -104,6 +104,13 @@ def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignor
     assert len(err) == 1 and "use --seq-len 256 or less" in err[0]
     assert main([*args, "--seq-len", "100", "--tokens", "1050"]) == 2
     assert "give a multiple of --seq-len" in capsys.readouterr().err
+    # Flags of the other kind of plan are refused, not ignored.
+    assert main([*args, "--seq-len", "64", "--batch", "8", "--size", "32", "--confirm"]) == 2
+    assert "--size, --confirm: not for a language model's plan" in capsys.readouterr().err
+    assert (
+        main(["plan", "--arch", "resnet18", "--batch", "8", "--budget", "l4", "--lora", "8"]) == 2
+    )
+    assert "--lora: for a language model's plan; add --hf" in capsys.readouterr().err
 
 
 def test_quantized_storage_is_bitsandbytes_own() -> None:

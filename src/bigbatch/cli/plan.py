@@ -384,6 +384,12 @@ def run(args: argparse.Namespace) -> int:
     args.precision = args.precision or ("bf16" if language_model else "fp32")
     if language_model:
         return plan_hf.run(args)
+    language_flags = plan_hf.flags_set(args, plan_hf.LM_DEFAULTS)
+    if language_flags:
+        raise UserError(
+            f"{', '.join(language_flags)}: for a language model's plan; add --hf NAME_OR_PATH "
+            "(a Hugging Face model's config)"
+        )
     training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
     if args.config or training:
         return _plan_training_run(args)

@@ -10,13 +10,60 @@ from typing import Any
 
 from bigbatch.cli import UserError
 
+# The language-model flags and their defaults: set without --hf, they are refused (and the
+# image flags with it: IMAGE_ONLY), not ignored.
+LM_DEFAULTS: dict[str, Any] = {
+    "seq_len": "",
+    "tokens": None,
+    "lora": 0,
+    "lora_targets": "all-linear",
+    "lora_dropout": 0.0,
+    "qlora": 0,
+    "no_double_quant": False,
+    "gradient_checkpointing": False,
+    "attn": "sdpa",
+    "packing": False,
+    "dtype": "auto",
+    "world_size": "1",
+    "fsdp": False,
+}
+IMAGE_ONLY: dict[str, Any] = {
+    "size": "224",
+    "input_shape": None,
+    "widths": "",
+    "encoder": "",
+    "step": None,
+    "input_dtype": "float32",
+    "vocab": 2,
+    "num_classes": 1000,
+    "cache_dim": 0,
+    "csv": None,
+    "plot": None,
+    "fastest": False,
+    "confirm": False,
+    "config": None,
+}
+
+
+def flags_set(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
+    """The flags among ``defaults`` that ``args`` sets to something else, as typed.
+
+    >>> flags_set(argparse.Namespace(lora=16, packing=False), {"lora": 0, "packing": False})
+    ['--lora']
+    """
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, default in defaults.items()
+        if getattr(args, dest, default) != default
+    ]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The language-model options of ``bigbatch plan`` (with ``--hf``)."""
     g = p.add_argument_group("language models (with --hf)")
     g.add_argument(
         "--seq-len",
-        default="",
+        default=LM_DEFAULTS["seq_len"],
         help="tokens a sequence (comma-separated for a table: 512,1024,2048,4096)",
     )
     g.add_argument(
@@ -25,20 +72,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens a step, all ranks together, instead of --batch (a multiple of --seq-len)",
     )
     g.add_argument(
-        "--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R (peft)"
+        "--lora",
+        type=int,
+        default=LM_DEFAULTS["lora"],
+        metavar="R",
+        help="LoRA adapters of rank R (peft)",
     )
     g.add_argument(
         "--lora-targets",
-        default="all-linear",
+        default=LM_DEFAULTS["lora_targets"],
         help="the layers LoRA adapts, peft's target_modules: all-linear or q_proj,v_proj,...",
     )
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="peft's lora_dropout")
+    g.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=LM_DEFAULTS["lora_dropout"],
+        help="peft's lora_dropout",
+    )
     g.add_argument(
         "--qlora",
         type=int,
         nargs="?",
         const=4,
-        default=0,
+        default=LM_DEFAULTS["qlora"],
         metavar="BITS",
         help="the base in bitsandbytes' 4-bit NF4 (default) or 8-bit; needs --lora",
     )
@@ -54,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attn",
-        default="sdpa",
+        default=LM_DEFAULTS["attn"],
         help="attention: sdpa, eager or flash_attention_2 (as transformers)",
     )
     g.add_argument(
@@ -64,13 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dtype",
-        default="auto",
+        default=LM_DEFAULTS["dtype"],
         choices=("auto", "bf16", "fp16", "fp32"),
         help="the weights' dtype (auto: the config's, as from_pretrained loads them)",
     )
     g.add_argument(
         "--world-size",
-        default="1",
+        default=LM_DEFAULTS["world_size"],
         help="ranks (processes, one GPU each), comma-separated for a table: 1,2,4,8",
     )
     g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
@@ -101,6 +157,12 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.memory.lm import LMPlan, load_lm_config, plan_lm, plan_table
     from bigbatch.memory.plan import DoesNotFitError
 
+    ignored = flags_set(args, IMAGE_ONLY) + (["KEY=VALUE"] if args.train_keys else [])
+    if ignored:
+        raise UserError(
+            f"{', '.join(ignored)}: not for a language model's plan (--hf); drop them, or plan "
+            "--arch or --model without --hf"
+        )
     if not args.seq_len:
         raise UserError("--hf needs --seq-len, the tokens a sequence (e.g. 2048)")
     seq_lens = _ints(args.seq_len, "--seq-len")
