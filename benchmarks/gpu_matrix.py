@@ -151,10 +151,11 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _hf_spec(row: dict[str, Any], device: str) -> StepSpec:
+def _hf_spec(row: dict[str, Any], device: str, real: bool) -> StepSpec:
     """A language model from its config as ``bigbatch plan --hf`` plans it
     (:mod:`bigbatch.memory.lm`): ``model`` (a :data:`HF_CONFIGS` key), ``lora`` (rank, 0 for a
-    full fine-tune), ``ckpt``, ``packing``; ``size`` is the sequence length."""
+    full fine-tune), ``quant`` (4 or 8 bits), ``ckpt``, ``packing``; ``size`` is the sequence
+    length. ``real``: bitsandbytes' own layers, for the step recorded on a GPU."""
     from transformers import AutoConfig
 
     from bigbatch.memory.lm import LMSetup, lm_spec_at
@@ -163,16 +164,18 @@ def _hf_spec(row: dict[str, Any], device: str) -> StepSpec:
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     setup = LMSetup(
         seq_len=row["size"], lora_r=row.get("lora", 0), gradient_checkpointing=row.get("ckpt", False),
-        packing=row.get("packing", False),
+        packing=row.get("packing", False), quant=row.get("quant", 0),
     )  # fmt: skip
     spec_at = lm_spec_at(
-        config, setup, device=device, precision=row["precision"], optimizer=row["optimizer"]
-    )
+        config, setup, device=device, precision=row["precision"], optimizer=row["optimizer"],
+        real_bitsandbytes=real,
+    )  # fmt: skip
     return spec_at(row["batch"])
 
 
-def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
-    """The row's training step as a StepSpec on ``device``."""
+def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) -> StepSpec:
+    """The row's training step as a StepSpec on ``device``; ``real``: for a real step (on the
+    GPU that records it), with the libraries' own modules where the planner has stand-ins."""
     common: dict[str, Any] = {
         "optimizer": row["optimizer"],
         "precision": row["precision"],
@@ -200,7 +203,7 @@ def spec_of(row: dict[str, Any], device: str = "cuda") -> StepSpec:
     if kind == "nnunet":
         return _nnunet_spec(row, device)
     if kind == "hf":
-        return _hf_spec(row, device)
+        return _hf_spec(row, device, real)
     raise ValueError(f"row kind {kind!r}: not one of timm, smp, unet3d, llama, nnunet, hf")
 
 
@@ -213,6 +216,7 @@ def row_name(row: dict[str, Any]) -> str:
         arch = f"nnunet3d{row.get('stages', 6)}s"
     if row["kind"] == "hf":
         arch = row["model"] + (f"-lora{row['lora']}" if row.get("lora") else "-full")
+        arch += f"-q{row['quant']}bit" if row.get("quant") else ""
         arch += "-packed" if row.get("packing") else ""
         arch += "-ckpt" if row.get("ckpt") else ""
     size = str(row["size"])
@@ -284,8 +288,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
         {"kind": "llama", "arch": "llama", "layers": 4, "hidden": 512, "size": 1024, "batch": 4,
          "precision": "bf16", "optimizer": "adamw", "frozen": False, "ckpt": False},
         # Language models from their configs (bigbatch plan --hf): a bf16 full fine-tune, LoRA
-        # r=16 with checkpointing, padded and packed, 512 to 4096 tokens. QLoRA rows need
-        # bitsandbytes' own 4-bit layers on the GPU side of record_trace (not yet).
+        # r=16 with checkpointing, padded and packed, 512 to 4096 tokens; QLoRA 4-bit, recorded
+        # with bitsandbytes' own layers and optimizers, predicted with the planner's stand-ins.
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "size": 1024, "batch": 4,
          "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "ckpt": True,
@@ -294,6 +298,10 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True,
          "packing": True, "size": 512, "batch": 8, "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "quant": 4, "ckpt": True,
+         "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "quant": 4, "ckpt": True,
+         "size": 1024, "batch": 4, "precision": "bf16", "optimizer": "paged_adamw_8bit"},
         # cuDNN's benchmark mode (trials whose workspaces depend on the free memory).
         {**_timm_row("resnet50", 224, 64, "fp16", "adamw"), "cudnn_benchmark": True},
         # nnU-Net's 3d_fullres step (128^3 patch, 6 stages, deep supervision, DC+CE, SGD): its

@@ -7,8 +7,9 @@
 #     GPU_PYTHON=3.11 bash benchmarks/prepare_gpu_wheels.sh
 #
 # Only what such an image (torch, timm, transformers, numpy, pillow ... already there) lacks:
-# MONAI and nibabel (3D rows), segmentation_models_pytorch (2D segmentation rows), peft (the
-# language-model rows' LoRA adapters). Versions from
+# MONAI and nibabel (3D rows), segmentation_models_pytorch (2D segmentation rows), peft and
+# bitsandbytes (the language-model rows' LoRA adapters, 4-bit layers, 8-bit optimizers; 43 MB of
+# the 64 MiB a device call carries). Versions from
 # constraints.txt, so the GPU runs the code the tests ran. Each is pure Python: --no-deps keeps
 # the image's own torch and numpy.
 set -euo pipefail
@@ -19,5 +20,6 @@ rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl \
-    "$(pin monai)" "$(pin segmentation-models-pytorch)" "$(pin nibabel)" "$(pin peft)"
+    "$(pin monai)" "$(pin segmentation-models-pytorch)" "$(pin nibabel)" "$(pin peft)" \
+    "$(pin bitsandbytes)"
 ls .whl

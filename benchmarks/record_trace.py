@@ -59,7 +59,7 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     del x, w
     stages["after_cudnn"] = _used_mib()
     marks = {"model_begin": _event_count()}
-    spec = spec_of(row, "cuda")
+    spec = spec_of(row, "cuda", real=True)
     model, opt, _ = real_step_setup(spec, 0)
     inputs = [make_inputs(spec, "cuda") for _ in range(2)]
     # GradScaler's default first scale (65536) overflows on some nets (convnext, ViT), so both

@@ -86,7 +86,7 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     # Every row but nnU-Net's and the language models' from their configs (new: their traces
     # are the next GPU session's work) is recorded.
     new = {n for n in names if n.startswith(("nnunet", "qwen2.5", "llama3.2"))}
-    assert len(new) == 6 and set(names) - new <= gpu_evidence.committed("h200")
+    assert len(new) == 8 and set(names) - new <= gpu_evidence.committed("h200")
     assert gpu_evidence.committed("a100") == set()
 
     sigs = cudnn_workspaces.signatures()[:3]

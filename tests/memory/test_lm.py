@@ -137,17 +137,19 @@ def test_quantized_storage_is_bitsandbytes_own() -> None:
     [
         LMSetup(seq_len=64, lora_r=8, gradient_checkpointing=True),
         LMSetup(seq_len=64, lora_r=8, quant=4),
+        LMSetup(seq_len=64, lora_r=8, quant=8),
         LMSetup(seq_len=64),
         # Packed rows under SDPA are 7-13 % over this on a CPU (its kernel for a packed mask
         # is not the one the fake trace takes): eager attention is what the CPU shows exactly.
         LMSetup(seq_len=32, lora_r=8, packing=True, attn="eager"),
     ],
-    ids=["lora-ckpt", "qlora", "full", "packed"],
+    ids=["lora-ckpt", "qlora", "int8", "full", "packed"],
 )
-def test_cpu_peak_predicted_as_measured(setup: LMSetup) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
+def test_cpu_peak_predicted_as_measured(setup: LMSetup, optimizer: str) -> None:
     if setup.quant:
         pytest.importorskip("bitsandbytes")
-    spec = lm_spec_at(tiny(), setup, device="cpu", precision="fp32")(4)
+    spec = lm_spec_at(tiny(), setup, device="cpu", precision="fp32", optimizer=optimizer)(4)
     predicted, measured = predict_peak(spec).peak_bytes, measure_step_peak(spec)
     assert abs(predicted - measured) / measured <= 0.01, (predicted, measured)
 
@@ -225,3 +227,43 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     assert ddp.per_rank_extra_bytes == ddp.sizes.trainable  # DDP's gradient buckets
     assert fsdp.per_rank_extra_bytes < 0  # weights, gradients and AdamW's state sharded
     assert "FSDP2 over 4 ranks" in fsdp.notes[0]
+
+
+def test_the_gpu_side_builds_bitsandbytes_own_layers_with_the_same_adapters() -> None:
+    """What a real step on a GPU runs (the evidence records it): bitsandbytes' Linear4bit under
+    peft's adapters, the same adapters as the planner's stand-ins get."""
+    bnb = pytest.importorskip("bitsandbytes")
+    setup = LMSetup(seq_len=8, lora_r=4, quant=4)
+    real = lm_spec_at(tiny(), setup, real_bitsandbytes=True)(1).model()
+    planned = build_on_meta(lm_spec_at(tiny(), setup)(1).model)
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in real.modules()) == 14
+    assert model_sizes(real).trainable_count == model_sizes(planned).trainable_count
+    # Everything but the 4-bit weights in float32, as prepare_model_for_kbit_training leaves it.
+    dtypes = {p.dtype for n, p in real.named_parameters() if "base_layer" not in n}
+    assert dtypes == {torch.float32}
+
+
+def test_eight_bit_adamw_state_is_bitsandbytes_own() -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    from bigbatch.memory.bnb import BnbAdamW
+
+    def state_bytes(opt: torch.optim.Optimizer) -> int:
+        # qmap1/qmap2 are one table shared by every weight: counted once
+        storages = {
+            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+            for s in opt.state.values()
+            for k, v in s.items()
+            if torch.is_tensor(v) and not k.startswith("qmap")
+        }
+        return sum(storages.values())
+
+    sizes = [(8192,), (100,), (300, 200)]
+    both = []
+    for kind in (bnb.optim.AdamW8bit, BnbAdamW):
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in sizes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = kind(params)
+        opt.step()
+        both.append(state_bytes(opt))
+    assert both[0] == both[1]

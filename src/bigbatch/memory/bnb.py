@@ -193,10 +193,13 @@ def quantize_linears(
     nested: bool = True,
     compute_dtype: torch.dtype = torch.bfloat16,
     skip: tuple[str, ...] = (),
+    real: bool = False,
 ) -> int:
     """Replace ``model``'s ``nn.Linear`` layers (all but those whose name ends in one of
     ``skip``: transformers keeps the output head unquantized) by :class:`QuantizedLinear`, as
     ``from_pretrained(quantization_config=BitsAndBytesConfig(...))`` does. Returns how many.
+    ``real``: bitsandbytes' own ``Linear4bit`` / ``Linear8bitLt`` instead (they quantize when
+    moved to a GPU), for a real step on one (the GPU evidence records those).
 
     >>> m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     >>> quantize_linears(m, bits=4, skip=("1",)), type(m[0]).__name__
@@ -208,18 +211,56 @@ def quantize_linears(
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is not nn.Linear or any(full.endswith(s) for s in skip):
                 continue
-            new = QuantizedLinear(
-                child.in_features,
-                child.out_features,
-                bits=bits,
-                nested=nested,
-                bias=child.bias is not None,
-                compute_dtype=compute_dtype,
-                device=child.weight.device,
-            )
+            new: nn.Module
+            if real:
+                new = _bitsandbytes_linear(child, bits, nested, compute_dtype)
+            else:
+                new = QuantizedLinear(
+                    child.in_features,
+                    child.out_features,
+                    bits=bits,
+                    nested=nested,
+                    bias=child.bias is not None,
+                    compute_dtype=compute_dtype,
+                    device=child.weight.device,
+                )
             setattr(module, child_name, new)
             replaced += 1
     return replaced
+
+
+def _bitsandbytes_linear(
+    linear: nn.Linear, bits: int, nested: bool, compute_dtype: torch.dtype
+) -> nn.Module:
+    import bitsandbytes as bnb
+
+    bias = linear.bias is not None
+    layer: nn.Module
+    if bits == 4:
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=bias,
+            compute_dtype=compute_dtype,
+            compress_statistics=nested,
+            quant_type="nf4",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            linear.weight.data.to(compute_dtype),
+            requires_grad=False,
+            compress_statistics=nested,
+            quant_type="nf4",
+        )
+    else:
+        layer = bnb.nn.Linear8bitLt(
+            linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False
+        )
+        layer.weight = bnb.nn.Int8Params(
+            linear.weight.data.to(torch.float16), requires_grad=False, has_fp16_weights=False
+        )
+    if bias:
+        layer.bias = nn.Parameter(linear.bias.data.to(compute_dtype), requires_grad=False)
+    return layer
 
 
 class BnbAdamW(torch.optim.Optimizer):
@@ -279,10 +320,28 @@ def paged_state_bytes(optimizer: str, params: Any) -> int:
     return sum(_state_bytes(p.numel(), eight and p.numel() >= _MIN_8BIT_SIZE) for p in params)
 
 
-def make_bnb_optimizer(name: str, params: Any, lr: float = 1e-3) -> BnbAdamW:
-    """The stand-in for one of :data:`BNB_OPTIMIZERS`, by its Trainer name."""
+def make_bnb_optimizer(name: str, params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """One of :data:`BNB_OPTIMIZERS`, by its Trainer name: bitsandbytes' own for real CUDA
+    weights (a real step on a GPU), else the stand-in the planner traces."""
     if name not in BNB_OPTIMIZERS:
         raise ValueError(f"unknown bitsandbytes optimizer {name!r}: one of {BNB_OPTIMIZERS}")
+    params = list(params)
+    first = params[0] if params and isinstance(params[0], torch.Tensor) else None
+    if first is not None and first.is_cuda and not _is_fake(first):
+        import bitsandbytes as bnb
+
+        kind = {
+            "adamw_8bit": bnb.optim.AdamW8bit,
+            "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+            "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+        }[name]
+        return kind(params, lr=lr)
     return BnbAdamW(
         params, bits=8 if name.endswith("8bit") else 32, paged=name.startswith("paged_"), lr=lr
     )
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

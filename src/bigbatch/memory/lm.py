@@ -252,11 +252,15 @@ def _apply_lora(model: nn.Module, setup: LMSetup) -> nn.Module:
         ) from None
 
 
-def lm_factory(config: Any, setup: LMSetup) -> Callable[[], nn.Module]:
+def lm_factory(
+    config: Any, setup: LMSetup, *, real_bitsandbytes: bool = False
+) -> Callable[[], nn.Module]:
     """What builds the model to train: transformers' causal LM from ``config`` in the weights'
     dtype, its base quantized (``setup.quant``: the other weights in float32, as peft's
     ``prepare_model_for_kbit_training`` leaves them), LoRA adapters (peft keeps them in
     float32), activation checkpointing. Call it under the meta device (the planner does).
+    ``real_bitsandbytes``: the base in bitsandbytes' own layers (quantized when moved to a
+    GPU) rather than the planner's stand-ins, for a real step on a GPU.
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -280,10 +284,18 @@ def lm_factory(config: Any, setup: LMSetup) -> Callable[[], nn.Module]:
             skip = tuple(n for n, m in model.named_modules() if m is head)
             compute = dtype if dtype != torch.float32 else torch.bfloat16
             quantize_linears(
-                model, bits=setup.quant, nested=setup.double_quant, compute_dtype=compute, skip=skip
+                model,
+                bits=setup.quant,
+                nested=setup.double_quant,
+                compute_dtype=compute,
+                skip=skip,
+                real=real_bitsandbytes,
             )
             for p in model.parameters():
-                if p.dtype in (torch.float16, torch.bfloat16):
+                # peft's prepare_model_for_kbit_training: every 16-bit weight to float32 but
+                # the quantized ones
+                quantized = type(p).__name__ in ("Params4bit", "Int8Params")
+                if p.dtype in (torch.float16, torch.bfloat16) and not quantized:
                     p.data = p.data.float()
         if setup.lora_r:
             model.requires_grad_(False)
@@ -319,6 +331,7 @@ def lm_spec_at(
     device: str = "cuda",
     precision: str = "bf16",
     optimizer: str = "adamw",
+    real_bitsandbytes: bool = False,
 ) -> Callable[[int], StepSpec]:
     """``spec_at(b)``: one rank's training step at micro-batch ``b`` sequences, for the planner.
 
@@ -329,7 +342,7 @@ def lm_spec_at(
     """
     vocab = int(config.vocab_size)
     length = setup.seq_len
-    factory = lm_factory(config, setup)
+    factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
 
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
         if setup.packing:
