@@ -155,6 +155,15 @@ def budget_train(dry_run: bool) -> dict[str, Any]:
     return out
 
 
+def trainer_budget(dry_run: bool) -> dict[str, Any]:
+    """Hugging Face Trainer set from `bigbatch plan --hf`'s plan under a budget (LoRA on a
+    Qwen2.5-0.5B-shaped model): benchmarks/trainer_budget.py."""
+    sys.path.insert(0, str(HERE))
+    import trainer_budget as tb
+
+    return tb.run(dry_run)
+
+
 def throughput(
     dry_run: bool, arch: str, precision: str, seconds_left: float, profile: bool = False
 ) -> dict[str, Any]:
@@ -190,13 +199,14 @@ def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
     jobs: list[tuple[str, Any]] = [
         ("loaderless", lambda: loaderless(dry_run)),
         ("budget_train", lambda: budget_train(dry_run)),
+        ("trainer_budget", lambda: trainer_budget(dry_run)),
         ("resnet50_fp16", lambda: throughput(dry_run, "resnet50", "fp16", left())),
         ("vit_base_bf16", lambda: throughput(dry_run, "vit_base_patch16_224", "bf16", left())),
         # Last, where the time box allows: where each loop's host time goes.
         ("resnet50_fp16_profile", lambda: throughput(dry_run, "resnet50", "fp16", left(), True)),
     ]
     if dry_run:  # the ViT's run is resnet50's code with another model
-        del jobs[3]
+        jobs = [(name, job) for name, job in jobs if name != "vit_base_bf16"]
     for name, job in jobs:
         if left() < (60 if name.endswith("_profile") and not dry_run else 0):
             out[name] = {"skipped": "out of time"}
@@ -437,6 +447,12 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
         lines += ["", f"`bigbatch train` under a budget ({bt['workload']}): reserved "
                   f"{bt['max_reserved_mib']} MiB of {bt['budget_mib']} MiB, stayed under: "
                   f"{bt['stayed_under_budget']}, back-off events: {len(bt['backoff_events'])}"]  # fmt: skip
+    tr = sp.get("trainer_budget") or {}
+    if "max_reserved_mib" in tr:
+        lines += ["", f"Trainer set from a plan ({tr['workload']}): micro-batch "
+                  f"{tr['trainer_micro_batch']}, reserved {tr['max_reserved_mib']} MiB, predicted "
+                  f"{tr['predicted_peak_mib']} MiB, cap {tr['cap_mib']} MiB, stayed under: "
+                  f"{tr['stayed_under_cap']}, back-offs: {len(tr['backoffs'])}"]  # fmt: skip
     dec = results.get("decode")
     if dec:
         lines += ["", f"Decoding ({dec['workload']}): {dec['images_per_s']} images/s, GPU / CPU "

@@ -31,13 +31,15 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     }  # fmt: skip
     assert all(p["state"] == "passed" for p in summary["parts"].values()), summary["parts"]
     matrix = json.loads((tmp_path / "memory_matrix.json").read_text())
-    assert matrix["rows_measured"] == matrix["rows_total"] == 3
-    assert any(row["row"]["kind"] == "nnunet" for row in matrix["rows"])  # nnU-Net's step too
+    assert matrix["rows_measured"] == matrix["rows_total"] == 4
+    kinds = {row["row"]["kind"] for row in matrix["rows"]}
+    assert {"nnunet", "hf"} <= kinds  # nnU-Net's step and a language model's from its config
     for row in matrix["rows"]:  # each row predicted (from the CPU) and measured
         assert row["predicted"]["reserved_mib"] > 0 and row["measured"]["reserved_mib"] > 0
         assert (tmp_path / "traces" / f"{row['name']}.json.gz").exists()
     speed = json.loads((tmp_path / "speed.json").read_text())
-    assert {"loaderless", "budget_train", "resnet50_fp16"} <= set(speed)
+    assert {"loaderless", "budget_train", "trainer_budget", "resnet50_fp16"} <= set(speed)
+    assert speed["trainer_budget"]["backoffs"] == []  # the Trainer run set from a plan ran
     assert "ratio_vs_hand_loop" in speed["resnet50_fp16"]
     assert (tmp_path / "tests-gpu.xml").exists() and (tmp_path / "summary.md").exists()
 

@@ -1,0 +1,114 @@
+"""A Hugging Face Trainer run set from a plan, under a budget: a language model from its config
+(random weights), LoRA r=16 with checkpointing, planned by `bigbatch plan --hf`'s planner, its
+micro-batch and accumulation set by `with_plan`, the allocator capped by `MemoryBudget`, OOM
+retried by `train_with_backoff`. Reports the plan, the measured peak against the prediction
+and the cap, and the back-offs (`make gpu-evidence` runs it; --dry-run: a tiny one on the CPU).
+
+    python benchmarks/trainer_budget.py [--dry-run] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_matrix import HF_CONFIGS
+
+MiB = 2**20
+
+
+def run(dry_run: bool) -> dict[str, Any]:
+    import transformers
+
+    from bigbatch.integrations.hf import MemoryBudget, train_with_backoff, with_plan
+    from bigbatch.memory.lm import LMSetup, lm_factory, plan_lm
+
+    name, seq_len, batch, budget = (
+        ("tiny", 64, 8, "256MiB") if dry_run else ("qwen2.5-0.5b", 2048, 32, "12GiB")
+    )
+    device = "cpu" if dry_run else "cuda"
+    values = dict(HF_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    setup = LMSetup(seq_len=seq_len, lora_r=16, gradient_checkpointing=True)
+    precision = "fp32" if dry_run else "bf16"
+    plan = plan_lm(config, setup, batch, budget, device=device, precision=precision, overhead=0)
+    torch.manual_seed(0)
+    model = lm_factory(config, setup)()
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(batch * 3):  # three optimizer steps of uneven sequences
+        n = int(torch.randint(seq_len // 2, seq_len + 1, (), generator=g))
+        ids = torch.randint(1, config.vocab_size, (n,), generator=g)
+        data.append({"input_ids": ids, "labels": ids.clone()})
+
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(len(i["input_ids"]) for i in items)
+        ids = torch.zeros(len(items), longest, dtype=torch.long)
+        labels = torch.full((len(items), longest), -100)
+        mask = torch.zeros(len(items), longest, dtype=torch.long)
+        for row, item in enumerate(items):
+            n = len(item["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    cap = plan.plan.budget_bytes  # the budget is the allocator's (overhead 0: no context in it)
+    budget_cb = MemoryBudget(cap, predicted_bytes=plan.peak_bytes)
+    said: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args = transformers.TrainingArguments(
+            output_dir=tmp, num_train_epochs=1, learning_rate=1e-4, report_to=[],
+            save_strategy="no", logging_strategy="no", disable_tqdm=True,
+            use_cpu=dry_run, bf16=not dry_run, dataloader_num_workers=0,
+            gradient_checkpointing=False,  # the model's own, set by lm_factory
+        )  # fmt: skip
+        args = with_plan(args, plan)
+
+        def make(a: Any) -> Any:
+            return transformers.Trainer(
+                model=model, args=a, train_dataset=data, data_collator=collate,
+                callbacks=[budget_cb],
+            )  # fmt: skip
+
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        train_with_backoff(make, args, log=said.append)
+    out: dict[str, Any] = {
+        "workload": f"{name}, LoRA r=16, checkpointing, {seq_len} tokens, batch {batch}, "
+        f"budget {budget}",
+        "micro_batch": plan.micro_batch,
+        "accumulation": plan.accumulation,
+        "trainer_micro_batch": args.per_device_train_batch_size,
+        "predicted_peak_mib": round(plan.peak_bytes / MiB, 1),
+        "cap_mib": round(cap / MiB, 1),
+        "measured_peak_mib": None
+        if budget_cb.measured_bytes is None
+        else round(budget_cb.measured_bytes / MiB, 1),
+        "backoffs": said,
+    }
+    if device == "cuda":
+        reserved = torch.cuda.max_memory_reserved()
+        out["max_reserved_mib"] = round(reserved / MiB, 1)
+        out["stayed_under_cap"] = reserved <= cap
+        out["prediction_error"] = round((plan.peak_bytes - reserved) / reserved, 4)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    result = run(args.dry_run)
+    print(json.dumps(result, indent=1) if args.json else result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
