@@ -5,6 +5,7 @@ negative control, the OOM back-off that keeps the update, and TRL's SFTTrainer."
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -189,8 +190,9 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """TRL computes the token log-probabilities in float32 (its fused head), so its own big batch
-    is off the float64 one by float32's round-off: the accumulated run is judged against that."""
+    """Padded and packed (``padding_free``). TRL computes the token log-probabilities in float32
+    (its fused head), so its own big batch is off the float64 one by float32's round-off: the
+    accumulated runs are judged against that."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     init, items = tiny_lora(), sequences()
@@ -218,3 +220,8 @@ def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore
     assert (planned.per_device_train_batch_size, planned.gradient_accumulation_steps) == (4, 3)
     assert update_err(run(planned), want, init) < 10 * round_off
     assert update_err(run(planned, per_micro_batch_mean=True), want, init) > 0.02
+    # Packed: each micro-batch's sequences in one row (position_ids restart, the first label of
+    # each sequence ignored), against the same padded big batch.
+    packed = dataclasses.replace(planned, padding_free=True)
+    assert update_err(run(packed), want, init) < 10 * round_off
+    assert update_err(run(packed, per_micro_batch_mean=True), want, init) > 0.02
