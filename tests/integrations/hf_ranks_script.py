@@ -1,0 +1,52 @@
+"""Run by test_hf_llm.py under ``torchrun --nproc-per-node 2`` (gloo, CPU): Trainer (DDP across
+the ranks: accelerate applies FSDP on accelerators only) trains the peft LoRA model of
+test_hf_llm.py set from a plan for 2 ranks (micro-batch 2, accumulation 3 a rank: the 12
+sequences are one step), then again with a mean per micro-batch (the negative control). Rank 0
+saves the trained adapters of both runs to ``argv[1]``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_llm import LR, N, collate, plan_of, sequences, tiny_lora
+
+from bigbatch.integrations.hf import with_plan
+
+warnings.filterwarnings("ignore")
+
+
+def train(out: Path, per_micro_batch_mean: bool) -> dict[str, torch.Tensor]:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), num_train_epochs=1, learning_rate=LR, optim="sgd",
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[],
+        save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    plan = plan_of(N, 2)
+    plan.setup = type(plan.setup)(seq_len=plan.setup.seq_len, world_size=2)
+    args = with_plan(args, plan)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 3)
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(tiny_lora()), args=args, train_dataset=sequences(),
+        data_collator=collate,
+    )  # fmt: skip
+    trainer.model_accepts_loss_kwargs = not per_micro_batch_mean
+    trainer.train()
+    trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    return {n.split("base_model.", 1)[-1]: p.detach().clone() for n, p in trained.items()}
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    runs = {"planned": train(out, False), "mean": train(out, True)}
+    if int(os.environ["RANK"]) == 0:
+        torch.save(runs, out / "adapters.pt")
