@@ -27,19 +27,11 @@ from bigbatch.memory.meta import build_on_meta  # noqa: E402
 from bigbatch.memory.plan import DoesNotFitError  # noqa: E402
 from bigbatch.memory.predict import predict_peak  # noqa: E402
 
-# The shapes of the public configs (written here: no download).
-LLAMA3_8B = dict(
-    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-    dtype="bfloat16",
-)  # fmt: skip
-QWEN25_7B = dict(
-    model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-    num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-    max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False,
-    dtype="bfloat16",
-)  # fmt: skip
+# The shapes of the public configs (written in the repository: no download).
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from gpu_matrix import HF_CONFIGS  # noqa: E402
+
+LLAMA3_8B, QWEN25_7B = HF_CONFIGS["llama3-8b"], HF_CONFIGS["qwen2.5-7b"]
 
 
 def write_config(folder: Path, values: dict) -> Path:  # type: ignore[type-arg]
