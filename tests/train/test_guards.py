@@ -270,7 +270,7 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
 ) -> None:
     import os
 
-    import bigbatch.train.loop as loop
+    import bigbatch.train.stepping as stepping
     from bigbatch.train.runtime import resolve_threads
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -298,7 +298,7 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
     before = torch.get_num_threads()
     overrides = [*base_overrides(image_folder, tiny_model), "threads=1"]
     seen: list[int] = []
-    real_run_window = loop.run_window
+    real_run_window = stepping.run_window
 
     def killed(*args: object, **kwargs: object) -> object:
         seen.append(torch.get_num_threads())
@@ -306,7 +306,7 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
             raise KeyboardInterrupt
         return real_run_window(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(loop, "run_window", killed)
+    monkeypatch.setattr(stepping, "run_window", killed)
     with pytest.raises(KeyboardInterrupt):
         train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
@@ -351,12 +351,12 @@ def test_the_loop_reads_the_loss_from_the_device_at_the_epochs_end_not_every_win
     """Reading a window's loss waits for the device: the loop keeps the results and reads them
     together (every 32 windows, at a checkpoint, at the epoch's end), and the epoch's exact mean
     is the same."""
-    import bigbatch.train.loop as loop
+    import bigbatch.train.stepping as stepping
     from bigbatch.accumulate import StepResult
 
     stepped = 0
     read_after: list[int] = []  # windows stepped when each loss was read
-    real_run_window, real_loss = loop.run_window, StepResult.loss
+    real_run_window, real_loss = stepping.run_window, StepResult.loss
 
     def counted_window(*args: object, **kwargs: object) -> object:
         nonlocal stepped
@@ -367,7 +367,7 @@ def test_the_loop_reads_the_loss_from_the_device_at_the_epochs_end_not_every_win
         read_after.append(stepped)
         return real_loss.fget(self)  # type: ignore[attr-defined, no-any-return]
 
-    monkeypatch.setattr(loop, "run_window", counted_window)
+    monkeypatch.setattr(stepping, "run_window", counted_window)
     monkeypatch.setattr(StepResult, "loss", property(read))
     overrides = [*base_overrides(image_folder, tiny_model), "batch=4", "valid_pct=0.25"]
     result = train(load_config(overrides=overrides), tmp_path / "run", log=quiet)

@@ -21,15 +21,15 @@ from safetensors.torch import load_file
 KILL = textwrap.dedent(
     """
     import os, signal, sys
-    import bigbatch.train.loop as loop
+    import bigbatch.train.stepping as stepping
     from bigbatch.cli.main import main
-    real, calls = loop.run_window, [0]
+    real, calls = stepping.run_window, [0]
     def run_window(*args, **kwargs):
         calls[0] += 1
         if calls[0] == int(os.environ["KILL_AT"]):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
-    loop.run_window = run_window
+    stepping.run_window = run_window
     if os.environ.get("NO_RNG_RESTORE"):  # the negative control
         import torch
         torch.set_rng_state = lambda state: None

@@ -12,7 +12,7 @@ import torch
 from conftest import base_overrides, write_images
 from safetensors.torch import load_file
 
-import bigbatch.train.loop as loop
+import bigbatch.train.stepping as stepping
 from bigbatch.cli.main import main
 from bigbatch.train.config import ConfigError, load_config
 from bigbatch.train.ensemble import run_ensemble
@@ -96,7 +96,7 @@ def test_resume_after_a_kill_gives_the_same_weights(
     train(load_config(overrides=overrides), tmp_path / "full", log=quiet)
 
     calls = {"n": 0}
-    real_run_window = loop.run_window
+    real_run_window = stepping.run_window
 
     def killed(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
@@ -104,10 +104,10 @@ def test_resume_after_a_kill_gives_the_same_weights(
             raise KeyboardInterrupt
         return real_run_window(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(loop, "run_window", killed)
+    monkeypatch.setattr(stepping, "run_window", killed)
     with pytest.raises(KeyboardInterrupt):
         train(load_config(overrides=overrides), tmp_path / "killed", log=quiet)
-    monkeypatch.setattr(loop, "run_window", real_run_window)
+    monkeypatch.setattr(stepping, "run_window", real_run_window)
     assert not (tmp_path / "killed" / "done.json").exists()
     lines: list[str] = []
     result = train(

@@ -90,6 +90,8 @@ class TrainConfig:
     channels_last: str = "auto"
     compile: bool = False
     decode: str = "auto"
+    log: str = "none"
+    log_checkpoint: bool = False
     # The task's own keys: its options dataclass (ClassificationOptions, SegmentationOptions),
     # made for the task when not given.
     options: Any = field(default=None, repr=False)
@@ -149,6 +151,12 @@ class TrainConfig:
             raise ConfigError(
                 f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}"
             )
+        try:  # a tracker whose library is missing is refused before any work
+            from bigbatch.trackers import check_trackers, parse_trackers
+
+            check_trackers(parse_trackers(self.log))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.log_every < 0:
             raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
         check_device(self.device, "device")
@@ -269,6 +277,8 @@ class TrainConfig:
             "checkpoint_every",
             "compile",
             "decode",
+            "log",
+            "log_checkpoint",
         }
         ignore |= {f.name for f in fields(self.options) if not f.metadata.get("trains", True)}
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
@@ -310,6 +320,8 @@ HELP: dict[str, str] = {
     "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
     "channels_last": "NHWC memory format for convolutional models: auto (on CUDA), true, false",
     "compile": "torch.compile the model for training (opt-in: the first steps compile)",
+    "log": "experiment trackers to report to, comma-separated: tensorboard, wandb, mlflow (offline by default: files in the run folder; WANDB_MODE, MLFLOW_TRACKING_URI for servers), or none",
+    "log_checkpoint": "with log=: also keep best.safetensors in the trackers that store files (W&B, MLflow)",
     "decode": "where training JPEGs are decoded and augmented: cpu (loader workers), gpu (nvJPEG, crops and flips on the GPU) or auto: measured in the first epoch, the GPU from the second where it promises to be faster, kept where its epoch was",
 }
 

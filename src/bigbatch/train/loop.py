@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from bigbatch.accumulate import NonFiniteGradientWarning
-from bigbatch.backoff import run_coupled_window, run_window
 from bigbatch.batching import batch_len
 from bigbatch.device import pins_memory, rng_state, set_rng_state, uncap_cuda_allocator
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
@@ -57,8 +56,10 @@ from bigbatch.train.state import (
     make_valid_loader,
     restore,
 )
+from bigbatch.train.stepping import step_window
 from bigbatch.train.tasks import check_declared_metrics, lower_is_better, prepare_data, task_for
 from bigbatch.train.tasks.base import Placement
+from bigbatch.train.tracking import report_files, start_report
 
 __all__ = ["train"]
 
@@ -103,6 +104,8 @@ def _run(run: Run) -> TrainResult:
         return _loop(run)
     finally:
         uncap_cuda_allocator(run.where.device, run.fraction_before)
+        if run.report is not None:  # a run that raised: its tracker runs end as failed
+            run.report.close(failed=True)
 
 
 def _loop(run: Run) -> TrainResult:
@@ -119,6 +122,8 @@ def _loop(run: Run) -> TrainResult:
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
         record_measured_peak(run.run_dir, run.where.device, run.log)
+        if run.report is not None:
+            run.report.finish(report_files(run.run_dir, run.cfg.log_checkpoint))
     return TrainResult(
         run.run_dir, run.best, run.history, list(run.task.classes), run.monitor, run.backoff.events
     )
@@ -152,10 +157,16 @@ def _setup(
         log(f"distributed: {split}")
     if cfg.mode == "auto":
         log(mode_line(cfg))
+    report = None
     if rank == 0:
         facts = {"target_batch": cfg.batch, "precision": precision, "device": str(device)}
         facts |= {"world_size": world, "seed": cfg.seed, "threads": threads, "num_workers": workers}
         write_run_files(run_dir, cfg, task, choice._asdict() | facts, (train_items, valid_items))
+        params = cfg.to_dict() | {"plan": choice._asdict() | facts}
+        resumed = state is not None
+        report = start_report(
+            cfg.log, run_dir, params, run_name=run_dir.name, resume=resumed, log=log
+        )
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = pins_memory(device)
@@ -198,6 +209,7 @@ def _setup(
         ema=make_ema(core, cfg.ema),
         fraction_before=fraction_before,
         memory=MemoryCheck(choice, device, rank_batch, log, run_dir if rank == 0 else None),
+        report=report,
     )
     if state is not None:
         restore(run, state)
@@ -240,7 +252,7 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
         with warnings.catch_warnings():
             # Said below as TrainingDiverged, with the epoch and what was kept.
             warnings.simplefilter("ignore", NonFiniteGradientWarning)
-            result = _step_window(run, ph, window)
+            result = step_window(run, ph, window)
         if result.skipped and not result.non_finite:
             continue  # fp16 loss scaling's routine skip, or an all-padding window
         windows_done += 1
@@ -262,6 +274,8 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
             mid |= {"rng": rng["cpu"], "cuda_rng": rng.get("cuda", [])}
             ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
         samples = batch_len(window)
+        if run.report is not None:
+            run.report.window(result, samples * run.world, ph.opt.param_groups[0]["lr"])
         acc_steps = math.ceil(samples / backoff.micro_batch)
         show.advance(samples, backoff.micro_batch, acc_steps=acc_steps, device=device)
     acc.end_epoch()  # under DDP: ranks with fewer windows join the others' steps
@@ -269,36 +283,6 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
     if (bad := tally.read()) is not None:
         raise diverged(run, ph, e, bad)
     return tally.loss_sum, tally.count
-
-
-def _step_window(run: Run, ph: Phase, window: Any) -> Any:
-    """One window with the OOM back-off: through gradient caching when the task's loss couples
-    the samples (a batch Dice), else micro-batch by micro-batch; then the EMA's update."""
-    task, model, acc, where = run.task, ph.model, ph.acc, run.where
-    if task.couples_samples:
-        x, y = window
-
-        def encode(inputs: torch.Tensor) -> torch.Tensor:
-            with where.autocast():
-                return model(where.inputs(inputs))
-
-        pair = (x, where.targets(y))
-        result = run_coupled_window(
-            acc, pair, encode, task.loss, run.backoff, device=where.device, model=model
-        )
-    else:
-        result = run_window(
-            acc,
-            window,
-            lambda micro: task.step(model, micro, where),
-            run.backoff,
-            split=task.split,
-            device=where.device,
-            model=model,
-        )
-    if run.ema is not None and not result.skipped:
-        run.ema.update(run.core, step=acc.optimizer_step)
-    return result
 
 
 def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0: float) -> None:
@@ -333,6 +317,8 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     ph.checkpoint(epoch=e, best=run.best, history=run.history)
     run.last_checkpoint = time.perf_counter()
     write_history(run.history, run_dir / "history.csv")
+    if run.report is not None:
+        run.report.epoch(row, run.backoff.events)
     plot_history(run.history, run_dir / "history.png", cfg.task, f"{cfg.model_name} @ {cfg.size}")
     scores = run.task.scores(row) if run.data.has_valid else ""
     run.log(

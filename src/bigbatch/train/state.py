@@ -179,6 +179,7 @@ class Run:
     ema: Any = None  # timm's ModelEmaV3 of core, with ema= (validated and saved instead)
     fraction_before: float | None = None  # the allocator's fraction before budget='s cap
     memory: Any = None  # planning.MemoryCheck: the first steps' measured peak against the plan
+    report: Any = None  # tracking.RunReport with log=, on rank 0
 
     @property
     def main_rank(self) -> bool:

@@ -1,0 +1,127 @@
+"""What ``bigbatch train log=...`` sends to the trackers (:mod:`bigbatch.trackers`), from
+rank 0: the config and the plan as parameters, the loss and learning rate per optimizer step
+(read every :data:`EVERY_STEPS` steps, one device wait for all), each epoch's history row at
+its optimizer step with the samples seen, the OOM back-off's and the refit's events, and at the
+end the measured peak and the run's files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bigbatch.trackers import IDS_FILE, Trackers, WindowLog, open_trackers, parse_trackers
+
+__all__ = ["EVERY_STEPS", "RunReport", "report_files", "start_report"]
+
+EVERY_STEPS = 10  # optimizer steps between reads of the per-step losses
+
+
+class RunReport:
+    """The trackers of one run and where it stands (samples seen, events already sent)."""
+
+    def __init__(self, trackers: Trackers, folder: Path, samples_seen: float) -> None:
+        self.trackers, self.folder = trackers, folder
+        self.events_sent = 0
+        self.closed = False
+        self.window_log = WindowLog(self._send_step, every=EVERY_STEPS)
+        self.window_log.samples_seen = samples_seen
+
+    def _send_step(self, metrics: dict[str, float], step: int) -> None:
+        self.trackers.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
+
+    def window(self, result: Any, samples: float, lr: float) -> None:
+        """One optimizer step's result (its loss is read with the next :data:`EVERY_STEPS`)."""
+        self.window_log.add(result, samples=samples, extra={"lr": lr})
+
+    def epoch(self, row: dict[str, Any], events: list[Any]) -> None:
+        """An epoch's history row (validation metrics, ``train_loss``, ``lr``, micro-batch)
+        at its optimizer step, and the back-off's new events."""
+        self.window_log.flush()  # its steps come before the epoch's: steps only go up
+        step = int(row["optimizer_steps"])
+        seen = self.window_log.samples_seen
+        self.trackers.log_metrics(
+            {k: v for k, v in row.items() if k not in ("phase",)} | {"samples_seen": seen}, step
+        )
+        for event in events[self.events_sent :]:
+            self.trackers.log_event(
+                f"micro-batch {event.old} -> {event.new} ({event.reason}) at optimizer step "
+                f"{event.optimizer_step}",
+                event.optimizer_step,
+            )
+        self.events_sent = len(events)
+        _update_ids(self.folder, {"samples_seen": seen})
+
+    def finish(self, artifacts: list[Path]) -> None:
+        """The measured peak beside the predicted one, the run's files, and the runs closed."""
+        plan_path = self.folder / "plan.json"
+        plan = json.loads(plan_path.read_text()) if plan_path.is_file() else {}
+        peaks = {
+            f"memory/{k}": plan[k]
+            for k in ("predicted_peak_bytes", "measured_peak_bytes")
+            if isinstance(plan.get(k), int | float)
+        }
+        if peaks:
+            self.trackers.log_metrics(peaks, int(plan.get("optimizer_steps", 0) or 0))
+        for path in artifacts:
+            self.trackers.log_artifact(path)
+        self.close()
+
+    def close(self, failed: bool = False) -> None:
+        if not self.closed:
+            self.closed = True
+            self.trackers.close(failed)
+
+
+def _update_ids(folder: Path, values: dict[str, Any]) -> None:
+    from bigbatch.io import atomic_write_text
+
+    path = folder / IDS_FILE
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    atomic_write_text(path, json.dumps(known | values))
+
+
+def start_report(
+    names: str,
+    folder: Path,
+    params: dict[str, Any],
+    *,
+    run_name: str,
+    resume: bool,
+    log: Callable[[str], None],
+) -> RunReport | None:
+    """Open the trackers ``log=`` names for the run in ``folder`` (continuing their runs when
+    ``resume``) and send the parameters; None for ``log=none``."""
+    wanted = parse_trackers(names)
+    if not wanted:
+        return None
+    trackers = open_trackers(wanted, folder, run_name=run_name, resume=resume, log=log)
+    ids_path = folder / IDS_FILE
+    known = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+    report = RunReport(trackers, folder, float(known.get("samples_seen", 0)) if resume else 0.0)
+    if not resume:
+        trackers.log_params(params)
+    if trackers:
+        log(f"reporting to {', '.join(t.name for t in trackers.trackers)} ({_where(trackers)})")
+    return report
+
+
+def _where(trackers: Trackers) -> str:
+    places = []
+    for t in trackers.trackers:
+        if t.name == "mlflow":
+            places.append(f"MLflow at {t.tracking_uri}")
+        elif t.name == "wandb":
+            places.append(f"W&B run {t.run_id}, {t.mode}")
+        else:
+            places.append("TensorBoard: tensorboard --logdir <run>/tensorboard")
+    return "; ".join(places)
+
+
+def report_files(folder: Path, checkpoint: bool) -> list[Path]:
+    """The run's files the trackers keep at its end: the history (CSV and plot), the plan,
+    and with ``log_checkpoint`` the best weights."""
+    names = ["history.csv", "history.png", "plan.json"]
+    names += ["best.safetensors"] if checkpoint else []
+    return [folder / n for n in names if (folder / n).is_file()]
