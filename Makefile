@@ -14,7 +14,7 @@ PATHS := src tests examples benchmarks docs/hooks
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) .ci/check_disk.py --need-gib 14 --for "the test venv (torch, and TensorFlow and JAX for Keras' backends) and the tests' temporary runs"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev,docs,nnunet,hf]'
+	$(BIN)/python -m pip install -qq -c constraints.txt -e '.[train,seg,dicom,plot,dev,docs,nnunet,hf,tensorboard,wandb,mlflow]'
 	touch $(STAMP)
 
 venv: $(STAMP)
