@@ -130,10 +130,19 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
         assert row["fits"] and 1 <= row["micro_batch"] <= row["batch_size"]
         assert row["budget_bytes"] == 15 * 2**30  # a T4 as its driver reports it
     argv = ["-m", "bigbatch", "nnunet", "train", "987", "3d_fullres", "1", "--device", "cpu"]
-    _run(root, *argv, "--epochs", "1", "--iterations-per-epoch", "2", "--budget", "3GB")
+    _run(root, *argv, "--epochs", "1", "--iterations-per-epoch", "2", "--budget", "3GB",
+         "--log", "tensorboard")  # fmt: skip
     fold = root / "results/Dataset987_Example/nnUNetTrainerBigBatch__nnUNetPlans__3d_fullres/fold_1"
     log = "".join(p.read_text() for p in fold.glob("training_log_*.txt"))
     assert "bigbatch: batch 2 in micro-batches of 2, predicted peak" in log
+    # --log: the epoch's losses and Dice at its optimizer step, each step's loss (TensorBoard's
+    # own reader on the fold's event files).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(fold / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val_losses")] == [2]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     # nnU-Net's own outputs, as nnUNetv2_train writes them.
     assert (fold / "checkpoint_final.pth").is_file()
     assert (fold / "validation" / "summary.json").is_file()

@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--epochs", type=int, default=0, help="epochs (0: nnU-Net's 1000)")
     train.add_argument(
+        "--log",
+        default="none",
+        help="experiment trackers: tensorboard, wandb, mlflow (comma-separated; offline, files "
+        "in the fold's folder), or none",
+    )
+    train.add_argument(
         "--iterations-per-epoch",
         type=int,
         default=0,
@@ -149,6 +155,9 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
     ):
         if value < 0:
             raise UserError(f"{flag} must be >= 1 (0: nnU-Net's default), got {value}")
+    from bigbatch.trackers import check_trackers, parse_trackers
+
+    check_trackers(parse_trackers(args.log))  # a missing library: said before any work
     trainer = nnunet.trainer_for(
         args.dataset,
         args.configuration,
@@ -158,7 +167,7 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
         device=torch.device(args.device),
     )
     nnunet.check_exact(trainer)  # before any data worker starts
-    trainer.budget, trainer.micro_batch = args.budget, args.micro_batch
+    trainer.budget, trainer.micro_batch, trainer.log_to = args.budget, args.micro_batch, args.log
     if args.epochs:
         trainer.num_epochs = args.epochs
     if args.iterations_per_epoch:

@@ -71,6 +71,7 @@ __all__ = [
 # How ``nnUNetv2_train``-style construction (which passes no extra arguments) is told the budget.
 BUDGET_ENV = "BIGBATCH_BUDGET"
 MICRO_BATCH_ENV = "BIGBATCH_MICRO_BATCH"
+LOG_ENV = "BIGBATCH_LOG"  # trackers, as bigbatch train's log= (tensorboard,wandb,mlflow)
 CLIP_NORM = 12.0  # nnU-Net's gradient clipping
 
 
@@ -101,6 +102,9 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         super().__init__(plans, configuration, fold, dataset_json, device)
         self.budget = os.environ.get(BUDGET_ENV, "auto")
         self.micro_batch = int(os.environ.get(MICRO_BATCH_ENV, "0") or 0)
+        self.log_to = os.environ.get(LOG_ENV, "none")
+        self.trackers: Any = None  # bigbatch.trackers.Trackers, on rank 0 with log_to
+        self.window_log: Any = None
         self.plan: Plan | None = None
         self.backoff: OOMBackoff | None = None
         self.accumulator: Accumulator | None = None
@@ -118,6 +122,61 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             self.optimizer, scaler=self.grad_scaler, clip_grad_norm=CLIP_NORM
         )
         self.print_to_log_file(line)
+        self._open_trackers(micro)
+
+    def _open_trackers(self, micro: int) -> None:
+        """``log_to``'s trackers in the fold's folder (continued when training continues):
+        nnU-Net's settings and the plan as parameters."""
+        from bigbatch.trackers import WindowLog, open_trackers, parse_trackers
+
+        names = parse_trackers(self.log_to)
+        if not names or self.local_rank != 0:
+            return
+        name = f"{self.plans_manager.dataset_name}-{self.configuration_name}-fold{self.fold}"
+        self.trackers = open_trackers(
+            names,
+            self.output_folder,
+            run_name=name,
+            resume=self.current_epoch > 0,
+            log=self.print_to_log_file,
+        )
+        if self.current_epoch == 0:
+            params = {"configuration": self.configuration_name, "fold": self.fold,
+                      "batch_size": int(self.batch_size), "micro_batch": micro,
+                      "patch_size": list(self.configuration_manager.patch_size),
+                      "num_epochs": self.num_epochs, "budget": self.budget,
+                      "iterations_per_epoch": self.num_iterations_per_epoch}  # fmt: skip
+            if self.plan is not None:
+                params["plan"] = self.plan.to_dict()
+            self.trackers.log_params(params)
+
+        def send(metrics: dict[str, float], step: int) -> None:
+            self.trackers.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
+
+        self.window_log = WindowLog(send, every=10)
+
+    def on_epoch_end(self) -> None:
+        """nnU-Net's epoch end, then the epoch's losses and pseudo Dice to the trackers."""
+        epoch, logger = self.current_epoch, self.logger
+        super().on_epoch_end()
+        if self.trackers is None or self.accumulator is None or self.window_log is None:
+            return
+        self.window_log.flush()
+        values = {"epoch": epoch + 1}
+        for key in ("train_losses", "val_losses", "mean_fg_dice", "ema_fg_dice", "lrs"):
+            with contextlib.suppress(Exception):  # a key nnU-Net has not logged this epoch
+                values[key] = float(logger.get_value(key, step=-1))
+        values["samples_seen"] = self.window_log.samples_seen
+        self.trackers.log_metrics(values, self.accumulator.optimizer_step)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.trackers is not None:
+            folder = Path(self.output_folder)
+            for name in ("progress.png", "checkpoint_final.pth"):
+                self.trackers.log_artifact(folder / name)
+            self.trackers.close()
+            self.trackers = None
 
     def _choose_micro_batch(self) -> tuple[int, str]:
         batch = int(self.batch_size)
@@ -196,6 +255,10 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
                 self.backoff,
                 device=self.device,
                 model=self.network,
+            )
+        if self.window_log is not None:
+            self.window_log.add(
+                result, samples=batch_len(data), extra={"lr": self.optimizer.param_groups[0]["lr"]}
             )
         return {"loss": np.array(result.loss)}
 
