@@ -25,9 +25,17 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
     (tmp_path / "tinymodel.py").write_text(TINY_MODEL)
     args = ["data=data", "model=tinymodel:tiny", "size=16", "batch=12", "micro_batch=4", "epochs=2"]
     args += ["mode=fit", "device=cpu", "num_workers=0", "--out", "run", "--no-progress"]
+    args += ["log=tensorboard"]
     done = _torchrun(tmp_path, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run folder: run") == 1  # rank 0 alone reports
+    # ... and alone writes to the trackers: one writer's event files, each epoch once.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("valid_loss")] == [2, 4]
+    assert events.Scalars("samples_seen")[-1].value == 48  # both ranks' samples, 2 epochs
     assert "2 ranks x 6 samples per window = target batch 12" in done.stdout
     with open(tmp_path / "run" / "history.csv") as f:
         rows = list(csv.DictReader(f))

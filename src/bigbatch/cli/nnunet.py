@@ -22,6 +22,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     example.add_argument("--cases", type=int, default=5, help="volumes (5 or more: five folds)")
     sub.required = True
     train = sub.add_parser("train", help="train a fold of a plan with exact micro-batches")
+    _add_train_arguments(train)
+    plan = sub.add_parser("plan", help="each configuration's predicted peak on a card, from a CPU")
+    plan.add_argument("dataset", help="the dataset's name or id")
+    plan.add_argument(
+        "--budget", required=True, help="12GB, 16GiB or a card's name (t4, a100-40gb)"
+    )
+    plan.add_argument(
+        "--device", default="cuda", help="the device planned for (cuda: from any machine)"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    predict = sub.add_parser(
+        "predict",
+        help="predict images with trained folds, several patches a forward pass under a budget",
+    )
+    predict.add_argument("dataset", help="the dataset's name or id")
+    predict.add_argument("configuration", help="the configuration the folds were trained in")
+    predict.add_argument(
+        "-i",
+        dest="inputs",
+        required=True,
+        type=Path,
+        help="a folder of images in nnU-Net's raw layout (CASE_0000.nii.gz ...)",
+    )
+    predict.add_argument("-o", dest="output", required=True, type=Path, help="the output folder")
+    predict.add_argument("--folds", nargs="+", default=["0"], help="the folds to average (0)")
+    predict.add_argument("--plans", default="nnUNetPlans", help="the plans' name")
+    predict.add_argument("--checkpoint", default="checkpoint_final.pth", help="each fold's")
+    predict.add_argument(
+        "--budget", default="auto", help="memory: 12GB, a card (t4), or auto (free memory)"
+    )
+    predict.add_argument("--tiles", type=int, default=0, help="patches a forward pass (0: planned)")
+    predict.add_argument("--device", default="cuda", help="cuda, cpu or mps")
+    predict.add_argument(
+        "--step-size", type=float, default=0.5, help="the windows' step, of the patch"
+    )
+    predict.add_argument("--disable-tta", action="store_true", help="no mirroring (nnU-Net's)")
+    predict.add_argument("--save-probabilities", action="store_true", help="also the .npz")
+
+
+def _add_train_arguments(train: argparse.ArgumentParser) -> None:
+    """``bigbatch nnunet train``'s arguments: nnUNetv2_train's, the budget, the trackers."""
     train.add_argument("dataset", help="the dataset's name or id (Dataset004_Hippocampus, 4)")
     train.add_argument("configuration", help="2d, 3d_fullres, 3d_lowres, 3d_cascade_fullres")
     train.add_argument("fold", help="0 to 4, or all")
@@ -65,42 +106,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="training iterations an epoch (0: nnU-Net's 250)",
     )
-    plan = sub.add_parser("plan", help="each configuration's predicted peak on a card, from a CPU")
-    plan.add_argument("dataset", help="the dataset's name or id")
-    plan.add_argument(
-        "--budget", required=True, help="12GB, 16GiB or a card's name (t4, a100-40gb)"
-    )
-    plan.add_argument(
-        "--device", default="cuda", help="the device planned for (cuda: from any machine)"
-    )
-    plan.add_argument("--json", action="store_true", help="print JSON")
-    predict = sub.add_parser(
-        "predict",
-        help="predict images with trained folds, several patches a forward pass under a budget",
-    )
-    predict.add_argument("dataset", help="the dataset's name or id")
-    predict.add_argument("configuration", help="the configuration the folds were trained in")
-    predict.add_argument(
-        "-i",
-        dest="inputs",
-        required=True,
-        type=Path,
-        help="a folder of images in nnU-Net's raw layout (CASE_0000.nii.gz ...)",
-    )
-    predict.add_argument("-o", dest="output", required=True, type=Path, help="the output folder")
-    predict.add_argument("--folds", nargs="+", default=["0"], help="the folds to average (0)")
-    predict.add_argument("--plans", default="nnUNetPlans", help="the plans' name")
-    predict.add_argument("--checkpoint", default="checkpoint_final.pth", help="each fold's")
-    predict.add_argument(
-        "--budget", default="auto", help="memory: 12GB, a card (t4), or auto (free memory)"
-    )
-    predict.add_argument("--tiles", type=int, default=0, help="patches a forward pass (0: planned)")
-    predict.add_argument("--device", default="cuda", help="cuda, cpu or mps")
-    predict.add_argument(
-        "--step-size", type=float, default=0.5, help="the windows' step, of the patch"
-    )
-    predict.add_argument("--disable-tta", action="store_true", help="no mirroring (nnU-Net's)")
-    predict.add_argument("--save-probabilities", action="store_true", help="also the .npz")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -379,17 +379,10 @@ def run(args: argparse.Namespace) -> int:
     if args.list_cards:
         _print_cards()
         return 0
-    language_model = args.hf is not None
-    args.device = args.device or ("cuda" if language_model else "cpu")
-    args.precision = args.precision or ("bf16" if language_model else "fp32")
-    if language_model:
+    if args.hf is not None:
         return plan_hf.run(args)
-    language_flags = plan_hf.flags_set(args, plan_hf.LM_DEFAULTS)
-    if language_flags:
-        raise UserError(
-            f"{', '.join(language_flags)}: for a language model's plan; add --hf NAME_OR_PATH "
-            "(a Hugging Face model's config)"
-        )
+    args.device, args.precision = args.device or "cpu", args.precision or "fp32"
+    plan_hf.refuse_language_flags(args)
     training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
     if args.config or training:
         return _plan_training_run(args)

@@ -58,6 +58,16 @@ def flags_set(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
     ]
 
 
+def refuse_language_flags(args: argparse.Namespace) -> None:
+    """A plan without ``--hf`` refuses the language-model flags (set, they would be ignored)."""
+    language_flags = flags_set(args, LM_DEFAULTS)
+    if language_flags:
+        raise UserError(
+            f"{', '.join(language_flags)}: for a language model's plan; add --hf NAME_OR_PATH "
+            "(a Hugging Face model's config)"
+        )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The language-model options of ``bigbatch plan`` (with ``--hf``)."""
     g = p.add_argument_group("language models (with --hf)")
@@ -145,18 +155,14 @@ def _ints(text: str, flag: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Plan the fine-tune ``args`` describe; print the plan or the table (``--json``)."""
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-    import logging
-    import warnings
-
-    # What libraries say on the way that is no news to a planner: bitsandbytes' CPU kernels
-    # (never run here), transformers' renamed checkpointing methods (peft calls the old ones).
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    _quiet_libraries()
     from bigbatch.memory.budget import format_bytes, parse_bytes
     from bigbatch.memory.cards import find_card
     from bigbatch.memory.lm import LMPlan, load_lm_config, plan_lm, plan_table
     from bigbatch.memory.plan import DoesNotFitError
 
+    # A GPU and bf16 unless said: what a fine-tuner plans for.
+    args.device, args.precision = args.device or "cuda", args.precision or "bf16"
     ignored = flags_set(args, IMAGE_ONLY) + (["KEY=VALUE"] if args.train_keys else [])
     if ignored:
         raise UserError(
@@ -221,6 +227,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(args, rows)
     return 0
+
+
+def _quiet_libraries() -> None:
+    """What libraries say on the way that is no news to a planner: bitsandbytes' CPU kernels
+    (never run here), transformers' renamed checkpointing methods (peft calls the old ones)."""
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
 def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:

@@ -141,11 +141,16 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             log=self.print_to_log_file,
         )
         if self.current_epoch == 0:
-            params = {"configuration": self.configuration_name, "fold": self.fold,
-                      "batch_size": int(self.batch_size), "micro_batch": micro,
-                      "patch_size": list(self.configuration_manager.patch_size),
-                      "num_epochs": self.num_epochs, "budget": self.budget,
-                      "iterations_per_epoch": self.num_iterations_per_epoch}  # fmt: skip
+            params: dict[str, Any] = {
+                "configuration": self.configuration_name,
+                "fold": self.fold,
+                "batch_size": int(self.batch_size),
+                "micro_batch": micro,
+                "patch_size": list(self.configuration_manager.patch_size),
+                "num_epochs": self.num_epochs,
+                "budget": self.budget,
+                "iterations_per_epoch": self.num_iterations_per_epoch,
+            }
             if self.plan is not None:
                 params["plan"] = self.plan.to_dict()
             self.trackers.log_params(params)

@@ -151,12 +151,7 @@ class TrainConfig:
             raise ConfigError(
                 f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}"
             )
-        try:  # a tracker whose library is missing is refused before any work
-            from bigbatch.trackers import check_trackers, parse_trackers
-
-            check_trackers(parse_trackers(self.log))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        _check_log(self.log)
         if self.log_every < 0:
             raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
         check_device(self.device, "device")
@@ -282,6 +277,16 @@ class TrainConfig:
         }
         ignore |= {f.name for f in fields(self.options) if not f.metadata.get("trains", True)}
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
+
+
+def _check_log(log: str) -> None:
+    """``log=``'s trackers: known, and their libraries installed (before any work)."""
+    from bigbatch.trackers import check_trackers, parse_trackers
+
+    try:
+        check_trackers(parse_trackers(log))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 HELP: dict[str, str] = {

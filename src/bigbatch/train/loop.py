@@ -100,6 +100,8 @@ def train(
 
 
 def _run(run: Run) -> TrainResult:
+    if run.main_rank:  # log=: the trackers, with the plan the run folder holds now
+        run.report = start_report(run.cfg, run.run_dir, run.state is not None, run.log)
     try:  # then an explicit budget's allocator cap comes off: the caller keeps its setting
         return _loop(run)
     finally:
@@ -157,16 +159,10 @@ def _setup(
         log(f"distributed: {split}")
     if cfg.mode == "auto":
         log(mode_line(cfg))
-    report = None
     if rank == 0:
         facts = {"target_batch": cfg.batch, "precision": precision, "device": str(device)}
         facts |= {"world_size": world, "seed": cfg.seed, "threads": threads, "num_workers": workers}
         write_run_files(run_dir, cfg, task, choice._asdict() | facts, (train_items, valid_items))
-        params = cfg.to_dict() | {"plan": choice._asdict() | facts}
-        resumed = state is not None
-        report = start_report(
-            cfg.log, run_dir, params, run_name=run_dir.name, resume=resumed, log=log
-        )
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
     pin = pins_memory(device)
@@ -209,7 +205,6 @@ def _setup(
         ema=make_ema(core, cfg.ema),
         fraction_before=fraction_before,
         memory=MemoryCheck(choice, device, rank_batch, log, run_dir if rank == 0 else None),
-        report=report,
     )
     if state is not None:
         restore(run, state)

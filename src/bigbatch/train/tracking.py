@@ -83,20 +83,18 @@ def _update_ids(folder: Path, values: dict[str, Any]) -> None:
 
 
 def start_report(
-    names: str,
-    folder: Path,
-    params: dict[str, Any],
-    *,
-    run_name: str,
-    resume: bool,
-    log: Callable[[str], None],
+    cfg: Any, folder: Path, resume: bool, log: Callable[[str], None]
 ) -> RunReport | None:
-    """Open the trackers ``log=`` names for the run in ``folder`` (continuing their runs when
-    ``resume``) and send the parameters; None for ``log=none``."""
-    wanted = parse_trackers(names)
+    """Open the trackers ``cfg.log`` names for the run in ``folder`` (continuing their runs
+    when ``resume``) and send the config and the plan (``plan.json``) as parameters; None for
+    ``log=none``."""
+    wanted = parse_trackers(cfg.log)
     if not wanted:
         return None
-    trackers = open_trackers(wanted, folder, run_name=run_name, resume=resume, log=log)
+    plan_path = folder / "plan.json"
+    plan = json.loads(plan_path.read_text()) if plan_path.is_file() else {}
+    params = cfg.to_dict() | {"plan": plan}
+    trackers = open_trackers(wanted, folder, run_name=folder.name, resume=resume, log=log)
     ids_path = folder / IDS_FILE
     known = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
     report = RunReport(trackers, folder, float(known.get("samples_seen", 0)) if resume else 0.0)
