@@ -207,3 +207,32 @@ def test_window_log_waits_for_the_device_once_per_flush() -> None:
         3,
         {"loss": 0.25, "grad_norm": 1.5, "samples_seen": 24.0, "tokens_seen": 300.0},
     )
+
+
+def test_the_peaks_go_at_the_last_step(tmp_path: Path) -> None:
+    """Trackers take steps in order: the run's peaks at its last optimizer step, not at 0."""
+    from bigbatch.trackers import Trackers
+    from bigbatch.train.tracking import RunReport
+
+    sent: list[tuple[dict[str, float], int]] = []
+
+    class Recorder:
+        name, run_id = "recorder", "r"
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            sent.append((metrics, step))
+
+        def log_event(self, text: str, step: int) -> None: ...
+
+        def close(self, failed: bool = False) -> None: ...
+
+    (tmp_path / "plan.json").write_text(
+        json.dumps({"predicted_peak_bytes": 100, "measured_peak_bytes": 120})
+    )
+    report = RunReport(Trackers([Recorder()], print), tmp_path, 0.0)
+    report.epoch({"epoch": 1, "phase": "fit", "train_loss": 0.5, "optimizer_steps": 7}, [])
+    report.finish([])
+    assert sent[-1] == (
+        {"memory/predicted_peak_bytes": 100.0, "memory/measured_peak_bytes": 120.0},
+        7,
+    )

@@ -24,6 +24,7 @@ class RunReport:
     def __init__(self, trackers: Trackers, folder: Path, samples_seen: float) -> None:
         self.trackers, self.folder = trackers, folder
         self.events_sent = 0
+        self.last_step = 0  # trackers take steps in order (W&B drops an earlier one)
         self.closed = False
         self.window_log = WindowLog(self._send_step, every=EVERY_STEPS)
         self.window_log.samples_seen = samples_seen
@@ -39,7 +40,7 @@ class RunReport:
         """An epoch's history row (validation metrics, ``train_loss``, ``lr``, micro-batch)
         at its optimizer step, and the back-off's new events."""
         self.window_log.flush()  # its steps come before the epoch's: steps only go up
-        step = int(row["optimizer_steps"])
+        step = self.last_step = int(row["optimizer_steps"])
         seen = self.window_log.samples_seen
         self.trackers.log_metrics(
             {k: v for k, v in row.items() if k not in ("phase",)} | {"samples_seen": seen}, step
@@ -63,7 +64,7 @@ class RunReport:
             if isinstance(plan.get(k), int | float)
         }
         if peaks:
-            self.trackers.log_metrics(peaks, int(plan.get("optimizer_steps", 0) or 0))
+            self.trackers.log_metrics(peaks, self.last_step)
         for path in artifacts:
             self.trackers.log_artifact(path)
         self.close()
