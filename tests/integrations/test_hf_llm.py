@@ -13,6 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+from test_hf import collate  # noqa: E402  (right-padded: pad id 0, label -100, mask 0)
+
 from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     train_with_backoff,
@@ -45,17 +47,6 @@ def sequences() -> list[dict[str, torch.Tensor]]:
         )
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
-
-
-def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    longest = max(len(i["input_ids"]) for i in items)
-    ids = torch.zeros(len(items), longest, dtype=torch.long)
-    labels = torch.full((len(items), longest), -100)
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
-    for row, item in enumerate(items):
-        n = len(item["input_ids"])
-        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def trained(args_dir, micro: int, steps: int, **kwargs):  # type: ignore[no-untyped-def]
