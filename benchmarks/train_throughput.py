@@ -7,7 +7,9 @@ plans (one fake-tensor step for a fixed micro-batch), scans the images, writes c
 history.csv and the plot: that is its overhead. Runs are paired and alternated in one process;
 `ratio_vs_hand_loop` is the median of hand / bigbatch seconds per epoch (training and
 validation: the loop; 1.0 is as fast, the target >= 0.97) and `whole_run_ratio` the same for
-whole runs, bigbatch's fixed costs included.
+whole runs, bigbatch's fixed costs included; `first_step_seconds` those fixed costs apart (the
+time to each loop's first optimizer step), and `fraction_of_loaderless` each loop's last epoch
+against the step alone with its batch already on the device (`loaderless_images_per_s`).
 
     python benchmarks/train_throughput.py            # resnet10t at 32 px, 768 images, 2 epochs
     python benchmarks/train_throughput.py --json     # {"ratio_vs_hand_loop": ..., ...}
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import bigbatch.train.stepping as stepping
 from bigbatch.train.config import load_config
 from bigbatch.train.data import split_items
 from bigbatch.train.loop import train
@@ -136,7 +139,8 @@ def hand_loop(
         with torch.autocast(dev.name, dtype=dtype or torch.float32, enabled=dtype is not None):
             return F.cross_entropy(model(x), y.to(dev.name, non_blocking=True))
 
-    epoch_s = []
+    epoch_s: list[float] = []
+    first_step_s = None
     for _ in range(epochs):
         e0 = time.perf_counter()
         model.train()
@@ -151,12 +155,16 @@ def hand_loop(
                 opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            if first_step_s is None:
+                dev.sync()
+                first_step_s = time.perf_counter() - t0
         model.eval()
         with torch.no_grad():
             for x, y in valid_loader:
                 loss_of(x, y)
         dev.sync()
         epoch_s.append(time.perf_counter() - e0)
+    FIRST_STEP["hand"] = first_step_s or 0.0
     return time.perf_counter() - t0, epoch_s
 
 
@@ -189,15 +197,67 @@ def bigbatch_run(
         if said is not None and line.startswith("decode:"):
             said.append(line)
 
-    result = train(cfg, out, log=log, progress=False)
+    # The command's fixed costs (scan, plan, model, workers): the time to its first optimizer
+    # step, read where the loop's first window returns.
+    real_window = stepping.run_window
+    first: list[float] = []
+
+    def timed_window(*args: Any, **kwargs: Any) -> Any:
+        result = real_window(*args, **kwargs)
+        if not first:
+            dev.sync()
+            first.append(time.perf_counter() - t0)
+        return result
+
+    stepping.run_window = timed_window  # type: ignore[assignment]
+    try:
+        result = train(cfg, out, log=log, progress=False)
+    finally:
+        stepping.run_window = real_window
+    FIRST_STEP["bigbatch"] = first[0] if first else 0.0
     # Each epoch's seconds in history.csv: training and validation, as the hand loop's.
     return time.perf_counter() - t0, [float(row["seconds"]) for row in result.history]
 
 
 PROFILED_STAGES = {
-    "_setup", "plan_for", "plan_validation", "_train_epoch", "_step_window", "_finish_epoch",
+    "_setup", "plan_for", "plan_validation", "_train_epoch", "step_window", "_finish_epoch",
     "save_weights", "save_checkpoint", "write_history", "plot_history",
 }  # fmt: skip
+FIRST_STEP: dict[str, float] = {}  # each loop's last run: seconds to its first optimizer step
+
+
+def loaderless_images_per_s(arch: str, size: int, micro: int, dev: Device, steps: int) -> float:
+    """The step alone, its batch already on the device (channels_last and autocast on a GPU, as
+    both loops): the images per second no loader can beat, that each loop is a fraction of."""
+    import timm
+
+    fmt = torch.channels_last if dev.gpu else torch.contiguous_format
+    model = timm.create_model(arch, num_classes=10).to(dev.name, memory_format=fmt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dev.precision)
+    scaler = torch.amp.GradScaler(dev.name) if dev.precision == "fp16" else None
+    x = torch.randn(micro, 3, size, size, device=dev.name).to(memory_format=fmt)
+    y = torch.randint(0, 10, (micro,), device=dev.name)
+
+    def step() -> None:
+        with torch.autocast(dev.name, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    dev.sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dev.sync()
+    return steps * micro / (time.perf_counter() - t0)
 
 
 def profile_of(run: Any) -> dict[str, Any]:
@@ -255,6 +315,12 @@ def main() -> None:
     p.add_argument("--stored-size", type=int, default=0, help="the images' side (default: --size)")
     p.add_argument("--format", default="png", choices=["png", "jpg"])
     p.add_argument(
+        "--limit-steps",
+        type=int,
+        default=10,
+        help="steps timed for the loader-less limit (the step alone, its batch on the device)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="then one run of each under cProfile (alone: --rounds 0)",
@@ -269,6 +335,7 @@ def main() -> None:
         shape = (args.arch, args.size, args.batch, args.micro, args.epochs)
         hand_loop(data, *shape, dev)  # warm-up: imports, kernel choices, file cache
         ratios, epoch_ratios, hand_s, ours_s = [], [], [], []
+        first_steps: dict[str, list[float]] = {"hand": [], "bigbatch": []}
         steady_ratios: list[float] = []
         said: list[str] = []
         epochs_s: dict[str, list[list[float]]] = {"hand": [], "bigbatch": []}
@@ -277,11 +344,16 @@ def main() -> None:
             b, b_epochs = bigbatch_run(data, Path(tmp) / f"run{r}", *shape, dev, said)
             hand_s.append(h)
             ours_s.append(b)
+            for loop in first_steps:
+                first_steps[loop].append(FIRST_STEP[loop])
             ratios.append(h / b)
             epoch_ratios += [x / y for x, y in zip(h_epochs, b_epochs, strict=True)]
             steady_ratios += [x / y for x, y in zip(h_epochs[1:], b_epochs[1:], strict=True)]
             epochs_s["hand"].append([round(x, 3) for x in h_epochs])
             epochs_s["bigbatch"].append([round(x, 3) for x in b_epochs])
+        limit = 0.0
+        if args.rounds:
+            limit = loaderless_images_per_s(args.arch, args.size, args.micro, dev, args.limit_steps)
         profiles = {}
         if args.profile:
             profiles["hand"] = profile_of(lambda: hand_loop(data, *shape, dev))
@@ -317,6 +389,15 @@ def main() -> None:
         "epoch_seconds": epochs_s,
         # The whole run, with bigbatch's fixed costs (scan, plan check, checkpoints, plots).
         "whole_run_ratio": statistics.median(ratios),
+        # The fixed costs apart: from the start to the first optimizer step.
+        "first_step_seconds": {k: round(statistics.median(v), 3) for k, v in first_steps.items()},
+        # The step alone, its batch on the device; each loop's epochs as a fraction of it (the
+        # target on a GPU: bigbatch >= 0.9 where decoding can feed it).
+        "loaderless_images_per_s": round(limit, 1),
+        "fraction_of_loaderless": {
+            loop: round(0.8 * images / statistics.median(r[-1] for r in runs) / limit, 3)
+            for loop, runs in epochs_s.items()
+        },
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         # decode=auto's choice in each run, with the figures it measured in the first epoch.

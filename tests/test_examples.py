@@ -93,6 +93,11 @@ def test_train_throughput_benchmark_json() -> None:
     )  # fmt: skip
     result = json.loads(out[out.index("{") :])
     assert result["ratio_vs_hand_loop"] > 0 and result["whole_run_ratio"] > 0
+    # The fixed costs apart, and each loop against the step alone (the loader-less limit).
+    assert set(result["first_step_seconds"]) == {"hand", "bigbatch"}
+    assert all(v > 0 for v in result["first_step_seconds"].values())
+    assert result["loaderless_images_per_s"] > 0
+    assert all(v > 0 for v in result["fraction_of_loaderless"].values())
 
 
 @pytest.mark.slow
