@@ -100,6 +100,7 @@ def test_every_tracker_gets_the_history_and_the_plan(image_folder: Path, tiny_mo
     assert [s for s, _ in tb] == steps and [v for _, v in tb] == pytest.approx(losses, rel=1e-6)
     assert len(tensorboard_scalars(run, "train/loss")) == steps[-1]  # every optimizer step
     assert tensorboard_scalars(run, "samples_seen")[-1][1] == 2 * 24  # 2 epochs of 24 images
+    assert [v for _, v in tensorboard_scalars(run, "decode_on_gpu")] == [0, 0]  # a CPU run
     # MLflow: the same metrics, the plan as parameters, the files.
     client, run_id = mlflow_run(run)
     got = [(m.step, m.value) for m in client.get_metric_history(run_id, "valid_loss")]

@@ -313,7 +313,7 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     run.last_checkpoint = time.perf_counter()
     write_history(run.history, run_dir / "history.csv")
     if run.report is not None:
-        run.report.epoch(row, run.backoff.events)
+        run.report.epoch(row, run.backoff.events, decode=run.data.decode)
     plot_history(run.history, run_dir / "history.png", cfg.task, f"{cfg.model_name} @ {cfg.size}")
     scores = run.task.scores(row) if run.data.has_valid else ""
     run.log(

@@ -36,15 +36,18 @@ class RunReport:
         """One optimizer step's result (its loss is read with the next :data:`EVERY_STEPS`)."""
         self.window_log.add(result, samples=samples, extra={"lr": lr})
 
-    def epoch(self, row: dict[str, Any], events: list[Any]) -> None:
+    def epoch(self, row: dict[str, Any], events: list[Any], decode: Any = None) -> None:
         """An epoch's history row (validation metrics, ``train_loss``, ``lr``, micro-batch)
-        at its optimizer step, and the back-off's new events."""
+        at its optimizer step with the samples seen and where the images were decoded
+        (``decode_on_gpu``: ``decode=auto`` may move there after the first epoch), and the
+        back-off's new events."""
         self.window_log.flush()  # its steps come before the epoch's: steps only go up
         step = self.last_step = int(row["optimizer_steps"])
         seen = self.window_log.samples_seen
-        self.trackers.log_metrics(
-            {k: v for k, v in row.items() if k not in ("phase",)} | {"samples_seen": seen}, step
-        )
+        values = {k: v for k, v in row.items() if k != "phase"} | {"samples_seen": seen}
+        if decode is not None:
+            values["decode_on_gpu"] = int(bool(decode.on_device))
+        self.trackers.log_metrics(values, step)
         for event in events[self.events_sent :]:
             self.trackers.log_event(
                 f"micro-batch {event.old} -> {event.new} ({event.reason}) at optimizer step "
