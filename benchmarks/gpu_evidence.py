@@ -173,7 +173,7 @@ def throughput(
     reads, Python)."""
     args = (
         ["--arch", "resnet10t", "--size", "32", "--per-class", "8", "--batch", "8", "--micro",
-         "8", "--epochs", "2", "--rounds", "1"]
+         "8", "--epochs", "2", "--rounds", "1", "--limit-steps", "2"]
         if dry_run else
         ["--device", "cuda", "--precision", precision, "--arch", arch, "--size", "224",
          "--batch", "128", "--micro", "128", "--classes", "10", "--per-class", "300",
