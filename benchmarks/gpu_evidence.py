@@ -82,37 +82,16 @@ def predict_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def loaderless(dry_run: bool) -> dict[str, Any]:
     """The step alone: resnet50 at 224 px, batch 128, fp16 AMP, channels_last, the batch
-    already on the GPU. What no loader can beat."""
-    import timm
+    already on the GPU (train_throughput's loader-less limit). What no loader can beat."""
+    sys.path.insert(0, str(HERE))
+    from train_throughput import Device, loaderless_images_per_s
 
     device, batch, size, steps = ("cpu", 4, 32, 2) if dry_run else ("cuda", 128, 224, 20)
-    model = timm.create_model("resnet50", num_classes=10).to(device)
-    model = model.to(memory_format=torch.channels_last)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
-    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (batch,), device=device)
-
-    def step() -> None:
-        with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    precision = "fp16" if device == "cuda" else "fp32"
+    rate = loaderless_images_per_s("resnet50", size, batch, Device(device, precision), steps)
     return {
         "workload": f"resnet50 @ {size} px, batch {batch}, fp16 AMP, channels_last",
-        "images_per_s": round(steps * batch / (time.perf_counter() - t0), 1),
+        "images_per_s": round(rate, 1),
     }
 
 

@@ -127,8 +127,7 @@ def hand_loop(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps)
     accum = -(-batch // micro)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dev.precision)
-    scaler = torch.amp.GradScaler(dev.name) if dev.precision == "fp16" else None
+    dtype, scaler = amp_for(dev)
     feed: dict[str, Any] = {"num_workers": dev.workers, "pin_memory": dev.gpu}
     feed["persistent_workers"] = dev.workers > 0
     loader = torch.utils.data.DataLoader(train_ds, batch_size=batch, shuffle=True, **feed)
@@ -148,12 +147,7 @@ def hand_loop(
             for xm, ym in zip(x.split(micro), y.split(micro), strict=True):
                 loss = loss_of(xm, ym) / accum
                 (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimizer_step(opt, scaler)
             sched.step()
             if first_step_s is None:
                 dev.sync()
@@ -226,7 +220,25 @@ PROFILED_STAGES = {
 FIRST_STEP: dict[str, float] = {}  # each loop's last run: seconds to its first optimizer step
 
 
-def loaderless_images_per_s(arch: str, size: int, micro: int, dev: Device, steps: int) -> float:
+def amp_for(dev: Device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
+    """Autocast's dtype (None: fp32) and fp16's GradScaler, as both loops train."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dev.precision)
+    return dtype, torch.amp.GradScaler(dev.name) if dev.precision == "fp16" else None
+
+
+def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The optimizer's step (through fp16's scaler) and the gradients cleared."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def loaderless_images_per_s(
+    arch: str, size: int, micro: int, dev: Device, steps: int, *, warmup: int = 3
+) -> float:
     """The step alone, its batch already on the device (channels_last and autocast on a GPU, as
     both loops): the images per second no loader can beat, that each loop is a fraction of."""
     import timm
@@ -234,8 +246,7 @@ def loaderless_images_per_s(arch: str, size: int, micro: int, dev: Device, steps
     fmt = torch.channels_last if dev.gpu else torch.contiguous_format
     model = timm.create_model(arch, num_classes=10).to(dev.name, memory_format=fmt)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dev.precision)
-    scaler = torch.amp.GradScaler(dev.name) if dev.precision == "fp16" else None
+    dtype, scaler = amp_for(dev)
     x = torch.randn(micro, 3, size, size, device=dev.name).to(memory_format=fmt)
     y = torch.randint(0, 10, (micro,), device=dev.name)
 
@@ -243,14 +254,9 @@ def loaderless_images_per_s(arch: str, size: int, micro: int, dev: Device, steps
         with torch.autocast(dev.name, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = F.cross_entropy(model(x), y)
         (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(opt, scaler)
 
-    for _ in range(2):
+    for _ in range(warmup):
         step()
     dev.sync()
     t0 = time.perf_counter()

@@ -15,6 +15,21 @@ class UserError(Exception):
     """Bad input from the command line: printed as one clear line, without a traceback."""
 
 
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated positive integers (``--size 128,224``), or a UserError.
+
+    >>> positive_ints("512, 1024", "--seq-len")
+    [512, 1024]
+    """
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
 def freeze_loaded() -> None:
     """In a process that runs one command: what it has loaded by now (torch, sympy, the
     command's libraries: some 300k objects) lives to the end, so the collector need not scan it

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.cli import UserError, freeze_loaded, plan_hf
+from bigbatch.cli import UserError, freeze_loaded, plan_hf, positive_ints
 from bigbatch.device import torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, find_card
@@ -177,16 +177,6 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, help="also write a PNG plot of peak vs micro-batch")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as exc:
-        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise UserError(f"{flag} takes positive integers, got {text!r}")
-    return values
-
-
 Row = tuple[str, int | None, Callable[[], nn.Module], tuple[int, ...]]
 
 
@@ -196,7 +186,9 @@ def _targets(args: argparse.Namespace) -> list[Row]:
         factory = load_callable(args.model, "--model")
         if not args.input_shape:
             raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
-        return [(args.model, None, factory, tuple(_ints(args.input_shape, "--input-shape")))]
+        return [
+            (args.model, None, factory, tuple(positive_ints(args.input_shape, "--input-shape")))
+        ]
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.models import UnknownArchitectureError, timm_factory
 
@@ -207,7 +199,7 @@ def _targets(args: argparse.Namespace) -> list[Row]:
     if args.input_shape and all(a in MONAI_ARCHS for a in archs):
         return [_monai_row(a, args) for a in archs]
     for arch in archs:
-        for size in _ints(args.size, "--size"):
+        for size in positive_ints(args.size, "--size"):
             try:
                 factory = timm_factory(arch, num_classes=args.num_classes, img_size=size)
             except UnknownArchitectureError as exc:
@@ -218,8 +210,8 @@ def _targets(args: argparse.Namespace) -> list[Row]:
 
 def _monai_row(arch: str, args: argparse.Namespace) -> Row:
     """A MONAI segmentation network as ``bigbatch train task=segmentation`` builds it."""
-    shape = tuple(_ints(args.input_shape, "--input-shape"))
-    widths = tuple(_ints(args.widths, "--widths")) if args.widths else ()
+    shape = tuple(positive_ints(args.input_shape, "--input-shape"))
+    widths = tuple(positive_ints(args.widths, "--widths")) if args.widths else ()
     if len(shape) not in (3, 4):
         raise UserError(f"--arch {arch} takes --input-shape C,H,W or C,D,H,W, got {shape}")
     multiple = size_multiple(arch, widths)
@@ -246,7 +238,7 @@ def _smp_row(arch: str, args: argparse.Namespace) -> Row:
 
     if not args.input_shape:
         raise UserError(f"--encoder needs --input-shape C,H,W, e.g. 3,1408,2112 for {arch}")
-    shape = tuple(_ints(args.input_shape, "--input-shape"))
+    shape = tuple(positive_ints(args.input_shape, "--input-shape"))
     if len(shape) != 3 or any(n % 32 for n in shape[1:]):
         fit = "x".join(str(-(-n // 32) * 32) for n in shape[1:])
         raise UserError(

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from bigbatch.cli import UserError
+from bigbatch.cli import UserError, positive_ints
 
 # The language-model flags and their defaults: set without --hf, they are refused (and the
 # image flags with it: IMAGE_ONLY), not ignored.
@@ -142,16 +142,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise UserError(f"{flag} takes positive integers, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
     """Plan the fine-tune ``args`` describe; print the plan or the table (``--json``)."""
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
@@ -171,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.seq_len:
         raise UserError("--hf needs --seq-len, the tokens a sequence (e.g. 2048)")
-    seq_lens = _ints(args.seq_len, "--seq-len")
-    world_sizes = _ints(args.world_size, "--world-size")
+    seq_lens = positive_ints(args.seq_len, "--seq-len")
+    world_sizes = positive_ints(args.world_size, "--world-size")
     if args.budget is None:
         raise UserError("--budget is needed: a card's name (l4, rtx4090, a100-80gb) or 24GB")
     if (args.batch is None) == (args.tokens is None):

@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from collections.abc import Callable
 from typing import Any
@@ -240,6 +239,8 @@ def train_with_backoff(
     ``make_trainer`` builds the Trainer (model, data, callbacks) for the arguments it is given:
     a new one each try, as a retry needs the micro-batch in its data loader.
     """
+    from transformers.trainer_utils import get_last_checkpoint
+
     from bigbatch.device import free_memory
     from bigbatch.memory.oom import is_oom
 
@@ -247,7 +248,8 @@ def train_with_backoff(
         failed = False
         try:
             trainer = make_trainer(args)
-            checkpoint = _last_checkpoint(args.output_dir)
+            folder = args.output_dir
+            checkpoint = get_last_checkpoint(folder) if os.path.isdir(folder) else None
             return trainer.train(resume_from_checkpoint=checkpoint)
         except Exception as exc:
             if not is_oom(exc) or args.per_device_train_batch_size == 1:
@@ -278,10 +280,3 @@ def with_sizes(args: Any, micro_batch: int, accumulation: int) -> Any:
     for key, value in changes.items():
         setattr(args, key, value)
     return args
-
-
-def _last_checkpoint(folder: str) -> str | None:
-    """Trainer's newest ``checkpoint-N`` folder in ``folder``, None without one."""
-    found = glob.glob(os.path.join(folder, "checkpoint-*"))
-    steps = [(int(p.rsplit("-", 1)[1]), p) for p in found if p.rsplit("-", 1)[1].isdigit()]
-    return max(steps)[1] if steps else None
