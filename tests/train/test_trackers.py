@@ -230,7 +230,7 @@ def test_the_peaks_go_at_the_last_step(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(
         json.dumps({"predicted_peak_bytes": 100, "measured_peak_bytes": 120})
     )
-    report = RunReport(Trackers([Recorder()], print), tmp_path, 0.0)
+    report = RunReport(Trackers([Recorder()], print), tmp_path)
     report.epoch({"epoch": 1, "phase": "fit", "train_loss": 0.5, "optimizer_steps": 7}, [])
     report.finish([])
     assert sent[-1] == (

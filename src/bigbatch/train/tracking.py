@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bigbatch.io import atomic_write_text
 from bigbatch.trackers import IDS_FILE, Trackers, WindowLog, open_trackers, parse_trackers
 
 __all__ = ["EVERY_STEPS", "RunReport", "report_files", "start_report"]
@@ -21,13 +22,17 @@ EVERY_STEPS = 10  # optimizer steps between reads of the per-step losses
 class RunReport:
     """The trackers of one run and where it stands (samples seen, events already sent)."""
 
-    def __init__(self, trackers: Trackers, folder: Path, samples_seen: float) -> None:
+    def __init__(self, trackers: Trackers, folder: Path, resume: bool = False) -> None:
         self.trackers, self.folder = trackers, folder
+        # trackers.json as open_trackers left it: the runs' ids, and samples_seen kept beside
+        path = folder / IDS_FILE
+        self.ids: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
         self.events_sent = 0
         self.last_step = 0  # trackers take steps in order (W&B drops an earlier one)
         self.closed = False
         self.window_log = WindowLog(self._send_step, every=EVERY_STEPS)
-        self.window_log.samples_seen = samples_seen
+        if resume:  # the samples the run had seen when it stopped
+            self.window_log.samples_seen = float(self.ids.get("samples_seen", 0))
 
     def _send_step(self, metrics: dict[str, float], step: int) -> None:
         self.trackers.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
@@ -55,7 +60,8 @@ class RunReport:
                 event.optimizer_step,
             )
         self.events_sent = len(events)
-        _update_ids(self.folder, {"samples_seen": seen})
+        self.ids["samples_seen"] = seen
+        atomic_write_text(self.folder / IDS_FILE, json.dumps(self.ids))
 
     def finish(self, artifacts: list[Path]) -> None:
         """The measured peak beside the predicted one, the run's files, and the runs closed."""
@@ -78,14 +84,6 @@ class RunReport:
             self.trackers.close(failed)
 
 
-def _update_ids(folder: Path, values: dict[str, Any]) -> None:
-    from bigbatch.io import atomic_write_text
-
-    path = folder / IDS_FILE
-    known = json.loads(path.read_text()) if path.is_file() else {}
-    atomic_write_text(path, json.dumps(known | values))
-
-
 def start_report(
     cfg: Any, folder: Path, resume: bool, log: Callable[[str], None]
 ) -> RunReport | None:
@@ -99,9 +97,7 @@ def start_report(
     plan = json.loads(plan_path.read_text()) if plan_path.is_file() else {}
     params = cfg.to_dict() | {"plan": plan}
     trackers = open_trackers(wanted, folder, run_name=folder.name, resume=resume, log=log)
-    ids_path = folder / IDS_FILE
-    known = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
-    report = RunReport(trackers, folder, float(known.get("samples_seen", 0)) if resume else 0.0)
+    report = RunReport(trackers, folder, resume)
     if not resume:
         trackers.log_params(params)
     if trackers:
