@@ -50,12 +50,12 @@ def sequences() -> list[dict[str, torch.Tensor]]:
 
 
 def trained(args_dir, micro: int, steps: int, **kwargs):  # type: ignore[no-untyped-def]
+    settings = {"num_train_epochs": 1, "learning_rate": LR, "optim": "sgd", "weight_decay": 0.0}
     return transformers.TrainingArguments(
         output_dir=str(args_dir), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=steps, num_train_epochs=1, learning_rate=LR, optim="sgd",
-        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[],
-        save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0, **kwargs,
+        gradient_accumulation_steps=steps, lr_scheduler_type="constant", max_grad_norm=0.0,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+        disable_tqdm=True, dataloader_num_workers=0, **(settings | kwargs),
     )  # fmt: skip
 
 
@@ -74,6 +74,20 @@ def big_batch(model, data):  # type: ignore[no-untyped-def]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model(**collate(data)).loss.backward()
     opt.step()
+    return model
+
+
+def big_batch_adamw(model, data, steps: int):  # type: ignore[no-untyped-def]
+    """``steps`` AdamW steps (decoupled weight decay 0.1, Trainer's betas and eps) on all the
+    sequences at once: Trainer's run over ``steps`` epochs of one window each."""
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR / 50, weight_decay=0.1,
+        betas=(0.9, 0.999), eps=1e-8,
+    )  # fmt: skip
+    for _ in range(steps):
+        model(**collate(data)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return model
 
 
@@ -114,6 +128,32 @@ def test_lora_under_trainer_set_from_a_plan_is_exact_and_a_mean_per_micro_batch_
     trainer.model_accepts_loss_kwargs = False
     trainer.train()
     assert update_err(plain, want, init) > 0.02
+
+
+@pytest.mark.slow
+def test_lora_under_trainer_with_adamw_and_weight_decay_over_steps_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The real optimizer over more than one step: Trainer's AdamW with weight decay, three
+    epochs of one window each, against three big-batch steps; every adapter tensor compared,
+    and the frozen base (no gradient) left exactly as it was."""
+    init, data = tiny_lora(), sequences()
+    want = big_batch_adamw(copy.deepcopy(init), data, steps=3)
+    adamw = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,
+             "num_train_epochs": 3}  # fmt: skip
+
+    def run(per_micro_batch_mean: bool):  # type: ignore[no-untyped-def]
+        model = copy.deepcopy(init)
+        args = with_plan(trained(tmp_path, 12, 1, **adamw), plan_of(N, 5))
+        trainer = trainer_for(model, data)(args)
+        trainer.model_accepts_loss_kwargs = not per_micro_batch_mean
+        trainer.train()
+        return model
+
+    got = run(False)
+    assert update_err(got, want, init) < 1e-12
+    for g, i in zip(got.parameters(), init.parameters(), strict=True):
+        if not i.requires_grad:
+            assert g.grad is None and torch.equal(g, i)
+    assert update_err(run(True), want, init) > 0.02  # a mean per micro-batch: not the update
 
 
 class _OutOfMemoryAbove(transformers.TrainerCallback):  # type: ignore[misc]
