@@ -191,6 +191,7 @@ def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) ->
         "optimizer": row["optimizer"],
         "precision": row["precision"],
         "device": device,
+        "cudnn_benchmark": bool(row.get("cudnn_benchmark", False)),
     }
     size, batch, kind = row["size"], row["batch"], row["kind"]
     if kind == "timm":

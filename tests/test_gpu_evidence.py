@@ -101,6 +101,18 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     sweep.write_text(json.dumps({"compute_capability": "9.0", "cudnn": 91900, "rows": rows}))
     cudnn_workspaces.package(sweep)
     assert cudnn_workspaces.lacking_first(sigs) == [sigs[1], sigs[2], sigs[0]]
+    # In benchmark mode a signature is measured once its trials are (a profile from before
+    # they were recorded has its workspaces only).
+    bench = next(s for s in cudnn_workspaces.signatures() if s["benchmark"])
+    rows = [{**bench, "pass": "forward", "extra_bytes": 0}]
+    header = {"compute_capability": "9.0", "cudnn": 91900, "allow_tf32": True}
+    sweep.write_text(json.dumps({**header, "rows": rows}))
+    cudnn_workspaces.package(sweep)
+    assert cudnn_workspaces.lacking_first([sigs[0], bench]) == [bench, sigs[0]]
+    rows.append({**bench, "pass": "forward_trial", "extra_bytes": 2**20})
+    sweep.write_text(json.dumps({**header, "rows": rows}))
+    cudnn_workspaces.package(sweep)
+    assert cudnn_workspaces.lacking_first([sigs[0], bench]) == [sigs[0], bench]
 
 
 def test_the_cudnn_sweep_ends_itself_inside_its_time_box(

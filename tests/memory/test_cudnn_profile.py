@@ -80,7 +80,7 @@ def test_a_measured_signature_gets_the_cards_workspaces() -> None:
     # data gradient's 131 bytes more).
     rule = backward_workspaces(None, torch.float16, 64)
     assert sizes[1] - rule[1] == 1917591 and sizes[0] - rule[0] == 131
-    assert profile.counts == {"profile": 2, "rule": 0}
+    assert profile.counts == {"profile": 2, "rule": 0, "without_benchmark": 0}
 
 
 def test_between_two_measured_batches_the_workspace_is_interpolated() -> None:
@@ -100,7 +100,7 @@ def test_outside_the_profile_the_rule_and_the_prediction_says_how_many() -> None
     assert backward_workspaces(profile, torch.float32, 128, channels=96) == []
     # A measured signature but padded otherwise than the sweep: another output, not its row.
     assert backward_workspaces(profile, torch.float32, 64, pad=0) == []
-    assert profile.counts == {"profile": 0, "rule": 6}
+    assert profile.counts == {"profile": 0, "rule": 6, "without_benchmark": 0}
     assert profile.note().startswith("cuDNN workspaces: 0 of 6 convolution passes from the card")
 
 
@@ -169,3 +169,90 @@ def test_the_packaged_profile_is_the_sweeps(
     dry.write_text(json.dumps({"compute_capability": None, "rows": []}))
     with pytest.raises(SystemExit, match="dry run"):
         cudnn_workspaces.package(dry)
+
+
+def test_benchmark_mode_takes_the_signatures_workspace_measured_without_it() -> None:
+    """Where the card was not swept in benchmark mode, the workspace measured without it (the
+    recorded ResNet-50 steps' workspaces differ by under 1 % between the modes); the note says
+    how many."""
+    from bigbatch.memory.cuda_runtime import conv_passes
+
+    profile = sm90()
+    # ResNet-50's 3x3 at 28 px, swept without benchmark mode only.
+    args, out = conv_backward(torch.float16, 64, 128, 28, 3, 1)
+    passes = conv_passes("aten.convolution_backward.default", args, out, profile, benchmark=True)
+    without = backward_workspaces(profile, torch.float16, 64, channels=128, size=28)
+    assert [p.workspace for p in passes] == without
+    assert all(p.sig is not None and p.sig.benchmark for p in passes)
+    assert profile.counts["without_benchmark"] == 2
+    assert "(2 measured without benchmark mode)" in profile.note()
+
+
+def trial_profile(trial: int) -> CudnnProfile:
+    """A card profile with one 3x3 convolution's forward measured in benchmark mode: its chosen
+    workspace and its trial's (batches 8 and 64)."""
+    sig = {"dtype": "float16", "layout": "nchw", "kernel": 3, "groups": 1, "channels": 64,
+           "size": 56, "benchmark": True}  # fmt: skip
+    rows = [
+        {**sig, "batch": b, "pass": p, "extra_bytes": n}
+        for b in (8, 64)
+        for p, n in (("forward", 2**20), ("forward_trial", trial))
+    ]
+    return CudnnProfile.from_rows(rows, "test card")
+
+
+def test_benchmark_trials_are_first_steps_only_and_shrink_to_the_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A convolution's first pass in benchmark mode allocates its trial's workspace, then the
+    cache is emptied; the prediction's reserved peak has it (as a card with memory free shows),
+    its planning figure does not (a trial takes only free memory), and under a limit the trial
+    halves until it fits (PyTorch's retry)."""
+    from bigbatch.memory import cuda_runtime
+    from bigbatch.memory.cuda_allocator import simulate
+
+    def conv() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(64, 64, 3, padding=1, bias=False),
+            torch.nn.Flatten(),
+            torch.nn.Linear(64 * 56 * 56, 2),
+        )
+
+    trial = 3 * 2**30
+    monkeypatch.setattr(cuda_runtime, "profile_for_target", lambda: trial_profile(trial))
+    spec = StepSpec(conv, (64, 56, 56), 64, "sgd", "fp16", "cuda", cudnn_benchmark=True)
+    libraries = cuda_runtime.CudaLibraries(benchmark=True)
+    x = torch.empty(64, 64, 56, 56, dtype=torch.float16, device="meta")
+    w = torch.empty(64, 64, 3, 3, dtype=torch.float16, device="meta")
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    first = libraries.after("aten.convolution.default", args, torch.empty_like(x))
+    again = libraries.after("aten.convolution.default", args, torch.empty_like(x))
+    assert [e[0] for e in first] == ["trial", "free", "empty_cache", "malloc", "free"]
+    assert first[0][2] == trial and [e[0] for e in again] == ["malloc", "free"]
+
+    pred = predict_peak(spec)
+    settled = pred.reserved_bytes - pred.benchmark_trial_bytes
+    assert pred.reserved_bytes > trial > settled > 0
+    assert pred.planning_bytes == max(pred.peak_bytes, settled) + pred.cuda_handle_bytes
+    assert pred.planning_bytes < pred.reserved_bytes
+
+    events = [("malloc", "weights", 2**30), *first]
+    assert simulate(events).reserved_bytes == 2**30 + trial
+    # Under a 2 GiB limit, 3 GiB, then 1.5 GiB fail beside the 1 GiB held: 768 MiB fits.
+    capped = simulate(events, limit=2 * 2**30)
+    assert capped.reserved_bytes == 2**30 + 768 * 2**20
+    assert capped.settled_bytes == simulate(events).settled_bytes
+
+
+def test_trials_never_measured_are_said() -> None:
+    sm90()
+
+    def conv() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten())
+
+    pred = predict_peak(StepSpec(conv, (3, 16, 16), 2, "sgd", "fp16", "cuda", cudnn_benchmark=True))
+    assert pred.benchmark_trial_bytes == 0
+    # The forward's and the weight gradient's (the input needs none), on the first step only.
+    assert "benchmark mode: the trials of 2 of 2 convolution passes were never measured" in (
+        pred.cudnn_workspaces
+    )

@@ -29,6 +29,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 __all__ = [
     "AllocatorPeak",
@@ -116,6 +117,9 @@ class AllocatorPeak:
     reserved_bytes: int  # segments held (what nvidia-smi shows, less the CUDA context)
     allocated_bytes: int  # rounded blocks in use at their peak
     segments: int
+    # The reserved peak outside cuDNN's benchmark trials: what a card must hold, since a trial
+    # takes only the memory that is free (CachingAllocatorModel.trial).
+    settled_bytes: int = 0
 
 
 @dataclass
@@ -131,6 +135,7 @@ class CachingAllocatorModel:
     allocated: int = 0
     peak_reserved: int = 0
     peak_allocated: int = 0
+    peak_settled: int = 0  # the reserved peak outside benchmark trials (:meth:`trial`)
     _free: dict[bool, list[tuple[tuple[int, int, int], _Block]]] = field(
         default_factory=lambda: {True: [], False: []}
     )
@@ -182,6 +187,31 @@ class CachingAllocatorModel:
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if not isinstance(key, tuple) or key[:1] != ("trial",):
+            self.peak_settled = max(self.peak_settled, self.reserved)
+
+    def trial(self, key: tuple[str, int], nbytes: int, limit: int | None = None) -> int:
+        """cuDNN's benchmark-mode workspace of ``nbytes`` (its key ``("trial", n)``), as
+        PyTorch asks for it: where a new segment would take the reserved bytes past ``limit``
+        (the card, or the cap), the allocator first releases its cached segments, then the
+        request fails and PyTorch halves it, until it fits; the bytes taken.
+
+        >>> m = CachingAllocatorModel()
+        >>> m.malloc("weights", 60 * 2**20)
+        >>> m.trial(("trial", 1), 100 * 2**20, limit=128 * 2**20) // 2**20
+        50
+        """
+        while nbytes:
+            block = self._best_fit(round_size(nbytes) <= SMALL_SIZE, round_size(nbytes))
+            grows = 0 if block is not None else segment_size(round_size(nbytes))
+            if limit is not None and grows and self.reserved + grows > limit:
+                self.empty_cache()
+                if self.reserved + grows > limit:
+                    nbytes //= 2
+                    continue
+            self.malloc(key, nbytes)
+            break
+        return nbytes
 
     def free(self, key: object) -> None:
         block = self._live.pop(key, None)
@@ -205,6 +235,21 @@ class CachingAllocatorModel:
                         neighbour.next.prev = block
         self._add_free(block)
 
+    def empty_cache(self) -> None:
+        """Release every segment with nothing in use, as ``torch.cuda.empty_cache()`` does
+        and as cuDNN's benchmark mode does after each convolution's trials (PyTorch empties the
+        cache so that the trials' workspace is not kept).
+
+        >>> m = CachingAllocatorModel()
+        >>> m.malloc("trial", 300 * 2**20); m.free("trial"); m.malloc("w", 4096)
+        >>> m.empty_cache(); m.reserved // 2**20, m.peak_reserved // 2**20
+        (2, 302)
+        """
+        for small, pool in self._free.items():
+            whole = [e for e in pool if e[1].prev is None and e[1].next is None]
+            self._free[small] = [e for e in pool if e[1].prev is not None or e[1].next is not None]
+            self.reserved -= sum(b.size for _, b in whole)
+
     def segment_layout(self, segment: int) -> list[tuple[int, bool]]:
         """(size, in use) of each block of a segment, in address order (as a snapshot lists)."""
         blocks = [b for _, b in self._free[True] + self._free[False] if b.segment == segment]
@@ -227,8 +272,10 @@ class CachingAllocatorModel:
         del pool[i]
 
 
-def simulate(events: Iterable[tuple[str, object, int]]) -> AllocatorPeak:
-    """Replay ``("malloc", key, bytes)`` and ``("free", key, 0)`` events; return the peaks.
+def simulate(events: Iterable[tuple[str, object, int]], limit: int | None = None) -> AllocatorPeak:
+    """Replay ``("malloc", key, bytes)`` and ``("free", key, 0)`` events, cuDNN's benchmark
+    trials (``("trial", key, bytes)``, halved to fit ``limit`` bytes reserved) and emptied
+    caches (``("empty_cache", None, 0)``); return the peaks.
 
     >>> simulate([("malloc", "a", 6 * 2**20), ("malloc", "b", 6 * 2**20), ("free", "a", 0),
     ...           ("malloc", "c", 7 * 2**20), ("malloc", "d", 7 * 2**20)]).reserved_bytes // 2**20
@@ -238,6 +285,12 @@ def simulate(events: Iterable[tuple[str, object, int]]) -> AllocatorPeak:
     for op, key, nbytes in events:
         if op == "malloc":
             model.malloc(key, nbytes)
+        elif op == "trial":
+            model.trial(cast(tuple[str, int], key), nbytes, limit)
+        elif op == "empty_cache":
+            model.empty_cache()
         else:
             model.free(key)
-    return AllocatorPeak(model.peak_reserved, model.peak_allocated, len(model._segments))
+    return AllocatorPeak(
+        model.peak_reserved, model.peak_allocated, len(model._segments), model.peak_settled
+    )

@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from bigbatch.memory.cuda_cudnn import CudnnProfile, profile_for_target, signature_of
+from bigbatch.memory.cuda_cudnn import CudnnProfile, Signature, profile_for_target, signature_of
 from bigbatch.memory.cuda_reduce import reduction_staging
 
 __all__ = [
     "CUBLAS_HANDLE_BYTES",
     "CUBLAS_OPS",
     "CUDA_CONTEXT_BYTES",
+    "ConvPass",
     "CudaLibraries",
+    "conv_passes",
     "cublas_workspace_bytes",
     "cudnn_workspaces",
     "measured_context_bytes",
@@ -113,13 +115,30 @@ def _tensor_core(*channels: int) -> bool:
     return all(c % 8 == 0 for c in channels)
 
 
-def cudnn_workspaces(
-    func: str, args: tuple[Any, ...], out: Any, profile: CudnnProfile | None = None
-) -> list[int]:
-    """The transient workspaces cuDNN takes for one convolution op (forward, or backward: one
-    for the input's gradient and one for the weight's): what ``profile`` measured for its
-    signature, else the rule above, which gives none to 32-bit tensors, grouped convolutions
-    and channels-last inputs (no copy needed); ``[]`` for other ops."""
+class ConvPass(NamedTuple):
+    """One pass of a convolution as cuDNN runs it: its name (``forward``, ``data_grad``,
+    ``weight_grad``), what keys PyTorch's cache of chosen algorithms (shapes, strides, dtype,
+    layout: a new key is benchmarked), the profile's signature (None where it measures no such
+    convolution) and the batch."""
+
+    name: str
+    key: tuple[Any, ...]
+    sig: Signature | None
+    batch: int
+    workspace: int  # the chosen algorithm's workspace bytes (0: none)
+
+
+def conv_passes(
+    func: str,
+    args: tuple[Any, ...],
+    out: Any,
+    profile: CudnnProfile | None = None,
+    benchmark: bool = False,
+) -> list[ConvPass]:
+    """The cuDNN passes of one convolution op (forward, or backward: the input's gradient, then
+    the weight's), each with the workspace ``profile`` measured for its signature, else the rule
+    above, which gives none to 32-bit tensors, grouped convolutions and channels-last inputs (no
+    copy needed); ``[]`` for other ops."""
     if func not in ("aten.convolution.default", "aten.convolution_backward.default"):
         return []
     if func == "aten.convolution.default":
@@ -137,8 +156,15 @@ def cudnn_workspaces(
         and x.is_contiguous()
         and _tensor_core(w.shape[0], w.shape[1])
     )
-    sig = signature_of(x, w, conv) if profile is not None else None
-    sizes = []
+    sig = signature_of(x, w, conv, benchmark) if profile is not None else None
+    key = (
+        tuple(x.shape),
+        tuple(w.shape),
+        x.dtype,
+        x.is_contiguous(),
+        tuple(tuple(a) if isinstance(a, list | tuple) else a for a in conv),
+    )
+    result = []
     for name, trio in passes:
         measured = profile.workspace(sig, name, x.shape[0]) if profile and sig else None
         if profile is not None:
@@ -146,20 +172,39 @@ def cudnn_workspaces(
         if measured is None and by_rule:
             measured = sum(t.numel() * t.element_size() for t in trio if _layouts_differ(t))
             measured += _CUDNN_EXTRA
-        if measured:
-            sizes.append(measured)
-    return sizes
+        result.append(ConvPass(name, (name, *key), sig, int(x.shape[0]), measured or 0))
+    return result
+
+
+def cudnn_workspaces(
+    func: str, args: tuple[Any, ...], out: Any, profile: CudnnProfile | None = None
+) -> list[int]:
+    """The transient workspaces cuDNN takes for one convolution op (:func:`conv_passes`'),
+    those of zero bytes left out."""
+    return [p.workspace for p in conv_passes(func, args, out, profile) if p.workspace]
 
 
 class CudaLibraries:
     """What cuBLAS and cuDNN add to a traced CUDA step's allocations, as allocator events:
     the main thread's cuBLAS workspace from the start (a training process's first matmul makes
     it), autograd's thread's handle and workspace at the backward's first matmul, and cuDNN's
-    transient convolution workspaces, and the reduction kernel's staging buffers."""
+    transient convolution workspaces, and the reduction kernel's staging buffers.
 
-    def __init__(self) -> None:
+    In cuDNN's benchmark mode (``benchmark``), the first pass of each new convolution key also
+    tries every algorithm: PyTorch allocates one workspace as large as the largest any of them
+    asks for (halved until it fits where memory is short), frees it, and empties the allocator's
+    cache before running the fastest (``aten/src/ATen/native/cudnn/Conv_v8.cpp``). So the event
+    stream gets a ``("trial", key, bytes)`` where the profile measured the trial (the allocator
+    model halves it under a limit), and an ``("empty_cache", None, 0)`` in every case: replaying
+    the recorded traces of benchmark-mode steps with their cache emptied there gives their
+    reserved peaks to the byte (``tests/memory/test_gpu_truth.py``)."""
+
+    def __init__(self, benchmark: bool = False) -> None:
         self.autograd_blas = False
+        self.benchmark = benchmark
         self._transients = 0
+        self._tried: set[tuple[Any, ...]] = set()
+        self.trials = {"measured": 0, "unmeasured": 0}
         self.cudnn_profile = profile_for_target()
 
     def start(self) -> list[tuple[str, Any, int]]:
@@ -173,10 +218,14 @@ class CudaLibraries:
 
     def after(self, func: str, args: tuple[Any, ...], out: Any) -> list[tuple[str, Any, int]]:
         events: list[tuple[str, Any, int]] = []
-        for size in cudnn_workspaces(func, args, out, self.cudnn_profile):
-            self._transients += 1
-            key = ("cudnn", self._transients)
-            events += [("malloc", key, size), ("free", key, 0)]
+        for conv in conv_passes(func, args, out, self.cudnn_profile, self.benchmark):
+            if self.benchmark and conv.key not in self._tried:
+                self._tried.add(conv.key)
+                events += self._trial(conv)
+            if conv.workspace:
+                self._transients += 1
+                key = ("cudnn", self._transients)
+                events += [("malloc", key, conv.workspace), ("free", key, 0)]
         # A reduction's staging buffer and semaphores, both alive until the kernel is queued.
         staged = []
         for size in reduction_staging(func, args):
@@ -186,9 +235,31 @@ class CudaLibraries:
         events += [("free", key, 0) for key in reversed(staged)]
         return events
 
+    def _trial(self, conv: ConvPass) -> list[tuple[str, Any, int]]:
+        """Benchmark mode's trial of ``conv``'s algorithms: its workspace, then the emptied
+        cache."""
+        size = None
+        if self.cudnn_profile is not None and conv.sig is not None:
+            size = self.cudnn_profile.trial(conv.sig, conv.name, conv.batch)
+        self.trials["unmeasured" if size is None else "measured"] += 1
+        events: list[tuple[str, Any, int]] = []
+        if size:
+            self._transients += 1
+            key = ("trial", self._transients)
+            events += [("trial", key, size), ("free", key, 0)]
+        return [*events, ("empty_cache", None, 0)]
+
     def cudnn_note(self) -> str:
         """Where the convolutions' workspaces came from (the profile, the rule), or ""."""
-        return self.cudnn_profile.note() if self.cudnn_profile is not None else ""
+        note = self.cudnn_profile.note() if self.cudnn_profile is not None else ""
+        measured, unmeasured = self.trials["measured"], self.trials["unmeasured"]
+        if unmeasured:
+            note += (
+                f"{'; ' if note else ''}cuDNN benchmark mode: the trials of {unmeasured} of "
+                f"{measured + unmeasured} convolution passes were never measured on this card "
+                "(they may reserve more on the first step, only where memory is free)"
+            )
+        return note
 
     @property
     def workspace_bytes(self) -> int:

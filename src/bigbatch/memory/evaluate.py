@@ -50,7 +50,7 @@ def predict_evaluation_peak(
     target = torch.device(spec.device)
     copies = STATE_COPIES.get(spec.optimizer, 2) if state_copies is None else state_copies
     model = build_on_meta(spec.model)
-    device, tracker, rules = tracing_for(target)
+    device, tracker, rules = tracing_for(target, cudnn_benchmark=spec.cudnn_benchmark)
     param_uids: set[int] = set()
     state_uids: set[int] = set()
     with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():

@@ -72,6 +72,10 @@ class MemoryPrediction:
     # fragmentation), and the cuBLAS handle autograd's thread adds outside it.
     reserved_bytes: int = 0
     allocated_bytes: int = 0
+    # Of reserved_bytes, what cuDNN's benchmark trials add on the first step with the card's
+    # memory free: they take only free memory (halving where it is short), so a plan need not
+    # hold them.
+    benchmark_trial_bytes: int = 0
     library_workspace_bytes: int = 0
     cuda_handle_bytes: int = 0
     seconds: float = 0.0
@@ -87,7 +91,8 @@ class MemoryPrediction:
     def planning_bytes(self) -> int:
         """What a plan must fit: the peak, or on CUDA what the allocator reserves (a CUDA OOM is
         a segment that cannot be reserved) and the handles the step adds outside it."""
-        return max(self.peak_bytes, self.reserved_bytes) + self.cuda_handle_bytes
+        settled = self.reserved_bytes - self.benchmark_trial_bytes
+        return max(self.peak_bytes, settled) + self.cuda_handle_bytes
 
     def parts(self) -> dict[str, int]:
         """Bytes at the peak, by kind (kernel workspaces count as temporaries); on CUDA also
@@ -101,9 +106,11 @@ class MemoryPrediction:
         }
         if self.reserved_bytes:
             parts["blas_workspaces"] = self.library_workspace_bytes
+            settled = self.reserved_bytes - self.benchmark_trial_bytes
             parts["allocator_cache"] = max(
-                0, self.reserved_bytes - self.peak_bytes - self.library_workspace_bytes
+                0, settled - self.peak_bytes - self.library_workspace_bytes
             )
+            parts["cudnn_benchmark_trials"] = self.benchmark_trial_bytes
             parts["cuda_handles"] = self.cuda_handle_bytes
         return parts
 
@@ -114,6 +121,7 @@ class MemoryPrediction:
             "allocator_cache": "CUDA allocator rounding and cache",
             "blas_workspaces": "cuBLAS workspaces",
             "cuda_handles": "autograd thread's cuBLAS handle",
+            "cudnn_benchmark_trials": "cuDNN benchmark trials (first step, only memory free)",
         }
         return ", ".join(
             f"{labels.get(kind, kind)} {format_bytes(b)}" for kind, b in self.parts().items() if b
@@ -681,20 +689,23 @@ def _materialize_state(
 
 
 def tracing_for(
-    target: torch.device, calibration: Any = None, batch_size: int = 1
+    target: torch.device,
+    calibration: Any = None,
+    batch_size: int = 1,
+    cudnn_benchmark: bool = False,
 ) -> tuple[torch.device, _StorageTracker, contextlib.AbstractContextManager[Any]]:
     """Where a step for ``target`` is traced on fake tensors, the tracker of its storages, and
     the context of CUDA autocast's rules (nothing elsewhere). The autograd engine wants a real
     CUDA context for CUDA tensors, even fake ones, so a CUDA step is traced on CPU-placed fake
     tensors with what differs on CUDA: 512-byte allocator blocks, the multi-tensor (foreach)
     optimizers CUDA defaults to, CUDA autocast's op lists and cuBLAS's and cuDNN's allocations
-    (bigbatch.memory.cuda_autocast, .cuda_runtime)."""
+    (bigbatch.memory.cuda_autocast, .cuda_runtime), in cuDNN's benchmark mode or not."""
     tracker = _StorageTracker(
         round_to=device_kind(target).allocator_block, calibration=calibration, batch_size=batch_size
     )
     if target.type != "cuda":
         return target, tracker, contextlib.nullcontext()
-    tracker.cuda = CudaLibraries()
+    tracker.cuda = CudaLibraries(cudnn_benchmark)
     tracker.events = tracker.cuda.start()
     return torch.device("cpu"), tracker, cuda_autocast_rules()
 
@@ -714,7 +725,7 @@ def _predict_on_fake(
     t0 = time.perf_counter()
     target = torch.device(spec.device)
     model = build_on_meta(spec.model)
-    device, tracker, rules = tracing_for(target, calibration, spec.batch_size)
+    device, tracker, rules = tracing_for(target, calibration, spec.batch_size, spec.cudnn_benchmark)
     if target.type != "cuda" and keep is not None and calibration is None:
         tracker.log = []
     grads_uids: set[int] = set()
@@ -813,11 +824,12 @@ def _assemble(
         notes.append(
             f"op sequence left the calibration at op {tracker.left_at}: workspaces after it are not counted"
         )
-    reserved = allocated = library = handles = 0
+    reserved = allocated = library = handles = trials = 0
     cudnn = ""
     if tracker.events is not None and tracker.cuda is not None:
         allocator = simulate(tracker.events)
         reserved, allocated = allocator.reserved_bytes, allocator.allocated_bytes
+        trials = allocator.reserved_bytes - allocator.settled_bytes
         library, handles = tracker.cuda.workspace_bytes, tracker.cuda.handle_bytes
         cudnn = tracker.cuda.cudnn_note()
     return MemoryPrediction(
@@ -825,6 +837,7 @@ def _assemble(
         workspace_bytes=tracker.peak_workspace,
         reserved_bytes=reserved,
         allocated_bytes=allocated,
+        benchmark_trial_bytes=trials,
         library_workspace_bytes=library,
         cuda_handle_bytes=handles,
         notes=notes,

@@ -80,6 +80,9 @@ class StepSpec:
     vocab: int = 2  # integer inputs are drawn from [0, vocab): give an embedding's size
     step: Callable[[nn.Module, Any], torch.Tensor] | None = None  # (model, batch) -> loss
     batch: Callable[[int, Any], Any] | None = None  # (batch_size, device) -> one micro-batch
+    # cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``): other algorithms, their
+    # trials on the first step (bigbatch.memory.cuda_runtime.CudaLibraries).
+    cudnn_benchmark: bool = False
 
     def with_batch(self, batch_size: int) -> StepSpec:
         return replace(self, batch_size=batch_size)
