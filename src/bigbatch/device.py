@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "autocast_for",
     "bound_onednn_cache",
     "cap_cuda_allocator",
+    "cudnn_benchmark_mode",
     "decodes_jpeg",
     "device_kind",
     "empty_cache",
@@ -53,6 +55,7 @@ __all__ = [
     "trim_cpu_heap",
     "unavailable_reason",
     "uncap_cuda_allocator",
+    "uses_cudnn_benchmark",
 ]
 
 log = logging.getLogger("bigbatch")
@@ -379,6 +382,33 @@ def reset_peak_memory(device: torch.device) -> bool:
         except OSError:
             return False
     return False
+
+
+def uses_cudnn_benchmark(setting: str, device: torch.device) -> bool:
+    """Whether a run in ``device`` times cuDNN's convolution algorithms (``cudnn_benchmark=``:
+    ``auto`` where cuDNN runs the convolutions, on CUDA).
+
+    >>> uses_cudnn_benchmark("auto", torch.device("cpu")), uses_cudnn_benchmark("true", torch.device("cpu"))
+    (False, True)
+    """
+    return setting == "true" or (setting == "auto" and device.type == "cuda")
+
+
+@contextlib.contextmanager
+def cudnn_benchmark_mode(enabled: bool) -> Iterator[None]:
+    """``torch.backends.cudnn.benchmark`` set to ``enabled`` inside, the caller's setting back
+    after: a run's choice is not left behind in the process that ran it.
+
+    >>> with cudnn_benchmark_mode(True):
+    ...     torch.backends.cudnn.benchmark
+    True
+    """
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
 
 
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -235,6 +235,20 @@ def test_cuda_device_name_alone_plans_without_a_gpu(capsys: pytest.CaptureFixtur
         pytest.skip("this checks planning for a GPU on a machine without one")
     argv = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "4GB"]
     assert main([*argv, "--device", "cuda", "--json"]) == 0
+    capsys.readouterr()
+    # In cuDNN's benchmark mode: the trials the card profile lacks are said.
+    assert main([*argv, "--device", "cuda", "--json", "--cudnn-benchmark"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert any("cuDNN benchmark mode: the trials of" in note for note in plan["notes"])
+
+
+def test_cudnn_benchmark_is_planned_for_cuda_model_steps_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "4GB"]
+    argv.append("--cudnn-benchmark")
+    _fails(argv, capsys, "add --device cuda")
+    _fails([*argv, "task=classify", "data=x"], capsys, "cudnn_benchmark=true")
 
 
 def test_a_full_disk_inside_torch_save_is_one_line(

@@ -253,6 +253,7 @@ def test_trials_never_measured_are_said() -> None:
     pred = predict_peak(StepSpec(conv, (3, 16, 16), 2, "sgd", "fp16", "cuda", cudnn_benchmark=True))
     assert pred.benchmark_trial_bytes == 0
     # The forward's and the weight gradient's (the input needs none), on the first step only.
-    assert "benchmark mode: the trials of 2 of 2 convolution passes were never measured" in (
-        pred.cudnn_workspaces
-    )
+    assert any(
+        "benchmark mode: the trials of 2 of 2 convolution passes were never measured" in note
+        for note in pred.notes
+    ), pred.notes

@@ -319,21 +319,29 @@ def test_threads_and_workers_are_chosen_recorded_and_kept_on_resume(
     assert set(seen) == {1} and any("the run's own threads=1" in line for line in lines)
 
 
-def test_channels_last_and_compile_are_applied_when_asked(
+def test_channels_last_compile_and_cudnn_benchmark_are_applied_when_asked(
     image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """channels_last=true trains with NHWC weights (inputs follow; auto: CUDA conv models only);
-    compile=true hands the training model to torch.compile, checkpoints keep plain names.
-    (The compiler itself is not run here: it takes minutes on this CPU.)"""
+    compile=true hands the training model to torch.compile, checkpoints keep plain names;
+    cudnn_benchmark=true holds torch.backends.cudnn.benchmark on while training (auto: on
+    CUDA), plan.json says so, and the caller's setting is back after. (The compiler itself is
+    not run here: it takes minutes on this CPU.)"""
     compiled: list[torch.nn.Module] = []
+    benchmark: list[bool] = []
 
     def fake_compile(model: torch.nn.Module, **kwargs: object) -> torch.nn.Module:
         compiled.append(model)
+        benchmark.append(torch.backends.cudnn.benchmark)
         return model
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     overrides = [*base_overrides(image_folder, tiny_model), "channels_last=true", "compile=true"]
+    overrides.append("cudnn_benchmark=true")
+    assert not torch.backends.cudnn.benchmark
     train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
+    assert benchmark == [True] and not torch.backends.cudnn.benchmark
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["cudnn_benchmark"] is True
     assert len(compiled) == 1  # one training phase (mode=fit)
     conv = next(m for m in compiled[0].modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
@@ -341,7 +349,9 @@ def test_channels_last_and_compile_are_applied_when_asked(
 
     assert not any("_orig_mod" in k for k in load_file(tmp_path / "run" / "last.safetensors"))
     cfg = load_config(overrides=["data=x"])
-    assert cfg.channels_last == "auto" and not cfg.compile
+    assert cfg.channels_last == "auto" and not cfg.compile and cfg.cudnn_benchmark == "auto"
+    with pytest.raises(ConfigError, match="cudnn_benchmark"):
+        load_config(overrides=["data=x", "cudnn_benchmark=yes"])
 
 
 @pytest.mark.slow

@@ -129,6 +129,12 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--precision", choices=PRECISIONS, help="autocast's dtype; default fp32, bf16 with --hf"
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="plan a CUDA step in cuDNN's benchmark mode (torch.backends.cudnn.benchmark, as "
+        "timm's train.py and fastai set): the algorithms' workspaces and first-step trials",
+    )
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument(
         "--margin", type=float, default=0.10, help="safety margin, a fraction of the budget"
@@ -280,6 +286,7 @@ def _spec_maker(
             name=name,
             vocab=args.vocab,
             step=step,
+            cudnn_benchmark=args.cudnn_benchmark,
         )
 
     return spec_at
@@ -354,6 +361,10 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if args.cache_dim < 0 or args.cache_towers < 1:
         raise UserError("--cache-dim must be >= 0 and --cache-towers >= 1")
+    if args.cudnn_benchmark and not args.device.startswith("cuda"):
+        raise UserError(
+            f"--cudnn-benchmark is cuDNN's, on CUDA: add --device cuda (not {args.device})"
+        )
     try:
         # Planning for a GPU needs none; measuring on one (--confirm) does.
         check_device(args.device, "--device", here=args.confirm or args.fastest)
@@ -364,6 +375,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(str(exc)) from exc
 
 
+def _refuse_misplaced_benchmark(args: argparse.Namespace) -> None:
+    if args.cudnn_benchmark and (args.hf is not None or args.config or args.train_keys):
+        raise UserError(
+            "--cudnn-benchmark plans a model's step (--model, --timm, ...); a training run "
+            "takes bigbatch train's key: cudnn_benchmark=true (on CUDA by default)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.coupled import cache_bytes
@@ -371,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list_cards:
         _print_cards()
         return 0
+    _refuse_misplaced_benchmark(args)
     if args.hf is not None:
         return plan_hf.run(args)
     args.device, args.precision = args.device or "cpu", args.precision or "fp32"
@@ -435,8 +455,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args.plot, curves, budget)
     if args.json:
-        for p in plans:
-            p["notes"] = notes
+        for p in plans:  # the prediction's own notes, then the command's
+            p["notes"] = [*(p.get("notes") or []), *notes]
         print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
     else:
         _print(plans, args, budget)
@@ -635,6 +655,8 @@ def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -
         if p.get("samples_per_s"):
             rates = ", ".join(f"{b}: {v:.1f}" for b, v in p["samples_per_s"].items())
             print(f"{'':<28} samples/s by micro-batch: {rates} (fastest chosen)")
+        for note in p.get("notes") or []:  # the prediction's (the command's follow the table)
+            print(f"{'':<28} note: {note}")
     if any(not p["fits"] for p in plans):
         print("\nrows that do not fit:")
         for p in plans:

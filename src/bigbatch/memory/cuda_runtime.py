@@ -197,7 +197,17 @@ class CudaLibraries:
     stream gets a ``("trial", key, bytes)`` where the profile measured the trial (the allocator
     model halves it under a limit), and an ``("empty_cache", None, 0)`` in every case: replaying
     the recorded traces of benchmark-mode steps with their cache emptied there gives their
-    reserved peaks to the byte (``tests/memory/test_gpu_truth.py``)."""
+    reserved peaks to the byte (``tests/memory/test_gpu_truth.py``).
+
+    >>> libraries = CudaLibraries(benchmark=True)
+    >>> x = torch.empty(8, 64, 56, 56, dtype=torch.float16, device="meta")
+    >>> w = torch.empty(64, 64, 3, 3, dtype=torch.float16, device="meta")
+    >>> conv = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    >>> for _ in range(2):  # the first call tries the algorithms (its trial not profiled here)
+    ...     [e[0] for e in libraries.after("aten.convolution.default", conv, torch.empty_like(x))]
+    ['empty_cache', 'malloc', 'free']
+    ['malloc', 'free']
+    """
 
     def __init__(self, benchmark: bool = False) -> None:
         self.autograd_blas = False
@@ -251,15 +261,18 @@ class CudaLibraries:
 
     def cudnn_note(self) -> str:
         """Where the convolutions' workspaces came from (the profile, the rule), or ""."""
-        note = self.cudnn_profile.note() if self.cudnn_profile is not None else ""
+        return self.cudnn_profile.note() if self.cudnn_profile is not None else ""
+
+    def trials_note(self) -> str:
+        """What the prediction lacks of benchmark mode's trials, or ""."""
         measured, unmeasured = self.trials["measured"], self.trials["unmeasured"]
-        if unmeasured:
-            note += (
-                f"{'; ' if note else ''}cuDNN benchmark mode: the trials of {unmeasured} of "
-                f"{measured + unmeasured} convolution passes were never measured on this card "
-                "(they may reserve more on the first step, only where memory is free)"
-            )
-        return note
+        if not unmeasured:
+            return ""
+        return (
+            f"cuDNN benchmark mode: the trials of {unmeasured} of {measured + unmeasured} "
+            "convolution passes were never measured on this card (the first step may reserve "
+            "more where memory is free; never more than is free)"
+        )
 
     @property
     def workspace_bytes(self) -> int:

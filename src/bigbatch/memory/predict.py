@@ -830,6 +830,7 @@ def _assemble(
         allocator = simulate(tracker.events)
         reserved, allocated = allocator.reserved_bytes, allocator.allocated_bytes
         trials = allocator.reserved_bytes - allocator.settled_bytes
+        notes += [n for n in (tracker.cuda.trials_note(),) if n]
         library, handles = tracker.cuda.workspace_bytes, tracker.cuda.handle_bytes
         cudnn = tracker.cuda.cudnn_note()
     return MemoryPrediction(

@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule": ("one_cycle", "cosine", "plateau"),
     "optimizer": ("adamw", "sgd"),
     "channels_last": ("auto", "true", "false"),
+    "cudnn_benchmark": ("auto", "true", "false"),
     "decode": ("auto", "cpu", "gpu"),
 }
 
@@ -88,6 +89,7 @@ class TrainConfig:
     log_every: float = 30.0
     checkpoint_every: str = ""
     channels_last: str = "auto"
+    cudnn_benchmark: str = "auto"
     compile: bool = False
     decode: str = "auto"
     log: str = "none"
@@ -324,6 +326,7 @@ HELP: dict[str, str] = {
     "log_every": "seconds between progress lines when the output is not a terminal (0: never)",
     "checkpoint_every": "also checkpoint mid-epoch: every N optimizer steps (200) or minutes (10min)",
     "channels_last": "NHWC memory format for convolutional models: auto (on CUDA), true, false",
+    "cudnn_benchmark": "cuDNN's benchmark mode: each convolution's algorithms timed on its first call, the fastest kept (as timm's train.py and fastai do); the plan predicts its memory: auto (on CUDA), true, false",
     "compile": "torch.compile the model for training (opt-in: the first steps compile)",
     "log": "experiment trackers to report to, comma-separated: tensorboard, wandb, mlflow (offline by default: files in the run folder; WANDB_MODE, MLFLOW_TRACKING_URI for servers), or none",
     "log_checkpoint": "with log=: also keep best.safetensors in the trackers that store files (W&B, MLflow)",

@@ -20,7 +20,14 @@ import torch
 
 from bigbatch.accumulate import NonFiniteGradientWarning
 from bigbatch.batching import batch_len
-from bigbatch.device import pins_memory, rng_state, set_rng_state, uncap_cuda_allocator
+from bigbatch.device import (
+    cudnn_benchmark_mode,
+    pins_memory,
+    rng_state,
+    set_rng_state,
+    uncap_cuda_allocator,
+    uses_cudnn_benchmark,
+)
 from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_weights
 from bigbatch.train.config import ConfigError, TrainConfig
@@ -103,7 +110,8 @@ def _run(run: Run) -> TrainResult:
     if run.main_rank:  # log=: the trackers, with the plan the run folder holds now
         run.report = start_report(run.cfg, run.run_dir, run.state is not None, run.log)
     try:  # then an explicit budget's allocator cap comes off: the caller keeps its setting
-        return _loop(run)
+        with cudnn_benchmark_mode(run.where.cudnn_benchmark):
+            return _loop(run)
     finally:
         uncap_cuda_allocator(run.where.device, run.fraction_before)
         if run.report is not None:  # a run that raised: its tracker runs end as failed
@@ -145,6 +153,7 @@ def _setup(
     state = check_run_dir(run_dir, cfg, resume)
     device = device_for_rank(cfg.device, rank, world)
     precision = resolve_precision(cfg.precision, device)
+    benchmark = uses_cudnn_benchmark(cfg.cudnn_benchmark, device)
     threads, workers = threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)
     train_items, valid_items = prepare_data(task, log, data)
@@ -162,6 +171,7 @@ def _setup(
     if rank == 0:
         facts = {"target_batch": cfg.batch, "precision": precision, "device": str(device)}
         facts |= {"world_size": world, "seed": cfg.seed, "threads": threads, "num_workers": workers}
+        facts["cudnn_benchmark"] = benchmark
         write_run_files(run_dir, cfg, task, choice._asdict() | facts, (train_items, valid_items))
     torch.manual_seed(cfg.seed)
     core, memory_format = place_model(factory(), cfg.channels_last, device)
@@ -194,7 +204,7 @@ def _setup(
         task=task,
         rank=rank,
         world=world,
-        where=Placement(device, precision, memory_format),
+        where=Placement(device, precision, memory_format, benchmark),
         core=core,
         data=loaders,
         monitor=cfg.monitor if loaders.has_valid else "train_loss",

@@ -18,6 +18,7 @@ from bigbatch.device import (
     reset_peak_memory,
     return_freed_cpu_memory,
     total_bytes,
+    uses_cudnn_benchmark,
 )
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
@@ -89,6 +90,7 @@ def plan_for(
             device.type,
             step=step,
             batch=batch,
+            cudnn_benchmark=uses_cudnn_benchmark(cfg.cudnn_benchmark, device),
         )
 
     explicit_budget = cfg.budget.strip().lower() != "auto"
@@ -161,7 +163,15 @@ def plan_validation(
     copies = STATE_COPIES[optimizer] + (1 if cfg.ema else 0)
 
     def peak_at(b: int) -> int:
-        spec = StepSpec(factory, shape.shape, b, optimizer, cast(Precision, precision), device.type)
+        spec = StepSpec(
+            factory,
+            shape.shape,
+            b,
+            optimizer,
+            cast(Precision, precision),
+            device.type,
+            cudnn_benchmark=uses_cudnn_benchmark(cfg.cudnn_benchmark, device),
+        )
         return predict_evaluation_peak(spec, state_copies=copies, held_bytes=held).planning_bytes
 
     try:

@@ -65,6 +65,7 @@ class Placement:
     device: torch.device
     precision: str = "fp32"
     memory_format: torch.memory_format = torch.contiguous_format
+    cudnn_benchmark: bool = False  # cuDNN times its convolution algorithms (cudnn_benchmark=)
 
     def inputs(self, x: Any) -> Any:
         """A batch's inputs on the device (each tensor of a tuple, list or dict too), in the
