@@ -144,12 +144,19 @@ def trainer_budget(dry_run: bool) -> dict[str, Any]:
 
 
 def throughput(
-    dry_run: bool, arch: str, precision: str, seconds_left: float, profile: bool = False
+    dry_run: bool,
+    arch: str,
+    precision: str,
+    seconds_left: float,
+    profile: bool = False,
+    passes: int = 1,
 ) -> dict[str, Any]:
     """`bigbatch train` against the hand loop: issue 35's 3000 JPEGs (at 1500 an epoch was 10
     steps, and each loop's time the loader's first batches); with ``profile`` one more run of
     each under cProfile, and nothing else, says where bigbatch's host time goes (loader waits,
-    reads, Python)."""
+    reads, Python); with ``passes``, two epochs of the training images that many times over
+    (the second epoch the steady state)."""
+    steady = ["--passes", str(passes), "--epochs", "2"] if passes > 1 else []
     args = (
         ["--arch", "resnet10t", "--size", "32", "--per-class", "8", "--batch", "8", "--micro",
          "8", "--epochs", "2", "--rounds", "1", "--limit-steps", "2"]
@@ -158,7 +165,7 @@ def throughput(
          "--batch", "128", "--micro", "128", "--classes", "10", "--per-class", "300",
          "--stored-size", "256", "--format", "jpg", "--epochs", "3", "--rounds", "1",
          "--workers", "8"]
-    ) + (["--profile", "--rounds", "0"] if profile else [])  # fmt: skip
+    ) + (["--profile", "--rounds", "0"] if profile else []) + steady  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(HERE / "train_throughput.py"), *args, "--json"],
         capture_output=True, text=True, timeout=max(1.0, seconds_left),
@@ -180,6 +187,8 @@ def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
         ("budget_train", lambda: budget_train(dry_run)),
         ("trainer_budget", lambda: trainer_budget(dry_run)),
         ("resnet50_fp16", lambda: throughput(dry_run, "resnet50", "fp16", left())),
+        # Steady state: an epoch of 19,200 images (the 2,400 training JPEGs 8 times over).
+        ("resnet50_fp16_steady", lambda: throughput(dry_run, "resnet50", "fp16", left(), passes=8)),
         ("vit_base_bf16", lambda: throughput(dry_run, "vit_base_patch16_224", "bf16", left())),
         # Last, where the time box allows: where each loop's host time goes.
         ("resnet50_fp16_profile", lambda: throughput(dry_run, "resnet50", "fp16", left(), True)),
@@ -404,7 +413,7 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
                 f"({e['process'] if e['process'] is not None else float('nan'):+.1f} %) |"
             )
     sp = results.get("speed") or {}
-    for key in ("resnet50_fp16", "vit_base_bf16"):
+    for key in ("resnet50_fp16", "resnet50_fp16_steady", "vit_base_bf16"):
         r = sp.get(key) or {}
         if "ratio_vs_hand_loop" in r:
             steady = r.get("steady_ratio")
@@ -413,11 +422,17 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
                       f"{r['ratio_vs_hand_loop']:.3f} (after the first epoch "
                       f"{steady if steady is None else round(steady, 3)}), whole run "
                       f"{r['whole_run_ratio']:.3f}"]  # fmt: skip
+            fraction = r.get("fraction_of_loaderless") or {}
+            lines += [f"- last epoch as a fraction of the loader-less limit "
+                      f"({r.get('loaderless_images_per_s')} images/s): hand "
+                      f"{fraction.get('hand')}, bigbatch {fraction.get('bigbatch')}; to the "
+                      f"first optimizer step: {r.get('first_step_seconds')} s"]  # fmt: skip
             # Its choice after the first epoch and, where it moved to the GPU, the verdict.
             lines += [f"- bigbatch's {line}" for line in r.get("decode_said", [])[:2]]
     for who, prof in ((sp.get("resnet50_fp16_profile") or {}).get("profile") or {}).items():
         lines.append(f"- profiled resnet50, {who}: {prof['seconds']} s of host time, "
-                     f"{prof['data_wait_seconds']} s of it waiting for batches")  # fmt: skip
+                     f"{prof['data_wait_seconds']} s of it waiting for batches; seconds under "
+                     f"{prof.get('split_seconds')}")  # fmt: skip
     if "images_per_s" in (sp.get("loaderless") or {}):
         lines += ["", f"Loader-less limit: {sp['loaderless']['images_per_s']} images/s "
                   f"({sp['loaderless']['workload']})"]  # fmt: skip

@@ -192,6 +192,7 @@ def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) ->
         "precision": row["precision"],
         "device": device,
         "cudnn_benchmark": bool(row.get("cudnn_benchmark", False)),
+        "memory_limit": row["cap_mib"] * 2**20 if row.get("cap_mib") else None,
     }
     size, batch, kind = row["size"], row["batch"], row["kind"]
     if kind == "timm":
@@ -240,6 +241,8 @@ def row_name(row: dict[str, Any]) -> str:
         parts += ["frozen" if row.get("frozen", True) else "full"]
     if row.get("cudnn_benchmark"):
         parts.append("bench")
+    if row.get("cap_mib"):
+        parts.append(f"cap{row['cap_mib']}M")
     return "-".join(parts)
 
 
@@ -314,8 +317,20 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "quant": 4, "ckpt": True,
          "size": 1024, "batch": 4, "precision": "bf16", "optimizer": "paged_adamw_8bit"},
-        # cuDNN's benchmark mode (trials whose workspaces depend on the free memory).
+        # cuDNN's benchmark mode (trials whose workspaces depend on the free memory): the seed
+        # workload at b16 / b32 / b64 (its b16 recorded before skipped its first optimizer
+        # step), and under allocator caps of several sizes (``cap_mib``: set_per_process_
+        # memory_fraction), where the trials halve and the cache is released to fit.
         {**_timm_row("resnet50", 224, 64, "fp16", "adamw"), "cudnn_benchmark": True},
+        *(
+            {**_timm_row("convnext_small", 128, b, "fp16", "adam"), "cudnn_benchmark": True}
+            for b in (16, 32, 64)
+        ),
+        *(
+            {**_timm_row("convnext_small", 128, b, "fp16", "adam"), "cudnn_benchmark": True,
+             "cap_mib": cap}
+            for b, cap in ((32, 2048), (64, 3200), (64, 2900))
+        ),
         # nnU-Net's 3d_fullres step (128^3 patch, 6 stages, deep supervision, DC+CE, SGD): its
         # batch of 2 whole, and the micro-batch of 1 bigbatch's trainer splits it into.
         {"kind": "nnunet", "arch": "nnunet3d", "stages": 6, "size": 128, "batch": 2,

@@ -7,7 +7,8 @@ just after CUDA's initialisation, the peaks, the device memory in use at each st
 
 The loop is the one a user writes: ``torch.autocast("cuda", dtype)``, ``GradScaler`` for fp16,
 torch's default (foreach) optimizer, ``zero_grad(set_to_none=True)``, two steps; cuDNN's
-benchmark mode as the row says (off by default: such rows repeat to the MiB).
+benchmark mode as the row says (off by default: such rows repeat to the MiB), and the
+allocator capped at ``cap_mib`` where the row has one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = bool(row.get("cudnn_benchmark", False))
     torch.cuda.init()
     stages = {"cuda_init": _used_mib()}
+    cap = row.get("cap_mib", 0) * MiB  # the allocator's limit, as on a card of that size
+    if cap:
+        torch.cuda.set_per_process_memory_fraction(
+            cap / torch.cuda.get_device_properties(0).total_memory
+        )
     # Events only (no stack traces): recording stacks slows the step and bloats the trace.
     torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000)
     a = torch.randn(256, 256, device="cuda")
@@ -103,6 +109,7 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "cap_bytes": cap or None,
         "max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
         "max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
         "process_used_mib_by_stage": stages,

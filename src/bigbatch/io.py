@@ -174,12 +174,14 @@ def atomic_write_csv(
 
 
 def atomic_write_figure(fig: Any, path: str | Path, *, dpi: int = 100) -> None:
-    """A matplotlib figure as a PNG file; the figure is closed."""
-    import matplotlib.pyplot as plt
-
+    """A matplotlib figure as a PNG file; a pyplot figure is closed (a bare ``Figure``, which
+    a thread may draw, has nothing to close)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
+    if getattr(fig.canvas, "manager", None) is not None:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
 
 

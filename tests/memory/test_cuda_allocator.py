@@ -117,3 +117,14 @@ def test_a_cuda_plan_fits_what_the_allocator_reserves() -> None:
     assert "cuBLAS workspaces" in pred.breakdown()
     cpu = predict_peak(StepSpec(net, (1000,), 64))
     assert cpu.reserved_bytes == 0 and cpu.planning_bytes == cpu.peak_bytes
+
+
+def test_under_a_limit_the_cache_is_released_before_a_request_runs_out() -> None:
+    """Past the limit, the allocator releases its cached segments and tries again (a 60 MiB
+    segment held free makes room for 70 MiB under 100 MiB); a request that still does not fit
+    is an OOM, counted; without the limit nothing is released."""
+    events = [("malloc", "a", 60 * MiB), ("free", "a", 0), ("malloc", "b", 70 * MiB)]
+    capped, free = simulate(events, limit=100 * MiB), simulate(events)
+    assert (capped.reserved_bytes, capped.over_limit) == (70 * MiB, 0)
+    assert (free.reserved_bytes, free.over_limit) == (130 * MiB, 0)
+    assert simulate([*events, ("malloc", "c", 40 * MiB)], limit=100 * MiB).over_limit == 1

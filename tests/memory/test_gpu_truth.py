@@ -134,6 +134,28 @@ def test_benchmark_trials_take_free_memory_and_never_set_the_peak(name: str) -> 
     assert kept.peak_reserved != truth["max_reserved_bytes"]
 
 
+CAPPED = [n for n in ROWS if "-cap" in n]  # recorded under an allocator cap (cap_mib)
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_under_a_cap_the_replay_and_the_prediction_meet_the_card(name: str) -> None:
+    """A step recorded with its allocator capped (``set_per_process_memory_fraction``, as on a
+    card of that size less its context): the benchmark trials halve to fit, and the cache is
+    released before a request would pass the cap. The replay gives its peaks to the byte; the
+    prediction under the same limit (``StepSpec.memory_limit``) within 3 %, with no request
+    over it."""
+    pytest.importorskip("timm")
+    from bigbatch.memory.predict import predict_peak
+
+    truth = load(name)
+    assert truth["cap_bytes"] and truth["max_reserved_bytes"] <= truth["cap_bytes"]
+    assert replay(truth["events"], "card").peak_reserved == truth["max_reserved_bytes"]
+    p = predict_peak(spec_of(truth))
+    assert not any("would run out" in n for n in p.notes), p.notes
+    measured = truth["max_reserved_bytes"]
+    assert abs(p.reserved_bytes - measured) <= 0.03 * measured, p.reserved_bytes / MiB
+
+
 # The negative control: equal free blocks taken by the age of their segments (as if each new
 # segment sat above the last) fragment otherwise, by these MiB against the card (every other
 # recorded row within 4 MiB).

@@ -262,6 +262,39 @@ def test_without_matplotlib_there_is_no_plot_said_once(
     ) == 1
 
 
+def test_history_plots_are_drawn_off_the_training_thread_and_failures_surface(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each epoch's history.png is drawn on a thread of its own (the next epoch starts
+    meanwhile); leaving the run waits for the last, and a plot that failed is raised, not
+    lost."""
+    import threading
+
+    import bigbatch.train.report as report
+
+    drawn_on: list[str] = []
+    real = report.plot_history
+
+    def plot(*args: object) -> None:
+        drawn_on.append(threading.current_thread().name)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(report, "plot_history", plot)
+    rows = [{"epoch": 1, "train_loss": 1.0}]
+    with report.HistoryPlots() as plots:
+        plots.submit(rows, tmp_path / "history.png")
+        rows.append({"epoch": 2, "train_loss": 0.5})  # the caller's list grows: a copy was taken
+    assert drawn_on and drawn_on[0].startswith("bigbatch-plot")
+    assert (tmp_path / "history.png").exists()
+
+    def broken(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report, "plot_history", broken)
+    with pytest.raises(OSError, match="disk full"), report.HistoryPlots() as plots:
+        plots.submit(rows, tmp_path / "again.png")
+
+
 def test_the_saved_config_toml_trains_the_same_run_again(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:

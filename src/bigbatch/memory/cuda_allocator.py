@@ -120,11 +120,17 @@ class AllocatorPeak:
     # The reserved peak outside cuDNN's benchmark trials: what a card must hold, since a trial
     # takes only the memory that is free (CachingAllocatorModel.trial).
     settled_bytes: int = 0
+    over_limit: int = 0  # requests that would OOM under the limit (simulate's)
 
 
 @dataclass
 class CachingAllocatorModel:
     """Replay allocations and frees; read ``reserved``/``allocated`` and their peaks.
+
+    Under a ``limit`` (a card's memory less its context, or
+    ``torch.cuda.set_per_process_memory_fraction``'s cap), a request that needs a segment past
+    it first has the cache released, as the allocator does before it fails; one that still does
+    not fit is an OOM (counted in ``over_limit``; the replay goes on as if it had fitted).
 
     >>> m = CachingAllocatorModel()
     >>> m.malloc("w", 40_000); m.reserved, m.allocated
@@ -136,6 +142,8 @@ class CachingAllocatorModel:
     peak_reserved: int = 0
     peak_allocated: int = 0
     peak_settled: int = 0  # the reserved peak outside benchmark trials (:meth:`trial`)
+    limit: int | None = None  # the bytes the allocator may reserve (None: no limit)
+    over_limit: int = 0  # requests that did not fit under the limit even with the cache released
     _free: dict[bool, list[tuple[tuple[int, int, int], _Block]]] = field(
         default_factory=lambda: {True: [], False: []}
     )
@@ -158,6 +166,9 @@ class CachingAllocatorModel:
         block = self._best_fit(small, size)
         if block is None:
             seg = segment_size(size)
+            if self.limit is not None and self.reserved + seg > self.limit:
+                self.empty_cache()
+                self.over_limit += self.reserved + seg > self.limit
             self._segments.append(seg)
             self.reserved += seg
             index = len(self._segments) - 1
@@ -190,23 +201,23 @@ class CachingAllocatorModel:
         if not isinstance(key, tuple) or key[:1] != ("trial",):
             self.peak_settled = max(self.peak_settled, self.reserved)
 
-    def trial(self, key: tuple[str, int], nbytes: int, limit: int | None = None) -> int:
+    def trial(self, key: tuple[str, int], nbytes: int) -> int:
         """cuDNN's benchmark-mode workspace of ``nbytes`` (its key ``("trial", n)``), as
-        PyTorch asks for it: where a new segment would take the reserved bytes past ``limit``
-        (the card, or the cap), the allocator first releases its cached segments, then the
-        request fails and PyTorch halves it, until it fits; the bytes taken.
+        PyTorch asks for it: where a new segment would take the reserved bytes past the
+        ``limit``, the allocator first releases its cached segments, then the request fails and
+        PyTorch halves it, until it fits (never an OOM); the bytes taken.
 
-        >>> m = CachingAllocatorModel()
+        >>> m = CachingAllocatorModel(limit=128 * 2**20)
         >>> m.malloc("weights", 60 * 2**20)
-        >>> m.trial(("trial", 1), 100 * 2**20, limit=128 * 2**20) // 2**20
-        50
+        >>> m.trial(("trial", 1), 100 * 2**20) // 2**20, m.over_limit
+        (50, 0)
         """
         while nbytes:
             block = self._best_fit(round_size(nbytes) <= SMALL_SIZE, round_size(nbytes))
             grows = 0 if block is not None else segment_size(round_size(nbytes))
-            if limit is not None and grows and self.reserved + grows > limit:
+            if self.limit is not None and grows and self.reserved + grows > self.limit:
                 self.empty_cache()
-                if self.reserved + grows > limit:
+                if self.reserved + grows > self.limit:
                     nbytes //= 2
                     continue
             self.malloc(key, nbytes)
@@ -275,22 +286,27 @@ class CachingAllocatorModel:
 def simulate(events: Iterable[tuple[str, object, int]], limit: int | None = None) -> AllocatorPeak:
     """Replay ``("malloc", key, bytes)`` and ``("free", key, 0)`` events, cuDNN's benchmark
     trials (``("trial", key, bytes)``, halved to fit ``limit`` bytes reserved) and emptied
-    caches (``("empty_cache", None, 0)``); return the peaks.
+    caches (``("empty_cache", None, 0)``); return the peaks (and how many requests would run
+    out under ``limit``).
 
     >>> simulate([("malloc", "a", 6 * 2**20), ("malloc", "b", 6 * 2**20), ("free", "a", 0),
     ...           ("malloc", "c", 7 * 2**20), ("malloc", "d", 7 * 2**20)]).reserved_bytes // 2**20
     40
     """
-    model = CachingAllocatorModel()
+    model = CachingAllocatorModel(limit=limit)
     for op, key, nbytes in events:
         if op == "malloc":
             model.malloc(key, nbytes)
         elif op == "trial":
-            model.trial(cast(tuple[str, int], key), nbytes, limit)
+            model.trial(cast(tuple[str, int], key), nbytes)
         elif op == "empty_cache":
             model.empty_cache()
         else:
             model.free(key)
     return AllocatorPeak(
-        model.peak_reserved, model.peak_allocated, len(model._segments), model.peak_settled
+        model.peak_reserved,
+        model.peak_allocated,
+        len(model._segments),
+        model.peak_settled,
+        model.over_limit,
     )

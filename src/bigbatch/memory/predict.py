@@ -827,10 +827,15 @@ def _assemble(
     reserved = allocated = library = handles = trials = 0
     cudnn = ""
     if tracker.events is not None and tracker.cuda is not None:
-        allocator = simulate(tracker.events)
+        allocator = simulate(tracker.events, spec.memory_limit)
         reserved, allocated = allocator.reserved_bytes, allocator.allocated_bytes
         trials = allocator.reserved_bytes - allocator.settled_bytes
         notes += [n for n in (tracker.cuda.trials_note(),) if n]
+        if allocator.over_limit:
+            notes.append(
+                f"{allocator.over_limit} allocation(s) would run out of memory under the "
+                f"allocator's limit of {format_bytes(spec.memory_limit or 0)}"
+            )
         library, handles = tracker.cuda.workspace_bytes, tracker.cuda.handle_bytes
         cudnn = tracker.cuda.cudnn_note()
     return MemoryPrediction(

@@ -83,6 +83,10 @@ class StepSpec:
     # cuDNN's benchmark mode (``torch.backends.cudnn.benchmark``): other algorithms, their
     # trials on the first step (bigbatch.memory.cuda_runtime.CudaLibraries).
     cudnn_benchmark: bool = False
+    # CUDA: the bytes the caching allocator may reserve (a card's memory less its context, or a
+    # set_per_process_memory_fraction cap): benchmark trials shrink to fit it, and the cache is
+    # released before a request would pass it. None: as much as the step takes.
+    memory_limit: int | None = None
 
     def with_batch(self, batch_size: int) -> StepSpec:
         return replace(self, batch_size=batch_size)

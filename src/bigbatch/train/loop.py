@@ -35,7 +35,7 @@ from bigbatch.train.decode_choice import decode_choice
 from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import MemoryCheck, plan_for, plan_validation
 from bigbatch.train.progress import progress
-from bigbatch.train.report import plot_history, write_history
+from bigbatch.train.report import HistoryPlots, write_history
 from bigbatch.train.run_dir import check_run_dir, record_measured_peak, write_run_files
 from bigbatch.train.runtime import (
     cap_to_budget,
@@ -110,7 +110,7 @@ def _run(run: Run) -> TrainResult:
     if run.main_rank:  # log=: the trackers, with the plan the run folder holds now
         run.report = start_report(run.cfg, run.run_dir, run.state is not None, run.log)
     try:  # then an explicit budget's allocator cap comes off: the caller keeps its setting
-        with cudnn_benchmark_mode(run.where.cudnn_benchmark):
+        with cudnn_benchmark_mode(run.where.cudnn_benchmark), HistoryPlots() as run.plots:
             return _loop(run)
     finally:
         uncap_cuda_allocator(run.where.device, run.fraction_before)
@@ -324,7 +324,9 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
     write_history(run.history, run_dir / "history.csv")
     if run.report is not None:
         run.report.epoch(row, run.backoff.events, decode=run.data.decode)
-    plot_history(run.history, run_dir / "history.png", cfg.task, f"{cfg.model_name} @ {cfg.size}")
+    run.plots.submit(
+        run.history, run_dir / "history.png", cfg.task, f"{cfg.model_name} @ {cfg.size}"
+    )
     scores = run.task.scores(row) if run.data.has_valid else ""
     run.log(
         f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"

@@ -180,6 +180,7 @@ class Run:
     fraction_before: float | None = None  # the allocator's fraction before budget='s cap
     memory: Any = None  # planning.MemoryCheck: the first steps' measured peak against the plan
     report: Any = None  # tracking.RunReport with log=, on rank 0
+    plots: Any = None  # report.HistoryPlots: history.png drawn off the training thread
 
     @property
     def main_rank(self) -> bool:
