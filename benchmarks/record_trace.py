@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -145,22 +146,34 @@ def record_dry(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def record_to(row: dict[str, Any], out: Path, dry_run: bool = False) -> None:
+    """Record ``row`` into ``out`` (written whole or not at all), in a process that has not
+    started CUDA: its own, or one forked from a process that never did (gpu_evidence's
+    forkserver). A failure leaves its traceback in ``out`` + ``.error`` and is raised."""
+    try:
+        if not dry_run and torch.cuda._is_in_bad_fork():
+            raise RuntimeError("forked from a process that started CUDA: record in a new one")
+        trace = record_dry(row) if dry_run else record_cuda(row)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        with gzip.open(tmp, "wt") as f:
+            json.dump(trace, f, separators=(",", ":"))
+        tmp.replace(out)
+    except BaseException:
+        out.with_name(out.name + ".error").write_text(traceback.format_exc()[-3000:])
+        raise
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("row", help="the row as JSON (benchmarks/gpu_matrix.py)")
     p.add_argument("out", type=Path, help="where the trace goes (.json.gz)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
-    row = json.loads(args.row)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device here: run on an NVIDIA GPU, or --dry-run", file=sys.stderr)
         return 2
-    trace = record_dry(row) if args.dry_run else record_cuda(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    tmp.replace(args.out)
+    record_to(json.loads(args.row), args.out, args.dry_run)
     return 0
 
 
