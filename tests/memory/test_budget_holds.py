@@ -117,6 +117,26 @@ def test_a_cuda_step_over_the_plan_shrinks_after_the_first_steps_and_says_so(
     assert len(lines) == 1
 
 
+def test_in_cudnn_benchmark_mode_the_first_steps_trials_are_not_measured(
+    simulated_peak: dict[str, object],
+) -> None:
+    """Benchmark mode's trials took whatever memory was free on the first step (the recorded
+    peak holds them): the peak is measured again from there, over the steady steps after."""
+    check = MemoryCheck(_choice(), torch.device("cuda"), 256, print, None, cudnn_benchmark=True)
+    backoff = OOMBackoff(micro_batch=64)
+    simulated_peak["value"] = (20000 * MIB, False)  # a trial's workspace, 12 GiB over usable
+    check.after_window(1, backoff)
+    assert simulated_peak["resets"] == 2 and not check.done  # reset after the first step
+    simulated_peak["value"] = (8000 * MIB, False)  # the steady step, as predicted
+    check.after_window(2, backoff)
+    assert check.done and backoff.micro_batch == 64 and not backoff.events
+    # Without benchmark mode the same first-step peak would have shrunk the micro-batch.
+    plain = MemoryCheck(_choice(), torch.device("cuda"), 256, print, None)
+    simulated_peak["value"] = (20000 * MIB, False)
+    plain.after_window(2, backoff)
+    assert backoff.micro_batch < 64
+
+
 def test_a_cuda_step_far_under_the_plan_grows_and_a_fixed_one_does_not(
     simulated_peak: dict[str, object],
 ) -> None:

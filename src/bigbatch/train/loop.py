@@ -214,7 +214,9 @@ def _setup(
         last_checkpoint=time.perf_counter(),
         ema=make_ema(core, cfg.ema),
         fraction_before=fraction_before,
-        memory=MemoryCheck(choice, device, rank_batch, log, run_dir if rank == 0 else None),
+        memory=MemoryCheck(
+            choice, device, rank_batch, log, run_dir if rank == 0 else None, 2, benchmark
+        ),
     )
     if state is not None:
         restore(run, state)

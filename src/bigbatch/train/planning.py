@@ -198,7 +198,11 @@ class MemoryCheck:
     budget), the micro-batch shrinks now, before an OOM; far under the prediction (on a GPU),
     it grows toward what the measured ratio says fits
     (:func:`~bigbatch.memory.plan.refit_micro_batch`). The update is the same either way.
-    ``plan.json`` gets the measurement (``first_steps``) and the log one line."""
+    ``plan.json`` gets the measurement (``first_steps``) and the log one line.
+
+    In cuDNN's benchmark mode (``cudnn_benchmark``) the first step's trials take workspaces
+    from whatever memory is free (and give it back), which a card's reserved peak counts; so
+    the peak is measured from the first optimizer step on, over the steps after it."""
 
     choice: PlanChoice
     device: torch.device
@@ -206,7 +210,9 @@ class MemoryCheck:
     log: Log
     run_dir: Path | None  # where plan.json is (the main rank's), else None
     after_steps: int = 2
+    cudnn_benchmark: bool = False
     done: bool = field(default=False, init=False)
+    _windows: int = field(default=0, init=False)  # seen by this run (a resumed one's too)
 
     def __post_init__(self) -> None:
         # Without a prediction or a resettable peak there is nothing to compare.
@@ -216,6 +222,10 @@ class MemoryCheck:
             self.done = not reset_peak_memory(self.device)
 
     def after_window(self, optimizer_step: int, backoff: OOMBackoff) -> None:
+        self._windows += 1
+        if not self.done and self.cudnn_benchmark and self._windows == 1:
+            reset_peak_memory(self.device)  # the trials were this run's first step's
+            return
         if self.done or optimizer_step < self.after_steps:
             return
         self.done = True
