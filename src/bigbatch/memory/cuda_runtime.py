@@ -270,8 +270,8 @@ class CudaLibraries:
             return ""
         return (
             f"cuDNN benchmark mode: the trials of {unmeasured} of {measured + unmeasured} "
-            "convolution passes were never measured on this card (the first step may reserve "
-            "more where memory is free; never more than is free)"
+            "convolution passes are not in this card's profile (on the first step they take "
+            "only free memory: the plan does not need them)"
         )
 
     @property
