@@ -116,7 +116,7 @@ def _nnunet_spec(row: dict[str, Any], device: str) -> StepSpec:
     one-channel volume and three labels, as ``bigbatch.integrations.nnunet`` plans it."""
     from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
 
-    from bigbatch.integrations.nnunet import plan_step_spec
+    from bigbatch.integrations.nnunet_step import plan_step_spec
 
     arch = nnunet_arch(row.get("stages", 6))
 
@@ -243,6 +243,8 @@ def row_name(row: dict[str, Any]) -> str:
         parts.append("bench")
     if row.get("cap_mib"):
         parts.append(f"cap{row['cap_mib']}M")
+    if row.get("compile"):
+        parts.append("compile")
     return "-".join(parts)
 
 
@@ -337,6 +339,12 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "precision": "fp16", "optimizer": "sgd_momentum"},
         {"kind": "nnunet", "arch": "nnunet3d", "stages": 6, "size": 128, "batch": 1,
          "precision": "fp16", "optimizer": "sgd_momentum"},
+        # The same micro-batch with torch.compile, which nnU-Net's trainer turns on for CUDA
+        # (nnUNet_compile): recorded compiled, predicted as the eager step (the planner does
+        # not model inductor's fusions), so the row says what compiling changes. Last: its
+        # compilation takes most of a minute.
+        {"kind": "nnunet", "arch": "nnunet3d", "stages": 6, "size": 128, "batch": 1,
+         "precision": "fp16", "optimizer": "sgd_momentum", "compile": True},
     ]  # fmt: skip
 
 

@@ -7,8 +7,9 @@ just after CUDA's initialisation, the peaks, the device memory in use at each st
 
 The loop is the one a user writes: ``torch.autocast("cuda", dtype)``, ``GradScaler`` for fp16,
 torch's default (foreach) optimizer, ``zero_grad(set_to_none=True)``, two steps; cuDNN's
-benchmark mode as the row says (off by default: such rows repeat to the MiB), and the
-allocator capped at ``cap_mib`` where the row has one.
+benchmark mode as the row says (off by default: such rows repeat to the MiB), the
+allocator capped at ``cap_mib`` where the row has one, and the model under ``torch.compile``
+where the row says ``compile``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     marks = {"model_begin": _event_count()}
     spec = spec_of(row, "cuda", real=True)
     model, opt, _ = real_step_setup(spec, 0)
+    if row.get("compile"):  # as nnU-Net's trainer does on CUDA; compiled on the first step
+        model = torch.compile(model)
     inputs = [make_inputs(spec, "cuda") for _ in range(2)]
     # GradScaler's default first scale (65536) overflows on some nets (convnext, ViT), so both
     # recorded steps would skip the optimizer and hold no Adam state: start where training

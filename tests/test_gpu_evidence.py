@@ -94,7 +94,7 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     # work) is recorded.
     new = {n for n in names if n.startswith(("nnunet", "qwen2.5", "llama3.2"))}
     new |= {n for n in names if n.startswith("convnext_small") and "-bench" in n}
-    assert len(new) == 14 and set(names) - new <= gpu_evidence.committed("h200")
+    assert len(new) == 15 and set(names) - new <= gpu_evidence.committed("h200")
     assert gpu_evidence.committed("a100") == set()
 
     sigs = cudnn_workspaces.signatures()[:3]
@@ -174,3 +174,30 @@ def test_the_summary_is_rebuilt_from_a_folders_part_files(tmp_path: Path) -> Non
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2 and "summary.json not found" in done.stderr
+
+
+def test_the_nnunet_rows_need_nnunets_losses_and_networks_not_its_whole_closure() -> None:
+    """A GPU machine's image lacks nnU-Net's dependencies (SimpleITK, pandas, scikit-image,
+    blosc2 ...; the trainer's imports): the matrix's nnU-Net rows are built and predicted with
+    nnunetv2's losses and network builder, dynamic_network_architectures and batchgenerators'
+    file helpers alone, the three small wheels prepare_gpu_wheels.sh adds."""
+    pytest.importorskip("nnunetv2")
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks')\n"
+        "from gpu_matrix import matrix, spec_of\n"
+        "from bigbatch.memory.predict import predict_peak\n"
+        "row = next(r for r in matrix(True) if r['kind'] == 'nnunet')\n"
+        "assert predict_peak(spec_of(row, 'cuda')).reserved_bytes > 0\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = set(json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"')))
+    closure = {"SimpleITK", "pandas", "sklearn", "skimage", "blosc2", "cc3d", "acvl_utils",
+               "batchgeneratorsv2", "imagecodecs", "nibabel", "tifffile"}  # fmt: skip
+    assert not imported & closure, imported & closure
+    assert {"nnunetv2", "dynamic_network_architectures", "batchgenerators"} <= imported

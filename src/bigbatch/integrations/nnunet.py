@@ -37,6 +37,7 @@ from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
 from bigbatch.batching import batch_len
 from bigbatch.device import autocast_for, cap_cuda_allocator, device_kind
 from bigbatch.integrations import require
+from bigbatch.integrations.nnunet_step import plan_step_spec
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.plan import Plan, plan_under_budget, resolve_budget
 from bigbatch.memory.step import Precision, StepSpec
@@ -874,50 +875,6 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
         )
         # nnU-Net's rules then pick that batch (or shrink the patch while fewer than 2 fit).
         return ref_bs * self.usable / max(fits, 1e-3)
-
-
-def plan_step_spec(
-    build: Callable[[], nn.Module],
-    patch: tuple[int, ...],
-    channels: int,
-    outputs: int,
-    arch_kwargs: dict,
-    *,
-    precision: Precision = "fp16",
-    device: str = "cuda",
-) -> StepSpec:
-    """nnU-Net's training step for a plan being made, as its trainer runs it: DC+CE on every
-    deep supervision output (the lowest weighted 0, as nnU-Net's trainer weighs them), batch
-    Dice for a 2D patch, fp16 autocast on CUDA, SGD with momentum. What the planner predicts at
-    each candidate batch, and ``make gpu-evidence``'s nnU-Net rows record on a card."""
-    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
-    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
-    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
-
-    strides = np.array(arch_kwargs["strides"], dtype=float)
-    scales = [list(s) for s in 1 / np.cumprod(strides, axis=0)][:-1]
-    weights = np.array([1 / (2**i) for i in range(len(scales))])
-    weights[-1] = 0
-    dice = {"batch_dice": len(patch) == 2, "smooth": 1e-5, "do_bg": False, "ddp": False}
-    loss = DeepSupervisionWrapper(
-        DC_and_CE_loss(
-            dice, {}, weight_ce=1, weight_dice=1, dice_class=MemoryEfficientSoftDiceLoss
-        ),
-        weights / weights.sum(),
-    )
-
-    def example(b: int, where: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = torch.randn(b, channels, *patch, device=where)
-        shapes = [[max(1, round(p * f)) for p, f in zip(patch, s, strict=True)] for s in scales]
-        return x, [torch.randint(0, outputs, (b, 1, *sh), device=where).float() for sh in shapes]
-
-    def step(model: nn.Module, micro: Any) -> torch.Tensor:
-        x, y = micro
-        return loss(model(x), y)
-
-    return StepSpec(
-        build, (channels, *patch), 1, "sgd_momentum", precision, device, step=step, batch=example
-    )
 
 
 def write_example_dataset(
