@@ -139,6 +139,9 @@ def _loop(run: Run) -> TrainResult:
     )
 
 
+# One function on purpose (over 80 lines): the run's setup in the order it must happen (the
+# checks that need no training, the plan, the model, the data, the saved state), read top to
+# bottom; split, each part would take and return most of the others' values.
 def _setup(
     cfg: TrainConfig,
     run_dir: Path,
