@@ -40,6 +40,7 @@ __all__ = [
     "empty_cache",
     "free_bytes",
     "free_memory",
+    "measures_reserved",
     "onednn_stuck",
     "peak_memory_bytes",
     "peak_memory_text",
@@ -382,6 +383,16 @@ def reset_peak_memory(device: torch.device) -> bool:
         except OSError:
             return False
     return False
+
+
+def measures_reserved(device: torch.device) -> bool:
+    """Whether a step's reserved peak can be measured on ``device`` here: a CUDA device that
+    is present (its caching allocator's statistics).
+
+    >>> measures_reserved(torch.device("cpu"))
+    False
+    """
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def uses_cudnn_benchmark(setting: str, device: torch.device) -> bool:

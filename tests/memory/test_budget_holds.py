@@ -19,6 +19,7 @@ from bigbatch.memory.evaluate import plan_evaluation_batch, predict_evaluation_p
 from bigbatch.memory.plan import refit_micro_batch
 from bigbatch.memory.predict import predict_peak
 from bigbatch.memory.step import StepSpec
+from bigbatch.models import timm_factory
 from bigbatch.train.planning import MemoryCheck, PlanChoice
 from bigbatch.train.tasks.base import Placement, Task
 
@@ -449,3 +450,52 @@ def test_predict_plans_its_own_batch_under_a_budget(monkeypatch: pytest.MonkeyPa
     assert roomy == 256 and 1 <= tight < 64
     with pytest.raises(ConfigError, match=r"--budget lots"):
         predict_batch(_fcn, (3, 64, 64), cpu, "lots")
+
+
+# -- plan from a measured step on a GPU ------------------------------------------------------------
+
+
+def test_on_a_gpu_a_measured_step_that_fits_is_the_plan_and_else_the_prediction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A training run on a CUDA card with budget=auto measures a real step of the whole target
+    batch first: where it fits the usable memory it is the plan (no prediction made; the first
+    steps' check skipped, since it was measured); where it does not, or runs out of memory, the
+    plan is the prediction's, as before. Simulated: the GPU's measurement and budget set here."""
+    from bigbatch.train.config import load_config
+
+    cfg = load_config(overrides=["data=x", "arch=resnet10t", "size=32", "batch=8"])
+    monkeypatch.setattr(planning, "measures_reserved", lambda device: True)
+    monkeypatch.setattr(planning, "_budget", lambda cfg, device: 4000 * MIB)
+    monkeypatch.setattr(planning, "default_overhead", lambda budget, device: 500 * MIB)
+    measured: list[int] = []
+
+    def measure(spec: StepSpec) -> int:
+        measured.append(spec.batch_size)
+        return reserved[0]
+
+    monkeypatch.setattr(planning, "measure_step_reserved", measure)
+    factory = timm_factory("resnet10t", num_classes=3)
+    cuda = torch.device("cuda")
+    lines: list[str] = []
+    reserved = [300 * MIB]
+    choice = planning.plan_for(cfg, factory, cuda, "fp16", lines.append, target=8, measure=True)
+    assert measured == [8] and choice.measured and choice.micro_batch == 8
+    assert choice.predicted_peak_bytes == 300 * MIB and choice.usable_bytes == 3100 * MIB
+    assert "measured on the GPU" in lines[-1]
+    assert MemoryCheck(choice, cuda, 8, print, None).done  # measured already
+    reserved = [3500 * MIB]  # over the 3100 MiB usable: the prediction plans it
+    choice = planning.plan_for(cfg, factory, cuda, "fp16", lines.append, target=8, measure=True)
+    assert not choice.measured and "took 3.42 GiB" in lines[-2] and choice.micro_batch == 8
+
+    def out_of_memory(spec: StepSpec) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(planning, "measure_step_reserved", out_of_memory)
+    choice = planning.plan_for(cfg, factory, cuda, "fp16", lines.append, target=8, measure=True)
+    assert not choice.measured and "ran out of memory" in lines[-2]
+    # bigbatch plan (measure off) and an explicit budget never run a step.
+    monkeypatch.setattr(planning, "measure_step_reserved", measure)
+    measured.clear()
+    planning.plan_for(cfg, factory, cuda, "fp16", lines.append, target=8)
+    assert measured == []

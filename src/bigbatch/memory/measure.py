@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.device import synchronize
+from bigbatch.device import cudnn_benchmark_mode, synchronize
 from bigbatch.memory.step import (
     make_inputs,
     make_optimizer,
@@ -29,6 +29,7 @@ __all__ = [
     "allocation_events",
     "measure_peak",
     "measure_step_peak",
+    "measure_step_reserved",
     "profiled_peak",
     "samples_per_second",
 ]
@@ -155,6 +156,34 @@ def measure_step_peak(spec: Any, *, steps: int = 2, seed: int = 0) -> int:
     # Some optimizers make their state when they are built (Adagrad's sums): it is alive too.
     alive = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(opt)]
     return measure_peak(run, device=device, alive=alive)
+
+
+def measure_step_reserved(spec: Any, *, seed: int = 0) -> int:
+    """What the CUDA allocator reserves for a :class:`~bigbatch.memory.step.StepSpec`'s
+    training step, measured on the GPU: a first step (the optimizer's state made, cuDNN's
+    benchmark trials where the spec has them on), then the reserved peak of a second from there,
+    the first's cached segments included, as training holds them. The figure a CUDA
+    prediction's planning bytes stand for. The model, its state and the batches are freed and
+    the cache emptied after, so that the training that follows starts as it would have.
+
+    On a GPU (``tests/gpu``): ``measure_step_reserved(StepSpec(..., device="cuda"))``.
+    """
+    device = torch.device(spec.device)
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA allocator's reserved peak is measured on cuda, not {device}")
+    model, opt, inputs = real_step_setup(spec, 2, seed=seed)
+    try:
+        with cudnn_benchmark_mode(spec.cudnn_benchmark):
+            run_training_step(model, opt, inputs.pop(0), spec, device.type)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            run_training_step(model, opt, inputs.pop(0), spec, device.type)
+            torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_reserved(device))
+    finally:
+        del model, opt, inputs
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def real_step_setup(

@@ -4,6 +4,7 @@ second)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,20 +15,26 @@ from torch import nn
 
 from bigbatch.backoff import OOMBackoff
 from bigbatch.device import (
+    measures_reserved,
     peak_memory_bytes,
     reset_peak_memory,
     return_freed_cpu_memory,
     total_bytes,
     uses_cudnn_benchmark,
 )
+from bigbatch.distributed import is_distributed
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
+from bigbatch.memory.measure import measure_step_reserved
+from bigbatch.memory.oom import is_oom
 from bigbatch.memory.plan import (
     DoesNotFitError,
     batchnorm_on_one_sample,
+    default_overhead,
     plan_under_budget,
     refit_micro_batch,
     resolve_budget,
+    usable_bytes,
 )
 from bigbatch.memory.predict import check_forward, predict_peak
 from bigbatch.memory.step import Precision, StepSpec
@@ -56,6 +63,7 @@ class PlanChoice(NamedTuple):
     valid_predicted_peak_bytes: int | None = None
     valid_shape: tuple[int, ...] | None = None  # the input validation was planned for
     planned: bool = False  # the planner chose micro_batch (a fixed one is never grown)
+    measured: bool = False  # predicted_peak_bytes is a real step's, measured on the GPU
 
 
 def plan_for(
@@ -67,6 +75,7 @@ def plan_for(
     *,
     target: int | None = None,
     task: Task | None = None,
+    measure: bool = False,
 ) -> PlanChoice:
     """The micro-batch (the configured one, or the planner's under the budget), the largest
     the back-off may grow to, and the prediction behind them.
@@ -76,29 +85,22 @@ def plan_for(
     the samples holds the window's outputs and their gradients besides each step
     (``task.window_cache_bytes``): the plan leaves room for them. A task that gives an
     ``example_batch`` is planned on its own ``step``, else on the generic step of its input
-    shape."""
+    shape. With ``measure`` (a training run), on a CUDA device with ``budget=auto``, one
+    process, no window cache: a real step of the whole target batch is measured on the GPU
+    first (:func:`_measured_choice`), and where it fits no prediction is made."""
     input_shape = task.input_shape() if task is not None else (3, cfg.size, cfg.size)
-    step, batch = _task_step(task)
-
-    def spec_at(b: int) -> StepSpec:
-        return StepSpec(
-            factory,
-            input_shape,
-            b,
-            PLAN_OPTIMIZER[cfg.optimizer],
-            precision,  # type: ignore[arg-type]
-            device.type,
-            step=step,
-            batch=batch,
-            cudnn_benchmark=uses_cudnn_benchmark(cfg.cudnn_benchmark, device),
-        )
-
+    spec_at = _spec_maker(cfg, factory, device, precision, task, input_shape)
     explicit_budget = cfg.budget.strip().lower() != "auto"
     try:
         if cfg.micro_batch and not explicit_budget:
             check_forward(spec_at(min(2, cfg.micro_batch)))
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return PlanChoice(cfg.micro_batch, cfg.micro_batch)
+        extra = _window_cache(task, target or cfg.batch, precision, log)
+        if measure and not (extra or explicit_budget or cfg.micro_batch):
+            measured = _measured_choice(cfg, spec_at(target or cfg.batch), device, log)
+            if measured is not None:
+                return measured
         plan = plan_under_budget(
             spec_at,
             target or cfg.batch,
@@ -106,7 +108,7 @@ def plan_for(
             device=device.type,
             overhead=None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True),
             max_micro_batch=cfg.micro_batch or None,
-            extra_bytes=_window_cache(task, target or cfg.batch, precision, log),
+            extra_bytes=extra,
         )
         if plan.calibration_note:
             log(f"plan: {plan.calibration_note}")
@@ -215,9 +217,11 @@ class MemoryCheck:
     _windows: int = field(default=0, init=False)  # seen by this run (a resumed one's too)
 
     def __post_init__(self) -> None:
-        # Without a prediction or a resettable peak there is nothing to compare.
+        # Without a prediction or a resettable peak there is nothing to compare; a step measured
+        # on the GPU at plan time was checked then.
         c = self.choice
         self.done = c.predicted_peak_bytes is None or not c.curve or c.usable_bytes is None
+        self.done = self.done or c.measured
         if not self.done:
             self.done = not reset_peak_memory(self.device)
 
@@ -280,6 +284,75 @@ class MemoryCheck:
             "new_micro_batch": new,
         }
         add_to_plan(self.run_dir, {"first_steps": first_steps})
+
+
+def _spec_maker(
+    cfg: TrainConfig,
+    factory: Callable[[], nn.Module],
+    device: torch.device,
+    precision: str,
+    task: Task | None,
+    input_shape: tuple[int, ...],
+) -> Callable[[int], StepSpec]:
+    """The run's training step at each micro-batch size, as the planner and the measurement
+    take it."""
+    step, batch = _task_step(task)
+
+    def spec_at(b: int) -> StepSpec:
+        return StepSpec(
+            factory,
+            input_shape,
+            b,
+            PLAN_OPTIMIZER[cfg.optimizer],
+            cast(Precision, precision),
+            device.type,
+            step=step,
+            batch=batch,
+            cudnn_benchmark=uses_cudnn_benchmark(cfg.cudnn_benchmark, device),
+        )
+
+    return spec_at
+
+
+def _measured_choice(
+    cfg: TrainConfig, spec: StepSpec, device: torch.device, log: Log
+) -> PlanChoice | None:
+    """The whole target batch as one micro-batch, where a real step of it, measured on the GPU
+    (:func:`~bigbatch.memory.measure.measure_step_reserved`), fits the usable memory: on a card
+    with the memory for it, a second's steps (whose kernel choices and cuDNN trials training
+    then reuses) instead of tracing the step on the CPU several times. None (predict instead)
+    where there is no GPU here, under torchrun (each rank would measure its own figure), or
+    where the step does not fit or runs out of memory."""
+    if not measures_reserved(device) or is_distributed():
+        return None
+    budget = _budget(cfg, device)
+    overhead = (
+        default_overhead(cfg.budget, device)
+        if cfg.overhead == "auto"
+        else parse_bytes(cfg.overhead, allow_zero=True)
+    )
+    usable = usable_bytes(budget, overhead, device)
+    t0 = time.perf_counter()
+    try:
+        reserved = measure_step_reserved(spec)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        reserved = None  # the exception (and the frames it holds) dropped before predicting
+    b, seconds = spec.batch_size, time.perf_counter() - t0
+    if reserved is None or reserved > usable:
+        what = "ran out of memory" if reserved is None else f"took {format_bytes(reserved)}"
+        log(
+            f"plan: a real step of {b} {what} on the GPU ({format_bytes(usable)} usable): predicting"
+        )
+        return None
+    log(
+        f"plan: target batch {b} in one micro-batch, measured on the GPU in {seconds:.1f} s: "
+        f"{format_bytes(reserved)} reserved of {format_bytes(usable)} usable (budget "
+        f"{format_bytes(budget)}); inputs of {'x'.join(map(str, spec.input_shape))}"
+    )
+    curve = ((b, reserved),)
+    return PlanChoice(b, b, reserved, overhead, budget, usable, curve, planned=True, measured=True)
 
 
 def _budget(cfg: TrainConfig, device: torch.device) -> int:
