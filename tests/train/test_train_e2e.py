@@ -284,6 +284,8 @@ def test_history_plots_are_drawn_off_the_training_thread_and_failures_surface(
     with report.HistoryPlots() as plots:
         plots.submit(rows, tmp_path / "history.png")
         rows.append({"epoch": 2, "train_loss": 0.5})  # the caller's list grows: a copy was taken
+        plots.wait()  # as the run does before done.json and the trackers' copies
+        assert (tmp_path / "history.png").exists()
     assert drawn_on and drawn_on[0].startswith("bigbatch-plot")
     assert (tmp_path / "history.png").exists()
 

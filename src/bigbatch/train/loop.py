@@ -129,6 +129,7 @@ def _loop(run: Run) -> TrainResult:
     if run.main_rank:
         if run.data.has_valid:
             run.task.finish(run.scored, run.data.valid_loader, run.where, run.run_dir, run.log)
+        run.plots.wait()  # history.png whole before done.json and the trackers' copies
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
         record_measured_peak(run.run_dir, run.where.device, run.log)

@@ -107,6 +107,11 @@ class HistoryPlots:
         copied = [dict(r) for r in rows]
         self._last = self._pool.submit(plot_history, copied, path, task, title)
 
+    def wait(self) -> None:
+        """Until the last plot is written (its failure raised)."""
+        if self._last is not None:
+            self._last.result()
+
     def _raise_failed(self) -> None:
         if self._last is not None and self._last.done():
             self._last.result()  # the plot's own exception, with its traceback
