@@ -39,7 +39,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
         assert (tmp_path / "traces" / f"{row['name']}.json.gz").exists()
     speed = json.loads((tmp_path / "speed.json").read_text())
     assert {"loaderless", "budget_train", "trainer_budget", "resnet50_fp16"} <= set(speed)
-    assert "steady_ratio" in speed["resnet50_fp16_steady"]  # two epochs, each 2 passes
+    assert "2 times over" in speed["resnet50_fp16"]["workload"]  # the steady job's --passes
     assert "split_seconds" in speed["resnet50_fp16_profile"]["profile"]["bigbatch"]
     # Each row recorded in a process forked from the forkserver (no fallback to new ones).
     assert "forked recording failed" not in logs["memory_matrix.log"]
