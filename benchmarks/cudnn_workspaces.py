@@ -209,12 +209,11 @@ def signatures() -> list[dict[str, Any]]:
     return rows
 
 
-def _allocs_during(fn: Any, device: str) -> tuple[list[int], int]:
-    """The sizes of the allocator's allocations while ``fn()`` runs, and the bytes of what it
+def _allocs_during(fn: Any, device: str) -> tuple[list[int], list[int]]:
+    """The sizes of the allocator's allocations while ``fn()`` runs, and those of what it
     returns (which are not workspaces)."""
     if device != "cuda":
-        out = fn()
-        return [], sum(t.untyped_storage().nbytes() for t in out if t is not None)
+        return [], [t.untyped_storage().nbytes() for t in fn() if t is not None]
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(context=None, max_entries=100_000, clear_history=True)
     out = fn()
@@ -222,8 +221,7 @@ def _allocs_during(fn: Any, device: str) -> tuple[list[int], int]:
     events = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
     sizes = [e["size"] for e in events if e["action"] == "alloc"]
-    kept = sum(t.untyped_storage().nbytes() for t in out if t is not None)
-    return sizes, kept
+    return sizes, [t.untyped_storage().nbytes() for t in out if t is not None]
 
 
 def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
@@ -265,14 +263,14 @@ def measure(sig: dict[str, Any], device: str) -> list[dict[str, Any]]:
         # own. The second call is what repeats.
         first, outputs = _allocs_during(fn, device)
         sizes, kept = _allocs_during(fn, device)
-        rows.append({**sig, "pass": name, "alloc_sizes": sizes, "output_bytes": kept,
-                     "extra_bytes": max(0, sum(sizes) - kept)})  # fmt: skip
+        rows.append({**sig, "pass": name, "alloc_sizes": sizes, "output_bytes": sum(kept),
+                     "extra_bytes": max(0, sum(sizes) - sum(kept))})  # fmt: skip
         if sig["benchmark"]:
-            for n in [t.untyped_storage().nbytes() for t in fn() if t is not None]:
+            for n in outputs:
                 if n in first:
                     first.remove(n)  # the outputs, not workspaces
             rows.append({**sig, "pass": f"{name}_trial", "alloc_sizes": first,
-                         "output_bytes": outputs, "extra_bytes": max(first, default=0)})  # fmt: skip
+                         "output_bytes": sum(outputs), "extra_bytes": max(first, default=0)})  # fmt: skip
     return rows
 
 

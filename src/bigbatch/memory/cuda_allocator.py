@@ -29,7 +29,6 @@ import bisect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import cast
 
 __all__ = [
     "AllocatorPeak",
@@ -156,7 +155,9 @@ class CachingAllocatorModel:
     segment_address: Callable[[int], int] | None = None
     driver: DriverAddresses = field(default_factory=DriverAddresses)
 
-    def malloc(self, key: object, nbytes: int) -> None:
+    def malloc(self, key: object, nbytes: int, *, trial: bool = False) -> None:
+        """Allocate ``nbytes`` under ``key``; a benchmark ``trial``'s (:meth:`trial`) reserved
+        bytes are left out of ``peak_settled``."""
         if nbytes <= 0:
             return  # an empty storage holds no memory
         if key in self._live:
@@ -166,9 +167,7 @@ class CachingAllocatorModel:
         block = self._best_fit(small, size)
         if block is None:
             seg = segment_size(size)
-            if self.limit is not None and self.reserved + seg > self.limit:
-                self.empty_cache()
-                self.over_limit += self.reserved + seg > self.limit
+            self.over_limit += not self._room_for(seg)
             self._segments.append(seg)
             self.reserved += seg
             index = len(self._segments) - 1
@@ -198,14 +197,22 @@ class CachingAllocatorModel:
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        if not isinstance(key, tuple) or key[:1] != ("trial",):
+        if not trial:
             self.peak_settled = max(self.peak_settled, self.reserved)
 
-    def trial(self, key: tuple[str, int], nbytes: int) -> int:
-        """cuDNN's benchmark-mode workspace of ``nbytes`` (its key ``("trial", n)``), as
-        PyTorch asks for it: where a new segment would take the reserved bytes past the
-        ``limit``, the allocator first releases its cached segments, then the request fails and
-        PyTorch halves it, until it fits (never an OOM); the bytes taken.
+    def _room_for(self, segment: int) -> bool:
+        """Whether a new segment of ``segment`` bytes fits under the ``limit``: where it would
+        not, the cached segments are released first, as the allocator does before it fails."""
+        if self.limit is None or self.reserved + segment <= self.limit:
+            return True
+        self.empty_cache()
+        return self.reserved + segment <= self.limit
+
+    def trial(self, key: object, nbytes: int) -> int:
+        """cuDNN's benchmark-mode workspace of ``nbytes``, as PyTorch asks for it: where a new
+        segment would take the reserved bytes past the ``limit``, the allocator first releases
+        its cached segments, then the request fails and PyTorch halves it, until it fits (never
+        an OOM); the bytes taken.
 
         >>> m = CachingAllocatorModel(limit=128 * 2**20)
         >>> m.malloc("weights", 60 * 2**20)
@@ -213,15 +220,11 @@ class CachingAllocatorModel:
         (50, 0)
         """
         while nbytes:
-            block = self._best_fit(round_size(nbytes) <= SMALL_SIZE, round_size(nbytes))
-            grows = 0 if block is not None else segment_size(round_size(nbytes))
-            if self.limit is not None and grows and self.reserved + grows > self.limit:
-                self.empty_cache()
-                if self.reserved + grows > self.limit:
-                    nbytes //= 2
-                    continue
-            self.malloc(key, nbytes)
-            break
+            size = round_size(nbytes)
+            if self._best_fit(size <= SMALL_SIZE, size) or self._room_for(segment_size(size)):
+                self.malloc(key, nbytes, trial=True)
+                break
+            nbytes //= 2
         return nbytes
 
     def free(self, key: object) -> None:
@@ -298,7 +301,7 @@ def simulate(events: Iterable[tuple[str, object, int]], limit: int | None = None
         if op == "malloc":
             model.malloc(key, nbytes)
         elif op == "trial":
-            model.trial(cast(tuple[str, int], key), nbytes)
+            model.trial(key, nbytes)
         elif op == "empty_cache":
             model.empty_cache()
         else:

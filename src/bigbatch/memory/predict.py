@@ -91,8 +91,12 @@ class MemoryPrediction:
     def planning_bytes(self) -> int:
         """What a plan must fit: the peak, or on CUDA what the allocator reserves (a CUDA OOM is
         a segment that cannot be reserved) and the handles the step adds outside it."""
-        settled = self.reserved_bytes - self.benchmark_trial_bytes
-        return max(self.peak_bytes, settled) + self.cuda_handle_bytes
+        return max(self.peak_bytes, self.settled_reserved_bytes) + self.cuda_handle_bytes
+
+    @property
+    def settled_reserved_bytes(self) -> int:
+        """What the allocator reserves outside cuDNN's benchmark trials (CUDA; 0 elsewhere)."""
+        return self.reserved_bytes - self.benchmark_trial_bytes
 
     def parts(self) -> dict[str, int]:
         """Bytes at the peak, by kind (kernel workspaces count as temporaries); on CUDA also
@@ -106,9 +110,8 @@ class MemoryPrediction:
         }
         if self.reserved_bytes:
             parts["blas_workspaces"] = self.library_workspace_bytes
-            settled = self.reserved_bytes - self.benchmark_trial_bytes
             parts["allocator_cache"] = max(
-                0, settled - self.peak_bytes - self.library_workspace_bytes
+                0, self.settled_reserved_bytes - self.peak_bytes - self.library_workspace_bytes
             )
             parts["cudnn_benchmark_trials"] = self.benchmark_trial_bytes
             parts["cuda_handles"] = self.cuda_handle_bytes
@@ -830,7 +833,8 @@ def _assemble(
         allocator = simulate(tracker.events, spec.memory_limit)
         reserved, allocated = allocator.reserved_bytes, allocator.allocated_bytes
         trials = allocator.reserved_bytes - allocator.settled_bytes
-        notes += [n for n in (tracker.cuda.trials_note(),) if n]
+        if trials_note := tracker.cuda.trials_note():
+            notes.append(trials_note)
         if allocator.over_limit:
             notes.append(
                 f"{allocator.over_limit} allocation(s) would run out of memory under the "

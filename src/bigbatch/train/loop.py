@@ -202,6 +202,7 @@ def _setup(
         sampler=sampler,
         decode=decode_choice(cfg, task, train_ds, device, world, log),  # where JPEGs decode
     )
+    main_dir = run_dir if rank == 0 else None  # where the main rank writes the plan's checks
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -220,9 +221,7 @@ def _setup(
         last_checkpoint=time.perf_counter(),
         ema=make_ema(core, cfg.ema),
         fraction_before=fraction_before,
-        memory=MemoryCheck(
-            choice, device, rank_batch, log, run_dir if rank == 0 else None, 2, benchmark
-        ),
+        memory=MemoryCheck(choice, device, rank_batch, log, main_dir, cudnn_benchmark=benchmark),
     )
     if state is not None:
         restore(run, state)

@@ -106,7 +106,7 @@ def plan_for(
             target or cfg.batch,
             _budget(cfg, device),
             device=device.type,
-            overhead=None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True),
+            overhead=_given_overhead(cfg),
             max_micro_batch=cfg.micro_batch or None,
             extra_bytes=extra,
         )
@@ -325,12 +325,9 @@ def _measured_choice(
     where the step does not fit or runs out of memory."""
     if not measures_reserved(device) or is_distributed():
         return None
-    budget = _budget(cfg, device)
-    overhead = (
-        default_overhead(cfg.budget, device)
-        if cfg.overhead == "auto"
-        else parse_bytes(cfg.overhead, allow_zero=True)
-    )
+    budget, overhead = _budget(cfg, device), _given_overhead(cfg)
+    if overhead is None:  # as plan_under_budget takes it
+        overhead = default_overhead(cfg.budget, device)
     usable = usable_bytes(budget, overhead, device)
     t0 = time.perf_counter()
     try:
@@ -353,6 +350,11 @@ def _measured_choice(
     )
     curve = ((b, reserved),)
     return PlanChoice(b, b, reserved, overhead, budget, usable, curve, planned=True, measured=True)
+
+
+def _given_overhead(cfg: TrainConfig) -> int | None:
+    """``overhead=`` in bytes; None for ``auto`` (the planner's default for the device)."""
+    return None if cfg.overhead == "auto" else parse_bytes(cfg.overhead, allow_zero=True)
 
 
 def _budget(cfg: TrainConfig, device: torch.device) -> int:

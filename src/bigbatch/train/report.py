@@ -127,7 +127,7 @@ class HistoryPlots:
     ) -> None:
         self._pool.shutdown(wait=True)
         if kind is None:
-            self._raise_failed()
+            self.wait()
 
 
 def _finish(ax: Any, ylabel: str) -> None:
