@@ -378,7 +378,7 @@ def _check_args(args: argparse.Namespace) -> None:
 def _refuse_misplaced_benchmark(args: argparse.Namespace) -> None:
     if args.cudnn_benchmark and (args.hf is not None or args.config or args.train_keys):
         raise UserError(
-            "--cudnn-benchmark plans a model's step (--model, --timm, ...); a training run "
+            "--cudnn-benchmark plans a model's step (--arch, --model); a training run "
             "takes bigbatch train's key: cudnn_benchmark=true (on CUDA by default)"
         )
 
