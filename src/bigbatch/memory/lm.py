@@ -31,6 +31,7 @@ from torch import nn
 
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.fake_branches import known_values
 from bigbatch.memory.meta import build_on_meta
 from bigbatch.memory.plan import (
     DEFAULT_MARGIN,
@@ -345,14 +346,25 @@ def lm_spec_at(
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
 
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
+        # The values transformers' masks branch on are kept for the trace (known_values).
         if setup.packing:
             ids = torch.randint(0, vocab, (1, b * length), device=where)
-            positions = torch.arange(length, device=where).repeat(b).unsqueeze(0)
+
+            def restarts(device: Any = None) -> torch.Tensor:
+                return torch.arange(length, device=device).repeat(b).unsqueeze(0)
+
+            positions = known_values(restarts(where), restarts)
             return {"input_ids": ids, "labels": ids, "position_ids": positions}
         ids = torch.randint(0, vocab, (b, length), device=where)
-        labels, mask = ids.clone(), torch.ones_like(ids)
-        if b > 1:  # one pad: transformers then builds the attention mask, as for real batches
-            labels[-1, -1], mask[-1, -1] = -100, 0
+
+        def padding(device: Any = None) -> torch.Tensor:
+            mask = torch.ones(b, length, dtype=torch.long, device=device)
+            if b > 1:  # one pad: transformers then builds the attention mask, as for real batches
+                mask[-1, -1] = 0
+            return mask
+
+        mask = known_values(padding(where), padding)
+        labels = ids.masked_fill(mask == 0, -100)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     name = f"{config.model_type} {setup.describe()}"
