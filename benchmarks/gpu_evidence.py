@@ -498,7 +498,8 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
         lines += ["", f"Trainer set from a plan ({tr['workload']}): micro-batch "
                   f"{tr['trainer_micro_batch']}, reserved {tr['max_reserved_mib']} MiB, predicted "
                   f"{tr['predicted_peak_mib']} MiB, cap {tr['cap_mib']} MiB, stayed under: "
-                  f"{tr['stayed_under_cap']}, back-offs: {len(tr['backoffs'])}"]  # fmt: skip
+                  f"{tr['stayed_under_cap']}, refits and back-offs: "
+                  f"{'; '.join(tr['backoffs']) or 'none'}"]  # fmt: skip
     dec = results.get("decode")
     if dec:
         lines += ["", f"Decoding ({dec['workload']}): {dec['images_per_s']} images/s, GPU / CPU "

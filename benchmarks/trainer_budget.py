@@ -1,8 +1,10 @@
 """A Hugging Face Trainer run set from a plan, under a budget: a language model from its config
 (random weights), LoRA r=16 with checkpointing, planned by `bigbatch plan --hf`'s planner, its
-micro-batch and accumulation set by `with_plan`, the allocator capped by `MemoryBudget`, OOM
-retried by `train_with_backoff`. Reports the plan, the measured peak against the prediction
-and the cap, and the back-offs (`make gpu-evidence` runs it; --dry-run: a tiny one on the CPU).
+micro-batch and accumulation set by `with_plan`, the allocator capped by `MemoryBudget` (which
+measures the first steps and refits the micro-batch from them), OOM retried by
+`train_with_backoff`. Reports the plan, the measured peak against the prediction and the cap,
+and the refits and back-offs (`backoffs`: their lines). `make gpu-evidence` runs it; --dry-run:
+a tiny one on the CPU.
 
     python benchmarks/trainer_budget.py [--dry-run] [--json]
 """
@@ -59,7 +61,7 @@ def run(dry_run: bool) -> dict[str, Any]:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     cap = plan.plan.budget_bytes  # the budget is the allocator's (overhead 0: no context in it)
-    budget_cb = MemoryBudget(cap, predicted_bytes=plan.peak_bytes)
+    budget_cb = MemoryBudget(cap, plan=plan)  # measures the first steps, refits from them
     said: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(
@@ -84,7 +86,7 @@ def run(dry_run: bool) -> dict[str, Any]:
         f"budget {budget}",
         "micro_batch": plan.micro_batch,
         "accumulation": plan.accumulation,
-        "trainer_micro_batch": args.per_device_train_batch_size,
+        "trainer_micro_batch": args.per_device_train_batch_size,  # the first; backoffs: changes
         "predicted_peak_mib": round(plan.peak_bytes / MiB, 1),
         "cap_mib": round(cap / MiB, 1),
         "measured_peak_mib": None

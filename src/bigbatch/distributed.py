@@ -25,6 +25,7 @@ __all__ = [
     "is_ddp",
     "is_distributed",
     "is_fsdp",
+    "max_over_ranks",
     "maybe_no_sync",
     "syncs_gradients",
     "window_totals",
@@ -69,6 +70,20 @@ def any_rank(flag: bool, device: torch.device | str = "cpu", group: Any = None) 
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
+
+
+def max_over_ranks(value: int, device: torch.device | str = "cpu", group: Any = None) -> int:
+    """The largest ``value`` of all ranks, on every rank (one process: ``value``); used so that
+    ranks measuring different peaks agree on one micro-batch.
+
+    >>> max_over_ranks(3)
+    3
+    """
+    if not is_distributed(group):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
 
 
 @contextmanager

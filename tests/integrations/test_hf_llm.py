@@ -184,6 +184,39 @@ def test_backoff_after_out_of_memory_keeps_the_update(tmp_path) -> None:  # type
     assert budget.measured_bytes is not None and budget.measured_bytes > 0  # the CPU's peak RSS
 
 
+@pytest.mark.parametrize(
+    ("measured", "sizes"), [(700, (6, 2)), (2100, (3, 4))], ids=["grows", "shrinks"]
+)
+def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
+    tmp_path, monkeypatch, measured: int, sizes: tuple[int, int]
+) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA step measured at half its prediction (or over the usable memory) after the first
+    optimizer step: Trainer stops at a checkpoint and goes on at the refitted micro-batch, and
+    AdamW's three steps equal three big-batch steps (every adapter tensor, < 1e-12)."""
+    import bigbatch.device
+
+    # The plan's predictions: 1000 + 100 bytes a sequence, 2000 usable; micro-batch 4 x 3.
+    curve = SimpleNamespace(curve=[(1, 1100), (4, 1400)], usable_bytes=2000, max_micro_batch=4)
+    plan = SimpleNamespace(global_batch=N, setup=LMSetup(seq_len=SEQ), plan=curve,
+                           per_rank_extra_bytes=0, peak_bytes=1400)  # fmt: skip
+    monkeypatch.setattr(bigbatch.device, "peak_memory_bytes", lambda device: (measured, False))
+    init, data = tiny_lora(), sequences()
+    want = big_batch_adamw(copy.deepcopy(init), data, steps=3)
+    adamw = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,
+             "num_train_epochs": 3}  # fmt: skip
+    args = with_plan(trained(tmp_path, 12, 1, **adamw), plan)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+    got, said = copy.deepcopy(init), []
+    budget = MemoryBudget(2**40, steps=1, plan=plan)
+    train_with_backoff(trainer_for(got, data, [budget]), args, log=said.append)
+    assert said == [
+        f"memory measured at micro-batch 4: on at {sizes[0]} x {sizes[1]} accumulation from "
+        "the checkpoint, the same global batch"
+    ]
+    assert (tmp_path / "checkpoint-1").is_dir() and budget.refit is None
+    assert update_err(got, want, init) < 1e-12
+
+
 def test_backoff_reraises_what_is_not_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     def make(args):  # type: ignore[no-untyped-def]
         raise ValueError("a bad dataset")

@@ -18,10 +18,11 @@
 - **A plan for Trainer and TRL**: :func:`with_plan` sets ``per_device_train_batch_size`` and
   ``gradient_accumulation_steps`` of ``TrainingArguments`` (or TRL's ``SFTConfig``) from
   ``bigbatch plan --hf``'s plan (:func:`bigbatch.memory.lm.plan_lm`) for the global batch
-  asked, which they never change; :class:`MemoryBudget` caps CUDA's allocator at the budget and
-  measures the first steps; :func:`train_with_backoff` retries an out-of-memory run at half the
-  micro-batch and twice the accumulation from Trainer's last checkpoint, the same update.
-  Trainer's micro-batch is fixed for a run: bigbatch shrinks it on OOM, never grows it.
+  asked, which they never change; :class:`MemoryBudget` caps CUDA's allocator at the budget,
+  measures the first steps and refits the micro-batch from them (Trainer's is fixed for a run:
+  it stops at a checkpoint); :func:`train_with_backoff` goes on from there at the new sizes, and
+  retries an out-of-memory run at half the micro-batch and twice the accumulation from
+  Trainer's last checkpoint, the same update.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ require("transformers", "hf")
 
 __all__ = [
     "MemoryBudget",
+    "refit_sizes",
     "shift_labels_collator",
     "token_loss",
     "train_with_backoff",
@@ -189,16 +191,35 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
     """A ``Trainer`` callback: caps this process's CUDA allocator at ``cap_bytes`` (the budget
     less the CUDA context: past it, an allocation raises out-of-memory as on a card of that
     size) for the run, and records the allocator's peak over the first ``steps`` optimizer
-    steps in :attr:`measured_bytes`, beside ``predicted_bytes`` (the plan's) in the log.
-    Does nothing to a CPU run's memory (it records the process's peak there).
+    steps in :attr:`measured_bytes`, beside the plan's prediction in the log.
+
+    Given the ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), the measurement refits the
+    micro-batch as ``bigbatch train`` does (:func:`~bigbatch.memory.plan.refit_micro_batch`):
+    over the plan's usable memory it shrinks before an out-of-memory error, far under the
+    prediction it grows (at most twice). Trainer's micro-batch is fixed for a run, so the
+    callback then has Trainer save a checkpoint and stop, with the new sizes in :attr:`refit`;
+    :func:`train_with_backoff` resumes from that checkpoint with them: the same global batch,
+    the same update. On a CPU it records the process's peak and refits nothing.
 
     >>> MemoryBudget(8 * 2**30).cap_bytes
     8589934592
     """
 
-    def __init__(self, cap_bytes: int, *, predicted_bytes: int | None = None, steps: int = 2):
-        self.cap_bytes, self.predicted_bytes, self.steps = cap_bytes, predicted_bytes, steps
+    def __init__(
+        self,
+        cap_bytes: int,
+        *,
+        predicted_bytes: int | None = None,
+        steps: int = 2,
+        plan: Any = None,
+    ):
+        self.cap_bytes, self.steps, self.plan = cap_bytes, steps, plan
+        if predicted_bytes is None and plan is not None:
+            predicted_bytes = plan.peak_bytes
+        self.predicted_bytes = predicted_bytes
         self.measured_bytes: int | None = None
+        self.refit: tuple[int, int] | None = None  # (micro-batch, accumulation) to resume with
+        self.checked = False  # refits once a run, as bigbatch train does
         self._before: float | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -216,16 +237,65 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         peak = peak_memory_bytes(args.device)
         if peak is not None:
             self.measured_bytes = peak[0]
-        if state.global_step == self.steps and self.measured_bytes is not None:
-            line = {"bigbatch/measured_peak_bytes": self.measured_bytes}
-            if self.predicted_bytes:
-                line["bigbatch/predicted_peak_bytes"] = self.predicted_bytes
-            state.log_history.append({**line, "step": state.global_step})
+        if state.global_step != self.steps or peak is None:
+            return
+        line = {"bigbatch/measured_peak_bytes": peak[0]}
+        if self.predicted_bytes:
+            line["bigbatch/predicted_peak_bytes"] = self.predicted_bytes
+        whole_process = peak[1]  # a CPU's resident memory: not what the plan predicts
+        if self.plan is not None and not self.checked and not whole_process:
+            from bigbatch.distributed import max_over_ranks
+
+            self.checked = True
+            micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+            # Under torchrun every rank must resume at the same sizes: the largest peak decides.
+            new = refit_sizes(self.plan, micro, steps, max_over_ranks(peak[0], args.device))
+            if new != (micro, steps):
+                self.refit = new
+                line["bigbatch/refit_micro_batch"] = new[0]
+                control.should_save = True  # Trainer's checkpoint: the run resumes from it
+                control.should_training_stop = True
+        state.log_history.append({**line, "step": state.global_step})
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from bigbatch.device import uncap_cuda_allocator
 
         uncap_cuda_allocator(args.device, self._before)
+
+
+def refit_sizes(plan: Any, micro_batch: int, accumulation: int, measured: int) -> tuple[int, int]:
+    """``(per_device_train_batch_size, gradient_accumulation_steps)`` for a rank whose step at
+    ``micro_batch`` measured ``measured`` bytes (the allocator's reserved peak), against the
+    ``plan``'s predictions: the same sequences a step, a micro-batch that divides them.
+
+    >>> from types import SimpleNamespace
+    >>> plan = SimpleNamespace(per_rank_extra_bytes=0, plan=SimpleNamespace(
+    ...     curve=[(1, 1100), (4, 1400)], usable_bytes=2000))
+    >>> refit_sizes(plan, 4, 3, 700)  # half the prediction: twice the micro-batch that divides 12
+    (6, 2)
+    >>> refit_sizes(plan, 4, 3, 2100)  # over the usable memory: smaller, before an OOM
+    (3, 4)
+    """
+    from bigbatch.memory.plan import refit_micro_batch
+
+    share = micro_batch * accumulation  # a rank's sequences a step
+    extra = plan.per_rank_extra_bytes  # DDP's buckets, FSDP2's shards: outside the curve
+    largest = refit_micro_batch(
+        [(b, peak + extra) for b, peak in plan.plan.curve],
+        micro_batch,
+        measured,
+        plan.plan.usable_bytes,
+        target=share,
+        # Trainer's micro-batch divides the share, often well under what the plan found fits
+        # (7 of 12 -> 6): growing is bounded by the measurement (at most twice), not the plan.
+        top=share,
+    )
+    return trainer_batch_sizes(share, largest)
+
+
+def _budgets(trainer: Any) -> list[MemoryBudget]:
+    handler = getattr(trainer, "callback_handler", None)
+    return [c for c in getattr(handler, "callbacks", []) if isinstance(c, MemoryBudget)]
 
 
 def train_with_backoff(
@@ -234,7 +304,9 @@ def train_with_backoff(
     """``make_trainer(args).train()``, and on running out of memory the same run again at half
     the micro-batch and twice the accumulation (the global batch, so the update, unchanged;
     exact with Trainer's token count), from the last checkpoint Trainer saved in
-    ``args.output_dir`` if any. Raises the error when micro-batch 1 runs out too.
+    ``args.output_dir`` if any. Raises the error when micro-batch 1 runs out too. A
+    :class:`MemoryBudget` callback that refitted the micro-batch after the first steps stopped
+    the run at a checkpoint: it goes on from there at the new sizes.
 
     ``make_trainer`` builds the Trainer (model, data, callbacks) for the arguments it is given:
     a new one each try, as a retry needs the micro-batch in its data loader.
@@ -245,28 +317,40 @@ def train_with_backoff(
     from bigbatch.memory.oom import is_oom
 
     while True:
-        failed = False
+        failed, refit = False, None
         try:
             trainer = make_trainer(args)
             folder = args.output_dir
             checkpoint = get_last_checkpoint(folder) if os.path.isdir(folder) else None
-            return trainer.train(resume_from_checkpoint=checkpoint)
+            result = trainer.train(resume_from_checkpoint=checkpoint)
+            for budget in _budgets(trainer):
+                refit, budget.refit = refit or budget.refit, None
+            if refit is None:
+                return result
         except Exception as exc:
             if not is_oom(exc) or args.per_device_train_batch_size == 1:
                 raise
             failed = True
+            for budget in _budgets(trainer):
+                budget.checked = True  # the back-off has had its say: no growing back
         finally:
             trainer = None  # drop the model, optimizer and the exception's frames first
+        micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
         if failed:
             free_memory(host_oom=False)
-            micro = args.per_device_train_batch_size
             smaller = max(m for m in range(1, micro) if micro % m == 0)
-            steps = args.gradient_accumulation_steps * (micro // smaller)
+            refit = (smaller, steps * (micro // smaller))
             log(
-                f"out of memory at micro-batch {micro}: again at {smaller} x {steps} "
+                f"out of memory at micro-batch {micro}: again at {refit[0]} x {refit[1]} "
                 "accumulation, the same global batch"
             )
-            args = with_sizes(args, smaller, steps)
+        elif refit is not None:
+            log(
+                f"memory measured at micro-batch {micro}: on at {refit[0]} x {refit[1]} "
+                "accumulation from the checkpoint, the same global batch"
+            )
+        if refit is not None:
+            args = with_sizes(args, *refit)
 
 
 def with_sizes(args: Any, micro_batch: int, accumulation: int) -> Any:
