@@ -245,6 +245,10 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     assert ddp.per_rank_extra_bytes == ddp.sizes.trainable  # DDP's gradient buckets
     assert fsdp.per_rank_extra_bytes < 0  # weights, gradients and AdamW's state sharded
     assert "FSDP2 over 4 ranks" in fsdp.notes[0]
+    # A rank's usable memory is the budget's, whatever the rank holds beyond the trace.
+    reported = [plan.to_dict() for plan in (one, ddp, fsdp)]
+    assert len({r["usable_bytes"] for r in reported}) == 1
+    assert all(r["peak_bytes_per_rank"] <= r["usable_bytes"] <= r["budget_bytes"] for r in reported)
 
 
 def test_the_gpu_side_builds_bitsandbytes_own_layers_with_the_same_adapters() -> None:

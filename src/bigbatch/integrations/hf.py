@@ -284,7 +284,7 @@ def refit_sizes(plan: Any, micro_batch: int, accumulation: int, measured: int) -
         [(b, peak + extra) for b, peak in plan.plan.curve],
         micro_batch,
         measured,
-        plan.plan.usable_bytes,
+        plan.plan.usable_bytes + extra,  # the one-process plan's usable is a rank's less extra
         target=share,
         # Trainer's micro-batch divides the share, often well under what the plan found fits
         # (7 of 12 -> 6): growing is bounded by the measurement (at most twice), not the plan.

@@ -508,6 +508,12 @@ class LMPlan:
         """One rank's predicted peak (on CUDA: reserved memory and handles)."""
         return self.plan.predicted_peak_bytes + self.per_rank_extra_bytes
 
+    @property
+    def usable_bytes(self) -> int:
+        """What one rank's peak may reach: the budget less margin and overhead (the one-process
+        plan's usable memory is this less what a rank holds beyond its trace)."""
+        return self.plan.usable_bytes + self.per_rank_extra_bytes
+
     def parts(self) -> dict[str, int]:
         """The peak's parts: the base and adapter weights, gradients, optimizer state,
         activations, temporaries (of which ``logits``: the micro-batch's logits and the
@@ -540,7 +546,7 @@ class LMPlan:
             "tokens_per_step": self.global_batch * s.seq_len,
             "peak_bytes_per_rank": self.peak_bytes,
             "budget_bytes": self.plan.budget_bytes,
-            "usable_bytes": self.plan.usable_bytes,
+            "usable_bytes": self.usable_bytes,
             "parameters": self.sizes.parameter_count,
             "trainable_parameters": self.sizes.trainable_count,
             "parts": self.parts(),
@@ -557,7 +563,7 @@ class LMPlan:
         text = (
             f"{self.global_batch} sequences of {s.seq_len} tokens a step = micro-batch "
             f"{self.micro_batch} x {self.accumulation} accumulation{ranks}; predicted peak "
-            f"{format_bytes(self.peak_bytes)} of {format_bytes(self.plan.usable_bytes)} usable "
+            f"{format_bytes(self.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"(budget {format_bytes(self.plan.budget_bytes)}); {parts}"
         )
         if self.paged_bytes:
