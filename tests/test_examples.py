@@ -130,6 +130,14 @@ def test_plan_time_benchmark_json() -> None:
 
 
 @pytest.mark.slow
+def test_fsdp_ranks_benchmark_json() -> None:
+    out = _run("benchmarks/fsdp_ranks.py", "--layers", "2", "--hidden", "128", "--json")
+    result = json.loads(out[out.index("{") :])
+    assert len(result["measured_per_rank_bytes"]) == 2
+    assert 0.9 <= result["predicted_over_measured"] <= 1.1, result
+
+
+@pytest.mark.slow
 def test_gpu_truth_benchmark_json() -> None:
     out = _run("benchmarks/gpu_truth.py", "--only", "resnet18-128-b8-fp16-adamw", "--json")
     (row,) = json.loads(out[out.index("{") :])["rows"]

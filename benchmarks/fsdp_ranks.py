@@ -1,0 +1,126 @@
+"""FSDP2's memory per rank, measured on CPU ranks (gloo) against `bigbatch plan --hf`'s
+composition: a Llama-shaped model from its config (random weights), each decoder layer and the
+root under `fully_shard` (as accelerate's and torchtitan's transformer wrapping do), AdamW,
+two training steps a rank; each rank's tensor peak (the profiler's, as `measure_step_peak`) and
+the plan's per-rank peak at the same micro-batch (one process's trace, with 1/N of the weights,
+gradients and optimizer state, plus the gather buffers: `bigbatch.memory.lm.per_rank_bytes`).
+
+    python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--json]
+
+A CPU shows the composition's mechanism, not a GPU's streams: FSDP2 on CUDA all-gathers and
+reduce-scatters on streams of their own, whose blocks the caching allocator keeps apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigbatch.verify.distributed import run_distributed
+
+
+def config(layers: int, hidden: int, vocab: int) -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+def setup_of(args: argparse.Namespace, ranks: int) -> Any:
+    from bigbatch.memory.lm import LMSetup
+
+    return LMSetup(seq_len=args.seq_len, lora_r=args.lora, world_size=ranks, fsdp=ranks > 1)
+
+
+def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from bigbatch.memory.lm import lm_spec_at
+    from bigbatch.memory.measure import measure_peak
+    from bigbatch.memory.step import make_inputs, make_optimizer, run_training_step
+
+    cfg = config(args.layers, args.hidden, args.vocab)
+    spec = lm_spec_at(cfg, setup_of(args, 1), device="cpu", precision="fp32")(args.micro_batch)
+    torch.manual_seed(0)
+    model = spec.model().train()
+    inner = model.get_base_model() if args.lora else model
+    for layer in inner.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer("adamw", params)
+    cpu = torch.device("cpu")
+
+    def run() -> None:
+        inputs = [make_inputs(spec, cpu) for _ in range(2)]
+        while inputs:
+            run_training_step(model, opt, inputs.pop(0), spec, "cpu")
+
+    alive = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    peak = measure_peak(run, device=cpu, alive=alive)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_bytes": peak}))
+    dist.barrier()
+
+
+def predicted_per_rank(args: argparse.Namespace) -> tuple[int, int]:
+    """(one process's predicted peak, a rank's composed from it) at the run's micro-batch."""
+    from bigbatch.memory.lm import lm_spec_at, model_sizes, per_rank_bytes
+    from bigbatch.memory.meta import build_on_meta
+    from bigbatch.memory.predict import predict_peak
+
+    cfg = config(args.layers, args.hidden, args.vocab)
+    spec = lm_spec_at(cfg, setup_of(args, 1), device="cpu", precision="fp32")(args.micro_batch)
+    one = predict_peak(spec)
+    sizes = model_sizes(build_on_meta(spec.model))
+    extra, _ = per_rank_bytes(sizes, one.parts(), setup_of(args, args.ranks))
+    return one.peak_bytes, one.peak_bytes + extra
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: a full fine-tune)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        run_distributed(worker, args.ranks, args, out)
+        measured = [json.loads(f.read_text()) for f in sorted(Path(out).glob("rank*.json"))]
+    one, composed = predicted_per_rank(args)
+    largest = max(m["peak_bytes"] for m in measured)
+    result = {
+        "workload": f"Llama {args.layers} layers x {args.hidden}, vocab {args.vocab}, "
+        f"{args.seq_len} tokens, micro-batch {args.micro_batch}, "
+        f"{f'LoRA r={args.lora}' if args.lora else 'full fine-tune'}, AdamW, fp32, "
+        f"FSDP2 over {args.ranks} CPU ranks",
+        "measured_per_rank_bytes": [m["peak_bytes"] for m in measured],
+        "one_process_predicted_bytes": one,
+        "composed_per_rank_bytes": composed,
+        "composed_over_measured": round(composed / largest, 4),
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(result["workload"])
+        print(f"  measured per rank: {', '.join(f'{b / 2**20:.1f} MiB' for b in result['measured_per_rank_bytes'])}")  # fmt: skip
+        print(f"  one process, predicted: {one / 2**20:.1f} MiB")
+        print(f"  a rank, composed: {composed / 2**20:.1f} MiB "
+              f"({result['composed_over_measured']:.3f}x the largest measured)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
