@@ -1,14 +1,18 @@
-"""FSDP2's memory per rank, measured on CPU ranks (gloo) against `bigbatch plan --hf`'s
-composition: a Llama-shaped model from its config (random weights), each decoder layer and the
-root under `fully_shard` (as accelerate's and torchtitan's transformer wrapping do), AdamW,
-two training steps a rank; each rank's tensor peak (the profiler's, as `measure_step_peak`) and
-the plan's per-rank peak at the same micro-batch (one process's trace, with 1/N of the weights,
-gradients and optimizer state, plus the gather buffers: `bigbatch.memory.lm.per_rank_bytes`).
+"""FSDP2's memory per rank on CPU ranks: each rank's tensor peak (the profiler's, as
+`measure_step_peak`) over two training steps of a Llama-shaped model from its config (random
+weights, each decoder layer and the root under `fully_shard` as accelerate's and torchtitan's
+transformer wrapping do, AdamW), run with gloo across processes and run in this process on a
+fake process group (collectives that move no data), against `bigbatch plan --hf`'s one rank
+traced on that fake group (`bigbatch.memory.fsdp`) and, the older way, one process's trace with
+the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`).
 
     python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--json]
 
-A CPU shows the composition's mechanism, not a GPU's streams: FSDP2 on CUDA all-gathers and
-reduce-scatters on streams of their own, whose blocks the caching allocator keeps apart.
+gloo's all-gather and reduce-scatter each take a staging buffer of the collective's size from
+the CPU allocator (8 MiB for 8 MiB collectives, measured), which NCCL on a GPU does not take from
+the caching allocator: the gloo ranks hold that much more than the trace. A CPU shows the
+sharding's memory, not a GPU's streams (FSDP2 communicates on streams of its own, whose blocks
+the caching allocator keeps apart).
 """
 
 from __future__ import annotations
@@ -71,18 +75,25 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     dist.barrier()
 
 
-def predicted_per_rank(args: argparse.Namespace) -> tuple[int, int]:
-    """(one process's predicted peak, a rank's composed from it) at the run's micro-batch."""
+def one_rank(args: argparse.Namespace) -> dict[str, int]:
+    """One rank's step in this process on a fake process group, traced and really run, and the
+    older composition onto one process's trace; at the run's micro-batch."""
+    from bigbatch.memory.fsdp import fake_ranks
     from bigbatch.memory.lm import lm_spec_at, model_sizes, per_rank_bytes
+    from bigbatch.memory.measure import measure_step_peak
     from bigbatch.memory.meta import build_on_meta
     from bigbatch.memory.predict import predict_peak
 
     cfg = config(args.layers, args.hidden, args.vocab)
-    spec = lm_spec_at(cfg, setup_of(args, 1), device="cpu", precision="fp32")(args.micro_batch)
+    kwargs: dict[str, Any] = {"device": "cpu", "precision": "fp32"}
+    rank = lm_spec_at(cfg, setup_of(args, args.ranks), sharded=True, **kwargs)(args.micro_batch)
+    with fake_ranks(args.ranks):
+        traced, real = predict_peak(rank).peak_bytes, measure_step_peak(rank)
+    spec = lm_spec_at(cfg, setup_of(args, 1), **kwargs)(args.micro_batch)
     one = predict_peak(spec)
     sizes = model_sizes(build_on_meta(spec.model))
     extra, _ = per_rank_bytes(sizes, one.parts(), setup_of(args, args.ranks))
-    return one.peak_bytes, one.peak_bytes + extra
+    return {"traced": traced, "fake_group": real, "composed": one.peak_bytes + extra}
 
 
 def main() -> int:
@@ -99,26 +110,32 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out:
         run_distributed(worker, args.ranks, args, out)
         measured = [json.loads(f.read_text()) for f in sorted(Path(out).glob("rank*.json"))]
-    one, composed = predicted_per_rank(args)
+    here = one_rank(args)
     largest = max(m["peak_bytes"] for m in measured)
     result = {
         "workload": f"Llama {args.layers} layers x {args.hidden}, vocab {args.vocab}, "
         f"{args.seq_len} tokens, micro-batch {args.micro_batch}, "
         f"{f'LoRA r={args.lora}' if args.lora else 'full fine-tune'}, AdamW, fp32, "
         f"FSDP2 over {args.ranks} CPU ranks",
-        "measured_per_rank_bytes": [m["peak_bytes"] for m in measured],
-        "one_process_predicted_bytes": one,
-        "composed_per_rank_bytes": composed,
-        "composed_over_measured": round(composed / largest, 4),
+        "gloo_per_rank_bytes": [m["peak_bytes"] for m in measured],
+        "fake_group_bytes": here["fake_group"],
+        "traced_bytes": here["traced"],
+        "composed_bytes": here["composed"],
+        "traced_over_fake_group": round(here["traced"] / here["fake_group"], 4),
+        "traced_over_gloo": round(here["traced"] / largest, 4),
+        "composed_over_gloo": round(here["composed"] / largest, 4),
     }
     if args.json:
         print(json.dumps(result, indent=1))
     else:
+        mib = 2**20
         print(result["workload"])
-        print(f"  measured per rank: {', '.join(f'{b / 2**20:.1f} MiB' for b in result['measured_per_rank_bytes'])}")  # fmt: skip
-        print(f"  one process, predicted: {one / 2**20:.1f} MiB")
-        print(f"  a rank, composed: {composed / 2**20:.1f} MiB "
-              f"({result['composed_over_measured']:.3f}x the largest measured)")  # fmt: skip
+        print(f"  gloo ranks, measured: {', '.join(f'{b / mib:.1f}' for b in result['gloo_per_rank_bytes'])} MiB")  # fmt: skip
+        print(f"  one rank on a fake group, measured: {here['fake_group'] / mib:.1f} MiB")
+        print(f"  traced: {here['traced'] / mib:.1f} MiB ({result['traced_over_fake_group']:.4f}x "
+              f"the fake group's, {result['traced_over_gloo']:.3f}x gloo's largest)")  # fmt: skip
+        print(f"  composed: {here['composed'] / mib:.1f} MiB ({result['composed_over_gloo']:.3f}x "
+              "gloo's largest)")  # fmt: skip
     return 0
 
 

@@ -8,10 +8,12 @@ device, its adapters by peft (``get_peft_model``), its 4-bit or 8-bit base by
 loss over ``labels``, padded ``[B, L]`` or packed ``[1, B*L]`` with ``position_ids``) is
 traced on fake tensors like any other: no weights are read, no memory is allocated.
 
-Across processes, the trace is of one process's step and the per-rank memory is composed
-from it (:func:`per_rank_bytes`): DDP adds its gradient buckets; FSDP2 keeps ``1/N`` of the
-weights, gradients and optimizer state and adds its gather buffers (the root's weights, two
-layers' unsharded weights, two layers' gradients for the reduce-scatter).
+Across processes: FSDP2 is traced as one rank, the model under ``fully_shard`` on a fake
+process group of N ranks (:mod:`bigbatch.memory.fsdp`), so the trace holds the rank's shards
+and its all-gather and reduce-scatter buffers while they live. DDP's memory (and FSDP2's,
+where this process already has a process group, under torchrun) is composed from one
+process's trace (:func:`per_rank_bytes`): DDP adds its gradient buckets; FSDP2 keeps ``1/N``
+of the weights, gradients and optimizer state and adds its gather buffers.
 
 >>> setup = LMSetup(seq_len=512, lora_r=8)
 >>> setup.describe()
@@ -20,6 +22,7 @@ layers' unsharded weights, two layers' gradients for the reduce-scatter).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,6 +35,7 @@ from torch import nn
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.fake_branches import known_values
+from bigbatch.memory.fsdp import fake_ranks, shard_decoder_layers
 from bigbatch.memory.meta import build_on_meta
 from bigbatch.memory.plan import (
     DEFAULT_MARGIN,
@@ -333,8 +337,12 @@ def lm_spec_at(
     precision: str = "bf16",
     optimizer: str = "adamw",
     real_bitsandbytes: bool = False,
+    sharded: bool = False,
 ) -> Callable[[int], StepSpec]:
     """``spec_at(b)``: one rank's training step at micro-batch ``b`` sequences, for the planner.
+    ``sharded``: the model under FSDP2 (``fully_shard`` on each decoder layer and the root) over
+    the ranks of the process group, which :func:`~bigbatch.memory.fsdp.fake_ranks` makes for a
+    trace.
 
     Padded micro-batches are ``[b, seq_len]``, the longest sequence's length (the micro-batch
     that decides the peak), with one pad token (a micro-batch of several sequences has some:
@@ -344,6 +352,12 @@ def lm_spec_at(
     vocab = int(config.vocab_size)
     length = setup.seq_len
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
+    if sharded:
+        unsharded = factory
+
+        def factory() -> nn.Module:
+            model = unsharded()
+            return shard_decoder_layers(model, _decoder_layers(model))
 
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
         # The values transformers' masks branch on are kept for the trace (known_values).
@@ -447,7 +461,11 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 def per_rank_bytes(
     sizes: ModelSizes, peak_parts: dict[str, int], setup: LMSetup
 ) -> tuple[int, str]:
-    """What one rank holds beyond (negative: below) the one-process trace's peak, and a note.
+    """What one rank holds beyond (negative: below) the one-process trace's peak, and a note:
+    DDP's ranks, and FSDP2's where a rank cannot be traced (a process group exists already).
+    Composed at the one process's peak, so FSDP2's is approximate: 11-27 % over a traced rank
+    for a small Llama's full fine-tune on 2-4 ranks (the optimizer step's temporaries and the
+    peak's moment are one process's), 5-8 % over with LoRA (``benchmarks/fsdp_ranks.py``).
 
     DDP keeps its own copy of the gradients in its buckets (``gradient_as_bucket_view`` off,
     the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
@@ -490,6 +508,7 @@ class LMPlan:
     global_batch: int  # sequences per optimizer step, all ranks together
     plan: Plan  # one rank's plan (its target: global_batch / world_size)
     sizes: ModelSizes
+    fsdp_traced: bool = False  # one FSDP2 rank traced (else one process, the ranks composed)
     per_rank_extra_bytes: int = 0
     paged_bytes: int = 0
     vocab: int = 0
@@ -521,7 +540,8 @@ class LMPlan:
         p = self.plan.prediction
         parts = p.parts()
         weights = parts.pop("parameters")
-        adapters = min(weights, self.sizes.trainable) if self.setup.lora_r else 0
+        ranks = self.setup.world_size if self.fsdp_traced else 1  # a rank holds its shard
+        adapters = min(weights, self.sizes.trainable // ranks) if self.setup.lora_r else 0
         tokens = self.micro_batch * self.setup.seq_len
         logits = tokens * self.vocab * (2 + 4 if p.precision != "fp32" else 4)
         return {
@@ -602,38 +622,47 @@ def plan_lm(
             f"the global batch {global_batch} must be a positive multiple of the "
             f"{n} ranks (each takes the same number of sequences)"
         )
-    spec_at = lm_spec_at(config, setup, device=device, precision=precision, optimizer=optimizer)
-    sizes, paged = _sizes_and_paged_state(spec_at(1), setup)
+    import torch.distributed as dist
+
+    from bigbatch.memory.predict import predict_peak
+
+    # FSDP2 is traced as one rank on a fake process group, where this process has none of its
+    # own (under torchrun it has: composed then, as DDP always is).
+    traced = setup.fsdp and n > 1 and not dist.is_initialized()
+    kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
+    spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
+    sizes, paged = _sizes_and_paged_state(lm_spec_at(config, setup, **kwargs)(1), setup)
     budget_bytes = resolve_budget(budget, device)
     if overhead is None:
         overhead = default_overhead(budget, device)
     usable = usable_bytes(budget_bytes, overhead, device, margin)
-    # The per-rank difference depends on the weights, gradients and state at the peak, which
-    # the floor's prediction gives; it is the same at every micro-batch.
-    from bigbatch.memory.predict import predict_peak
-
-    floor = predict_peak(spec_at(1))
-    extra, note = per_rank_bytes(sizes, floor.parts(), setup)
-    try:
-        plan = plan_micro_batch(
-            spec_at,
-            global_batch // n,
-            budget_bytes,
-            device=device,
-            margin=margin,
-            overhead=overhead,
-            extra_bytes=extra,
-            known={1: floor},
+    with fake_ranks(n) if traced else contextlib.nullcontext():
+        # A composed per-rank difference depends on the weights, gradients and state at the
+        # peak, which the floor's prediction gives; it is the same at every micro-batch.
+        floor = predict_peak(spec_at(1))
+        extra, note = (
+            (0, _traced_note(n)) if traced else per_rank_bytes(sizes, floor.parts(), setup)
         )
-    except DoesNotFitError as exc:
-        raise DoesNotFitError(
-            f"{config.model_type} ({setup.describe()}) does not fit even at micro-batch 1: "
-            f"predicted {format_bytes(floor.planning_bytes + extra)} a rank of "
-            f"{format_bytes(usable)} usable (budget {format_bytes(budget_bytes)} less "
-            f"{margin:.0%} margin and {format_bytes(overhead)} overhead; {floor.breakdown()}). Try "
-            + _what_to_try(setup),
-            exc.floor,
-        ) from None
+        try:
+            plan = plan_micro_batch(
+                spec_at,
+                global_batch // n,
+                budget_bytes,
+                device=device,
+                margin=margin,
+                overhead=overhead,
+                extra_bytes=extra,
+                known={1: floor},
+            )
+        except DoesNotFitError as exc:
+            raise DoesNotFitError(
+                f"{config.model_type} ({setup.describe()}) does not fit even at micro-batch 1: "
+                f"predicted {format_bytes(floor.planning_bytes + extra)} a rank of "
+                f"{format_bytes(usable)} usable (budget {format_bytes(budget_bytes)} less "
+                f"{margin:.0%} margin and {format_bytes(overhead)} overhead; "
+                f"{floor.breakdown()}). Try " + _what_to_try(setup),
+                exc.floor,
+            ) from None
     notes = [note] if note else []
     if setup.attn == "flash_attention_2":
         notes.append("flash_attention_2 traced as SDPA's flash kernel (the same memory)")
@@ -643,10 +672,19 @@ def plan_lm(
         global_batch=global_batch,
         plan=plan,
         sizes=sizes,
+        fsdp_traced=traced,
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
         vocab=int(config.vocab_size),
         notes=notes,
+    )
+
+
+def _traced_note(ranks: int) -> str:
+    return (
+        f"FSDP2 over {ranks} ranks, traced as one rank on a fake process group: its shards of "
+        "the weights, gradients and optimizer state, each layer's all-gather and reduce-scatter "
+        "buffers while they live (CUDA's separate communication streams not modelled)"
     )
 
 

@@ -39,6 +39,7 @@ def _tensor_bytes(tensors: Any) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
+        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2's shards): this rank's memory
         if isinstance(t, torch.Tensor) and t.device.type == "cpu":
             st = t.untyped_storage()
             if st.data_ptr() not in seen:

@@ -36,6 +36,7 @@ from bigbatch.memory.cuda_allocator import simulate
 from bigbatch.memory.cuda_autocast import cuda_autocast_rules
 from bigbatch.memory.cuda_runtime import CudaLibraries
 from bigbatch.memory.fake_branches import real_branches
+from bigbatch.memory.fsdp import storage_resizes
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.meta import build_on_meta, to_empty_shared, unfakeable_op
 from bigbatch.memory.step import (
@@ -132,7 +133,7 @@ class MemoryPrediction:
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
+    return sum(_local(v).untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
 
 
 @dataclass
@@ -223,6 +224,13 @@ def _issued_by_autograd_engine() -> bool:
     return False
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor (FSDP2's sharded parameters, gradients and optimizer state) holds this rank's
+    # shard: that is its memory.
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 class _StorageTracker(TorchDispatchMode):
     """Live tensor storages by creation phase, with the peak and who was alive at it."""
 
@@ -250,6 +258,7 @@ class _StorageTracker(TorchDispatchMode):
         self.events: list[tuple[str, Any, int]] | None = None
         self.cuda: CudaLibraries | None = None  # with events: cuBLAS's and cuDNN's memory
         self.observing = True  # False: tensors are tracked, the peak is not moved
+        self.resized_uids: set[int] = set()  # storages resized in place (FSDP2's unsharded)
         # While an optimizer phase is recorded (:meth:`optimizer_phase`), its points.
         self.recording: list[tuple[int, int]] | None = None
         self.recording_base = 0
@@ -257,7 +266,7 @@ class _StorageTracker(TorchDispatchMode):
         self.log: list[tuple[Any, ...]] | None = None
 
     def uid_of(self, t: torch.Tensor) -> int | None:
-        st = t.untyped_storage()
+        st = _local(t).untyped_storage()
         for ref, uid in self._refs.get(id(st), []):
             if ref() is st:
                 return uid
@@ -266,10 +275,8 @@ class _StorageTracker(TorchDispatchMode):
     def track(self, t: torch.Tensor, real_bytes: int = 0) -> None:
         if self.uid_of(t) is not None:
             return
-        st = t.untyped_storage()
-        n = max(st.nbytes(), real_bytes)
-        if self.round_to > 1:
-            n = max(self.round_to, math.ceil(n / self.round_to) * self.round_to) if n else 0
+        st = _local(t).untyped_storage()
+        n = self._rounded(max(st.nbytes(), real_bytes))
         uid = self._next_uid
         self._next_uid += 1
         self._hold(st, uid)
@@ -280,6 +287,36 @@ class _StorageTracker(TorchDispatchMode):
         if self.log is not None:
             self.log.append(("add", uid, n, self.phase, self.observing))
         self._observe(0)
+
+    def _rounded(self, n: int) -> int:
+        if self.round_to > 1:
+            return max(self.round_to, math.ceil(n / self.round_to) * self.round_to) if n else 0
+        return n
+
+    def resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage was resized in place (FSDP2 frees an unsharded parameter's memory
+        with ``resize_(0)`` and takes it again before the next all-gather): its bytes follow,
+        as the allocator's free and malloc."""
+        uid = self.uid_of(t)
+        if uid is None:
+            return
+        self.resized_uids.add(uid)
+        n = self._rounded(_local(t).untyped_storage().nbytes())
+        old, phase = self.live.pop(uid, (0, self.phase))
+        self.live_bytes -= old
+        if old:
+            if self.events is not None:
+                self.events.append(("free", uid, 0))
+            if self.log is not None:
+                self.log.append(("free", uid))
+        if n:
+            self.live[uid] = (n, self.phase if not old else phase)
+            self.live_bytes += n
+            if self.events is not None:
+                self.events.append(("malloc", uid, n))
+            if self.log is not None:
+                self.log.append(("add", uid, n, self.phase, self.observing))
+            self._observe(0)
 
     def _hold(self, st: Any, uid: int) -> None:
         """``uid``'s bytes stay live while storage ``st`` does (and any other holding it)."""
@@ -398,7 +435,7 @@ class _StorageTracker(TorchDispatchMode):
             self.track(t, n)
             if self.log is not None:
                 uid = before if self._next_uid != before else -1
-                made.append((uid, t.untyped_storage().nbytes()))
+                made.append((uid, _local(t).untyped_storage().nbytes()))
         if counted and self.log is not None:
             self.log.append(("op", str(func), tuple(made)))
         if matched is not None:
@@ -742,7 +779,8 @@ def _predict_on_fake(
     if trace is not None and not trace.on_meta:
         trace.on_meta = True
         _optimizer_on_meta(model, spec.optimizer, trace)
-    with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
+    resizes = storage_resizes(tracker.resized)
+    with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches(), resizes:
         model = to_empty_shared(model, device)
         model.train()
         param_uids = set()
@@ -806,7 +844,8 @@ def _predict_on_fake(
             opt.zero_grad(set_to_none=True)
             del x  # a training loop's batch lives until its optimizer step is done
     del model, opt
-    uids = (param_uids, grads_uids, state_uids)
+    # FSDP2's unsharded weights (storages it resizes) count as weights, as its shards do.
+    uids = (param_uids | tracker.resized_uids, grads_uids, state_uids)
     prediction = _assemble(tracker, uids, spec, target.type, t0)
     if tracker.log is not None and keep is not None:
         keep.append(StepLog(spec, tracker.log, uids, in_batch))
