@@ -63,7 +63,7 @@ def predict_row(row: dict[str, Any]) -> dict[str, Any]:
     """bigbatch's CUDA prediction of a matrix row, made without a GPU."""
     import warnings
 
-    from gpu_matrix import spec_of
+    from gpu_matrix import ranks_of, spec_of
 
     from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
     from bigbatch.memory.predict import predict_peak
@@ -71,7 +71,8 @@ def predict_row(row: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = predict_peak(spec_of(row, "cuda"))
+        with ranks_of(row):
+            p = predict_peak(spec_of(row, "cuda"))
     return {
         "allocated_mib": round(p.allocated_bytes / MiB, 1),
         "reserved_mib": round(p.reserved_bytes / MiB, 1),

@@ -7,13 +7,16 @@ back into the same :class:`~bigbatch.memory.step.StepSpec` by any later checkout
 (:func:`spec_of`). Its keys: ``kind`` (timm, smp, unet3d, llama), ``arch``, ``size`` (image
 side, volume side or tokens), ``batch``, ``precision``, ``optimizer``, and per kind:
 ``classes`` (timm, default 10), ``encoder`` (smp), ``widths`` (unet3d), ``layers``,
-``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``cudnn_benchmark`` (default off).
+``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``model``, ``lora``, ``quant``,
+``ckpt``, ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
+fake process group: :func:`ranks_of`), ``cudnn_benchmark`` (default off).
 
     python benchmarks/gpu_matrix.py          # the rows, one name a line
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -173,15 +176,25 @@ def _hf_spec(row: dict[str, Any], device: str, real: bool) -> StepSpec:
 
     values = dict(HF_CONFIGS[row["model"]])
     config = AutoConfig.for_model(values.pop("model_type"), **values)
+    ranks = row.get("ranks", 1)
     setup = LMSetup(
         seq_len=row["size"], lora_r=row.get("lora", 0), gradient_checkpointing=row.get("ckpt", False),
-        packing=row.get("packing", False), quant=row.get("quant", 0),
+        packing=row.get("packing", False), quant=row.get("quant", 0), world_size=ranks,
+        fsdp=ranks > 1,
     )  # fmt: skip
     spec_at = lm_spec_at(
         config, setup, device=device, precision=row["precision"], optimizer=row["optimizer"],
-        real_bitsandbytes=real,
+        real_bitsandbytes=real, sharded=ranks > 1,
     )  # fmt: skip
     return spec_at(row["batch"])
+
+
+def ranks_of(row: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """The fake process group an FSDP2 row (``ranks``: N) is traced and run in: one rank of N,
+    its collectives moving no data, its memory (and on a GPU its streams) real."""
+    from bigbatch.memory.fsdp import fake_ranks
+
+    return fake_ranks(row["ranks"]) if row.get("ranks", 1) > 1 else contextlib.nullcontext()
 
 
 def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) -> StepSpec:
@@ -232,6 +245,7 @@ def row_name(row: dict[str, Any]) -> str:
         arch += f"-q{row['quant']}bit" if row.get("quant") else ""
         arch += "-packed" if row.get("packing") else ""
         arch += "-ckpt" if row.get("ckpt") else ""
+        arch += f"-fsdp{row['ranks']}" if row.get("ranks", 1) > 1 else ""
     size = str(row["size"])
     if row["kind"] == "llama" and row["size"] % 1024 == 0:
         size = f"{row['size'] // 1024}k"  # tokens
@@ -265,6 +279,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
              "precision": "fp32", "optimizer": "sgd_momentum"},
             {"kind": "hf", "arch": "hf", "model": "tiny", "lora": 4, "ckpt": True, "size": 32,
              "batch": 2, "precision": "fp32", "optimizer": "adamw"},
+            {"kind": "hf", "arch": "hf", "model": "tiny", "ranks": 2, "size": 32, "batch": 2,
+             "precision": "fp32", "optimizer": "adamw"},
         ]  # fmt: skip
     return [
         # First the rows the CUDA model missed most on the H200 (a short box records them):
@@ -319,6 +335,12 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "quant": 4, "ckpt": True,
          "size": 1024, "batch": 4, "precision": "bf16", "optimizer": "paged_adamw_8bit"},
+        # One FSDP2 rank of 4 (bigbatch plan --hf --fsdp traces one): run on a fake process
+        # group, so one GPU records a rank's memory with FSDP2's own communication streams.
+        {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "ranks": 4, "size": 1024,
+         "batch": 4, "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True, "ranks": 4,
+         "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
         # cuDNN's benchmark mode (trials whose workspaces depend on the free memory): the seed
         # workload at b16 / b32 / b64 (its b16 recorded before skipped its first optimizer
         # step), and under allocator caps of several sizes (``cap_mib``: set_per_process_

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_matrix import ranks_of
 from gpu_matrix import spec_of as matrix_spec
 
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
@@ -56,7 +57,8 @@ def row(name: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = predict_peak(spec_of(truth))
+        with ranks_of(truth):
+            p = predict_peak(spec_of(truth))
     process = truth["process_used_mib_by_stage"]["after_two_steps"] * MiB
     predicted_process = p.planning_bytes + CUDA_CONTEXT_BYTES
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_matrix import row_name, spec_of
+from gpu_matrix import ranks_of, row_name, spec_of
 
 from bigbatch.memory.measure import measure_step_peak, real_step_setup
 from bigbatch.memory.step import make_inputs, run_step_loss
@@ -48,6 +48,11 @@ def _event_count() -> int:
 
 
 def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
+    with ranks_of(row):  # an FSDP2 row: one rank of its fake process group
+        return _record_cuda(row)
+
+
+def _record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = bool(row.get("cudnn_benchmark", False))
     torch.cuda.init()
     stages = {"cuda_init": _used_mib()}
@@ -135,7 +140,8 @@ def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
 
 def record_dry(row: dict[str, Any]) -> dict[str, Any]:
     """No GPU: the CPU step's measured peak stands in, so that the harness runs end to end."""
-    peak = measure_step_peak(spec_of(row, "cpu"))
+    with ranks_of(row):
+        peak = measure_step_peak(spec_of(row, "cpu"))
     return {
         **row,
         "name": row_name(row),

@@ -22,6 +22,7 @@ from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, cudnn_workspaces
 
 # The traces, their loading and the workloads as StepSpecs: benchmarks/gpu_truth.py's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from gpu_matrix import ranks_of
 from gpu_truth import MiB, load, names, spec_of
 
 DEPTHWISE = (
@@ -150,7 +151,8 @@ def test_under_a_cap_the_replay_and_the_prediction_meet_the_card(name: str) -> N
     truth = load(name)
     assert truth["cap_bytes"] and truth["max_reserved_bytes"] <= truth["cap_bytes"]
     assert replay(truth["events"], "card").peak_reserved == truth["max_reserved_bytes"]
-    p = predict_peak(spec_of(truth))
+    with ranks_of(truth):
+        p = predict_peak(spec_of(truth))
     assert not any("would run out" in n for n in p.notes), p.notes
     measured = truth["max_reserved_bytes"]
     assert abs(p.reserved_bytes - measured) <= 0.03 * measured, p.reserved_bytes / MiB
@@ -243,7 +245,8 @@ def test_each_workload_is_predicted_from_a_cpu(row: Row) -> None:
     from bigbatch.memory.predict import predict_peak
 
     truth = load(row.name)
-    p = predict_peak(spec_of(truth))
+    with ranks_of(truth):
+        p = predict_peak(spec_of(truth))
     allocated, reserved = truth["max_allocated_bytes"], truth["max_reserved_bytes"]
     process = truth["process_used_mib_by_stage"]["after_two_steps"] * MiB
     predicted_process = p.planning_bytes + CUDA_CONTEXT_BYTES

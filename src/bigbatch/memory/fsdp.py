@@ -49,10 +49,13 @@ def fake_ranks(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def shard_decoder_layers(model: nn.Module, layers: list[nn.Module]) -> nn.Module:
+def shard_decoder_layers(
+    model: nn.Module, layers: list[nn.Module], device_type: str = "cpu"
+) -> nn.Module:
     """``fully_shard`` each of ``layers`` (a causal LM's decoder layers) and then the root, as
-    accelerate's transformer wrapping and torchtitan do, on a CPU mesh over the process group's
-    ranks (the trace runs on CPU-placed fake tensors whatever the target).
+    accelerate's transformer wrapping and torchtitan do, on a mesh of ``device_type`` over the
+    process group's ranks: ``cpu`` for a trace (it runs on CPU-placed fake tensors whatever the
+    target), the device for a real step (FSDP2 moves the weights there).
 
     >>> with fake_ranks(2):
     ...     m = shard_decoder_layers(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [])
@@ -63,7 +66,7 @@ def shard_decoder_layers(model: nn.Module, layers: list[nn.Module]) -> nn.Module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

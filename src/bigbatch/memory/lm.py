@@ -357,7 +357,10 @@ def lm_spec_at(
 
         def factory() -> nn.Module:
             model = unsharded()
-            return shard_decoder_layers(model, _decoder_layers(model))
+            # On the meta device it is traced (on the CPU); else a real step on the target.
+            on_meta = any(p.is_meta for p in model.parameters())
+            where = "cpu" if on_meta else torch.device(device).type
+            return shard_decoder_layers(model, _decoder_layers(model), where)
 
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
         # The values transformers' masks branch on are kept for the trace (known_values).
