@@ -31,9 +31,10 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     }  # fmt: skip
     assert all(p["state"] == "passed" for p in summary["parts"].values()), summary["parts"]
     matrix = json.loads((tmp_path / "memory_matrix.json").read_text())
-    assert matrix["rows_measured"] == matrix["rows_total"] == 4
+    assert matrix["rows_measured"] == matrix["rows_total"] == 5
     kinds = {row["row"]["kind"] for row in matrix["rows"]}
     assert {"nnunet", "hf"} <= kinds  # nnU-Net's step and a language model's from its config
+    assert any(row["row"].get("ranks") == 2 for row in matrix["rows"])  # one FSDP2 rank
     for row in matrix["rows"]:  # each row predicted (from the CPU) and measured
         assert row["predicted"]["reserved_mib"] > 0 and row["measured"]["reserved_mib"] > 0
         assert (tmp_path / "traces" / f"{row['name']}.json.gz").exists()
@@ -89,12 +90,12 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     h100 = gpu_evidence.committed("h100")
     assert "resnet18-128-b8-fp16-adamw" in h100  # at the top
     assert "resnet50-224-b32-fp16-adamw" in h100  # in h100-torch2.11/
-    # Every row but nnU-Net's, the language models' from their configs and convnext_small's in
-    # cuDNN's benchmark mode, capped or not (new: their traces are the next GPU session's
-    # work) is recorded.
+    # Every row but nnU-Net's, the language models' from their configs (FSDP2's ranks among
+    # them) and convnext_small's in cuDNN's benchmark mode, capped or not (new: their traces
+    # are the next GPU session's work) is recorded.
     new = {n for n in names if n.startswith(("nnunet", "qwen2.5", "llama3.2"))}
     new |= {n for n in names if n.startswith("convnext_small") and "-bench" in n}
-    assert len(new) == 15 and set(names) - new <= gpu_evidence.committed("h200")
+    assert len(new) == 17 and set(names) - new <= gpu_evidence.committed("h200")
     assert gpu_evidence.committed("a100") == set()
 
     sigs = cudnn_workspaces.signatures()[:3]

@@ -59,11 +59,21 @@ _LAST_WINDOW_POLICIES = ("renorm", "drop", "carry")
 
 
 class EmptyWindowWarning(UserWarning):
-    """A window's total count was zero (e.g. only padding): its step was skipped."""
+    """A window's total count was zero (e.g. only padding): its step was skipped.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings():  # make a skipped step fatal
+    ...     warnings.simplefilter("error", EmptyWindowWarning)
+    """
 
 
 class NonFiniteGradientWarning(UserWarning):
-    """A window's gradient held inf or nan (no GradScaler to catch it): its step was skipped."""
+    """A window's gradient held inf or nan (no GradScaler to catch it): its step was skipped.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings():  # stop at the first one
+    ...     warnings.simplefilter("error", NonFiniteGradientWarning)
+    """
 
 
 @dataclass(frozen=True)

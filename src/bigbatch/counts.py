@@ -45,7 +45,13 @@ def count_tokens(
 
 @dataclass(frozen=True)
 class MicroBatchCount:
-    """The normaliser of one micro-batch and what it adds to the unit counters."""
+    """The normaliser of one micro-batch and what it adds to the unit counters
+    (``samples_seen``, ``tokens_seen``): what :func:`samples`, :func:`tokens`, :func:`weights`
+    and :func:`resolve_count` return.
+
+    >>> MicroBatchCount(normaliser=5, samples=2, tokens=5).normaliser
+    5
+    """
 
     normaliser: Number  # what the loss is weighted by: samples, tokens or weight
     samples: Number  # added to ``samples_seen``

@@ -29,11 +29,22 @@ BATCHNORM_REMEDIES = (
 
 
 class InexactAccumulationWarning(UserWarning):
-    """The model has layers for which accumulated training cannot equal big-batch training."""
+    """The model has layers for which accumulated training cannot equal big-batch training.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings():  # make it fatal in a test
+    ...     warnings.simplefilter("error", InexactAccumulationWarning)
+    """
 
 
 @dataclass(frozen=True)
 class InexactLayer:
+    """One layer :func:`find_inexact_layers` found, and why it is inexact (``kind``).
+
+    >>> str(InexactLayer("encoder.bn1", "batchnorm", "BatchNorm2d"))
+    'encoder.bn1 (BatchNorm2d)'
+    """
+
     name: str  # the module's qualified name in the model
     kind: str  # "batchnorm" or "dropout"
     type_name: str
