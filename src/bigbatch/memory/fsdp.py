@@ -19,7 +19,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fake_ranks", "shard_decoder_layers", "storage_resizes"]
+__all__ = ["fake_ranks", "local_shard", "shard_decoder_layers", "storage_resizes"]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` is: this rank's shard of a DTensor (FSDP2's sharded
+    weights, gradients and optimizer state), else ``t`` itself.
+
+    >>> local_shard(torch.ones(3)).shape
+    torch.Size([3])
+    """
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
 
 
 @contextlib.contextmanager
@@ -40,6 +51,7 @@ def fake_ranks(world_size: int) -> Iterator[None]:
             "tracing FSDP2 ranks needs a process without a process group; this one has one "
             "(torchrun): plan before init_process_group, or with `bigbatch plan --hf` apart"
         )
+    # Importing it registers torch's "fake" backend (torchtitan's memory estimation uses it too).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bigbatch.device import cudnn_benchmark_mode, synchronize
+from bigbatch.memory.fsdp import local_shard
 from bigbatch.memory.step import (
     make_inputs,
     make_optimizer,
@@ -39,8 +40,7 @@ def _tensor_bytes(tensors: Any) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2's shards): this rank's memory
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        if isinstance(t, torch.Tensor) and (t := local_shard(t)).device.type == "cpu":
             st = t.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())

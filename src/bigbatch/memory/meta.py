@@ -66,8 +66,10 @@ def to_empty_shared(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 def _empty_like(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     # Not empty_like: that fakes the meta input first, 4x the time here.
-    local = getattr(t, "_local_tensor", None)
-    if local is None:
+    from bigbatch.memory.fsdp import local_shard
+
+    local = local_shard(t)
+    if local is t:
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
     # FSDP2's sharded parameter (a DTensor): this rank's shard, on the same mesh and placements.
     from torch.distributed.tensor import DTensor

@@ -36,7 +36,7 @@ from bigbatch.memory.cuda_allocator import simulate
 from bigbatch.memory.cuda_autocast import cuda_autocast_rules
 from bigbatch.memory.cuda_runtime import CudaLibraries
 from bigbatch.memory.fake_branches import real_branches
-from bigbatch.memory.fsdp import storage_resizes
+from bigbatch.memory.fsdp import local_shard, storage_resizes
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.meta import build_on_meta, to_empty_shared, unfakeable_op
 from bigbatch.memory.step import (
@@ -133,7 +133,7 @@ class MemoryPrediction:
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(_local(v).untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
+    return sum(local_shard(v).untyped_storage().nbytes() for v in optimizer_state_tensors(opt))
 
 
 @dataclass
@@ -224,13 +224,6 @@ def _issued_by_autograd_engine() -> bool:
     return False
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2's sharded parameters, gradients and optimizer state) holds this rank's
-    # shard: that is its memory.
-    local = getattr(t, "_local_tensor", None)
-    return t if local is None else local
-
-
 class _StorageTracker(TorchDispatchMode):
     """Live tensor storages by creation phase, with the peak and who was alive at it."""
 
@@ -266,7 +259,7 @@ class _StorageTracker(TorchDispatchMode):
         self.log: list[tuple[Any, ...]] | None = None
 
     def uid_of(self, t: torch.Tensor) -> int | None:
-        st = _local(t).untyped_storage()
+        st = local_shard(t).untyped_storage()
         for ref, uid in self._refs.get(id(st), []):
             if ref() is st:
                 return uid
@@ -275,7 +268,7 @@ class _StorageTracker(TorchDispatchMode):
     def track(self, t: torch.Tensor, real_bytes: int = 0) -> None:
         if self.uid_of(t) is not None:
             return
-        st = _local(t).untyped_storage()
+        st = local_shard(t).untyped_storage()
         n = self._rounded(max(st.nbytes(), real_bytes))
         uid = self._next_uid
         self._next_uid += 1
@@ -298,11 +291,11 @@ class _StorageTracker(TorchDispatchMode):
         with ``resize_(0)`` and takes it again before the next all-gather): its bytes follow,
         as the allocator's free and malloc."""
         uid = self.uid_of(t)
-        if uid is None:
-            return
+        n = self._rounded(local_shard(t).untyped_storage().nbytes())
+        if uid is None or n == self.live.get(uid, (0, ""))[0]:
+            return  # untracked, or already that size (alloc_storage on a live buffer)
         self.resized_uids.add(uid)
-        n = self._rounded(_local(t).untyped_storage().nbytes())
-        old, phase = self.live.pop(uid, (0, self.phase))
+        old, _ = self.live.pop(uid, (0, ""))
         self.live_bytes -= old
         if old:
             if self.events is not None:
@@ -310,7 +303,7 @@ class _StorageTracker(TorchDispatchMode):
             if self.log is not None:
                 self.log.append(("free", uid))
         if n:
-            self.live[uid] = (n, self.phase if not old else phase)
+            self.live[uid] = (n, self.phase)
             self.live_bytes += n
             if self.events is not None:
                 self.events.append(("malloc", uid, n))
@@ -435,7 +428,7 @@ class _StorageTracker(TorchDispatchMode):
             self.track(t, n)
             if self.log is not None:
                 uid = before if self._next_uid != before else -1
-                made.append((uid, _local(t).untyped_storage().nbytes()))
+                made.append((uid, local_shard(t).untyped_storage().nbytes()))
         if counted and self.log is not None:
             self.log.append(("op", str(func), tuple(made)))
         if matched is not None:
