@@ -636,12 +636,10 @@ def plan_lm(
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
     sizes, paged = _sizes_and_paged_state(lm_spec_at(config, setup, **kwargs)(1), setup)
     budget_bytes = resolve_budget(budget, device)
-    if overhead is None:
-        overhead = default_overhead(budget, device)
+    overhead = default_overhead(budget, device) if overhead is None else overhead
     usable = usable_bytes(budget_bytes, overhead, device, margin)
     with fake_ranks(n) if traced else contextlib.nullcontext():
-        # A composed per-rank difference depends on the weights, gradients and state at the
-        # peak, which the floor's prediction gives; it is the same at every micro-batch.
+        # Composed: from the floor's weights, gradients and state, the same at every micro-batch.
         floor = predict_peak(spec_at(1))
         extra, note = (
             (0, _traced_note(n)) if traced else per_rank_bytes(sizes, floor.parts(), setup)
@@ -658,17 +656,12 @@ def plan_lm(
                 known={1: floor},
             )
         except DoesNotFitError as exc:
-            raise DoesNotFitError(
-                f"{config.model_type} ({setup.describe()}) does not fit even at micro-batch 1: "
-                f"predicted {format_bytes(floor.planning_bytes + extra)} a rank of "
-                f"{format_bytes(usable)} usable (budget {format_bytes(budget_bytes)} less "
-                f"{margin:.0%} margin and {format_bytes(overhead)} overhead; "
-                f"{floor.breakdown()}). Try " + _what_to_try(setup),
-                exc.floor,
-            ) from None
-    notes = [note] if note else []
-    if setup.attn == "flash_attention_2":
-        notes.append("flash_attention_2 traced as SDPA's flash kernel (the same memory)")
+            why = _does_not_fit(
+                config, setup, floor, extra, (usable, budget_bytes, margin, overhead)
+            )
+            raise DoesNotFitError(why, exc.floor) from None
+    flash = setup.attn == "flash_attention_2"
+    notes = [n for n in (note, _FLASH_NOTE if flash else "") if n]
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -680,6 +673,22 @@ def plan_lm(
         paged_bytes=paged,
         vocab=int(config.vocab_size),
         notes=notes,
+    )
+
+
+_FLASH_NOTE = "flash_attention_2 traced as SDPA's flash kernel (the same memory)"
+
+
+def _does_not_fit(
+    config: Any, setup: LMSetup, floor: Any, extra: int, limits: tuple[int, int, float, int]
+) -> str:
+    usable, budget_bytes, margin, overhead = limits
+    return (
+        f"{config.model_type} ({setup.describe()}) does not fit even at micro-batch 1: "
+        f"predicted {format_bytes(floor.planning_bytes + extra)} a rank of "
+        f"{format_bytes(usable)} usable (budget {format_bytes(budget_bytes)} less "
+        f"{margin:.0%} margin and {format_bytes(overhead)} overhead; {floor.breakdown()}). Try "
+        + _what_to_try(setup)
     )
 
 
