@@ -273,6 +273,9 @@ class _StorageTracker(TorchDispatchMode):
         uid = self._next_uid
         self._next_uid += 1
         self._hold(st, uid)
+        self._add_live(uid, n)
+
+    def _add_live(self, uid: int, n: int) -> None:
         self.live[uid] = (n, self.phase)
         self.live_bytes += n
         if self.events is not None:
@@ -303,13 +306,7 @@ class _StorageTracker(TorchDispatchMode):
             if self.log is not None:
                 self.log.append(("free", uid))
         if n:
-            self.live[uid] = (n, self.phase)
-            self.live_bytes += n
-            if self.events is not None:
-                self.events.append(("malloc", uid, n))
-            if self.log is not None:
-                self.log.append(("add", uid, n, self.phase, self.observing))
-            self._observe(0)
+            self._add_live(uid, n)
 
     def _hold(self, st: Any, uid: int) -> None:
         """``uid``'s bytes stay live while storage ``st`` does (and any other holding it)."""
