@@ -301,7 +301,8 @@ class Recorder:
     ``PYTORCH_NVML_BASED_CUDA_CHECK`` keeps even an import's ``is_available()`` off CUDA), so
     its trace starts from an empty allocator as a process of its own would, without paying the
     imports again (on the H100, 17 rows took 44 s, most of a row's 2.6 s the imports). Where a
-    forked row fails, the row is recorded in a new process as before, and so are the rest."""
+    forked row fails, the row is recorded in a new process as before; where it succeeds there,
+    the fork was at fault and the rest are recorded in new processes too (``usable`` off)."""
 
     def __init__(self, dry_run: bool) -> None:
         import multiprocessing
@@ -328,8 +329,9 @@ class Recorder:
             return None
         error = path.with_name(path.name + ".error")
         said = error.read_text() if error.exists() else f"exit code {process.exitcode}"
-        print(f"[memory_matrix] a forked recording failed, so new processes: {said}", flush=True)
-        self.usable = False
+        print(
+            f"[memory_matrix] a forked recording failed, again in a new process: {said}", flush=True
+        )
         return {"error": said[-1500:]}
 
 
@@ -366,13 +368,14 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
         path = traces / f"{row_name(row)}.json.gz"
         if path.exists():  # a rerun finishes what an earlier run's time box cut
             return summarise(path)
+        fork_failed = False
         if forked.usable:
             result = forked.record(row, path, max(1.0, min(90.0, deadline - time.monotonic())))
             if result is None:
                 return summarise(path)
             if result["error"] == "out of time":
                 return result
-            # Else the row again, in a process of its own (and the rest: forked.usable is off).
+            fork_failed = True  # the row again, in a process of its own
         try:
             done = subprocess.run(
                 [sys.executable, str(HERE / "record_trace.py"), json.dumps(row), str(path), *flags],
@@ -381,7 +384,10 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
         except subprocess.TimeoutExpired:
             return {"error": "out of time"}
         if done.returncode:
-            return {"error": done.stderr[-1500:]}
+            return {"error": done.stderr[-1500:]}  # the row's own failure: the next rows fork
+        if fork_failed:  # a new process recorded what the fork could not: the fork's fault
+            print("[memory_matrix] the fork was at fault: new processes from here", flush=True)
+            forked.usable = False
         return summarise(path)
 
     def summarise(path: Path) -> dict[str, Any]:
