@@ -217,6 +217,26 @@ def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
     assert update_err(got, want, init) < 1e-12
 
 
+def test_backoff_when_building_the_trainer_runs_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An OOM before any Trainer exists (moving the model to the card) backs off too."""
+    said: list[str] = []
+
+    def make(args):  # type: ignore[no-untyped-def]
+        if args.per_device_train_batch_size > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise ValueError("built at micro-batch 1")
+
+    args = SimpleNamespace(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3
+    )
+    with pytest.raises(ValueError, match="built at micro-batch 1"):
+        train_with_backoff(make, args, log=said.append)
+    assert [line.split(":")[0] for line in said] == [
+        "out of memory at micro-batch 4",
+        "out of memory at micro-batch 2",
+    ]
+
+
 def test_backoff_reraises_what_is_not_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     def make(args):  # type: ignore[no-untyped-def]
         raise ValueError("a bad dataset")

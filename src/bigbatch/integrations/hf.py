@@ -317,7 +317,7 @@ def train_with_backoff(
     from bigbatch.memory.oom import is_oom
 
     while True:
-        failed, refit = False, None
+        failed, refit, trainer = False, None, None
         try:
             trainer = make_trainer(args)
             folder = args.output_dir
