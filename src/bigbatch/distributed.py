@@ -65,11 +65,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 def any_rank(flag: bool, device: torch.device | str = "cpu", group: Any = None) -> bool:
     """True on every rank when ``flag`` is true on at least one (used so ranks agree on OOM)."""
-    if not is_distributed(group):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+    return max_over_ranks(int(flag), device, group) > 0
 
 
 def max_over_ranks(value: int, device: torch.device | str = "cpu", group: Any = None) -> int:
