@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from bigbatch.verify.distributed import run_distributed
@@ -45,32 +44,20 @@ def setup_of(args: argparse.Namespace, ranks: int) -> Any:
     return LMSetup(seq_len=args.seq_len, lora_r=args.lora, world_size=ranks, fsdp=ranks > 1)
 
 
-def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
+def rank_spec(args: argparse.Namespace) -> Any:
+    """One rank's step as the planner traces it (``lm_spec_at(..., sharded=True)``): in the
+    process group there is, gloo's across processes or the fake one in this process."""
     from bigbatch.memory.lm import lm_spec_at
-    from bigbatch.memory.measure import measure_peak
-    from bigbatch.memory.step import make_inputs, make_optimizer, run_training_step
 
     cfg = config(args.layers, args.hidden, args.vocab)
-    spec = lm_spec_at(cfg, setup_of(args, 1), device="cpu", precision="fp32")(args.micro_batch)
-    torch.manual_seed(0)
-    model = spec.model().train()
-    inner = model.get_base_model() if args.lora else model
-    for layer in inner.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer("adamw", params)
-    cpu = torch.device("cpu")
+    setup = setup_of(args, args.ranks)
+    return lm_spec_at(cfg, setup, device="cpu", precision="fp32", sharded=True)(args.micro_batch)
 
-    def run() -> None:
-        inputs = [make_inputs(spec, cpu) for _ in range(2)]
-        while inputs:
-            run_training_step(model, opt, inputs.pop(0), spec, "cpu")
 
-    alive = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-    peak = measure_peak(run, device=cpu, alive=alive)
+def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
+    from bigbatch.memory.measure import measure_step_peak
+
+    peak = measure_step_peak(rank_spec(args))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_bytes": peak}))
     dist.barrier()
 
@@ -84,12 +71,11 @@ def one_rank(args: argparse.Namespace) -> dict[str, int]:
     from bigbatch.memory.meta import build_on_meta
     from bigbatch.memory.predict import predict_peak
 
-    cfg = config(args.layers, args.hidden, args.vocab)
-    kwargs: dict[str, Any] = {"device": "cpu", "precision": "fp32"}
-    rank = lm_spec_at(cfg, setup_of(args, args.ranks), sharded=True, **kwargs)(args.micro_batch)
+    rank = rank_spec(args)
     with fake_ranks(args.ranks):
         traced, real = predict_peak(rank).peak_bytes, measure_step_peak(rank)
-    spec = lm_spec_at(cfg, setup_of(args, 1), **kwargs)(args.micro_batch)
+    cfg = config(args.layers, args.hidden, args.vocab)
+    spec = lm_spec_at(cfg, setup_of(args, 1), device="cpu", precision="fp32")(args.micro_batch)
     one = predict_peak(spec)
     sizes = model_sizes(build_on_meta(spec.model))
     extra, _ = per_rank_bytes(sizes, one.parts(), setup_of(args, args.ranks))
