@@ -192,7 +192,9 @@ def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
 ) -> None:  # type: ignore[no-untyped-def]
     """A CUDA step measured at half its prediction (or over the usable memory) after the first
     optimizer step: Trainer stops at a checkpoint and goes on at the refitted micro-batch, and
-    AdamW's three steps equal three big-batch steps (every adapter tensor, < 1e-12)."""
+    AdamW's three steps equal three big-batch steps (every adapter tensor, < 1e-12; the frozen
+    base untouched, with no gradient). The same refitted run with a mean per micro-batch
+    (the control) is off by more than 2 %."""
     import bigbatch.device
 
     # The plan's predictions: 1000 + 100 bytes a sequence, 2000 usable; micro-batch 4 x 3.
@@ -204,17 +206,33 @@ def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
     want = big_batch_adamw(copy.deepcopy(init), data, steps=3)
     adamw = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,
              "num_train_epochs": 3}  # fmt: skip
-    args = with_plan(trained(tmp_path, 12, 1, **adamw), plan)
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
-    got, said = copy.deepcopy(init), []
-    budget = MemoryBudget(2**40, steps=1, plan=plan)
-    train_with_backoff(trainer_for(got, data, [budget]), args, log=said.append)
-    assert said == [
-        f"memory measured at micro-batch 4: on at {sizes[0]} x {sizes[1]} accumulation from "
-        "the checkpoint, the same global batch"
-    ]
-    assert (tmp_path / "checkpoint-1").is_dir() and budget.refit is None
+
+    def run(folder, per_micro_batch_mean: bool):  # type: ignore[no-untyped-def]
+        args = with_plan(trained(folder, 12, 1, **adamw), plan)
+        assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+        model, said = copy.deepcopy(init), []
+        budget = MemoryBudget(2**40, steps=1, plan=plan)
+        build = trainer_for(model, data, [budget])
+
+        def make(a):  # type: ignore[no-untyped-def]
+            trainer = build(a)
+            trainer.model_accepts_loss_kwargs = not per_micro_batch_mean
+            return trainer
+
+        train_with_backoff(make, args, log=said.append)
+        assert said == [
+            f"memory measured at micro-batch 4: on at {sizes[0]} x {sizes[1]} accumulation "
+            "from the checkpoint, the same global batch"
+        ]
+        assert (folder / "checkpoint-1").is_dir() and budget.refit is None
+        return model
+
+    got = run(tmp_path / "exact", False)
     assert update_err(got, want, init) < 1e-12
+    for g, i in zip(got.parameters(), init.parameters(), strict=True):
+        if not i.requires_grad:
+            assert g.grad is None and torch.equal(g, i)
+    assert update_err(run(tmp_path / "mean", True), want, init) > 0.02
 
 
 def test_backoff_when_building_the_trainer_runs_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
