@@ -128,3 +128,35 @@ def test_under_a_limit_the_cache_is_released_before_a_request_runs_out() -> None
     assert (capped.reserved_bytes, capped.over_limit) == (70 * MiB, 0)
     assert (free.reserved_bytes, free.over_limit) == (130 * MiB, 0)
     assert simulate([*events, ("malloc", "c", 40 * MiB)], limit=100 * MiB).over_limit == 1
+
+
+def test_each_stream_reuses_only_its_own_blocks() -> None:
+    """c10's CUDACachingAllocator sorts its pools by stream before size and takes a free block
+    only of the requesting stream (``get_free_block``); a segment belongs to the stream that
+    made it (``memory_snapshot()`` lists each segment's ``stream``). So a 30 MiB block freed
+    on a side stream (FSDP2's all-gather output) is no use to the default stream, which makes a
+    segment of its own (torch's FSDP2 speaks of this "inter-stream fragmentation"), while the
+    side stream takes its block back; emptying the cache releases the free segments of both.
+    Replayed with the streams left out, the same events reserve one segment: the control."""
+    side = [("stream", 1, 0), ("malloc", "gathered", 30 * MiB), ("free", "gathered", 0)]
+    default = [("stream", 0, 0), ("malloc", "activation", 30 * MiB)]
+    again = [("stream", 1, 0), ("malloc", "gathered again", 30 * MiB)]
+    assert simulate(side + default + again).reserved_bytes == 60 * MiB
+    assert simulate(side + default + again).segments == 2
+    without = [e for e in side + default + again if e[0] != "stream"]
+    assert simulate(without[:-1]).reserved_bytes == 30 * MiB
+    m = CachingAllocatorModel()
+    m.malloc("gathered", 30 * MiB, stream=1)
+    m.malloc("small", 4096, stream=1)
+    m.free("gathered")
+    m.free("small")
+    m.malloc("activation", 4096)  # the default stream's own small segment
+    assert m.reserved == 30 * MiB + 2 * 2 * MiB
+    m.empty_cache()
+    assert m.reserved == 2 * MiB  # only the default stream's segment is in use
+    # A benchmark trial on a side stream under a limit takes only what that stream may.
+    capped = CachingAllocatorModel(limit=100 * MiB)
+    capped.malloc("weights", 60 * MiB)
+    capped.free("weights")
+    assert capped.trial("trial", 80 * MiB, stream=1) == 80 * MiB  # the cache released for it
+    assert capped.reserved == 80 * MiB

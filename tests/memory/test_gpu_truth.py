@@ -57,11 +57,12 @@ def replay(
     events: list[list[Any]], addresses: str = "driver", skip: set[int] = frozenset()
 ) -> CachingAllocatorModel:
     """A trace's own allocations and frees through the allocator model (but the allocs in
-    ``skip``), its cache emptied where the trace's is (a run of segments released: cuDNN's
-    benchmark mode empties it after each trial), its segments placed by ``addresses``:
-    ``"driver"``, as a prediction places them (``DriverAddresses``); ``"card"``, where the card
-    put each one the trace made too (its cudaMalloc recorded just before); or ``"age"``, in the
-    order they were made (the model before it placed them as the driver does)."""
+    ``skip``), each on the stream it was recorded on (FSDP2's rows use three), its cache
+    emptied where the trace's is (a run of segments released: cuDNN's benchmark mode empties it
+    after each trial), its segments placed by ``addresses``: ``"driver"``, as a prediction
+    places them (``DriverAddresses``); ``"card"``, where the card put each one the trace made
+    too (its cudaMalloc recorded just before); or ``"age"``, in the order they were made (the
+    model before it placed them as the driver does)."""
     made_for: dict[int, int] = {}  # alloc event -> the card's new segment's address
     for i in range(1, len(events)):
         if events[i][0] == "alloc" and events[i - 1][0] == "segment_alloc":
@@ -73,10 +74,10 @@ def replay(
 
     placed = {"driver": None, "card": card, "age": lambda index: index << 48}[addresses]
     model = CachingAllocatorModel(segment_address=placed)
-    for i, (action, address, size, _) in enumerate(events):
+    for i, (action, address, size, stream) in enumerate(events):
         current[0] = i
         if action == "alloc" and i not in skip:
-            model.malloc(address, size)
+            model.malloc(address, size, stream=stream)
         elif action == "free_completed":
             model.free(address)
         elif action == "segment_free" and events[i - 1][0] != "segment_free":

@@ -261,6 +261,15 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     assert all(r["peak_bytes_per_rank"] <= r["usable_bytes"] <= r["budget_bytes"] for r in reported)
 
 
+def fsdp_config() -> transformers.LlamaConfig:
+    """A Llama whose weights matter beside its activations (4 x 0.98 M a layer, 1.05 M the
+    root's embeddings, head and norm)."""
+    return transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "setup",
     [
@@ -275,15 +284,7 @@ def test_an_fsdp2_rank_is_traced_as_it_runs(setup: LMSetup) -> None:
     memory is the rank's own). Composing the ranks onto one process's trace instead (the
     control) is 18 % over for the full fine-tune: its optimizer step's temporaries and the
     moment of its peak are one process's, not a rank's."""
-    config = transformers.LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )  # fmt: skip  (weights that matter beside the activations)
+    config = fsdp_config()
     spec = lm_spec_at(config, setup, device="cpu", precision="fp32", sharded=True)(2)
     with fake_ranks(setup.world_size):
         predicted, measured = predict_peak(spec).peak_bytes, measure_step_peak(spec)
@@ -293,6 +294,46 @@ def test_an_fsdp2_rank_is_traced_as_it_runs(setup: LMSetup) -> None:
         floor = predict_peak(one)
         extra, _ = per_rank_bytes(model_sizes(build_on_meta(one.model)), floor.parts(), setup)
         assert (floor.peak_bytes + extra) / measured > 1.1, (floor.peak_bytes + extra, measured)
+
+
+def test_an_fsdp2_rank_gathers_and_reduces_on_streams_of_its_own(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU, FSDP2 allocates each all-gather's output on its copy-in stream and each
+    reduce-scatter's output (the rank's sharded gradients, kept until they are zeroed) on its
+    reduce-scatter stream, whose blocks the caching allocator keeps apart from the default
+    stream's. The trace of a CUDA rank says which stream each allocation is on: the whole
+    layer's weights (fp32, 4 ranks' shards) gathered on one side stream, a rank's quarter of
+    its gradients on another. Replayed on one stream (the control), the same step reserves
+    less: the default stream would reuse blocks the side streams freed."""
+    from bigbatch.memory import predict as predict_module
+    from bigbatch.memory.cuda_allocator import round_size, simulate
+
+    traced: list[list[tuple[str, object, int]]] = []
+
+    def keep(events, limit=None):  # type: ignore[no-untyped-def]
+        traced.append(list(events))
+        return simulate(events, limit)
+
+    monkeypatch.setattr(predict_module, "simulate", keep)
+    setup = LMSetup(seq_len=64, world_size=4, fsdp=True)
+    spec = lm_spec_at(fsdp_config(), setup, device="cuda", precision="bf16", sharded=True)(2)
+    with fake_ranks(4):
+        prediction = predict_peak(spec)
+    sizes: dict[object, set[int]] = {}
+    stream: object = 0
+    for op, key, nbytes in traced[-1]:
+        if op == "stream":
+            stream = key
+        elif op == "malloc" and stream != 0:
+            sizes.setdefault(stream, set()).add(nbytes)
+    # fp32 bytes: a layer's attention, MLP and norms; the root's embeddings, head and norm.
+    layer = (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024 + 2 * 256) * 4
+    root = (2 * 2048 * 256 + 256) * 4
+    assert list(sizes.values()) == [
+        {layer, root},  # all-gathers: a whole layer, the root
+        {layer // 4, round_size(root // 4)},  # reduce-scatters: a rank's shard of each
+    ]
+    one_stream = simulate([e for e in traced[-1] if e[0] != "stream"])
+    assert prediction.reserved_bytes > one_stream.reserved_bytes
 
 
 def test_the_gpu_side_builds_bitsandbytes_own_layers_with_the_same_adapters() -> None:

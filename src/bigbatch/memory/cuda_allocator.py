@@ -13,6 +13,10 @@ through a model of ``c10/cuda/CUDACachingAllocator.cpp``'s rules (defaults: no
 - a request takes the smallest cached free block of its pool that holds it (best fit), and the
   block is split when what remains is at least 512 bytes (small pool) or more than 1 MiB (large);
 - a freed block merges with free neighbours of its segment and stays cached (reserved);
+- each CUDA stream has blocks of its own: a segment belongs to the stream whose request made it,
+  and a request takes only free blocks of its own stream (the allocator's pools are sorted by
+  stream first), so what one stream frees another does not reuse until the cache is released
+  (FSDP2 gathers weights and reduces gradients on streams of its own);
 - among equal free blocks the lowest address is taken, so where the driver put each segment
   decides which one a request splits: :class:`DriverAddresses` places them as the CUDA driver
   does (its first reservation filled from its start, then new ones below the last).
@@ -29,6 +33,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "AllocatorPeak",
@@ -74,11 +79,13 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
     base: int = 0  # its segment's address (the card's, or DriverAddresses' stand-in)
+    stream: int = 0  # the stream whose request made its segment
 
-    def key(self) -> tuple[int, int, int]:
-        # The card's best fit: the smallest block that holds the request, the lowest address
-        # among equal sizes (the segment, in case two stand-in addresses coincide).
-        return (self.size, self.base + self.offset, self.segment)
+    def key(self) -> tuple[int, int, int, int]:
+        # The card's best fit: among its own stream's blocks, the smallest that holds the
+        # request, the lowest address among equal sizes (the segment, in case two stand-in
+        # addresses coincide).
+        return (self.stream, self.size, self.base + self.offset, self.segment)
 
 
 @dataclass
@@ -143,7 +150,7 @@ class CachingAllocatorModel:
     peak_settled: int = 0  # the reserved peak outside benchmark trials (:meth:`trial`)
     limit: int | None = None  # the bytes the allocator may reserve (None: no limit)
     over_limit: int = 0  # requests that did not fit under the limit even with the cache released
-    _free: dict[bool, list[tuple[tuple[int, int, int], _Block]]] = field(
+    _free: dict[bool, list[tuple[tuple[int, int, int, int], _Block]]] = field(
         default_factory=lambda: {True: [], False: []}
     )
     _live: dict[object, _Block] = field(default_factory=dict)
@@ -155,16 +162,22 @@ class CachingAllocatorModel:
     segment_address: Callable[[int], int] | None = None
     driver: DriverAddresses = field(default_factory=DriverAddresses)
 
-    def malloc(self, key: object, nbytes: int, *, trial: bool = False) -> None:
-        """Allocate ``nbytes`` under ``key``; a benchmark ``trial``'s (:meth:`trial`) reserved
-        bytes are left out of ``peak_settled``."""
+    def malloc(self, key: object, nbytes: int, *, trial: bool = False, stream: int = 0) -> None:
+        """Allocate ``nbytes`` under ``key`` on ``stream`` (0: the default stream); a benchmark
+        ``trial``'s (:meth:`trial`) reserved bytes are left out of ``peak_settled``.
+
+        >>> m = CachingAllocatorModel()
+        >>> m.malloc("gathered", 30 * 2**20, stream=1); m.free("gathered")
+        >>> m.malloc("activation", 30 * 2**20); m.reserved // 2**20  # not the freed block
+        60
+        """
         if nbytes <= 0:
             return  # an empty storage holds no memory
         if key in self._live:
             raise ValueError(f"allocation {key!r} is already live")
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._best_fit(small, size)
+        block = self._best_fit(small, size, stream)
         if block is None:
             seg = segment_size(size)
             self.over_limit += not self._room_for(seg)
@@ -172,7 +185,7 @@ class CachingAllocatorModel:
             self.reserved += seg
             index = len(self._segments) - 1
             base = self.segment_address(index) if self.segment_address else self.driver.place(seg)
-            block = _Block(index, 0, seg, small, base=base)
+            block = _Block(index, 0, seg, small, base=base, stream=stream)
         else:
             self._remove_free(block)
         remaining = block.size - size
@@ -186,6 +199,7 @@ class CachingAllocatorModel:
                 block,
                 block.next,
                 block.base,
+                block.stream,
             )
             if block.next is not None:
                 block.next.prev = rest
@@ -208,7 +222,7 @@ class CachingAllocatorModel:
         self.empty_cache()
         return self.reserved + segment <= self.limit
 
-    def trial(self, key: object, nbytes: int) -> int:
+    def trial(self, key: object, nbytes: int, stream: int = 0) -> int:
         """cuDNN's benchmark-mode workspace of ``nbytes``, as PyTorch asks for it: where a new
         segment would take the reserved bytes past the ``limit``, the allocator first releases
         its cached segments, then the request fails and PyTorch halves it, until it fits (never
@@ -221,8 +235,9 @@ class CachingAllocatorModel:
         """
         while nbytes:
             size = round_size(nbytes)
-            if self._best_fit(size <= SMALL_SIZE, size) or self._room_for(segment_size(size)):
-                self.malloc(key, nbytes, trial=True)
+            fits = self._best_fit(size <= SMALL_SIZE, size, stream)
+            if fits or self._room_for(segment_size(size)):
+                self.malloc(key, nbytes, trial=True, stream=stream)
                 break
             nbytes //= 2
         return nbytes
@@ -270,10 +285,12 @@ class CachingAllocatorModel:
         blocks += [b for b in self._live.values() if b.segment == segment]
         return [(b.size, not b.free) for b in sorted(blocks, key=lambda b: b.offset)]
 
-    def _best_fit(self, small: bool, size: int) -> _Block | None:
+    def _best_fit(self, small: bool, size: int, stream: int) -> _Block | None:
         pool = self._free[small]
-        i = bisect.bisect_left(pool, ((size, -1, -1),))
-        return pool[i][1] if i < len(pool) else None
+        i = bisect.bisect_left(pool, ((stream, size, -1, -1),))
+        if i < len(pool) and pool[i][1].stream == stream:
+            return pool[i][1]
+        return None
 
     def _add_free(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.key(), block), key=lambda e: e[0])
@@ -286,22 +303,26 @@ class CachingAllocatorModel:
         del pool[i]
 
 
-def simulate(events: Iterable[tuple[str, object, int]], limit: int | None = None) -> AllocatorPeak:
+def simulate(events: Iterable[tuple[str, Any, int]], limit: int | None = None) -> AllocatorPeak:
     """Replay ``("malloc", key, bytes)`` and ``("free", key, 0)`` events, cuDNN's benchmark
-    trials (``("trial", key, bytes)``, halved to fit ``limit`` bytes reserved) and emptied
-    caches (``("empty_cache", None, 0)``); return the peaks (and how many requests would run
-    out under ``limit``).
+    trials (``("trial", key, bytes)``, halved to fit ``limit`` bytes reserved), emptied
+    caches (``("empty_cache", None, 0)``) and changes of the current stream
+    (``("stream", number, 0)``: the requests after it are that stream's, 0 the default one);
+    return the peaks (and how many requests would run out under ``limit``).
 
     >>> simulate([("malloc", "a", 6 * 2**20), ("malloc", "b", 6 * 2**20), ("free", "a", 0),
     ...           ("malloc", "c", 7 * 2**20), ("malloc", "d", 7 * 2**20)]).reserved_bytes // 2**20
     40
     """
     model = CachingAllocatorModel(limit=limit)
+    stream = 0
     for op, key, nbytes in events:
         if op == "malloc":
-            model.malloc(key, nbytes)
+            model.malloc(key, nbytes, stream=stream)
         elif op == "trial":
-            model.trial(key, nbytes)
+            model.trial(key, nbytes, stream)
+        elif op == "stream":
+            stream = key
         elif op == "empty_cache":
             model.empty_cache()
         else:

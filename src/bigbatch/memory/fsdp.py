@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fake_ranks", "local_shard", "shard_decoder_layers", "storage_resizes"]
+__all__ = ["StreamNumbers", "fake_ranks", "local_shard", "shard_decoder_layers", "storage_resizes"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,33 @@ def shard_decoder_layers(
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+class StreamNumbers:
+    """The stream a traced step is on now, as a number (0: the one current when this is made,
+    the default stream; others from 1 in the order first seen). FSDP2 gathers weights and reduces gradients on streams of its own,
+    and on a GPU the caching allocator keeps each stream's blocks apart; a trace runs on the
+    CPU, where FSDP2 enters ``torch.cpu``'s stand-in streams at the same places, so the trace
+    can say which stream each allocation is on.
+
+    >>> streams = StreamNumbers()
+    >>> with torch.cpu.stream(torch.cpu.Stream()):
+    ...     inside = streams.current()
+    >>> inside, streams.current()
+    (1, 0)
+    """
+
+    def __init__(self) -> None:
+        default = torch.cpu.current_stream()
+        # Each stream held beside its number, so that its id() is not reused by another.
+        self._numbers: dict[int, tuple[int, object]] = {id(default): (0, default)}
+
+    def current(self) -> int:
+        """The number of the stream that is current now."""
+        stream = torch.cpu.current_stream()
+        if id(stream) not in self._numbers:
+            self._numbers[id(stream)] = (len(self._numbers), stream)
+        return self._numbers[id(stream)][0]
 
 
 @contextlib.contextmanager

@@ -696,7 +696,7 @@ def _traced_note(ranks: int) -> str:
     return (
         f"FSDP2 over {ranks} ranks, traced as one rank on a fake process group: its shards of "
         "the weights, gradients and optimizer state, each layer's all-gather and reduce-scatter "
-        "buffers while they live (CUDA's separate communication streams not modelled)"
+        "buffers while they live, on FSDP2's own CUDA streams"
     )
 
 

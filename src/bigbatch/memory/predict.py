@@ -36,7 +36,7 @@ from bigbatch.memory.cuda_allocator import simulate
 from bigbatch.memory.cuda_autocast import cuda_autocast_rules
 from bigbatch.memory.cuda_runtime import CudaLibraries
 from bigbatch.memory.fake_branches import real_branches
-from bigbatch.memory.fsdp import local_shard, storage_resizes
+from bigbatch.memory.fsdp import StreamNumbers, local_shard, storage_resizes
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.meta import build_on_meta, to_empty_shared, unfakeable_op
 from bigbatch.memory.step import (
@@ -247,8 +247,11 @@ class _StorageTracker(TorchDispatchMode):
         self._refs: dict[int, list[tuple[weakref.ref[Any], int]]] = {}
         self._holders: dict[int, int] = {}  # uid -> storages beyond its first that hold it
         self._next_uid = 0
-        # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model.
+        # ("malloc", uid, bytes) / ("free", uid, 0) in order, for the CUDA allocator model,
+        # with ("stream", number, 0) where the current stream changes (FSDP2's).
         self.events: list[tuple[str, Any, int]] | None = None
+        self.streams = StreamNumbers()
+        self.stream = 0  # the stream the events are on
         self.cuda: CudaLibraries | None = None  # with events: cuBLAS's and cuDNN's memory
         self.observing = True  # False: tensors are tracked, the peak is not moved
         self.resized_uids: set[int] = set()  # storages resized in place (FSDP2's unsharded)
@@ -279,10 +282,18 @@ class _StorageTracker(TorchDispatchMode):
         self.live[uid] = (n, self.phase)
         self.live_bytes += n
         if self.events is not None:
+            self._follow_stream()
             self.events.append(("malloc", uid, n))
         if self.log is not None:
             self.log.append(("add", uid, n, self.phase, self.observing))
         self._observe(0)
+
+    def _follow_stream(self) -> None:
+        """Put the allocations that follow on the stream that is current now."""
+        stream = self.streams.current()
+        if stream != self.stream and self.events is not None:
+            self.events.append(("stream", stream, 0))
+            self.stream = stream
 
     def _rounded(self, n: int) -> int:
         if self.round_to > 1:
@@ -404,6 +415,7 @@ class _StorageTracker(TorchDispatchMode):
             # none and they allocate nothing.
             return func(*args, **(kwargs or {}))
         if self.cuda is not None and self.events is not None:
+            self._follow_stream()
             self.events += self.cuda.before(str(func), self.phase)
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -432,6 +444,7 @@ class _StorageTracker(TorchDispatchMode):
             # The kernel's scratch memory was alive together with its outputs.
             self._observe(self.calibration.workspace(matched, self.batch_size))
         if self.cuda is not None and self.events is not None:
+            self._follow_stream()
             self.events += self.cuda.after(str(func), args, out)
         if counted:
             self.op_index += 1
