@@ -78,7 +78,16 @@ class NonFiniteGradientWarning(UserWarning):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step did (returned by :meth:`Accumulator.step`)."""
+    """What one optimizer step did (returned by :meth:`Accumulator.step`).
+
+    >>> model = torch.nn.Linear(3, 1)
+    >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> for x in (torch.ones(2, 3), torch.ones(5, 3)):
+    ...     acc.backward(model(x).pow(2).mean(), count=len(x))
+    >>> result = acc.step()
+    >>> result.optimizer_step, result.micro_batches, result.count, result.skipped
+    (1, 2, 7.0, False)
+    """
 
     optimizer_step: int  # the optimizer step counter after this step
     micro_batches: int  # micro-batches in the window (on this rank)

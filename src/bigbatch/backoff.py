@@ -39,13 +39,23 @@ log = logging.getLogger("bigbatch")
 
 
 class OutOfMemoryAtMinimumError(RuntimeError):
-    """Out of memory even at the smallest micro-batch."""
+    """Out of memory even at the smallest micro-batch; its message says what to try.
+
+    >>> OOMBackoff(micro_batch=1).shrink(0, "CUDA out of memory")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    bigbatch.backoff.OutOfMemoryAtMinimumError: out of memory even at micro-batch 1: ...
+    """
 
 
 class OneDNNStuckError(OutOfMemoryAtMinimumError):
     """After an out-of-memory error, oneDNN cannot build CPU kernels in this process any more
     (:func:`bigbatch.device.onednn_stuck`): no micro-batch of a new size can run here; a new
-    process can."""
+    process can. Its message says how to go on from the last checkpoint.
+
+    >>> issubclass(OneDNNStuckError, OutOfMemoryAtMinimumError)  # caught where that is
+    True
+    """
 
 
 def _check_onednn(failure: str, size: int, what: str) -> None:
@@ -77,6 +87,14 @@ class OOMBackoff:
     ``micro_batch`` starts at your (or the planner's) choice; ``max_micro_batch`` caps growing
     back (default: the starting size); ``grow_after`` clean windows trigger a try at double the
     size (0 disables growing); each OOM after a grow doubles the wait, so it cannot flap.
+    :func:`run_window` calls it; the update is the same at every size.
+
+    >>> backoff = OOMBackoff(micro_batch=32, grow_after=2)
+    >>> backoff.shrink(optimizer_step=5, detail="CUDA out of memory")
+    16
+    >>> backoff.window_done(6); backoff.window_done(7)
+    >>> backoff.micro_batch, [event.reason for event in backoff.events]
+    (32, ['oom', 'grow'])
     """
 
     micro_batch: int
@@ -306,7 +324,12 @@ class EvalBackoff:
     """Evaluation's OOM back-off (:func:`infer_fitting`): ``chunk`` is the most samples one
     forward pass takes (None: whole batches); an OOM halves it, and it stays halved for the
     rest of the pass. No weight, statistic or metric depends on it: eval mode's outputs are
-    each sample's own (up to the kernels' round-off at another batch size)."""
+    each sample's own (up to the kernels' round-off at another batch size).
+
+    >>> backoff = EvalBackoff(chunk=64)  # at most 64 samples a forward pass
+    >>> infer_fitting(lambda x: x + 1, torch.zeros(100, 2), backoff).shape
+    torch.Size([100, 2])
+    """
 
     chunk: int | None = None
     events: list[BackoffEvent] = field(default_factory=list)

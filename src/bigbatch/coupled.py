@@ -157,6 +157,14 @@ def cached_backward(
     ``gather=True`` under torch.distributed: every rank's representations (and targets) join the
     loss, so the negatives are the global batch; the gradient of each row flows back to its rank.
     Put autocast inside ``encode`` and ``loss_fn`` where you want it.
+
+    >>> encoder = nn.Linear(8, 4)
+    >>> acc = Accumulator(torch.optim.SGD(encoder.parameters(), lr=0.1))
+    >>> pairs = torch.randn(6, 2, 8)  # two views of 6 samples, in micro-batches of 3
+    >>> encode = lambda p: (encoder(p[:, 0]), encoder(p[:, 1]))
+    >>> loss = cached_backward(acc, encode, info_nce, [pairs[:3], pairs[3:]])
+    >>> torch.allclose(loss, info_nce(*encode(pairs))), acc.step().count  # the big batch's loss
+    (True, 6.0)
     """
     if not isinstance(micro_batches, Sequence) or isinstance(micro_batches, str | bytes):
         raise TypeError(
@@ -247,7 +255,15 @@ def supervised_contrastive(
     z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.2
 ) -> torch.Tensor:
     """Supervised contrastive loss (Khosla et al., 2020): rows with the same label are each
-    other's positives, all other rows of the batch negatives. It couples the samples."""
+    other's positives, all other rows of the batch negatives. It couples the samples, so a
+    window accumulates it with :func:`cached_backward`.
+
+    >>> z = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    >>> together = supervised_contrastive(z, torch.tensor([0, 0, 1, 1]))
+    >>> apart = supervised_contrastive(z, torch.tensor([0, 1, 0, 1]))
+    >>> bool(together < apart), supervised_contrastive.couples_samples
+    (True, True)
+    """
     z = F.normalize(z, dim=1)
     self_mask = torch.eye(len(z), dtype=torch.bool, device=z.device)
     sim = (z @ z.T / temperature).masked_fill(self_mask, torch.finfo(z.dtype).min)

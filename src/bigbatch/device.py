@@ -96,7 +96,12 @@ DEVICE_KINDS = {
 
 
 def device_kind(device: str | torch.device) -> DeviceKind:
-    """The policy of ``device``'s kind (``"cuda:1"`` is ``cuda``'s)."""
+    """The policy of ``device``'s kind (``"cuda:1"`` is ``cuda``'s).
+
+    >>> kind = device_kind("cuda:1")
+    >>> kind.name, kind.allocator_block, device_kind("cpu").dedicated_memory
+    ('cuda', 512, False)
+    """
     name = torch.device(device).type
     if name not in DEVICE_KINDS:
         raise ValueError(f"bigbatch trains on {', '.join(DEVICE_KINDS)}, not {name}")

@@ -120,7 +120,14 @@ def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 class TensorBoardTracker:
     """TensorBoard's event files in ``folder`` (``SummaryWriter``): scalars by step, the
-    parameters as hyper-parameters and as a text table. A resumed run appends to the folder."""
+    parameters as hyper-parameters and as a text table. A resumed run appends to the folder.
+
+    >>> import tempfile
+    >>> tracker = TensorBoardTracker(Path(tempfile.mkdtemp()))
+    >>> tracker.log_params({"lr": 0.1, "plan": {"micro_batch": 8}})
+    >>> tracker.log_metrics({"loss": 0.5}, step=1)
+    >>> tracker.close()
+    """
 
     name = "tensorboard"
 
@@ -154,7 +161,15 @@ class TensorBoardTracker:
 class WandbTracker:
     """A Weights & Biases run (``wandb.init``), offline unless ``WANDB_MODE`` says otherwise,
     its files under ``folder/wandb``; ``run_id`` resumes it. Project: ``WANDB_PROJECT`` or
-    bigbatch."""
+    bigbatch.
+
+    >>> import tempfile
+    >>> tracker = WandbTracker(Path(tempfile.mkdtemp()))  # offline: nothing leaves the machine
+    >>> tracker.log_metrics({"loss": 0.5}, step=1)
+    >>> tracker.close()
+    >>> tracker.mode, bool(tracker.run_id)  # `wandb sync` uploads it later
+    ('offline', True)
+    """
 
     name = "wandb"
 
@@ -213,7 +228,15 @@ def _local_file_store() -> Iterator[None]:
 class MLflowTracker:
     """An MLflow run (``MlflowClient``): in ``MLFLOW_TRACKING_URI``'s server, else a local file
     store in ``folder``; experiment ``MLFLOW_EXPERIMENT_NAME`` or bigbatch; ``run_id`` resumes
-    it. The store's URI is :attr:`tracking_uri` (``mlflow ui --backend-store-uri``)."""
+    it. The store's URI is :attr:`tracking_uri` (``mlflow ui --backend-store-uri``).
+
+    >>> import tempfile
+    >>> tracker = MLflowTracker(Path(tempfile.mkdtemp()))
+    >>> tracker.log_metrics({"loss": 0.5}, step=1)
+    >>> tracker.close()
+    >>> tracker.tracking_uri.startswith("file:")  # no MLFLOW_TRACKING_URI: a local store
+    True
+    """
 
     name = "mlflow"
 
@@ -364,6 +387,17 @@ class WindowLog:
         log.add(result, samples=len(y), extra={"lr": scheduler.get_last_lr()[0]})
         ...
         log.flush()  # at the end (or before evaluation)
+
+    >>> import torch
+    >>> from bigbatch import Accumulator
+    >>> model = torch.nn.Linear(2, 1)
+    >>> acc = Accumulator(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> log = WindowLog(lambda metrics, step: print(step, sorted(metrics)), every=2)
+    >>> for _ in range(2):
+    ...     acc.backward(model(torch.ones(4, 2)).mean(), count=4)
+    ...     log.add(acc.step(), samples=4)
+    1 ['loss', 'samples_seen']
+    2 ['loss', 'samples_seen']
     """
 
     def __init__(self, send: Callable[[dict[str, float], int], None], *, every: int = 10):

@@ -170,7 +170,12 @@ def plan_learner(
     Then rebuild the loaders with ``bs=plan.micro_batch`` and train with
     ``ExactGradientAccumulation(n_acc=target_batch)``. Returns a
     :class:`bigbatch.memory.plan.Plan` (``plan.summary()`` says why). ``overhead``: bytes the
-    process holds besides the step (default: measured, as ``bigbatch plan`` does).
+    process holds besides the step (default: measured, as ``bigbatch plan`` does). With a
+    ``Learner`` already built::
+
+        plan = plan_learner(learn, target_batch=256, budget="16GB", device="cuda")
+        learn.dls = dblock.dataloaders(path, bs=plan.micro_batch)
+        learn.fit_one_cycle(5, cbs=ExactGradientAccumulation(n_acc=256))
     """
     import copy
 

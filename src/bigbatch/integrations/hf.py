@@ -310,6 +310,21 @@ def train_with_backoff(
 
     ``make_trainer`` builds the Trainer (model, data, callbacks) for the arguments it is given:
     a new one each try, as a retry needs the micro-batch in its data loader.
+
+    >>> from types import SimpleNamespace
+    >>> class Trainer:  # stands in for transformers.Trainer: out of memory above 2 sequences
+    ...     def __init__(self, args):
+    ...         self.args = args
+    ...     def train(self, resume_from_checkpoint=None):
+    ...         if self.args.per_device_train_batch_size > 2:
+    ...             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    ...         return "trained"
+    >>> args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2,
+    ...                        output_dir="a-folder-not-made-yet")
+    >>> train_with_backoff(Trainer, args)
+    out of memory at micro-batch 8: again at 4 x 4 accumulation, the same global batch
+    out of memory at micro-batch 4: again at 2 x 8 accumulation, the same global batch
+    'trained'
     """
     from transformers.trainer_utils import get_last_checkpoint
 

@@ -246,7 +246,14 @@ def exact_backward(
     weight: float | torch.Tensor | None = None,
 ) -> None:
     """Backpropagate one batch's loss inside ``training_step``, weighted by its true count, and
-    step the optimizer when the window is full (see :class:`ExactAccumulation`).
+    step the optimizer when the window is full (see :class:`ExactAccumulation`). In a
+    ``LightningModule`` with ``self.automatic_optimization = False``::
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            exact_backward(self, F.cross_entropy(self(x), y), count=len(y))
+
+    and ``L.Trainer(callbacks=[ExactAccumulation(4)])``.
 
     Say what the loss averages over as with :meth:`bigbatch.Accumulator.backward`:
     ``count=len(y)``, ``labels=labels`` (tokens), ``labels=labels, shift=True`` (a causal LM that

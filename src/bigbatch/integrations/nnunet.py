@@ -88,7 +88,10 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
     and ``micro_batch`` (0: planned) are attributes, set before training, or read from the
     environment (``BIGBATCH_BUDGET``, ``BIGBATCH_MICRO_BATCH``) where nnU-Net builds the trainer
     itself. Everything nnU-Net prints and writes stays nnU-Net's, plus one line with the
-    micro-batch and the predicted peak.
+    micro-batch and the predicted peak. ``bigbatch nnunet train`` runs it (nnU-Net's own
+    ``nnUNetv2_train`` looks for trainers only inside its package)::
+
+        bigbatch nnunet train 987 3d_fullres 0 --budget 16GB
     """
 
     # nnU-Net reads this signature to re-create the trainer from a checkpoint: its own.
@@ -403,7 +406,11 @@ def plan_tiles(predictor: Any, budget: str, *, largest: int = 64) -> tuple[int, 
     ``budget`` on its device: nnU-Net's network in eval mode without gradients (fp16 on CUDA, as
     nnU-Net autocasts there), beside the weights and, where nnU-Net keeps them on the device,
     the median volume's input, logits and counts; and the line that says so. 1 where even one
-    patch is predicted over (the back-off and nnU-Net's CPU fallback then guard it)."""
+    patch is predicted over (the back-off and nnU-Net's CPU fallback then guard it). With an
+    ``nnUNetPredictor`` initialised from a trained model folder::
+
+        tiles, line = plan_tiles(predictor, "16GB")  # what `bigbatch nnunet predict` does
+    """
     from nnunetv2.utilities.label_handling.label_handling import determine_num_input_channels
 
     from bigbatch.memory.evaluate import plan_evaluation_batch, predict_evaluation_peak
@@ -458,7 +465,10 @@ def predict_folds(
     """``bigbatch nnunet predict``: the folds ``nnUNetTrainerBigBatch`` trained predict the
     images in ``inputs`` (nnU-Net's raw layout, ``CASE_0000.nii.gz`` ...) into ``output``, as
     ``nnUNetv2_predict -tr nnUNetTrainerBigBatch`` would, with ``tiles`` patches a forward pass
-    (0: planned under ``budget``); returns the output folder."""
+    (0: planned under ``budget``); returns the output folder. With ``nnUNet_results`` set::
+
+        predict_folds(987, "3d_fullres", "imagesTs", "predictions", folds=(0, 1), budget="16GB")
+    """
     from nnunetv2.utilities.file_path_utilities import get_output_folder
 
     if step_size <= 0 or step_size > 1:
@@ -511,7 +521,12 @@ def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
 def plan_configuration(trainer: nnUNetTrainer, budget: str | int, device: str = "") -> Plan:
     """The micro-batch of ``trainer``'s plan (network, patch, batch size, deep supervision, its
     loss) that fits ``budget`` on ``device`` (default: the trainer's), predicted on fake
-    tensors: nnU-Net's own training step, with SGD's momentum as its optimizer keeps it."""
+    tensors: nnU-Net's own training step, with SGD's momentum as its optimizer keeps it. For
+    a trainer nnU-Net built (``trainer.initialize()`` not needed)::
+
+        plan = plan_configuration(trainer, "24GB", "cuda")
+        print(plan.summary())  # micro-batch x accumulation for the plan's batch size
+    """
     device = device or trainer.device.type
     spec_at = _spec_at(trainer, device)
     usable_budget = resolve_budget(budget, device)
@@ -709,7 +724,12 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
     """For each plans file of a preprocessed dataset (nnU-Net's default, the residual-encoder
     presets the user generated) and each of its configurations: the predicted peak of nnU-Net's
     training step on ``device`` at its batch size, and the micro-batch that fits ``budget``.
-    Nothing runs on a device: the networks are built on the meta device."""
+    Nothing runs on a device: the networks are built on the meta device. With
+    ``nnUNet_preprocessed`` set and the dataset planned (``nnUNetv2_plan_and_preprocess``)::
+
+        for row in plan_dataset(987, "16GB"):  # bigbatch nnunet plan 987 --budget 16GB
+            print(row["configuration"], row["batch_size"], row["micro_batch"], row["fits"])
+    """
     from batchgenerators.utilities.file_and_folder_operations import join, load_json
     from nnunetv2.paths import nnUNet_preprocessed
     from nnunetv2.utilities.dataset_name_id_conversion import maybe_convert_to_dataset_name
@@ -809,7 +829,9 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
     the feature-map proxy: a plan for ``gpu_memory_target_in_gb`` uses what that card holds,
     less the CUDA context and the plan's margin. Its plans are ``nnUNetBigBatchPlans``.
 
-    ``plan_experiment_dataset(4, nnUNetPlannerBigBatch, 12)`` plans dataset 4 for 12 GB.
+    Dataset 4 planned for a 12 GB card::
+
+        plan_experiment_dataset(4, nnUNetPlannerBigBatch, 12)
     """
 
     def __init__(

@@ -33,7 +33,12 @@ def plan_step_spec(
     """nnU-Net's training step for a plan being made, as its trainer runs it: DC+CE on every
     deep supervision output (the lowest weighted 0, as nnU-Net's trainer weighs them), batch
     Dice for a 2D patch, fp16 autocast on CUDA, SGD with momentum. What the planner predicts at
-    each candidate batch, and ``make gpu-evidence``'s nnU-Net rows record on a card."""
+    each candidate batch, and ``make gpu-evidence``'s nnU-Net rows record on a card. As the
+    planner ``nnUNetPlannerBigBatch`` uses it, for the network a plan describes::
+
+        spec = plan_step_spec(build, (128, 128, 128), 1, 3, arch_kwargs)
+        predict_peak(replace(spec, batch_size=2)).planning_bytes
+    """
     from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
     from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
     from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss

@@ -348,6 +348,13 @@ def lm_spec_at(
     that decides the peak), with one pad token (a micro-batch of several sequences has some:
     transformers then builds the attention mask, and SDPA takes it); packed ones one row of ``b * seq_len``
     tokens whose ``position_ids`` restart at each sequence.
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                                num_attention_heads=4, vocab_size=100)
+    >>> spec = lm_spec_at(cfg, LMSetup(seq_len=32), device="cpu", precision="fp32")(4)
+    >>> spec.batch_size, spec.input_shape, spec.name  # predict_peak(spec) predicts it
+    (4, (32,), 'llama full fine-tune, 32 tokens, padded')
     """
     vocab = int(config.vocab_size)
     length = setup.seq_len
@@ -406,7 +413,13 @@ def lm_spec_at(
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """A built model's weights, by what training and sharding do with them (bytes)."""
+    """A built model's weights, by what training and sharding do with them (bytes;
+    :func:`model_sizes`).
+
+    >>> sizes = model_sizes(nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)])))
+    >>> sizes.layer, sizes.root, sizes.trainable_count
+    (80, 80, 40)
+    """
 
     parameters: int
     trainable: int  # adapters (LoRA), or every weight (full fine-tune)
@@ -504,7 +517,18 @@ def per_rank_bytes(
 @dataclass
 class LMPlan:
     """A language-model plan: the micro-batch and accumulation per rank for a global batch of
-    sequences, and the per-rank peak with its parts."""
+    sequences, and the per-rank peak with its parts (:func:`plan_lm`).
+
+    >>> import transformers
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                                num_attention_heads=4, vocab_size=100)
+    >>> p = plan_lm(cfg, LMSetup(seq_len=32, lora_r=4), 8, "64MB", device="cpu", precision="fp32",
+    ...             overhead=0)
+    >>> (p.micro_batch, p.accumulation), p.sizes.trainable_count, p.peak_bytes <= p.usable_bytes
+    ((8, 1), 8704, True)
+    >>> list(p.parts())[:4]
+    ['weights', 'adapters', 'gradients', 'optimizer_state']
+    """
 
     setup: LMSetup
     model_type: str

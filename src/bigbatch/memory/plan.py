@@ -64,7 +64,15 @@ class DoesNotFitError(ValueError):
 
 @dataclass
 class Plan:
-    """The chosen micro-batch and accumulation, with the prediction behind them."""
+    """The chosen micro-batch and accumulation, with the prediction behind them
+    (:func:`plan_micro_batch`, :func:`plan_under_budget`).
+
+    >>> import torch
+    >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
+    >>> plan = plan_micro_batch(spec, 256, "1GB", overhead=0)
+    >>> plan.micro_batch * plan.micro_batches, plan.predicted_peak_bytes <= plan.usable_bytes
+    (256, True)
+    """
 
     micro_batch: int  # samples in one micro-batch (its size)
     micro_batches: int  # micro-batches per optimizer step (Accumulator(micro_batches=...))

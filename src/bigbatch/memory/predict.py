@@ -55,7 +55,15 @@ __all__ = ["MemoryPrediction", "predict_peak"]
 
 @dataclass
 class MemoryPrediction:
-    """Predicted peak of a training step, and what it is made of at that moment."""
+    """Predicted peak of a training step, and what it is made of at that moment
+    (:func:`predict_peak`).
+
+    >>> p = predict_peak(StepSpec(lambda: nn.Linear(1024, 1024), (1024,), 32, optimizer="adam"))
+    >>> p.parameters == 1024 * 1025 * 4, p.optimizer_state // p.parameters
+    (True, 2)
+    >>> p.peak_bytes == sum(p.parts().values())
+    True
+    """
 
     peak_bytes: int
     parameters: int

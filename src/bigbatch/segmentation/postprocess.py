@@ -41,7 +41,11 @@ MIN_SIZE_SHARES = (0.0, 0.005, 0.01, 0.025, 0.05, 0.1)
 @dataclass(frozen=True)
 class ClassRule:
     """How one class's probabilities become its mask: above ``threshold``, then connected
-    components of fewer than ``min_size`` pixels (at the mask size) dropped."""
+    components of fewer than ``min_size`` pixels (at the mask size) dropped.
+
+    >>> ClassRule(threshold=0.35, min_size=10_000)
+    ClassRule(threshold=0.35, min_size=10000)
+    """
 
     threshold: float = 0.5
     min_size: int = 0
@@ -100,7 +104,14 @@ def apply_rules(probs: np.ndarray, rules: Sequence[ClassRule]) -> np.ndarray:
 def pair_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """The Dice of every image-class pair, ``(N, C)`` float64, of (N, C, H, W) boolean masks;
     an empty prediction of an empty mask scores 1 (MONAI's ``compute_dice``,
-    ``ignore_empty=False``)."""
+    ``ignore_empty=False``).
+
+    >>> truth = np.zeros((2, 1, 4, 4), bool)
+    >>> truth[0, 0, :1] = True  # the second image has none of the class
+    >>> predicted = np.zeros_like(truth)
+    >>> predicted[0, 0, :2] = True
+    >>> pair_dice(predicted, truth).round(3).tolist()
+    [[0.667], [1.0]]"""
     from monai.metrics import compute_dice
 
     scores = compute_dice(
@@ -131,7 +142,15 @@ def tune_rules(
 ) -> tuple[list[ClassRule], np.ndarray]:
     """Each class's rule that scores best on the validation set (``probs`` and ``truth``
     (N, C, H, W) at the submission's mask size), and its score; ties keep the lower threshold
-    and the smaller size."""
+    and the smaller size.
+
+    >>> truth = np.zeros((1, 1, 4, 4), bool)
+    >>> truth[0, 0, 0] = True
+    >>> probs = np.zeros((1, 1, 4, 4))
+    >>> probs[0, 0, 0], probs[0, 0, 1] = 0.9, 0.4
+    >>> rules, scores = tune_rules(probs, truth)
+    >>> rules, scores.tolist()
+    ([ClassRule(threshold=0.4, min_size=0)], [1.0])"""
     if probs.shape != truth.shape:
         raise ValueError(f"probabilities {probs.shape} and masks {truth.shape} differ in shape")
     area = probs.shape[-2] * probs.shape[-1]
@@ -160,7 +179,16 @@ def save_rules(
     mask_size: tuple[int, int],
 ) -> None:
     """``postprocess.json``: each class's rule and validation score, and the mask size they
-    were chosen at (a rule's ``min_size`` counts pixels at that size), written atomically."""
+    were chosen at (a rule's ``min_size`` counts pixels at that size), written atomically;
+    :func:`load_rules` reads it back.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "postprocess.json"
+    >>> rules = [ClassRule(0.4, 100), ClassRule()]
+    >>> save_rules(path, ["Fish", "Flower"], rules, [0.61, 0.55], (350, 525))
+    >>> load_rules(path, ["Flower"])
+    ([ClassRule(threshold=0.5, min_size=0)], (350, 525))
+    """
     from bigbatch.io import atomic_write_text
 
     body = {
@@ -174,8 +202,18 @@ def save_rules(
 
 
 def load_rules(path: str | Path, classes: Sequence[str]) -> tuple[list[ClassRule], tuple[int, int]]:
-    """The rules of ``classes`` from ``postprocess.json``, and their mask size; a class it does
-    not hold is refused (it was not seen in training)."""
+    """The rules of ``classes`` from ``postprocess.json`` (:func:`save_rules`), and their mask
+    size; a class it does not hold is refused (it was not seen in training), and so is a rule
+    out of range (a hand edit).
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "postprocess.json"
+    >>> save_rules(path, ["Fish"], [ClassRule(0.4, 100)], [0.61], (350, 525))
+    >>> load_rules(path, ["Gravel"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: class 'Gravel' was not seen in training (...postprocess.json holds Fish): ...
+    """
     fix = (
         "bigbatch train writes it after training; restore it from a copy, or delete it to "
         "predict with a 0.5 threshold and no component dropped"

@@ -143,7 +143,11 @@ def rle_runs(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.nd
 
 def rle_decode(rle: str, shape: tuple[int, int], where: str = "the mask") -> np.ndarray:
     """The boolean mask of ``shape`` (height, width) an encoding describes; ``where`` names it
-    in errors (a CSV row)."""
+    in errors (a CSV row).
+
+    >>> rle_decode("2 3", (2, 3)).astype(int).tolist()  # pixels 2-4, 1-based, down the columns
+    [[0, 1, 0], [1, 1, 0]]
+    """
     runs = rle_runs(rle, shape, where)
     size = shape[0] * shape[1]
     flat = np.zeros(size + 1, dtype=np.int8)
@@ -321,6 +325,15 @@ def write_rle_csv(
 ) -> int:
     """Write a submission in ``layout``: a row for every image and class (an empty cell for an
     empty mask), in the order given. Returns the number of rows. The caller writes atomically.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "submission.csv"
+    >>> fish = rle_decode("2 3", (2, 3))
+    >>> write_rle_csv(path, "image_label", ["Fish", "Sugar"],
+    ...               [("a.jpg", {"Fish": fish, "Sugar": np.zeros_like(fish)})])
+    2
+    >>> path.read_text().splitlines()
+    ['Image_Label,EncodedPixels', 'a.jpg_Fish,2 3', 'a.jpg_Sugar,']
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, got {layout!r}")

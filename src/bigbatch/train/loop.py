@@ -88,7 +88,11 @@ def train(
     The run folder is locked for the whole run (a second ``train`` on it fails at once), and
     every check that needs no training (config, folder, data, model, plan) runs first. Under
     torchrun it joins the process group (when the caller has not) and leaves it open, so
-    one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`)."""
+    one process can train several runs; the caller ends it (see :func:`bigbatch.cli.main.console`).
+    From a notebook, as ``bigbatch train run.toml --out runs/b lr=0.001`` does::
+
+        result = train(load_config("run.toml", ["lr=0.001"]), "runs/b")  # result.best_metric
+    """
     cfg.validate()
     cfg = cfg.with_absolute_paths()  # predict, ensemble and --resume find the data from anywhere
     rank, world = init_distributed(cfg)

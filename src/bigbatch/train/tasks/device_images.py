@@ -7,17 +7,7 @@ the GPU fed. The augmentation is the CPU pipeline's (timm's random resized crop 
 flip), drawn from the same seeded generators in the same order: a sample gets the same crop and
 flip either way; only decoding and resampling round-off differ. Files the GPU does not decode
 (PNG, a rotated or CMYK photo, a colour JPEG in a greyscale set) are decoded by the worker and
-augmented on the device like the others.
-
->>> import tempfile, numpy as np
->>> from PIL import Image
->>> path = Path(tempfile.mkdtemp()) / "a.jpg"
->>> Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(path)
->>> images = EncodedImages([path], [0])
->>> batch = collate_encoded([images[0]])
->>> x, y = DeviceAugment(32).on(torch.device("cpu"))(batch)
->>> tuple(x.shape), y.tolist()
-((1, 3, 32, 32), [0])
+augmented on the device like the others (:class:`DeviceAugment` shows the whole way).
 """
 
 from __future__ import annotations
@@ -80,7 +70,14 @@ class EncodedImages(Dataset[tuple[Any, ...]]):
     """The training images as :class:`EncodedBatch` samples: the bytes of each JPEG the GPU can
     decode as it is, or the worker's decoded pixels otherwise, with the random resized crop
     (timm's ``RandomResizedCropAndInterpolation`` parameters over ``scale`` and ``ratio``) and
-    the horizontal flip drawn as :class:`~bigbatch.train.tasks.images.ImageDataset` draws them."""
+    the horizontal flip drawn as :class:`~bigbatch.train.tasks.images.ImageDataset` draws them.
+
+    >>> import tempfile
+    >>> from PIL import Image
+    >>> png = Path(tempfile.mkdtemp()) / "b.png"
+    >>> Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(png)
+    >>> collate_encoded([EncodedImages([png], [3])[0]]).encoded  # a PNG: the worker decodes it
+    [False]"""
 
     def __init__(
         self,
@@ -146,7 +143,18 @@ class DeviceAugment:
     """Decodes an :class:`EncodedBatch` on a device and augments it there: each crop resized to
     ``size`` (``interpolation`` bilinear or bicubic, antialiased, rounded to 8 bits as PIL's
     resize is), flipped, divided by 255 and normalised by ``mean`` and ``std``. Call
-    :meth:`on` for the function that maps a batch to ``(inputs, targets)``."""
+    :meth:`on` for the function that maps a batch to ``(inputs, targets)``.
+
+    >>> import tempfile, numpy as np
+    >>> from PIL import Image
+    >>> path = Path(tempfile.mkdtemp()) / "a.jpg"
+    >>> Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(path)
+    >>> images = EncodedImages([path], [0])
+    >>> batch = collate_encoded([images[0]])
+    >>> x, y = DeviceAugment(32).on(torch.device("cpu"))(batch)
+    >>> tuple(x.shape), y.tolist()
+    ((1, 3, 32, 32), [0])
+    """
 
     size: int
     channels: int = 3

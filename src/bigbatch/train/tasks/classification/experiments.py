@@ -326,7 +326,17 @@ def run_experiments(
     with TTA, average with weights, write the outputs.
 
     Everything that can fail without training fails first: the experiments file, every
-    member's config and model, the data sets, the test images and the sample submission."""
+    member's config and model, the data sets, the test images and the sample submission.
+
+    >>> import tempfile
+    >>> from bigbatch.train.loop import train
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "experiments.toml").write_text('data = "train"')
+    >>> run_experiments(folder / "experiments.toml", folder / "out", train=train)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    bigbatch.train.config.ConfigError: ...: unknown table(s) ['data']; use [common], ...
+    """
 
     members, options = load_experiments(experiments, overrides)
     out_dir = Path(out_dir)

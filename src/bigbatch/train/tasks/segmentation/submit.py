@@ -164,7 +164,12 @@ def write_submission(
     probabilities averaged (one run: its own), at ``mask_size`` (``HxW``; default the size the
     rules were tuned at), through the run's rules (several runs validated on the same images:
     rules tuned again on their averaged probabilities, saved beside ``out`` as
-    ``postprocess.json``); returns the path, the rows and a note on the rules used."""
+    ``postprocess.json``); returns the path, the rows and a note on the rules used. Two
+    finished runs ensembled, as ``bigbatch ensemble runs/a runs/b --images test_images`` does::
+
+        path, rows, note = write_submission(["runs/a", "runs/b"], "test_images",
+                                            "submission.csv", mask_size="350x525")
+    """
     if isinstance(tta, bool) or not isinstance(tta, int) or tta < 1:
         raise ConfigError(f"tta is a number of passes >= 1, got {tta!r}")
     tta_flips(2, tta)
