@@ -247,6 +247,9 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     assert ddp.per_rank_extra_bytes == ddp.sizes.trainable  # DDP's gradient buckets
     assert fsdp.fsdp_traced and fsdp.per_rank_extra_bytes == 0  # one rank, traced
     assert "FSDP2 over 4 ranks, traced as one rank" in fsdp.notes[0]
+    # NCCL's buffers are outside the allocator and the trace: a CUDA plan over ranks says so.
+    cuda = plan_lm(config, LMSetup(seq_len=64, world_size=2), 8, "h100", device="cuda")
+    assert any("NCCL" in n for n in cuda.notes) and not any("NCCL" in n for n in ddp.notes)
     # Under torchrun (a process group already there) the ranks are composed onto one trace.
     with fake_ranks(2):
         composed = plan_lm(config, LMSetup(seq_len=64, world_size=4, fsdp=True), 8, "2GB",

@@ -685,7 +685,8 @@ def plan_lm(
             )
             raise DoesNotFitError(why, exc.floor) from None
     flash = setup.attn == "flash_attention_2"
-    notes = [n for n in (note, _FLASH_NOTE if flash else "") if n]
+    nccl = n > 1 and torch.device(device).type == "cuda"
+    notes = [m for m in (note, _FLASH_NOTE if flash else "", _NCCL_NOTE if nccl else "") if m]
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -701,6 +702,13 @@ def plan_lm(
 
 
 _FLASH_NOTE = "flash_attention_2 traced as SDPA's flash kernel (the same memory)"
+# NCCL's communicators take device memory of their own, outside PyTorch's allocator: by the
+# node's topology, hundreds of MiB a rank and more (NVIDIA/nccl#864, #964), which no trace on
+# a CPU can see.
+_NCCL_NOTE = (
+    "NCCL's own buffers (outside PyTorch's allocator; hundreds of MiB a rank or more, by the "
+    "node's topology) are not in the prediction: add them to --overhead"
+)
 
 
 def _does_not_fit(
