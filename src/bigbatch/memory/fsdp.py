@@ -87,10 +87,11 @@ def shard_decoder_layers(
 
 class StreamNumbers:
     """The stream a traced step is on now, as a number (0: the one current when this is made,
-    the default stream; others from 1 in the order first seen). FSDP2 gathers weights and reduces gradients on streams of its own,
-    and on a GPU the caching allocator keeps each stream's blocks apart; a trace runs on the
-    CPU, where FSDP2 enters ``torch.cpu``'s stand-in streams at the same places, so the trace
-    can say which stream each allocation is on.
+    the default stream; others from 1 in the order first seen). FSDP2 gathers weights and
+    reduces gradients on streams of its own, and on a GPU the caching allocator keeps each
+    stream's blocks apart; a trace runs on the CPU, where FSDP2 enters ``torch.cpu``'s
+    stand-in streams at the same places, so the trace can say which stream each allocation
+    is on.
 
     >>> streams = StreamNumbers()
     >>> with torch.cpu.stream(torch.cpu.Stream()):
