@@ -111,7 +111,8 @@ def pair_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
     >>> predicted = np.zeros_like(truth)
     >>> predicted[0, 0, :2] = True
     >>> pair_dice(predicted, truth).round(3).tolist()
-    [[0.667], [1.0]]"""
+    [[0.667], [1.0]]
+    """
     from monai.metrics import compute_dice
 
     scores = compute_dice(
@@ -150,7 +151,8 @@ def tune_rules(
     >>> probs[0, 0, 0], probs[0, 0, 1] = 0.9, 0.4
     >>> rules, scores = tune_rules(probs, truth)
     >>> rules, scores.tolist()
-    ([ClassRule(threshold=0.4, min_size=0)], [1.0])"""
+    ([ClassRule(threshold=0.4, min_size=0)], [1.0])
+    """
     if probs.shape != truth.shape:
         raise ValueError(f"probabilities {probs.shape} and masks {truth.shape} differ in shape")
     area = probs.shape[-2] * probs.shape[-1]

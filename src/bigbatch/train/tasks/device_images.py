@@ -77,7 +77,8 @@ class EncodedImages(Dataset[tuple[Any, ...]]):
     >>> png = Path(tempfile.mkdtemp()) / "b.png"
     >>> Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(png)
     >>> collate_encoded([EncodedImages([png], [3])[0]]).encoded  # a PNG: the worker decodes it
-    [False]"""
+    [False]
+    """
 
     def __init__(
         self,
