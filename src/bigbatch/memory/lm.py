@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigbatch.device import device_kind
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.fake_branches import known_values
@@ -684,9 +685,6 @@ def plan_lm(
                 config, setup, floor, extra, (usable, budget_bytes, margin, overhead)
             )
             raise DoesNotFitError(why, exc.floor) from None
-    flash = setup.attn == "flash_attention_2"
-    nccl = n > 1 and torch.device(device).type == "cuda"
-    notes = [m for m in (note, _FLASH_NOTE if flash else "", _NCCL_NOTE if nccl else "") if m]
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -697,8 +695,15 @@ def plan_lm(
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
         vocab=int(config.vocab_size),
-        notes=notes,
+        notes=_plan_notes(note, setup, device),
     )
+
+
+def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
+    """The plan's notes: how the ranks were planned, and what the prediction leaves out."""
+    flash = setup.attn == "flash_attention_2"
+    nccl = setup.world_size > 1 and device_kind(device).distributed_backend == "nccl"
+    return [m for m in (note, _FLASH_NOTE if flash else "", _NCCL_NOTE if nccl else "") if m]
 
 
 _FLASH_NOTE = "flash_attention_2 traced as SDPA's flash kernel (the same memory)"
