@@ -452,7 +452,7 @@ class _StorageTracker(TorchDispatchMode):
             # The kernel's scratch memory was alive together with its outputs.
             self._observe(self.calibration.workspace(matched, self.batch_size))
         if self.cuda is not None and self.events is not None:
-            self._follow_stream()
+            # On the stream followed before the op: no op changes the current stream.
             self.events += self.cuda.after(str(func), args, out)
         if counted:
             self.op_index += 1
