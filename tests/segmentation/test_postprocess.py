@@ -15,6 +15,7 @@ from bigbatch.segmentation.postprocess import (
     apply_rules,
     competition_dice,
     load_rules,
+    pair_dice,
     resize_probabilities,
     save_rules,
     tune_rules,
@@ -44,6 +45,32 @@ def test_competition_dice_scores_empty_pairs_as_one() -> None:
     predicted[1, 0, 0, 0] = True  # one stray pixel on an empty mask costs the whole pair
     assert competition_dice(truth, truth).tolist() == [1.0]
     assert competition_dice(predicted, truth).tolist() == [0.5]
+
+
+def test_pair_dice_is_the_exact_ratio_in_float64() -> None:
+    truth = np.zeros((1, 1, 64, 64), dtype=bool)
+    truth[0, 0, :3, :7] = True  # 21 pixels
+    predicted = np.zeros_like(truth)
+    predicted[0, 0, :2, :] = True  # 128 pixels, 14 of them in the truth
+    dice = pair_dice(predicted, truth)
+    assert dice.dtype == np.float64 and dice[0, 0] == 2 * 14 / (128 + 21)
+    assert float(np.float32(2 * 14) / np.float32(128 + 21)) != 2 * 14 / (128 + 21)  # float32's
+
+
+def test_pair_dice_agrees_with_monai_and_refuses_masks_that_differ() -> None:
+    from monai.metrics import compute_dice
+
+    probs, truth = _validation()
+    predicted = probs > 0.5
+    monai = compute_dice(
+        torch.as_tensor(predicted).double(),
+        torch.as_tensor(truth).double(),
+        include_background=True,
+        ignore_empty=False,
+    )
+    np.testing.assert_array_equal(pair_dice(predicted, truth), monai.numpy())
+    with pytest.raises(ValueError, match="masks differ"):
+        pair_dice(predicted, truth[:, :1])
 
 
 def test_tuned_rules_beat_a_plain_half_threshold() -> None:

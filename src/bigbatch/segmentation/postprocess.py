@@ -102,9 +102,9 @@ def apply_rules(probs: np.ndarray, rules: Sequence[ClassRule]) -> np.ndarray:
 
 
 def pair_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    """The Dice of every image-class pair, ``(N, C)`` float64, of (N, C, H, W) boolean masks;
-    an empty prediction of an empty mask scores 1 (MONAI's ``compute_dice``,
-    ``ignore_empty=False``).
+    """The Dice of every image-class pair, ``(N, C)`` float64 from exact pixel counts, of
+    (N, C, H, W) boolean masks; an empty prediction of an empty mask scores 1 (MONAI's
+    ``compute_dice`` with ``ignore_empty=False``).
 
     >>> truth = np.zeros((2, 1, 4, 4), bool)
     >>> truth[0, 0, :1] = True  # the second image has none of the class
@@ -113,15 +113,19 @@ def pair_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
     >>> pair_dice(predicted, truth).round(3).tolist()
     [[0.667], [1.0]]
     """
-    from monai.metrics import compute_dice
-
-    scores = compute_dice(
-        torch.as_tensor(predicted).float(),
-        torch.as_tensor(truth).float(),
-        include_background=True,
-        ignore_empty=False,
-    )
-    return scores.numpy().astype(np.float64)
+    # Counted here rather than by MONAI's compute_dice, whose one-class answer is float32 (it
+    # reads one channel as class labels): 2 I / (P + T) from exact counts, in float64.
+    predicted, truth = np.asarray(predicted, bool), np.asarray(truth, bool)
+    if predicted.shape != truth.shape or predicted.ndim < 3:
+        raise ValueError(
+            f"predicted {predicted.shape} and truth {truth.shape} masks differ or lack the "
+            "(N, C, ...) layout: pass one boolean plane per image and class in both"
+        )
+    spatial = tuple(range(2, predicted.ndim))
+    overlap = (predicted & truth).sum(spatial)
+    total = predicted.sum(spatial) + truth.sum(spatial)
+    # An empty prediction of an empty mask scores 1, as MONAI's ignore_empty=False.
+    return np.where(total == 0, 1.0, 2 * overlap / np.maximum(total, 1))
 
 
 def competition_dice(predicted: np.ndarray, truth: np.ndarray) -> np.ndarray:
