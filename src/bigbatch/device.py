@@ -34,6 +34,7 @@ __all__ = [
     "autocast_for",
     "bound_onednn_cache",
     "cap_cuda_allocator",
+    "card_memory",
     "cudnn_benchmark_mode",
     "decodes_jpeg",
     "device_kind",
@@ -291,6 +292,23 @@ def total_bytes(device: str | torch.device) -> int | None:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def card_memory(device: str | torch.device) -> tuple[int, int] | None:
+    """``(total, outside)`` of a CUDA card now: all its memory, and what of it this process's
+    caching allocator does not hold: the CUDA context, NCCL's communicators (which allocate
+    beside PyTorch's allocator, so no trace sees them), and any other process on the card. The
+    allocator can hold at most ``total - outside`` of the card, whatever a plan said.
+    None off CUDA (a CPU's process is measured whole instead: :func:`peak_memory_bytes`).
+
+    >>> card_memory("cpu") is None
+    True
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total), int(total - free - torch.cuda.memory_reserved(device))
 
 
 def process_rss() -> int:

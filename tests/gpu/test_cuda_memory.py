@@ -222,3 +222,16 @@ def test_a_measured_step_is_what_a_prediction_stands_for() -> None:
     settled = predict_peak(spec).settled_reserved_bytes
     assert abs(settled - measured) <= 0.05 * measured, (settled, measured)
     assert torch.cuda.memory_allocated() - before <= 2 * cublas_workspace_bytes()
+
+
+def test_card_memory_counts_what_the_allocator_does_not_hold() -> None:
+    """What a card holds outside the allocator (its context here) does not move when the
+    allocator reserves more: reserving moves memory from free to the allocator only."""
+    from bigbatch.device import card_memory
+
+    total, outside = card_memory("cuda")  # type: ignore[misc]
+    assert total == torch.cuda.get_device_properties(0).total_memory and outside > 0
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    after = card_memory("cuda")
+    assert after is not None and abs(after[1] - outside) < 16 * 2**20  # no kernel ran between
+    del block

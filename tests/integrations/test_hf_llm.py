@@ -185,23 +185,29 @@ def test_backoff_after_out_of_memory_keeps_the_update(tmp_path) -> None:  # type
 
 
 @pytest.mark.parametrize(
-    ("measured", "sizes"), [(700, (6, 2)), (2100, (3, 4))], ids=["grows", "shrinks"]
+    ("measured", "card", "sizes"),
+    [(700, None, (6, 2)), (2100, None, (3, 4)), (1400, (2500, 900), (3, 4))],
+    ids=["grows", "shrinks", "shrinks-for-nccl"],
 )
 def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
-    tmp_path, monkeypatch, measured: int, sizes: tuple[int, int]
+    tmp_path, monkeypatch, measured: int, card: tuple[int, int] | None, sizes: tuple[int, int]
 ) -> None:  # type: ignore[no-untyped-def]
-    """A CUDA step measured at half its prediction (or over the usable memory) after the first
-    optimizer step: Trainer stops at a checkpoint and goes on at the refitted micro-batch, and
+    """A CUDA step measured at half its prediction (or over the usable memory, or as predicted
+    on a card whose NCCL communicators hold 650 bytes more than the plan kept out) after the
+    first optimizer step: Trainer stops at a checkpoint and goes on at the refitted micro-batch, and
     AdamW's three steps equal three big-batch steps (every adapter tensor, < 1e-12; the frozen
     base untouched, with no gradient). The same refitted run with a mean per micro-batch
     (the control) is off by more than 2 %."""
     import bigbatch.device
 
-    # The plan's predictions: 1000 + 100 bytes a sequence, 2000 usable; micro-batch 4 x 3.
-    curve = SimpleNamespace(curve=[(1, 1100), (4, 1400)], usable_bytes=2000, max_micro_batch=4)
+    # The plan's predictions: 1000 + 100 bytes a sequence, 2000 usable of a 2500-byte card
+    # (250 of context, a 10 % margin); micro-batch 4 x 3.
+    curve = SimpleNamespace(curve=[(1, 1100), (4, 1400)], usable_bytes=2000, max_micro_batch=4,
+                            budget_bytes=2500, overhead_bytes=250)  # fmt: skip
     plan = SimpleNamespace(global_batch=N, setup=LMSetup(seq_len=SEQ), plan=curve,
                            per_rank_extra_bytes=0, peak_bytes=1400)  # fmt: skip
     monkeypatch.setattr(bigbatch.device, "peak_memory_bytes", lambda device: (measured, False))
+    monkeypatch.setattr(bigbatch.device, "card_memory", lambda device: card)
     init, data = tiny_lora(), sequences()
     want = big_batch_adamw(copy.deepcopy(init), data, steps=3)
     adamw = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,

@@ -84,7 +84,7 @@ def _choice(**changes: object) -> PlanChoice:
 @pytest.fixture
 def simulated_peak(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
     """The device's peak as the test sets it: (bytes, whether the whole process counts)."""
-    peak: dict[str, object] = {"value": None, "resets": 0}
+    peak: dict[str, object] = {"value": None, "resets": 0, "card": None}
 
     def reset(device: torch.device) -> bool:
         peak["resets"] = int(peak["resets"]) + 1  # type: ignore[call-overload]
@@ -92,6 +92,8 @@ def simulated_peak(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
 
     monkeypatch.setattr(planning, "reset_peak_memory", reset)
     monkeypatch.setattr(planning, "peak_memory_bytes", lambda device: peak["value"])
+    # (total, outside the allocator) of the card; None: not measured (a real GPU's is not read).
+    monkeypatch.setattr(planning, "card_memory", lambda device: peak["card"])
     return peak
 
 
@@ -116,6 +118,33 @@ def test_a_cuda_step_over_the_plan_shrinks_after_the_first_steps_and_says_so(
     assert recorded["measured_peak_bytes"] == 9600 * MIB and recorded["new_micro_batch"] == 52
     check.after_window(3, backoff)  # once a run
     assert len(lines) == 1
+
+
+def test_memory_the_card_holds_beside_the_allocator_past_the_plan_lowers_the_limit(
+    simulated_peak: dict[str, object], tmp_path: Path
+) -> None:
+    """NCCL's communicators take device memory beside PyTorch's allocator, which no plan sees:
+    a step measured as predicted still shrinks when the card has less left than the plan
+    thought, and the log and plan.json say what it holds."""
+    (tmp_path / "plan.json").write_text(json.dumps({"micro_batch": 64}))
+    lines: list[str] = []
+    simulated_peak["value"] = (8000 * MIB, False)  # as predicted, under the usable 8500 MiB
+    simulated_peak["card"] = (10000 * MIB, 500 * MIB)  # the planned context alone
+    backoff = OOMBackoff(micro_batch=64)
+    MemoryCheck(_choice(), torch.device("cuda"), 256, lines.append, None).after_window(2, backoff)
+    assert backoff.micro_batch == 64
+    simulated_peak["card"] = (10000 * MIB, 2000 * MIB)  # 1.5 GiB of NCCL's besides
+    check = MemoryCheck(_choice(), torch.device("cuda"), 256, lines.append, tmp_path)
+    check.after_window(2, backoff)
+    assert backoff.micro_batch == 52  # under 10 GiB less its 10 % margin and the 2 GiB outside
+    assert lines[-1].endswith(
+        "limit 6.84 GiB; the card holds 1.95 GiB outside the allocator (planned 500.0 MiB): "
+        "micro-batch 64 -> 52"
+    )
+    recorded = json.loads((tmp_path / "plan.json").read_text())["first_steps"]
+    assert recorded["outside_allocator_bytes"] == 2000 * MIB and recorded["limit_bytes"] == (
+        7000 * MIB
+    )
 
 
 def test_in_cudnn_benchmark_mode_the_first_steps_trials_are_not_measured(

@@ -244,12 +244,19 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
             line["bigbatch/predicted_peak_bytes"] = self.predicted_bytes
         whole_process = peak[1]  # a CPU's resident memory: not what the plan predicts
         if self.plan is not None and not self.checked and not whole_process:
+            from bigbatch.device import card_memory
             from bigbatch.distributed import max_over_ranks
 
             self.checked = True
             micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-            # Under torchrun every rank must resume at the same sizes: the largest peak decides.
-            new = refit_sizes(self.plan, micro, steps, max_over_ranks(peak[0], args.device))
+            # Under torchrun every rank must resume at the same sizes: the largest peak, and
+            # the most memory beside the allocator (NCCL's), decide.
+            card = card_memory(args.device)
+            if card is not None:
+                card = (card[0], max_over_ranks(card[1], args.device))
+                line["bigbatch/outside_allocator_bytes"] = card[1]
+            measured = max_over_ranks(peak[0], args.device)
+            new = refit_sizes(self.plan, micro, steps, measured, card=card)
             if new != (micro, steps):
                 self.refit = new
                 line["bigbatch/refit_micro_batch"] = new[0]
@@ -263,28 +270,42 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         uncap_cuda_allocator(args.device, self._before)
 
 
-def refit_sizes(plan: Any, micro_batch: int, accumulation: int, measured: int) -> tuple[int, int]:
+def refit_sizes(
+    plan: Any,
+    micro_batch: int,
+    accumulation: int,
+    measured: int,
+    *,
+    card: tuple[int, int] | None = None,
+) -> tuple[int, int]:
     """``(per_device_train_batch_size, gradient_accumulation_steps)`` for a rank whose step at
     ``micro_batch`` measured ``measured`` bytes (the allocator's reserved peak), against the
-    ``plan``'s predictions: the same sequences a step, a micro-batch that divides them.
+    ``plan``'s predictions: the same sequences a step, a micro-batch that divides them. With
+    the ``card``'s ``(total, outside the allocator)`` (:func:`bigbatch.device.card_memory`),
+    the limit is also what the card has left (:func:`~bigbatch.memory.plan.limit_on_card`).
 
     >>> from types import SimpleNamespace
     >>> plan = SimpleNamespace(per_rank_extra_bytes=0, plan=SimpleNamespace(
-    ...     curve=[(1, 1100), (4, 1400)], usable_bytes=2000))
+    ...     curve=[(1, 1100), (4, 1400)], usable_bytes=2000, budget_bytes=2500, overhead_bytes=250))
     >>> refit_sizes(plan, 4, 3, 700)  # half the prediction: twice the micro-batch that divides 12
     (6, 2)
     >>> refit_sizes(plan, 4, 3, 2100)  # over the usable memory: smaller, before an OOM
     (3, 4)
+    >>> refit_sizes(plan, 4, 3, 1400, card=(2500, 900))  # as planned, but NCCL took 650 more
+    (3, 4)
     """
-    from bigbatch.memory.plan import refit_micro_batch
+    from bigbatch.memory.plan import limit_on_card, refit_micro_batch
 
     share = micro_batch * accumulation  # a rank's sequences a step
     extra = plan.per_rank_extra_bytes  # DDP's buckets, FSDP2's shards: outside the curve
+    one = plan.plan
+    # The one-process plan's usable is a rank's less extra.
+    limit = limit_on_card(one.usable_bytes + extra, one.budget_bytes, one.overhead_bytes, card)
     largest = refit_micro_batch(
-        [(b, peak + extra) for b, peak in plan.plan.curve],
+        [(b, peak + extra) for b, peak in one.curve],
         micro_batch,
         measured,
-        plan.plan.usable_bytes + extra,  # the one-process plan's usable is a rank's less extra
+        limit,
         target=share,
         # Trainer's micro-batch divides the share, often well under what the plan found fits
         # (7 of 12 -> 6): growing is bounded by the measurement (at most twice), not the plan.

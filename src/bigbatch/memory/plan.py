@@ -38,6 +38,7 @@ __all__ = [
     "DoesNotFitError",
     "Plan",
     "largest_fitting",
+    "limit_on_card",
     "overhead_bytes",
     "plan_micro_batch",
     "plan_under_budget",
@@ -223,6 +224,26 @@ def default_overhead(budget: str | int, device: str | torch.device) -> int:
     if card is not None and device_kind(device).dedicated_memory:
         return card.context_bytes
     return overhead_bytes(device)
+
+
+def limit_on_card(usable: int, budget: int, overhead: int, card: tuple[int, int] | None) -> int:
+    """What a step may take, measured: a plan's ``usable`` (its ``budget`` less the margin and
+    the ``overhead`` it kept out), or less where the card has less left, which is its total less
+    the same margin and everything outside this process's allocator now (``card``: ``(total,
+    outside)``, :func:`bigbatch.device.card_memory`). NCCL's communicators are the usual
+    difference: they take device memory beside PyTorch's allocator, which no plan sees.
+
+    >>> GiB = 2**30  # a 24 GiB card, a plan keeping 10 % and 0.5 GiB of context out
+    >>> usable = int(24 * GiB * 0.9) - GiB // 2
+    >>> [round(limit_on_card(usable, 24 * GiB, GiB // 2, card) / GiB, 2)
+    ...  for card in (None, (24 * GiB, GiB // 2), (24 * GiB, 2 * GiB))]  # the last: NCCL's
+    [21.1, 21.1, 19.6]
+    """
+    if card is None or budget <= 0:
+        return usable
+    total, outside = card
+    margin = max(0, budget - usable - overhead) / budget
+    return min(usable, int(total * (1 - margin)) - outside)
 
 
 def usable_bytes(

@@ -15,6 +15,7 @@ from torch import nn
 
 from bigbatch.backoff import OOMBackoff
 from bigbatch.device import (
+    card_memory,
     measures_reserved,
     peak_memory_bytes,
     reset_peak_memory,
@@ -31,6 +32,7 @@ from bigbatch.memory.plan import (
     DoesNotFitError,
     batchnorm_on_one_sample,
     default_overhead,
+    limit_on_card,
     plan_under_budget,
     refit_micro_batch,
     resolve_budget,
@@ -241,8 +243,14 @@ class MemoryCheck:
             return  # overhead=0: the budget is the step's tensors alone, not the process's
         overhead = (c.overhead_bytes or 0) if whole_process else 0
         # A CPU process holds data and libraries besides the step: only the whole budget is
-        # its limit there, and the heap does not give back what a larger step would free.
-        limit = (c.budget_bytes or 0) - overhead if whole_process else int(c.usable_bytes or 0)
+        # its limit there, and the heap does not give back what a larger step would free. A
+        # card's limit is the plan's, less what it holds outside the allocator beyond the plan.
+        card = None if whole_process else card_memory(self.device)
+        if whole_process:
+            limit = (c.budget_bytes or 0) - overhead
+        else:
+            usable, budget = int(c.usable_bytes or 0), c.budget_bytes or 0
+            limit = limit_on_card(usable, budget, c.overhead_bytes or 0, card)
         new = refit_micro_batch(
             list(c.curve),
             backoff.micro_batch,
@@ -253,11 +261,17 @@ class MemoryCheck:
             smallest=backoff.min_micro_batch,
             grow=c.planned and not whole_process,
         )
-        self._record(optimizer_step, backoff.micro_batch, measured, limit + overhead, new)
+        self._record(optimizer_step, backoff.micro_batch, measured, limit + overhead, new, card)
         backoff.refit(optimizer_step, new)
 
     def _record(
-        self, step: int, micro: int, measured: tuple[int, bool], limit: int, new: int
+        self,
+        step: int,
+        micro: int,
+        measured: tuple[int, bool],
+        limit: int,
+        new: int,
+        card: tuple[int, int] | None,
     ) -> None:
         c, (peak, whole_process) = self.choice, measured
         what = measured_as(whole_process)
@@ -267,10 +281,18 @@ class MemoryCheck:
         action = "kept" if new == micro else f"{micro} -> {new}"
         # A step-only prediction (overhead=0) is not what a process's resident peak measures.
         of = " for the step alone" if whole_process and not c.overhead_bytes else ""
+        # What the card holds beside the allocator (context, NCCL, other processes), against
+        # the overhead the plan kept out: the one figure of the step no trace can predict.
+        outside = ""
+        if card is not None:
+            outside = (
+                f"; the card holds {format_bytes(card[1])} outside the allocator (planned "
+                f"{format_bytes(c.overhead_bytes or 0)})"
+            )
         self.log(
             f"memory: after {step} optimizer steps at micro-batch {micro}, measured "
             f"{format_bytes(peak)} ({what}), predicted {format_bytes(predicted)}{of}, limit "
-            f"{format_bytes(limit)}: micro-batch {action}"
+            f"{format_bytes(limit)}{outside}: micro-batch {action}"
         )
         if self.run_dir is None:
             return
@@ -283,6 +305,8 @@ class MemoryCheck:
             "limit_bytes": limit,
             "new_micro_batch": new,
         }
+        if card is not None:
+            first_steps["outside_allocator_bytes"] = card[1]
         add_to_plan(self.run_dir, {"first_steps": first_steps})
 
 
