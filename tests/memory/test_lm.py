@@ -70,6 +70,25 @@ def test_config_from_a_file_a_folder_and_the_hub_cache(tmp_path: Path, monkeypat
         load_lm_config("org/absent")
 
 
+def test_a_failed_fetch_is_one_line_without_the_hubs_warnings(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Offline, the hub client warns of each request it retries before it raises: the refusal
+    says why in one line, and the hub's warnings stay off (no network is touched here)."""
+    import logging
+
+    def from_pretrained(name: str, local_files_only: bool = False) -> object:
+        if not local_files_only:
+            logging.getLogger("huggingface_hub.utils._http").warning("'refused' thrown while ...")
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    level = logging.getLogger("huggingface_hub").level
+    with pytest.raises(ValueError, match=r"^org/absent: no config.json .* fetching it failed \(We"):
+        load_lm_config("org/absent")
+    assert not [r for r in caplog.records if "thrown while" in r.getMessage()]
+    assert logging.getLogger("huggingface_hub").level == level  # put back
+
+
 def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     bad = write_config(tmp_path / "bad", {"model_type": "nonesuch"})
     with pytest.raises(ValueError, match="model type 'nonesuch' is not one transformers"):

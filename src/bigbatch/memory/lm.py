@@ -23,8 +23,9 @@ of the weights, gradients and optimizer state and adds its gather buffers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -165,13 +166,27 @@ def _hub_config(name: str) -> Any:
             f"once online (`hf download {name} config.json`) or give the path of a config.json"
         )
     try:
-        return AutoConfig.from_pretrained(name)  # config.json alone, into the cache
+        with _hub_warnings_off():
+            return AutoConfig.from_pretrained(name)  # config.json alone, into the cache
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
             f"{name}: no config.json in the Hugging Face cache, and fetching it failed ({first}): "
             f"check the name, log in for a gated model (`hf auth login`), or give a config.json's path"
         ) from None
+
+
+@contextlib.contextmanager
+def _hub_warnings_off() -> Iterator[None]:
+    """The hub's warning of each failed request off while a config is fetched: the error that
+    follows says why it failed, in one line."""
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
 
 
 def max_positions(config: Any) -> int | None:
