@@ -319,6 +319,10 @@ def _budgets(trainer: Any) -> list[MemoryBudget]:
     return [c for c in getattr(handler, "callbacks", []) if isinstance(c, MemoryBudget)]
 
 
+# Where a rank that ran out of memory under torchrun leaves the sizes every rank resumes at.
+SIZES_FILE = "bigbatch-sizes.json"
+
+
 def train_with_backoff(
     make_trainer: Callable[[Any], Any], args: Any, *, log: Callable[[str], None] = print
 ) -> Any:
@@ -328,6 +332,13 @@ def train_with_backoff(
     ``args.output_dir`` if any. Raises the error when micro-batch 1 runs out too. A
     :class:`MemoryBudget` callback that refitted the micro-batch after the first steps stopped
     the run at a checkpoint: it goes on from there at the new sizes.
+
+    Under ``torchrun`` a rank that runs out of memory cannot tell the others, which wait for it
+    in their next collective: it writes the smaller sizes to ``bigbatch-sizes.json`` in
+    ``args.output_dir`` and raises, so that torchrun stops every rank at once; relaunched
+    (``torchrun --max-restarts N`` does it, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch
+    2.5+'s restarts may read the last attempt's addresses from the store torchrun shares,
+    pytorch/pytorch#135712), every rank resumes there at those sizes.
 
     ``make_trainer`` builds the Trainer (model, data, callbacks) for the arguments it is given:
     a new one each try, as a retry needs the micro-batch in its data loader.
@@ -350,12 +361,16 @@ def train_with_backoff(
     from transformers.trainer_utils import get_last_checkpoint
 
     from bigbatch.device import free_memory
+    from bigbatch.distributed import is_distributed
     from bigbatch.memory.oom import is_oom
 
+    args, shrunk = _resumed_sizes(args, log)
     while True:
         failed, refit, trainer = False, None, None
         try:
             trainer = make_trainer(args)
+            for budget in _budgets(trainer):
+                budget.checked = budget.checked or shrunk  # no growing back after an OOM
             folder = args.output_dir
             checkpoint = get_last_checkpoint(folder) if os.path.isdir(folder) else None
             result = trainer.train(resume_from_checkpoint=checkpoint)
@@ -366,16 +381,16 @@ def train_with_backoff(
         except Exception as exc:
             if not is_oom(exc) or args.per_device_train_batch_size == 1:
                 raise
-            failed = True
-            for budget in _budgets(trainer):
-                budget.checked = True  # the back-off has had its say: no growing back
+            if is_distributed():
+                _hand_over(args, log)
+                raise
+            failed = shrunk = True
         finally:
             trainer = None  # drop the model, optimizer and the exception's frames first
-        micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        micro = args.per_device_train_batch_size
         if failed:
             free_memory(host_oom=False)
-            smaller = max(m for m in range(1, micro) if micro % m == 0)
-            refit = (smaller, steps * (micro // smaller))
+            refit = _halved(args)
             log(
                 f"out of memory at micro-batch {micro}: again at {refit[0]} x {refit[1]} "
                 "accumulation, the same global batch"
@@ -387,6 +402,67 @@ def train_with_backoff(
             )
         if refit is not None:
             args = with_sizes(args, *refit)
+
+
+def _halved(args: Any) -> tuple[int, int]:
+    """The next smaller micro-batch that divides a rank's share, and its accumulation."""
+    micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    smaller = max(m for m in range(1, micro) if micro % m == 0)
+    return smaller, steps * (micro // smaller)
+
+
+def _hand_over(args: Any, log: Callable[[str], None]) -> None:
+    """A rank out of memory under torchrun: the sizes every rank resumes at, in the output
+    folder, before this process raises and torchrun stops the others."""
+    import json
+
+    import torch.distributed as dist
+
+    from bigbatch.io import atomic_write_text
+
+    micro = args.per_device_train_batch_size
+    world = getattr(args, "world_size", None) or dist.get_world_size()  # as _resumed_sizes reads
+    smaller, steps = _halved(args)
+    sizes = {
+        "per_device_train_batch_size": smaller,
+        "gradient_accumulation_steps": steps,
+        "world_size": world,
+        "out_of_memory_at": micro,
+    }
+    path = os.path.join(args.output_dir, SIZES_FILE)
+    atomic_write_text(path, json.dumps(sizes) + "\n")
+    log(
+        f"out of memory at micro-batch {micro} on rank {dist.get_rank()} of {world}: the others "
+        "wait for it in a collective, so this process stops (and torchrun stops them); "
+        f"relaunched, every rank resumes at {smaller} x {steps} accumulation from the last "
+        f"checkpoint, the same global batch ({path}; `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "torchrun --max-restarts 3 ...` relaunches by itself)"
+    )
+
+
+def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
+    """``args`` at the sizes a rank of this run left before it ran out of memory under torchrun
+    (:func:`_hand_over`), and whether they were; a file of another global batch or number of
+    ranks is not this run's and is left alone."""
+    from bigbatch.io import read_json
+
+    path = os.path.join(str(getattr(args, "output_dir", "")), SIZES_FILE)
+    if not os.path.isfile(path):
+        return args, False
+    saved = read_json(path, f"delete {path} (the sizes a rank left after running out of memory)")
+    micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    new = (saved.get("per_device_train_batch_size"), saved.get("gradient_accumulation_steps"))
+    if not all(isinstance(n, int) and n > 0 for n in new):
+        return args, False
+    same_run = new[0] * new[1] == micro * steps
+    same_run = same_run and saved.get("world_size") == getattr(args, "world_size", 1)
+    if not same_run or new[0] >= micro:
+        return args, False
+    log(
+        f"resuming at {new[0]} x {new[1]} accumulation, the same global batch: a rank ran out of "
+        f"memory at micro-batch {saved.get('out_of_memory_at')} ({path})"
+    )
+    return with_sizes(args, *new), True
 
 
 def with_sizes(args: Any, micro_batch: int, accumulation: int) -> Any:
