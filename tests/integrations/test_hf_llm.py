@@ -261,6 +261,40 @@ def test_backoff_when_building_the_trainer_runs_out_of_memory(tmp_path) -> None:
     ]
 
 
+def test_the_sizes_a_rank_left_are_resumed_only_for_the_same_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bigbatch-sizes.json (left by a rank out of memory under torchrun) sets the sizes a
+    relaunched run starts at, without growing back; a file of another global batch or number
+    of ranks is another run's and is left alone."""
+    import json
+
+    sizes = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 6,
+             "world_size": 2, "out_of_memory_at": 4}  # fmt: skip
+    (tmp_path / "bigbatch-sizes.json").write_text(json.dumps(sizes))
+    budget = MemoryBudget(2**40)
+    seen: list[tuple[int, int, bool]] = []
+
+    class Trainer:  # records the sizes it was built with
+        def __init__(self, args):  # type: ignore[no-untyped-def]
+            self.callback_handler = SimpleNamespace(callbacks=[budget])
+            a = args
+            seen.append((a.per_device_train_batch_size, a.gradient_accumulation_steps, False))
+
+        def train(self, resume_from_checkpoint=None):  # type: ignore[no-untyped-def]
+            seen[-1] = (*seen[-1][:2], budget.checked)
+
+    def args(micro: int, steps: int, world: int = 2) -> SimpleNamespace:
+        return SimpleNamespace(per_device_train_batch_size=micro, gradient_accumulation_steps=steps,
+                               output_dir=str(tmp_path), world_size=world)  # fmt: skip
+
+    said: list[str] = []
+    train_with_backoff(Trainer, args(4, 3), log=said.append)
+    assert seen == [(2, 6, True)] and said[0].startswith("resuming at 2 x 6 accumulation")
+    budget.checked = False
+    for other in (args(4, 4), args(4, 3, world=4)):  # another global batch, other ranks
+        train_with_backoff(Trainer, other, log=said.append)
+    assert seen[1:] == [(4, 4, False), (4, 3, False)] and len(said) == 1
+
+
 def test_backoff_reraises_what_is_not_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     def make(args):  # type: ignore[no-untyped-def]
         raise ValueError("a bad dataset")
