@@ -4,6 +4,7 @@ configs on 16 and 24 GB cards, and the refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -107,6 +108,33 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
         plan_lm(config, LMSetup(seq_len=16, lora_r=4, quant=4), 8, "1GB", device="cpu")
     with pytest.raises(ValueError, match="multiple of the 2 ranks"):
         plan_lm(config, LMSetup(seq_len=16, world_size=2), 7, "1GB", device="cpu")
+
+
+def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix() -> None:
+    """A mixture of experts in float32 (grouped_mm takes 16-bit weights only, on the card as in
+    the trace), an attention a model lacks, a config transformers cannot build."""
+    moe = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^mixtral's experts .* --dtype bf16"):
+        plan_lm(moe, LMSetup(seq_len=16, dtype="fp32"), 2, "8GB")
+    assert plan_lm(moe, LMSetup(seq_len=16, dtype="bf16"), 2, "8GB").micro_batch == 2
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        with pytest.raises(ValueError, match=r"quantizes linear layers only.* without --qlora"):
+            plan_lm(moe, LMSetup(seq_len=16, dtype="bf16", lora_r=4, quant=4), 2, "8GB")
+    gemma2 = transformers.Gemma2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    if not transformers.Gemma2PreTrainedModel._supports_sdpa:  # transformers 5.23's
+        with pytest.raises(ValueError, match=r"has no SDPA attention .* --attn eager"):
+            plan_lm(gemma2, LMSetup(seq_len=16), 2, "8GB")
+    assert plan_lm(gemma2, LMSetup(seq_len=16, attn="eager"), 2, "8GB").micro_batch == 2
+    broken = tiny(pad_token_id=9999)  # past the 512 embeddings
+    with pytest.raises(ValueError, match=r"cannot build .* \(Padding_idx .*\): check its values"):
+        plan_lm(broken, LMSetup(seq_len=16), 2, "8GB")
 
 
 def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -674,13 +674,15 @@ def plan_lm(
     traced = setup.fsdp and n > 1 and not dist.is_initialized()
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
-    sizes, paged = _sizes_and_paged_state(lm_spec_at(config, setup, **kwargs)(1), setup)
+    with _refused_in_one_line(config, setup):
+        sizes, paged = _sizes_and_paged_state(lm_spec_at(config, setup, **kwargs)(1), setup)
     budget_bytes = resolve_budget(budget, device)
     overhead = default_overhead(budget, device) if overhead is None else overhead
     usable = usable_bytes(budget_bytes, overhead, device, margin)
     with fake_ranks(n) if traced else contextlib.nullcontext():
         # Composed: from the floor's weights, gradients and state, the same at every micro-batch.
-        floor = predict_peak(spec_at(1))
+        with _refused_in_one_line(config, setup):
+            floor = predict_peak(spec_at(1))
         extra, note = (
             (0, _traced_note(n)) if traced else per_rank_bytes(sizes, floor.parts(), setup)
         )
@@ -712,6 +714,42 @@ def plan_lm(
         vocab=int(config.vocab_size),
         notes=_plan_notes(note, setup, device),
     )
+
+
+@contextlib.contextmanager
+def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
+    """What transformers or torch refuse while the model is built and its step traced, which
+    the same model would refuse on the card, as one line with the fix."""
+    name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    try:
+        yield
+    except AssertionError as exc:  # torch's own checks of a layer's arguments
+        raise ValueError(
+            f"transformers cannot build {name} from this config ({exc}): check its values"
+        ) from None
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        raise ValueError(
+            f"{name} has no SDPA attention in this transformers: plan it with --attn eager"
+        ) from None
+    except RuntimeError as exc:
+        # transformers 5 runs a mixture of experts' weights through torch's grouped_mm, which
+        # takes 16-bit weights only.
+        if "to be BFloat16 or supported Float16" not in str(exc):
+            raise
+        if setup.quant:
+            raise ValueError(
+                f"--qlora quantizes linear layers only: {name}'s experts are none, and are left "
+                "in float32 as peft's prepare_model_for_kbit_training leaves what is not "
+                "quantized, which torch's grouped_mm that runs them refuses: plan LoRA without "
+                "--qlora"
+            ) from None
+        raise ValueError(
+            f"{name}'s experts run through torch's grouped_mm, which takes bfloat16 or float16 "
+            "weights, and these are float32 (--dtype, or the config's): plan with --dtype bf16, "
+            "as the model trains"
+        ) from None
 
 
 def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
