@@ -96,6 +96,9 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
         load_lm_config(bad)
     with pytest.raises(ValueError, match="no causal-LM head"):
         load_lm_config(write_config(tmp_path / "vit", {"model_type": "vit"}))
+    (tmp_path / "cut.json").write_text('{"model_type": "llama", ')  # a download cut short
+    with pytest.raises(ValueError, match=r"cut.json: .*not a valid JSON file: give a model's"):
+        load_lm_config(tmp_path / "cut.json")
     config = tiny()
     with pytest.raises(ValueError, match=r"longer than the model's 256 positions.*--seq-len 256"):
         plan_lm(config, LMSetup(seq_len=512), 8, "1GB", device="cpu")

@@ -129,7 +129,13 @@ def load_lm_config(source: str | Path) -> Any:
         if local.exists():
             if local.is_dir() and not (local / "config.json").is_file():
                 raise ValueError(f"{text}: a folder without config.json; give the model's folder")
-            config = AutoConfig.from_pretrained(str(local))
+            try:
+                config = AutoConfig.from_pretrained(str(local))
+            except OSError as exc:  # transformers' word for a file that is not JSON
+                raise ValueError(
+                    f"{text}: {str(exc).rstrip('.')}: give a model's config.json as "
+                    "transformers saves it"
+                ) from None
         else:
             config = _hub_config(text)
     except ValueError as exc:
