@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -340,8 +341,7 @@ def train_with_backoff(
     2.5+'s restarts may read the last attempt's addresses from the store torchrun shares,
     pytorch/pytorch#135712), every rank resumes there at those sizes.
 
-    ``make_trainer`` builds the Trainer (model, data, callbacks) for the arguments it is given:
-    a new one each try, as a retry needs the micro-batch in its data loader.
+    ``make_trainer(args)`` builds the Trainer (model, data, callbacks) anew for each try.
 
     >>> from types import SimpleNamespace
     >>> class Trainer:  # stands in for transformers.Trainer: out of memory above 2 sequences
@@ -377,6 +377,8 @@ def train_with_backoff(
             for budget in _budgets(trainer):
                 refit, budget.refit = refit or budget.refit, None
             if refit is None:
+                # The sizes carried over a restart are spent: a new run here plans afresh.
+                Path(folder, SIZES_FILE).unlink(missing_ok=True)
                 return result
         except Exception as exc:
             if not is_oom(exc) or args.per_device_train_batch_size == 1:
