@@ -172,7 +172,7 @@ def with_plan(args: Any, plan: Any) -> Any:
     >>> new.per_device_train_batch_size, new.gradient_accumulation_steps
     (4, 8)
     """
-    ranks = int(getattr(args, "world_size", 1) or 1)
+    ranks = _ranks(args)
     if ranks != plan.setup.world_size:
         raise ValueError(
             f"the plan is for {plan.setup.world_size} rank(s) and these arguments run on "
@@ -180,6 +180,19 @@ def with_plan(args: Any, plan: Any) -> Any:
         )
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
     return with_sizes(args, micro, steps)
+
+
+SIZES_FILE = "bigbatch-sizes.json"  # in the output folder: see _sizes_path
+
+
+def _ranks(args: Any) -> int:
+    """The ranks ``args`` train on (``TrainingArguments.world_size``; 1 without it)."""
+    return int(getattr(args, "world_size", 1) or 1)
+
+
+def _sizes_path(args: Any) -> Path:
+    """Where a rank out of memory under torchrun leaves the sizes every rank resumes at."""
+    return Path(str(getattr(args, "output_dir", "")), SIZES_FILE)
 
 
 def _trainer_callback_base() -> type:
@@ -320,10 +333,6 @@ def _budgets(trainer: Any) -> list[MemoryBudget]:
     return [c for c in getattr(handler, "callbacks", []) if isinstance(c, MemoryBudget)]
 
 
-# Where a rank that ran out of memory under torchrun leaves the sizes every rank resumes at.
-SIZES_FILE = "bigbatch-sizes.json"
-
-
 def train_with_backoff(
     make_trainer: Callable[[Any], Any], args: Any, *, log: Callable[[str], None] = print
 ) -> Any:
@@ -378,7 +387,7 @@ def train_with_backoff(
                 refit, budget.refit = refit or budget.refit, None
             if refit is None:
                 # The sizes carried over a restart are spent: a new run here plans afresh.
-                Path(folder, SIZES_FILE).unlink(missing_ok=True)
+                _sizes_path(args).unlink(missing_ok=True)
                 return result
         except Exception as exc:
             if not is_oom(exc) or args.per_device_train_batch_size == 1:
@@ -422,8 +431,7 @@ def _hand_over(args: Any, log: Callable[[str], None]) -> None:
 
     from bigbatch.io import atomic_write_text
 
-    micro = args.per_device_train_batch_size
-    world = getattr(args, "world_size", None) or dist.get_world_size()  # as _resumed_sizes reads
+    micro, world = args.per_device_train_batch_size, _ranks(args)
     smaller, steps = _halved(args)
     sizes = {
         "per_device_train_batch_size": smaller,
@@ -431,7 +439,7 @@ def _hand_over(args: Any, log: Callable[[str], None]) -> None:
         "world_size": world,
         "out_of_memory_at": micro,
     }
-    path = os.path.join(args.output_dir, SIZES_FILE)
+    path = _sizes_path(args)
     atomic_write_text(path, json.dumps(sizes) + "\n")
     log(
         f"out of memory at micro-batch {micro} on rank {dist.get_rank()} of {world}: the others "
@@ -448,8 +456,8 @@ def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
     ranks is not this run's and is left alone."""
     from bigbatch.io import read_json
 
-    path = os.path.join(str(getattr(args, "output_dir", "")), SIZES_FILE)
-    if not os.path.isfile(path):
+    path = _sizes_path(args)
+    if not path.is_file():
         return args, False
     saved = read_json(path, f"delete {path} (the sizes a rank left after running out of memory)")
     micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -457,7 +465,7 @@ def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
     if not all(isinstance(n, int) and n > 0 for n in new):
         return args, False
     same_run = new[0] * new[1] == micro * steps
-    same_run = same_run and saved.get("world_size") == getattr(args, "world_size", 1)
+    same_run = same_run and saved.get("world_size") == _ranks(args)
     if not same_run or new[0] >= micro:
         return args, False
     log(

@@ -93,8 +93,12 @@ def measured_context_bytes(device: torch.device | str = "cuda") -> int:
         x = torch.ones(1, 1, 8, 8)
         torch.nn.functional.conv2d(x, torch.ones(1, 1, 3, 3)).sum().item()
         del a, x
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device) + LAZY_KERNEL_BYTES
+    from bigbatch.device import card_memory  # device.py imports bigbatch.memory
+
+    card = card_memory(device)
+    if card is None:
+        raise ValueError(f"the CUDA context is measured on a CUDA device, not {device}")
+    return card[1] + LAZY_KERNEL_BYTES
 
 
 # cuDNN's 16-bit convolutions on NCHW tensors run NHWC tensor-core kernels on transposed copies

@@ -245,10 +245,11 @@ class MemoryCheck:
         # A CPU process holds data and libraries besides the step: only the whole budget is
         # its limit there, and the heap does not give back what a larger step would free. A
         # card's limit is the plan's, less what it holds outside the allocator beyond the plan.
-        card = None if whole_process else card_memory(self.device)
+        card = None
         if whole_process:
             limit = (c.budget_bytes or 0) - overhead
         else:
+            card = card_memory(self.device)
             usable, budget = int(c.usable_bytes or 0), c.budget_bytes or 0
             limit = limit_on_card(usable, budget, c.overhead_bytes or 0, card)
         new = refit_micro_batch(
