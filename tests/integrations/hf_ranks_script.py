@@ -2,8 +2,9 @@
 Trainer (DDP across the ranks: accelerate applies FSDP on accelerators only) trains the peft
 LoRA model of test_hf_llm.py set from a plan for 2 ranks (micro-batch 2, accumulation 3 a rank:
 the 12 sequences are one step), then again with a mean per micro-batch (the negative control),
-then through ``train_with_backoff`` with rank 1 out of memory at micro-batch 2: it leaves the
-sizes and raises, torchrun restarts both ranks, and they train at 1 x 6. Rank 0 saves each
+then three AdamW steps (weight decay 0.1) through ``train_with_backoff`` with rank 1 out of
+memory at micro-batch 2: it leaves the sizes and raises, torchrun restarts both ranks, and they
+train at 1 x 6. Rank 0 saves each
 run's trained adapters to ``argv[1]`` as it ends (a restarted script skips the runs saved)."""
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from bigbatch.integrations.hf import train_with_backoff, with_plan
 warnings.filterwarnings("ignore")
 
 
-def train(
-    out: Path, per_micro_batch_mean: bool, oom_rank: int | None = None
-) -> dict[str, torch.Tensor]:
+def train(out: Path, per_micro_batch_mean: bool, oom_rank: int | None = None) -> dict[str, object]:
+    # The OOM run: three AdamW steps with weight decay (test_hf_llm.big_batch_adamw's).
+    optim = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,
+             "num_train_epochs": 3} if oom_rank is not None else {}  # fmt: skip
     args = transformers.TrainingArguments(
-        output_dir=str(out), num_train_epochs=1, learning_rate=LR, optim="sgd",
-        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[],
-        save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0,
+        **{"output_dir": str(out), "num_train_epochs": 1, "learning_rate": LR, "optim": "sgd",
+           "lr_scheduler_type": "constant", "weight_decay": 0.0, "max_grad_norm": 0.0,
+           "report_to": [], "save_strategy": "no", "logging_strategy": "no", "use_cpu": True,
+           "disable_tqdm": True, "dataloader_num_workers": 0, **optim},
     )  # fmt: skip
     plan = plan_of(N, 2)
     plan.setup = type(plan.setup)(seq_len=plan.setup.seq_len, world_size=2)
@@ -55,7 +57,15 @@ def train(
     trainer = made[-1]
     trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    return {n.split("base_model.", 1)[-1]: p.detach().clone() for n, p in trained.items()}
+    # The frozen base: no gradient made, every weight as it was.
+    start = dict(tiny_lora().named_parameters())
+    frozen_kept = all(
+        p.grad is None and torch.equal(p, start[n])
+        for n, p in trainer.model.named_parameters()
+        if not p.requires_grad
+    )
+    adapters = {n.split("base_model.", 1)[-1]: p.detach().clone() for n, p in trained.items()}
+    return {"adapters": adapters, "frozen_kept": frozen_kept}
 
 
 def out_of_memory_above_one(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:  # type: ignore[type-arg]
@@ -72,4 +82,4 @@ if __name__ == "__main__":
         trained = train(out / name, mean, oom_rank)
         if int(os.environ["RANK"]) == 0:
             restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            torch.save({"adapters": trained, "restarts": restarts}, out / f"{name}.pt")
+            torch.save({**trained, "restarts": restarts}, out / f"{name}.pt")
