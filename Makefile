@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_VENV := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
-PATHS := src tests examples benchmarks docs/hooks
+PATHS := src tests examples benchmarks docs/hooks conftest.py
 
 .PHONY: venv test test-fast lint typecheck unit docs install-check demo bench gpu-evidence clean
 

@@ -59,13 +59,14 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    files = write_jpegs(Path(tempfile.mkdtemp(prefix="bigbatch-handover-")), args.images, args.side)
-    dataset = EncodedImages(files, [0] * len(files))
-    # Alternated twice, so that neither runs only while the machine is warming up.
-    runs: dict[str, list[dict[str, float]]] = {"one_tensor": [], "per_sample": []}
-    for _ in range(2):
-        runs["one_tensor"].append(per_window(dataset, collate_encoded, args))
-        runs["per_sample"].append(per_window(dataset, per_sample, args))
+    with tempfile.TemporaryDirectory(prefix="bigbatch-handover-") as folder:
+        files = write_jpegs(Path(folder), args.images, args.side)
+        dataset = EncodedImages(files, [0] * len(files))
+        # Alternated twice, so that neither runs only while the machine is warming up.
+        runs: dict[str, list[dict[str, float]]] = {"one_tensor": [], "per_sample": []}
+        for _ in range(2):
+            runs["one_tensor"].append(per_window(dataset, collate_encoded, args))
+            runs["per_sample"].append(per_window(dataset, per_sample, args))
     best = {k: {m: min(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     result = {
         "workload": f"{args.images} JPEGs of {args.side} px, batch {args.batch}, "

@@ -72,37 +72,37 @@ def main() -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device here: run on an NVIDIA GPU, or --dry-run", file=sys.stderr)
         return 2
-    folder = Path(tempfile.mkdtemp(prefix="bigbatch-decode-"))
-    files = write_jpegs(folder, args.images, args.side)
-    labels = [0] * len(files)
-    transform = build_transforms(args.size, "squish", train=True, augment=True)
-    on_cpu = ImageDataset(files, labels, transform)
-    on_gpu = EncodedImages(files, labels)
-    augment = DeviceAugment(args.size, 3, DEFAULT_DATA["interpolation"]).on(device)
-    common = {"shuffle": True, "seed": 0, "num_workers": args.workers}
-    cpu_loader = make_loader(on_cpu, args.batch, pin_memory=not args.dry_run, **common)
-    gpu_loader = make_loader(on_gpu, args.batch, collate_fn=collate_encoded, **common)
+    with tempfile.TemporaryDirectory(prefix="bigbatch-decode-") as folder:
+        files = write_jpegs(Path(folder), args.images, args.side)
+        labels = [0] * len(files)
+        transform = build_transforms(args.size, "squish", train=True, augment=True)
+        on_cpu = ImageDataset(files, labels, transform)
+        on_gpu = EncodedImages(files, labels)
+        augment = DeviceAugment(args.size, 3, DEFAULT_DATA["interpolation"]).on(device)
+        common = {"shuffle": True, "seed": 0, "num_workers": args.workers}
+        cpu_loader = make_loader(on_cpu, args.batch, pin_memory=not args.dry_run, **common)
+        gpu_loader = make_loader(on_gpu, args.batch, collate_fn=collate_encoded, **common)
 
-    def cpu_batches(e: int) -> Iterable[Any]:
-        cpu_loader.batch_sampler.set_epoch(e)  # type: ignore[attr-defined]
-        return cpu_loader
+        def cpu_batches(e: int) -> Iterable[Any]:
+            cpu_loader.batch_sampler.set_epoch(e)  # type: ignore[attr-defined]
+            return cpu_loader
 
-    def gpu_batches(e: int) -> Iterable[Any]:
-        gpu_loader.batch_sampler.set_epoch(e)  # type: ignore[attr-defined]
-        return (augment(batch) for batch in gpu_loader)
+        def gpu_batches(e: int) -> Iterable[Any]:
+            gpu_loader.batch_sampler.set_epoch(e)  # type: ignore[attr-defined]
+            return (augment(batch) for batch in gpu_loader)
 
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0) if not args.dry_run else "cpu (dry run)",
-        "workload": f"{args.images} JPEGs of {args.side} px, crop {args.size}, batch {args.batch}",
-        "cpu_workers": args.workers,
-        "images_per_s": {
-            "cpu_workers": round(rate(cpu_batches, device, args.epochs, len(files)), 1),
-            "gpu_decode": round(rate(gpu_batches, device, args.epochs, len(files)), 1),
-        },
-    }
-    ips = result["images_per_s"]
-    result["gpu_over_cpu"] = round(ips["gpu_decode"] / ips["cpu_workers"], 3)
-    print(json.dumps(result, indent=1) if args.json else result)
+        result: dict[str, Any] = {
+            "device": torch.cuda.get_device_name(0) if not args.dry_run else "cpu (dry run)",
+            "workload": f"{args.images} JPEGs of {args.side} px, crop {args.size}, batch {args.batch}",
+            "cpu_workers": args.workers,
+            "images_per_s": {
+                "cpu_workers": round(rate(cpu_batches, device, args.epochs, len(files)), 1),
+                "gpu_decode": round(rate(gpu_batches, device, args.epochs, len(files)), 1),
+            },
+        }
+        ips = result["images_per_s"]
+        result["gpu_over_cpu"] = round(ips["gpu_decode"] / ips["cpu_workers"], 3)
+        print(json.dumps(result, indent=1) if args.json else result)
     return 0
 
 

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-from conftest import TINY_MODEL, write_images
-
 from bigbatch.cli.main import main
+from tiny_runs import TINY_MODEL, write_images
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import base_overrides, write_images
 from PIL import Image
 
 from bigbatch.images import UnreadableImageError, probe, read_pixels
 from bigbatch.train.config import load_config
 from bigbatch.train.loop import train
 from bigbatch.train.tasks.classification.metrics import ClassificationMetrics
+from tiny_runs import base_overrides, write_images
 
 
 def quiet(_: str) -> None:

@@ -3,7 +3,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_images
 
 from bigbatch.train.data import DataError, make_loader, split_items, windows_per_epoch
 from bigbatch.train.tasks.classification.data import (
@@ -12,6 +11,7 @@ from bigbatch.train.tasks.classification.data import (
     scan_csv,
     scan_folder,
 )
+from tiny_runs import write_images
 
 
 def test_folder_of_classes(image_folder: Path) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import CLASSES, base_overrides
 from PIL import Image
 
 import bigbatch.train.decode_choice as decode_choice_module
@@ -25,6 +24,7 @@ from bigbatch.train.loop import train
 from bigbatch.train.tasks import task_for
 from bigbatch.train.tasks.device_images import DeviceAugment, EncodedImages, collate_encoded
 from bigbatch.train.tasks.images import ImageDataset, build_transforms
+from tiny_runs import CLASSES, base_overrides
 
 CPU = torch.device("cpu")
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "train"))
-from conftest import TINY_MODEL, write_images
-
 from bigbatch.train.config import ConfigError
 from bigbatch.train.ensemble import run_ensemble
 from bigbatch.train.tasks.classification.experiments import submission_ids
+from tiny_runs import TINY_MODEL, write_images
 
 COMMON = """[common]
 data = "train"

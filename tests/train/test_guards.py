@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_overrides, write_images
 
 from bigbatch.io import lock_folder
 from bigbatch.train.checkpoint import load_state
 from bigbatch.train.config import ConfigError, load_config
 from bigbatch.train.loop import train
 from bigbatch.train.state import TrainingDiverged
+from tiny_runs import base_overrides, write_images
 
 
 def quiet(_: str) -> None:

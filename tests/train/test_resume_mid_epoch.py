@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, write_images
 from safetensors.torch import load_file
+
+from tiny_runs import TINY_MODEL, write_images
 
 KILL = textwrap.dedent(
     """

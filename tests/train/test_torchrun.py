@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, write_images
+
+from tiny_runs import TINY_MODEL, write_images
 
 
 def _torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

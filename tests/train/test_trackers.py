@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import base_overrides
 
 import bigbatch.train.stepping as stepping
 from bigbatch.train.config import ConfigError, load_config
 from bigbatch.train.loop import train
+from tiny_runs import base_overrides
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

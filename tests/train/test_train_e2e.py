@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import base_overrides, write_images
 from safetensors.torch import load_file
 
 import bigbatch.train.stepping as stepping
@@ -22,6 +21,7 @@ from bigbatch.train.tasks.classification.predict import (
     predict_folder,
     save_predictions,
 )
+from tiny_runs import base_overrides, write_images
 
 
 def quiet(_: str) -> None:
