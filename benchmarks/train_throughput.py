@@ -2,14 +2,16 @@
 
 Both train the same timm model on the same generated image folder, with the same transforms
 (bigbatch's own), micro-batch, accumulation, optimizer, schedule, threads and data loading
-(in-process), and evaluate on the same validation images after every epoch. bigbatch also
-plans (one fake-tensor step for a fixed micro-batch), scans the images, writes checkpoints,
-history.csv and the plot: that is its overhead. Runs are paired and alternated in one process;
-`ratio_vs_hand_loop` is the median of hand / bigbatch seconds per epoch (training and
-validation: the loop; 1.0 is as fast, the target >= 0.97) and `whole_run_ratio` the same for
-whole runs, bigbatch's fixed costs included; `first_step_seconds` those fixed costs apart (the
-time to each loop's first optimizer step), and `fraction_of_loaderless` each loop's last epoch
-against the step alone with its batch already on the device (`loaderless_images_per_s`).
+(in-process), evaluate on the same validation images after every epoch and save checkpoints
+after it (the hand loop best.pt and last.pt with torch.save, unless `--no-hand-checkpoints`;
+bigbatch its own, written off the training thread). bigbatch also plans (one fake-tensor step
+for a fixed micro-batch), scans the images, writes history.csv and the plot: that is its
+overhead. Runs are paired and alternated in one process; `ratio_vs_hand_loop` is the median of
+hand / bigbatch seconds per epoch (training and validation: the loop; 1.0 is as fast, the
+target >= 0.97) and `whole_run_ratio` the same for whole runs, bigbatch's fixed costs
+included; `first_step_seconds` those fixed costs apart (the time to each loop's first
+optimizer step), and `fraction_of_loaderless` each loop's last epoch against the step alone
+with its batch already on the device (`loaderless_images_per_s`).
 
     python benchmarks/train_throughput.py            # resnet10t at 32 px, 768 images, 2 epochs
     python benchmarks/train_throughput.py --json     # {"ratio_vs_hand_loop": ..., ...}
@@ -116,11 +118,20 @@ def split_for(data: Path, dev: Device) -> tuple[Any, Any]:
 
 
 def hand_loop(
-    data: Path, arch: str, size: int, batch: int, micro: int, epochs: int, dev: Device = CPU
+    data: Path,
+    arch: str,
+    size: int,
+    batch: int,
+    micro: int,
+    epochs: int,
+    dev: Device = CPU,
+    out: Path | None = None,
 ) -> tuple[float, list[float]]:
     """The loop a practitioner writes: timm model, AdamW, OneCycle, `loss / N` accumulation;
     on a GPU with persistent pinned workers, channels_last, cuDNN's benchmark mode, autocast
-    and GradScaler."""
+    and GradScaler. With ``out``, the checkpoints such a loop saves after each epoch's
+    validation, as bigbatch's run does its own: ``best.pt`` (the weights, where the validation
+    loss improved) and ``last.pt`` (weights, optimizer and schedule), with torch.save."""
     import timm
 
     t0 = time.perf_counter()
@@ -167,15 +178,26 @@ def hand_loop(
         optimizer_step(opt, scaler)
         sched.step()
 
-    def validate() -> None:
+    def validate() -> float:
         model.eval()
+        total = torch.zeros((), device=dev.name)
         with torch.no_grad():
             for x, y in valid_loader:
-                loss_of(x, y)
-        dev.sync()
+                total += loss_of(x, y).float() * len(y)
+        return float(total)  # one read, after the last batch
+
+    def save_checkpoints(valid_loss: float, best: float) -> None:
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        if valid_loss < best:
+            torch.save(model.state_dict(), out / "best.pt")
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        torch.save(state | {"scheduler": sched.state_dict()}, out / "last.pt")
 
     epoch_s: list[float] = []
     first_step_s = None
+    best = float("inf")
     for _ in range(epochs):
         e0 = time.perf_counter()
         model.train()
@@ -184,8 +206,10 @@ def hand_loop(
             if first_step_s is None:
                 dev.sync()
                 first_step_s = time.perf_counter() - t0
-        validate()
+        valid_loss = validate()
         epoch_s.append(time.perf_counter() - e0)
+        save_checkpoints(valid_loss, best)  # after the epoch's time, as bigbatch's
+        best = min(best, valid_loss)
     FIRST_STEP["hand"] = first_step_s or 0.0
     return time.perf_counter() - t0, epoch_s
 
@@ -246,7 +270,7 @@ def bigbatch_run(
 
 PROFILED_STAGES = {
     "_setup", "plan_for", "plan_validation", "_train_epoch", "step_window", "_finish_epoch",
-    "save_weights", "save_checkpoint", "write_history", "plot_history",
+    "checkpoint_state", "write_epoch_files", "wait",
 }  # fmt: skip
 FIRST_STEP: dict[str, float] = {}  # each loop's last run: seconds to its first optimizer step
 
@@ -316,9 +340,7 @@ def profile_of(run: Any) -> dict[str, Any]:
     stages = {
         name.split("(")[1][:-1]: round(cum, 3)
         for _, cum, _, name in rows
-        if name.startswith(
-            ("loop.py:", "planning.py:", "checkpoint.py:", "report.py:", "run_dir.py:")
-        )
+        if name.startswith(("loop.py:", "planning.py:", "checkpoint.py:", "io.py:", "run_dir.py:"))
         and name.split("(")[1][:-1] in PROFILED_STAGES
     }
 
@@ -336,8 +358,10 @@ def profile_of(run: Any) -> dict[str, Any]:
             "data_wait": round(max(waits, default=0.0), 3),
             "step": under("train_window", "step_window"),
             "validation": under("validate", "evaluate"),
-            "checkpoints_and_plots": under(
-                "save_weights", "save_checkpoint", "write_history", "plot_history"
+            # The hand loop's torch.save calls; bigbatch's host copies and its wait for the
+            # last files at the end (io.py's BackgroundWriter.wait), the writes running beside.
+            "checkpoints_and_plots": round(
+                under("save_checkpoints", "checkpoint_state") + stages.get("wait", 0), 3
             ),
         },
         "stages_seconds": stages,
@@ -381,6 +405,13 @@ def main() -> None:
         help="steps timed for the loader-less limit (the step alone, its batch on the device)",
     )
     p.add_argument(
+        "--hand-checkpoints",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the hand loop saves best.pt and last.pt after each epoch, as bigbatch saves its "
+        "own (the same work in both whole runs); --no-hand-checkpoints: it saves none",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="then one run of each under cProfile (alone: --rounds 0)",
@@ -402,7 +433,8 @@ def main() -> None:
         said: list[str] = []
         epochs_s: dict[str, list[list[float]]] = {"hand": [], "bigbatch": []}
         for r in range(args.rounds):
-            h, h_epochs = hand_loop(data, *shape, dev)
+            hand_out = Path(tmp) / f"hand{r}" if args.hand_checkpoints else None
+            h, h_epochs = hand_loop(data, *shape, dev, hand_out)
             b, b_epochs = bigbatch_run(data, Path(tmp) / f"run{r}", *shape, dev, said)
             hand_s.append(h)
             ours_s.append(b)
@@ -418,7 +450,8 @@ def main() -> None:
             limit = loaderless_images_per_s(args.arch, args.size, args.micro, dev, args.limit_steps)
         profiles = {}
         if args.profile:
-            profiles["hand"] = profile_of(lambda: hand_loop(data, *shape, dev))
+            hand_out = Path(tmp) / "hand-profiled" if args.hand_checkpoints else None
+            profiles["hand"] = profile_of(lambda: hand_loop(data, *shape, dev, hand_out))
             out = Path(tmp) / "profiled"
             profiles["bigbatch"] = profile_of(lambda: bigbatch_run(data, out, *shape, dev))
     images = args.classes * args.per_class * args.passes  # trained per epoch, / 0.8
@@ -450,8 +483,10 @@ def main() -> None:
         # The same after each run's first epoch (workers and kernels started): the pipeline's.
         "steady_ratio": statistics.median(steady_ratios) if steady_ratios else None,
         "epoch_seconds": epochs_s,
-        # The whole run, with bigbatch's fixed costs (scan, plan check, checkpoints, plots).
+        # The whole run, with bigbatch's fixed costs (scan, plan check, plots), both loops'
+        # checkpoints (unless --no-hand-checkpoints).
         "whole_run_ratio": statistics.median(ratios),
+        "hand_loop_checkpoints": args.hand_checkpoints,
         # The fixed costs apart: from the start to the first optimizer step.
         "first_step_seconds": {k: round(statistics.median(v), 3) for k, v in first_steps.items()},
         # The step alone, its batch on the device; each loop's epochs as a fraction of it (the

@@ -93,11 +93,19 @@ def test_train_throughput_benchmark_json() -> None:
     )  # fmt: skip
     result = json.loads(out[out.index("{") :])
     assert result["ratio_vs_hand_loop"] > 0 and result["whole_run_ratio"] > 0
+    assert result["hand_loop_checkpoints"]  # the same work in both whole runs
     # The fixed costs apart, and each loop against the step alone (the loader-less limit).
     assert set(result["first_step_seconds"]) == {"hand", "bigbatch"}
     assert all(v > 0 for v in result["first_step_seconds"].values())
     assert result["loaderless_images_per_s"] > 0
     assert all(v > 0 for v in result["fraction_of_loaderless"].values())
+
+
+def test_checkpoint_stall_benchmark_json() -> None:
+    out = _run("benchmarks/checkpoint_stall.py", "--arch", "resnet10t", "--rounds", "1", "--json")
+    result = json.loads(out[out.index("{") :])
+    assert set(result["stall_seconds"]) == {"inline", "background"}
+    assert result["stall_ratio"] > 0 and result["written_seconds"] > 0
 
 
 @pytest.mark.slow

@@ -25,11 +25,11 @@ def test_checkpoint_survives_a_full_disk(tmp_path: Path, monkeypatch: pytest.Mon
     save_weights(model, tmp_path / "best.safetensors")
     before = (tmp_path / "best.safetensors").read_bytes()
 
-    def full_disk(model: torch.nn.Module, filename: str) -> None:
+    def full_disk(tensors: object, filename: str, metadata: object = None) -> None:
         Path(filename).write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("safetensors.torch.save_model", full_disk)
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
     with torch.no_grad():
         model.weight.add_(1.0)
     with pytest.raises(OSError):
@@ -83,3 +83,60 @@ def test_pickled_objects_are_refused_without_running_them(tmp_path: Path) -> Non
             load_tensors(path, "checkpoint")
         assert "weights_only=False" not in str(info.value)
     assert not ran.exists()
+
+
+def test_tied_weights_are_copied_once_stored_once_and_loaded_back(tmp_path: Path) -> None:
+    from bigbatch.train.checkpoint import host_copy, load_weights_file, write_weights
+
+    def tied() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+        model[1].weight = model[0].weight  # an LM's tied input and output embeddings
+        return model
+
+    model = tied()
+    copied = host_copy(model.state_dict())
+    assert copied["0.weight"] is copied["1.weight"]
+    assert copied._metadata == model.state_dict()._metadata  # the modules' versions, for loading
+    write_weights(copied, tmp_path / "w.safetensors")
+    other = tied()
+    load_weights_file(other, tmp_path / "w.safetensors")
+    assert torch.equal(other[1].weight, model[0].weight) and other[1].weight is other[0].weight
+
+
+def test_the_background_writer_keeps_order_and_raises_a_failed_write() -> None:
+    import threading
+
+    from bigbatch.io import BackgroundWriter
+
+    done: list[tuple[int, str]] = []
+    with BackgroundWriter() as files:
+        for i in range(3):
+            files.submit(lambda i: done.append((i, threading.current_thread().name)), i)
+        files.wait()
+        assert [i for i, _ in done] == [0, 1, 2]
+        assert all(name.startswith("bigbatch-files") for _, name in done)
+
+    def full(path: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    with pytest.raises(OSError, match="No space"), BackgroundWriter() as files:
+        files.submit(full, "last.pt")  # raised on leaving, where nothing else was
+    with BackgroundWriter() as files:
+        files.submit(full, "last.pt")
+        with pytest.raises(OSError, match="No space"):
+            files.wait()
+        files.submit(done.append, (3, "after"))  # the writer goes on after a failure was raised
+    assert done[-1] == (3, "after")
+    # An exception in flight is the one reported; the writer still finishes what it was given.
+    gate = threading.Event()
+
+    def full_later(path: str) -> None:
+        gate.wait()  # not done before the second job is handed over
+        full(path)
+
+    with pytest.raises(KeyboardInterrupt), BackgroundWriter() as files:
+        files.submit(full_later, "last.pt")
+        files.submit(done.append, (4, "finished"))
+        gate.set()
+        raise KeyboardInterrupt
+    assert done[-1] == (4, "finished")

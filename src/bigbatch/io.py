@@ -15,10 +15,13 @@ import itertools
 import os
 import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
 __all__ = [
+    "BackgroundWriter",
     "CSVError",
     "DamagedFileError",
     "FolderBusyError",
@@ -316,3 +319,55 @@ def load_tensors(path: str | Path, what: str) -> Any:
             f"cannot read {what} {path}: it is damaged or truncated, or not a torch/safetensors "
             f"file ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})"
         ) from None
+
+
+class BackgroundWriter:
+    """Files written on one thread of their own, in the order they were handed over, while the
+    training thread goes on: an epoch's checkpoints (a second or more for a ResNet-50 and its
+    AdamW state, fsync included) and its plot. What a job writes must be the caller's own copy,
+    taken when it is handed over (the training thread changes the live tensors next). A job that
+    failed raises at the next :meth:`submit`, at :meth:`wait`, or on leaving the ``with``; leaving
+    it waits for every job, so that an interrupted run still finishes the file it was writing.
+
+    >>> import tempfile, pathlib
+    >>> out = pathlib.Path(tempfile.mkdtemp()) / "note.txt"
+    >>> with BackgroundWriter() as files:
+    ...     files.submit(atomic_write_text, out, "epoch 1")
+    >>> out.read_text()
+    'epoch 1'
+    """
+
+    def __init__(self, name: str = "bigbatch-files") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._jobs: list[Future[Any]] = []
+
+    def submit(self, write: Callable[..., Any], *args: Any) -> None:
+        """Run ``write(*args)`` on the writer's thread after the jobs handed over before it."""
+        self._raise_failed()
+        self._jobs = [job for job in self._jobs if not job.done()]
+        self._jobs.append(self._pool.submit(write, *args))
+
+    def wait(self) -> None:
+        """Until every job handed over is written; the first that failed raises."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
+
+    def _raise_failed(self) -> None:
+        for job in self._jobs:
+            if job.done() and job.exception() is not None:
+                self._jobs.remove(job)
+                job.result()  # the job's own exception, with its traceback
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._pool.shutdown(wait=True)
+        if kind is None:  # else the exception in flight is the one to report
+            self.wait()

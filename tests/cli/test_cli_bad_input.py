@@ -201,12 +201,13 @@ def test_predict_bad_input(job: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_a_full_disk_is_one_line(
     job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bigbatch.train.loop as loop
+    import bigbatch.train.run_dir as run_dir
 
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", "run/last.safetensors")
 
-    monkeypatch.setattr(loop, "save_weights", full)
+    # On the writer's thread (checkpoints are written off the training thread): still one line.
+    monkeypatch.setattr(run_dir, "write_weights", full)
     line = _fails([*TRAIN, "--out", "run"], capsys, "no space left on the device")
     assert "run/last.safetensors" in line and "--resume" in line
 
@@ -275,12 +276,12 @@ def test_a_full_disk_inside_torch_save_is_one_line(
 def test_a_read_only_out_folder_is_one_line(
     job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bigbatch.train.loop as loop
+    import bigbatch.train.run_dir as run_dir
 
     def read_only(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system", "run/last.safetensors")
 
-    monkeypatch.setattr(loop, "save_weights", read_only)
+    monkeypatch.setattr(run_dir, "write_weights", read_only)
     _fails([*TRAIN, "--out", "run"], capsys, "read-only file system: run/last.safetensors")
 
 

@@ -22,12 +22,22 @@ from tiny_runs import TINY_MODEL, write_images
 KILL = textwrap.dedent(
     """
     import os, signal, sys
+    import bigbatch.io
     import bigbatch.train.stepping as stepping
     from bigbatch.cli.main import main
     real, calls = stepping.run_window, [0]
+    writers, real_init = [], bigbatch.io.BackgroundWriter.__init__
+    def init(self, *args, **kwargs):
+        writers.append(self)
+        real_init(self, *args, **kwargs)
+    bigbatch.io.BackgroundWriter.__init__ = init
     def run_window(*args, **kwargs):
         calls[0] += 1
         if calls[0] == int(os.environ["KILL_AT"]):
+            # The checkpoints handed over are on disk (they are written off the training
+            # thread): the kill lands after window 3's, at a known place.
+            for writer in writers:
+                writer.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
     stepping.run_window = run_window

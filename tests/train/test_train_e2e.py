@@ -262,39 +262,47 @@ def test_without_matplotlib_there_is_no_plot_said_once(
     ) == 1
 
 
-def test_history_plots_are_drawn_off_the_training_thread_and_failures_surface(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_epoch_files_are_written_off_the_training_thread_as_the_epoch_left_them(
+    image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each epoch's history.png is drawn on a thread of its own (the next epoch starts
-    meanwhile); leaving the run waits for the last, and a plot that failed is raised, not
-    lost."""
+    """The checkpoints, history.csv and history.png are written on the writer's thread while
+    the next epoch trains, from copies taken at the epoch's end: epoch 1's files, held back
+    here until epoch 2 has trained, still hold epoch 1's weights."""
     import threading
 
-    import bigbatch.train.report as report
+    import torch
 
-    drawn_on: list[str] = []
-    real = report.plot_history
+    import bigbatch.train.loop as loop
+    import bigbatch.train.state as state_module
+    from bigbatch.train.checkpoint import load_state
 
-    def plot(*args: object) -> None:
-        drawn_on.append(threading.current_thread().name)
-        real(*args)  # type: ignore[arg-type]
+    at_epoch_end: list[dict[str, torch.Tensor]] = []
+    epoch_2_trained = threading.Event()
+    real_state, real_write = state_module.checkpoint_state, loop.write_epoch_files
 
-    monkeypatch.setattr(report, "plot_history", plot)
-    rows = [{"epoch": 1, "train_loss": 1.0}]
-    with report.HistoryPlots() as plots:
-        plots.submit(rows, tmp_path / "history.png")
-        rows.append({"epoch": 2, "train_loss": 0.5})  # the caller's list grows: a copy was taken
-        plots.wait()  # as the run does before done.json and the trackers' copies
-        assert (tmp_path / "history.png").exists()
-    assert drawn_on and drawn_on[0].startswith("bigbatch-plot")
-    assert (tmp_path / "history.png").exists()
+    def checkpoint_state(core: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        at_epoch_end.append({k: v.clone() for k, v in core.state_dict().items()})
+        if len(at_epoch_end) == 2:
+            epoch_2_trained.set()
+        return real_state(core, *args, **kwargs)  # type: ignore[arg-type]
 
-    def broken(*args: object) -> None:
-        raise OSError("disk full")
+    written: list[tuple[str, dict[str, torch.Tensor]]] = []
 
-    monkeypatch.setattr(report, "plot_history", broken)
-    with pytest.raises(OSError, match="disk full"), report.HistoryPlots() as plots:
-        plots.submit(rows, tmp_path / "again.png")
+    def write_epoch_files(run_dir: Path, *args: object) -> None:
+        if not written:  # epoch 1's files wait until epoch 2 has changed the live weights
+            assert epoch_2_trained.wait(timeout=600)
+        real_write(run_dir, *args)  # type: ignore[arg-type]
+        written.append((threading.current_thread().name, load_state(run_dir / "last.pt")["model"]))
+
+    monkeypatch.setattr(state_module, "checkpoint_state", checkpoint_state)
+    monkeypatch.setattr(loop, "write_epoch_files", write_epoch_files)
+    cfg = load_config(overrides=base_overrides(image_folder, tiny_model))
+    train(cfg, tmp_path / "run", log=lambda _: None, progress=False)
+    assert [name.startswith("bigbatch-files") for name, _ in written] == [True, True]
+    for (_, saved), live in zip(written, at_epoch_end, strict=True):
+        assert all(torch.equal(saved[k], live[k]) for k in live)
+    assert not all(torch.equal(at_epoch_end[0][k], at_epoch_end[1][k]) for k in at_epoch_end[0])
+    assert len((tmp_path / "run" / "history.csv").read_text().splitlines()) == 3  # written whole
 
 
 def test_the_saved_config_toml_trains_the_same_run_again(

@@ -28,15 +28,19 @@ from bigbatch.device import (
     uncap_cuda_allocator,
     uses_cudnn_benchmark,
 )
-from bigbatch.io import FolderBusyError, atomic_write_text, lock_folder
-from bigbatch.train.checkpoint import save_weights
+from bigbatch.io import BackgroundWriter, FolderBusyError, atomic_write_text, lock_folder
+from bigbatch.train.checkpoint import save_state
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.decode_choice import decode_choice
 from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import MemoryCheck, plan_for, plan_validation
 from bigbatch.train.progress import progress
-from bigbatch.train.report import HistoryPlots, write_history
-from bigbatch.train.run_dir import check_run_dir, record_measured_peak, write_run_files
+from bigbatch.train.run_dir import (
+    check_run_dir,
+    record_measured_peak,
+    write_epoch_files,
+    write_run_files,
+)
 from bigbatch.train.runtime import (
     cap_to_budget,
     check_no_lone_sample,
@@ -114,7 +118,7 @@ def _run(run: Run) -> TrainResult:
     if run.main_rank:  # log=: the trackers, with the plan the run folder holds now
         run.report = start_report(run.cfg, run.run_dir, run.state is not None, run.log)
     try:  # then an explicit budget's allocator cap comes off: the caller keeps its setting
-        with cudnn_benchmark_mode(run.where.cudnn_benchmark), HistoryPlots() as run.plots:
+        with cudnn_benchmark_mode(run.where.cudnn_benchmark), BackgroundWriter() as run.files:
             return _loop(run)
     finally:
         uncap_cuda_allocator(run.where.device, run.fraction_before)
@@ -131,9 +135,9 @@ def _loop(run: Run) -> TrainResult:
         if run.start_epoch < epoch:  # else a finished phase
             _train_phase(run, phase, phase_start, epoch)
     if run.main_rank:
+        run.files.wait()  # the epoch's files whole: the task reads best.safetensors
         if run.data.has_valid:
             run.task.finish(run.scored, run.data.valid_loader, run.where, run.run_dir, run.log)
-        run.plots.wait()  # history.png whole before done.json and the trackers' copies
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
         atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
         record_measured_peak(run.run_dir, run.where.device, run.log)
@@ -288,7 +292,8 @@ def _train_epoch(run: Run, ph: Phase, e: int) -> tuple[float, float]:
             rng = rng_state()
             mid = {"windows": windows_done, "loss_sum": tally.loss_sum, "count": tally.count}
             mid |= {"rng": rng["cpu"], "cuda_rng": rng.get("cuda", [])}
-            ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
+            state = ph.checkpoint(epoch=e - 1, best=run.best, history=run.history, mid=mid)
+            run.files.submit(save_state, state, run.run_dir / "last.pt")
         samples = batch_len(window)
         if run.report is not None:
             run.report.window(result, samples * run.world, ph.opt.param_groups[0]["lr"])
@@ -325,19 +330,14 @@ def _finish_epoch(run: Run, ph: Phase, e: int, loss_sum: float, count: float, t0
         run.best = value
     if not run.main_rank:
         return
-    run_dir, cfg = run.run_dir, run.cfg
-    if improved:
-        save_weights(run.scored, run_dir / "best.safetensors")
-        atomic_write_text(run_dir / "best.json", json.dumps({"epoch": e + 1, run.monitor: value}))
-    save_weights(run.scored, run_dir / "last.safetensors")
-    ph.checkpoint(epoch=e, best=run.best, history=run.history)
+    # Host copies now, written on the writer's thread while the next epoch trains.
+    state = ph.checkpoint(epoch=e, best=run.best, history=run.history)
+    best = {"epoch": e + 1, run.monitor: value} if improved else None
+    rows = [dict(r) for r in run.history]
+    run.files.submit(write_epoch_files, run.run_dir, state, best, rows, run.cfg)
     run.last_checkpoint = time.perf_counter()
-    write_history(run.history, run_dir / "history.csv")
     if run.report is not None:
         run.report.epoch(row, run.backoff.events, decode=run.data.decode)
-    run.plots.submit(
-        run.history, run_dir / "history.png", cfg.task, f"{cfg.model_name} @ {cfg.size}"
-    )
     scores = run.task.scores(row) if run.data.has_valid else ""
     run.log(
         f"epoch {e + 1}: train loss {row['train_loss']:.4f}  {scores}"

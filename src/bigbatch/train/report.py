@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from bigbatch.io import atomic_write_csv, atomic_write_figure
 from bigbatch.train.registry import TaskEntry, task_entry
 
-__all__ = ["HistoryPlots", "plot_history", "write_history"]
+__all__ = ["plot_history", "write_history"]
 
 
 def write_history(rows: list[dict[str, Any]], path: str | Path) -> None:
@@ -35,7 +33,7 @@ def plot_history(
     process; ``history.csv`` has the numbers."""
     global _SAID
     try:
-        # A bare Figure, not pyplot's: drawn on a thread of its own (HistoryPlots), with no
+        # A bare Figure, not pyplot's: drawn on a thread of its own (io.BackgroundWriter), with no
         # global figure list or backend to share with the caller's plots. matplotlib itself
         # first: the plot extra installed or not.
         import matplotlib  # noqa: F401
@@ -79,55 +77,6 @@ def plot_history(
         fig.suptitle(title)
     fig.tight_layout()
     atomic_write_figure(fig, path, dpi=100)
-
-
-class HistoryPlots:
-    """``history.png`` drawn off the training thread: each epoch's plot (a quarter of a second
-    on a CPU, as much as a GPU's step of dozens of images) is handed to one thread of its own
-    while the next epoch starts. Leaving the ``with`` waits for the last; a plot that failed
-    raises at the next epoch's, or there.
-
-    >>> import tempfile, pathlib
-    >>> out = pathlib.Path(tempfile.mkdtemp()) / "history.png"
-    >>> with HistoryPlots() as plots:
-    ...     plots.submit([{"epoch": 1, "train_loss": 0.9}, {"epoch": 2, "train_loss": 0.5}], out)
-    >>> out.exists()
-    True
-    """
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigbatch-plot")
-        self._last: Future[None] | None = None
-
-    def submit(
-        self, rows: list[dict[str, Any]], path: str | Path, task: str = "", title: str = ""
-    ) -> None:
-        """Plot ``rows`` (copied now: the caller's list grows) into ``path``."""
-        self._raise_failed()
-        copied = [dict(r) for r in rows]
-        self._last = self._pool.submit(plot_history, copied, path, task, title)
-
-    def wait(self) -> None:
-        """Until the last plot is written (its failure raised)."""
-        if self._last is not None:
-            self._last.result()
-
-    def _raise_failed(self) -> None:
-        if self._last is not None and self._last.done():
-            self._last.result()  # the plot's own exception, with its traceback
-
-    def __enter__(self) -> HistoryPlots:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._pool.shutdown(wait=True)
-        if kind is None:
-            self.wait()
 
 
 def _finish(ax: Any, ylabel: str) -> None:

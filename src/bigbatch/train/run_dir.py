@@ -15,17 +15,19 @@ from bigbatch.backoff import OOMBackoff
 from bigbatch.device import peak_memory_bytes
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes
-from bigbatch.train.checkpoint import load_state, save_state
+from bigbatch.train.checkpoint import host_copy, load_state, save_state, write_weights
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.registry import task_entry
+from bigbatch.train.report import plot_history, write_history
 
 __all__ = [
     "add_to_plan",
     "check_run_dir",
+    "checkpoint_state",
     "compare_peaks",
     "measured_as",
     "record_measured_peak",
-    "save_checkpoint",
+    "write_epoch_files",
     "write_run_files",
 ]
 
@@ -65,8 +67,7 @@ def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, An
         ) from exc
 
 
-def save_checkpoint(
-    run_dir: Path,
+def checkpoint_state(
     core: nn.Module,
     opt: torch.optim.Optimizer,
     sched: Any,
@@ -80,11 +81,12 @@ def save_checkpoint(
     history: list[dict[str, Any]],
     mid: dict[str, Any] | None = None,
     ema: Any = None,
-) -> None:
-    """``last.pt``: everything a resumed run needs to end bit-identical. ``epoch`` is the last
-    finished epoch; ``mid`` where the epoch in flight stands (windows done, the epoch's loss
-    sums, the random streams), for a checkpoint between windows."""
-    save_state(
+) -> dict[str, Any]:
+    """What ``last.pt`` holds, copied to host memory now (:func:`host_copy`): everything a
+    resumed run needs to end bit-identical. ``epoch`` is the last finished epoch; ``mid`` where
+    the epoch in flight stands (windows done, the epoch's loss sums, the random streams), for a
+    checkpoint between windows."""
+    return host_copy(
         {
             "model": core.state_dict(),
             "optimizer": opt.state_dict(),
@@ -100,9 +102,32 @@ def save_checkpoint(
             "history": json.dumps(history),
             "mid": mid or {},
             "ema": ema.module.state_dict() if ema is not None else {},
-        },
-        run_dir / "last.pt",
+        }
     )
+
+
+def write_epoch_files(
+    run_dir: Path,
+    state: dict[str, Any],
+    best: dict[str, Any] | None,
+    history: list[dict[str, Any]],
+    cfg: TrainConfig,
+) -> None:
+    """An epoch's files, off the training thread, in the order a crash between any two leaves
+    consistent: ``best.safetensors`` then ``best.json`` (where the epoch improved, ``best`` its
+    line), ``last.safetensors``, ``last.pt``, ``history.csv``, ``history.png`` (``cfg``'s task and
+    model in its title). ``state`` is :func:`checkpoint_state`'s host copy, ``history``
+    the caller's copy of the rows: the training thread changes both next. The weights saved are
+    the EMA's where the run keeps one."""
+    weights = state["ema"] or state["model"]
+    if best is not None:
+        write_weights(weights, run_dir / "best.safetensors")
+        atomic_write_text(run_dir / "best.json", json.dumps(best))
+    write_weights(weights, run_dir / "last.safetensors")
+    save_state(state, run_dir / "last.pt")
+    write_history(history, run_dir / "history.csv")
+    title = f"{cfg.model_name} @ {cfg.size}"
+    plot_history(history, run_dir / "history.png", cfg.task, title)
 
 
 def config_toml(cfg: TrainConfig) -> str:

@@ -19,7 +19,7 @@ from bigbatch.backoff import BackoffEvent, OOMBackoff
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
-from bigbatch.train.run_dir import save_checkpoint
+from bigbatch.train.run_dir import checkpoint_state
 from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Placement, Task
 from bigbatch.train.tasks.device_images import collate_encoded
@@ -180,7 +180,7 @@ class Run:
     fraction_before: float | None = None  # the allocator's fraction before budget='s cap
     memory: Any = None  # planning.MemoryCheck: the first steps' measured peak against the plan
     report: Any = None  # tracking.RunReport with log=, on rank 0
-    plots: Any = None  # report.HistoryPlots: history.png drawn off the training thread
+    files: Any = None  # io.BackgroundWriter: checkpoints and plots off the training thread
 
     @property
     def main_rank(self) -> bool:
@@ -205,7 +205,7 @@ class Phase:
     sched: Any
     plateau: bool
     acc: Accumulator
-    checkpoint: Callable[..., None]
+    checkpoint: Callable[..., dict[str, Any]]  # run_dir.checkpoint_state, copied now
 
 
 def restore(run: Run, state: dict[str, Any]) -> None:
@@ -252,8 +252,7 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
         sync="step",
     )
     checkpoint = functools.partial(
-        save_checkpoint,
-        run.run_dir,
+        checkpoint_state,
         run.core,
         opt,
         sched,
