@@ -35,11 +35,19 @@ from torch import nn
 from bigbatch.accumulate import Accumulator
 from bigbatch.backoff import OOMBackoff, run_coupled_window, run_window
 from bigbatch.batching import batch_len
-from bigbatch.device import autocast_for, cap_cuda_allocator, device_kind
+from bigbatch.device import (
+    autocast_for,
+    cap_cuda_allocator,
+    card_memory,
+    device_kind,
+    peak_memory_bytes,
+    reset_peak_memory,
+)
+from bigbatch.distributed import max_over_ranks
 from bigbatch.integrations import require
 from bigbatch.integrations.nnunet_step import plan_step_spec
 from bigbatch.memory.budget import format_bytes
-from bigbatch.memory.plan import Plan, plan_under_budget, resolve_budget
+from bigbatch.memory.plan import Plan, plan_under_budget, refit_to_measured, resolve_budget
 from bigbatch.memory.step import Precision, StepSpec
 
 require("nnunetv2", "nnunet")
@@ -74,6 +82,9 @@ BUDGET_ENV = "BIGBATCH_BUDGET"
 MICRO_BATCH_ENV = "BIGBATCH_MICRO_BATCH"
 LOG_ENV = "BIGBATCH_LOG"  # trackers, as bigbatch train's log= (tensorboard,wandb,mlflow)
 CLIP_NORM = 12.0  # nnU-Net's gradient clipping
+# The planned micro-batch is checked against the allocator's peak over optimizer steps 2 and 3:
+# the first step's (cuDNN's benchmark trials, which nnU-Net turns on) is left out.
+MEASURE_FROM_STEP, MEASURE_AT_STEP = 1, 3
 
 
 def split_sizes(batch: int, micro_batch: int) -> list[int]:
@@ -110,6 +121,7 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         self.trackers: Any = None  # bigbatch.trackers.Trackers, on rank 0 with log_to
         self.window_log: Any = None
         self.plan: Plan | None = None
+        self.memory_checked = False  # the planned micro-batch checked against the measured peak
         self.backoff: OOMBackoff | None = None
         self.accumulator: Accumulator | None = None
 
@@ -121,6 +133,8 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         check_exact(self)
         super().on_train_start()
         micro, line = self._choose_micro_batch()
+        if self.plan is not None:
+            reset_peak_memory(self.device)  # the training's peak, for check_memory
         self.backoff = OOMBackoff(micro_batch=micro, max_micro_batch=micro, grow_after=0)
         self.accumulator = Accumulator(
             self.optimizer, scaler=self.grad_scaler, clip_grad_norm=CLIP_NORM
@@ -269,7 +283,41 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             self.window_log.add(
                 result, samples=batch_len(data), extra={"lr": self.optimizer.param_groups[0]["lr"]}
             )
+        self.check_memory()
         return {"loss": np.array(result.loss)}
+
+    def check_memory(self) -> None:
+        """After the first optimizer steps, a planned micro-batch on a GPU is refitted to the
+        allocator's measured peak as ``bigbatch train`` refits its own
+        (:func:`~bigbatch.memory.plan.refit_to_measured`): smaller, before an out-of-memory
+        error, where the step takes more than the plan said (or than the card has left beside
+        NCCL), up to twice as large where it takes far less. The update is unchanged. Ranks
+        take the largest peak, so that they agree. Nothing on a CPU, whose resident memory is
+        the process's, not the step's."""
+        step = self.accumulator.optimizer_step if self.accumulator is not None else 0
+        if self.plan is None or self.backoff is None or self.memory_checked:
+            return
+        if step == MEASURE_FROM_STEP and torch.backends.cudnn.benchmark:
+            reset_peak_memory(self.device)
+        if step < MEASURE_AT_STEP:
+            return
+        self.memory_checked = True
+        measured = peak_memory_bytes(self.device)
+        if measured is None or measured[1] or self.backoff.events:
+            return  # a process's memory, or the OOM back-off has refitted already
+        peak = max_over_ranks(measured[0], self.device)
+        card = card_memory(self.device)
+        if card is not None:
+            card = (card[0], max_over_ranks(card[1], self.device))
+        micro, batch = self.backoff.micro_batch, int(self.batch_size)
+        new = refit_to_measured(self.plan, micro, peak, card, target=batch)
+        predicted = dict(self.plan.curve).get(micro, self.plan.predicted_peak_bytes)
+        self.print_to_log_file(
+            f"bigbatch: measured {format_bytes(peak)} at micro-batch {micro} after {step} "
+            f"steps (predicted {format_bytes(predicted)}): "
+            + (f"micro-batch {micro} -> {new}" if new != micro else "kept")
+        )
+        self.backoff.refit(step, new)
 
     def _forward(self, x: torch.Tensor, precision: str) -> Any:
         with autocast_for(precision, self.device.type):

@@ -43,6 +43,7 @@ __all__ = [
     "plan_micro_batch",
     "plan_under_budget",
     "refit_micro_batch",
+    "refit_to_measured",
     "resolve_budget",
     "usable_bytes",
 ]
@@ -585,6 +586,33 @@ def refit_micro_batch(
         if fitting:
             return max(micro_batch, _balanced(target, max(fitting)))
     return micro_batch
+
+
+def refit_to_measured(
+    plan: Plan,
+    micro_batch: int,
+    measured: int,
+    card: tuple[int, int] | None = None,
+    *,
+    target: int,
+    top: int | None = None,
+) -> int:
+    """:func:`refit_micro_batch` for a ``plan`` made on the CPU for a card, once the step at
+    ``micro_batch`` measured ``measured`` bytes (the allocator's reserved peak) there: the
+    limit is the plan's usable memory, or less where the ``card`` (``(total, outside the
+    allocator)``, :func:`bigbatch.device.card_memory`) has less left (:func:`limit_on_card`).
+    ``top`` (default ``target``) bounds a grow.
+
+    >>> import torch
+    >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(256, 10), (256,), b)
+    >>> plan = plan_micro_batch(spec, 64, "1GB", overhead=0)
+    >>> refit_to_measured(plan, 16, 10 * plan.usable_bytes, target=64)  # 10x over: the floor
+    1
+    """
+    limit = limit_on_card(plan.usable_bytes, plan.budget_bytes, plan.overhead_bytes, card)
+    return refit_micro_batch(
+        list(plan.curve), micro_batch, measured, limit, target=target, top=top or target
+    )
 
 
 def _on_curve(points: list[tuple[int, int]], b: int) -> float:
