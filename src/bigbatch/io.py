@@ -323,8 +323,8 @@ def load_tensors(path: str | Path, what: str) -> Any:
 
 class BackgroundWriter:
     """Files written on one thread of their own, in the order they were handed over, while the
-    training thread goes on: an epoch's checkpoints (a second or more for a ResNet-50 and its
-    AdamW state, fsync included) and its plot. What a job writes must be the caller's own copy,
+    training thread goes on: an epoch's checkpoints (0.7 s for a ResNet-50 and its AdamW state
+    on the development machine, fsync included: ``benchmarks/checkpoint_stall.py``) and its plot. What a job writes must be the caller's own copy,
     taken when it is handed over (the training thread changes the live tensors next). A job that
     failed raises at the next :meth:`submit`, at :meth:`wait`, or on leaving the ``with``; leaving
     it waits for every job, so that an interrupted run still finishes the file it was writing.
