@@ -303,12 +303,16 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             return
         self.memory_checked = True
         measured = peak_memory_bytes(self.device)
-        if measured is None or measured[1] or self.backoff.events:
-            return  # a process's memory, or the OOM back-off has refitted already
+        if measured is None or measured[1]:
+            return  # a process's resident memory, not the step's
+        # Every rank reaches the same collectives, one whose OOM back-off refitted already too.
         peak = max_over_ranks(measured[0], self.device)
+        backed_off = max_over_ranks(int(bool(self.backoff.events)), self.device)
         card = card_memory(self.device)
         if card is not None:
             card = (card[0], max_over_ranks(card[1], self.device))
+        if backed_off:
+            return  # the OOM back-off has had its say
         micro, batch = self.backoff.micro_batch, int(self.batch_size)
         new = refit_to_measured(self.plan, micro, peak, card, target=batch)
         predicted = dict(self.plan.curve).get(micro, self.plan.predicted_peak_bytes)
