@@ -49,7 +49,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -117,15 +117,18 @@ def split_for(data: Path, dev: Device) -> tuple[Any, Any]:
     return train_items, valid_items
 
 
+class Workload(NamedTuple):
+    """What both loops train: the timm model, the image side, the batch and micro-batch."""
+
+    arch: str
+    size: int
+    batch: int
+    micro: int
+    epochs: int
+
+
 def hand_loop(
-    data: Path,
-    arch: str,
-    size: int,
-    batch: int,
-    micro: int,
-    epochs: int,
-    dev: Device = CPU,
-    out: Path | None = None,
+    data: Path, work: Workload, dev: Device = CPU, out: Path | None = None
 ) -> tuple[float, list[float]]:
     """The loop a practitioner writes: timm model, AdamW, OneCycle, `loss / N` accumulation;
     on a GPU with persistent pinned workers, channels_last, cuDNN's benchmark mode, autocast
@@ -134,6 +137,7 @@ def hand_loop(
     loss improved) and ``last.pt`` (weights, optimizer and schedule), with torch.save."""
     import timm
 
+    arch, size, batch, micro, epochs = work
     t0 = time.perf_counter()
     torch.backends.cudnn.benchmark = dev.gpu  # as timm's train.py (bigbatch's auto: the same)
     train_items, valid_items = split_for(data, dev)
@@ -215,21 +219,13 @@ def hand_loop(
 
 
 def bigbatch_run(
-    data: Path,
-    out: Path,
-    arch: str,
-    size: int,
-    batch: int,
-    micro: int,
-    epochs: int,
-    dev: Device = CPU,
-    said: list[str] | None = None,
+    data: Path, out: Path, work: Workload, dev: Device = CPU, said: list[str] | None = None
 ) -> tuple[float, list[float]]:
     """One ``bigbatch train`` run with its defaults; ``said`` collects its ``decode:`` lines
     (where ``decode=auto`` chose to decode the JPEGs and, after a move to the GPU, whether it
     kept it, with the measured figures)."""
-    overrides = [f"data={data}", f"arch={arch}", f"size={size}", f"batch={batch}"]
-    overrides += [f"micro_batch={micro}", f"epochs={epochs}", "mode=fit", "log_every=0"]
+    overrides = [f"data={data}", f"arch={work.arch}", f"size={work.size}", f"batch={work.batch}"]
+    overrides += [f"micro_batch={work.micro}", f"epochs={work.epochs}", "mode=fit", "log_every=0"]
     overrides += [f"device={dev.name}", f"precision={dev.precision}"]
     if not dev.gpu:  # the CPU comparison: the same threads, loading in-process
         overrides += ["num_workers=0", f"threads={torch.get_num_threads()}"]
@@ -425,8 +421,8 @@ def main() -> None:
         data = Path(tmp) / "images"
         stored = args.stored_size or args.size
         write_images(data, args.per_class, stored, args.classes, args.format)
-        shape = (args.arch, args.size, args.batch, args.micro, args.epochs)
-        hand_loop(data, *shape, dev)  # warm-up: imports, kernel choices, file cache
+        shape = Workload(args.arch, args.size, args.batch, args.micro, args.epochs)
+        hand_loop(data, shape, dev)  # warm-up: imports, kernel choices, file cache
         ratios, epoch_ratios, hand_s, ours_s = [], [], [], []
         first_steps: dict[str, list[float]] = {"hand": [], "bigbatch": []}
         steady_ratios: list[float] = []
@@ -434,8 +430,8 @@ def main() -> None:
         epochs_s: dict[str, list[list[float]]] = {"hand": [], "bigbatch": []}
         for r in range(args.rounds):
             hand_out = Path(tmp) / f"hand{r}" if args.hand_checkpoints else None
-            h, h_epochs = hand_loop(data, *shape, dev, hand_out)
-            b, b_epochs = bigbatch_run(data, Path(tmp) / f"run{r}", *shape, dev, said)
+            h, h_epochs = hand_loop(data, shape, dev, hand_out)
+            b, b_epochs = bigbatch_run(data, Path(tmp) / f"run{r}", shape, dev, said)
             hand_s.append(h)
             ours_s.append(b)
             for loop in first_steps:
@@ -451,9 +447,9 @@ def main() -> None:
         profiles = {}
         if args.profile:
             hand_out = Path(tmp) / "hand-profiled" if args.hand_checkpoints else None
-            profiles["hand"] = profile_of(lambda: hand_loop(data, *shape, dev, hand_out))
+            profiles["hand"] = profile_of(lambda: hand_loop(data, shape, dev, hand_out))
             out = Path(tmp) / "profiled"
-            profiles["bigbatch"] = profile_of(lambda: bigbatch_run(data, out, *shape, dev))
+            profiles["bigbatch"] = profile_of(lambda: bigbatch_run(data, out, shape, dev))
     images = args.classes * args.per_class * args.passes  # trained per epoch, / 0.8
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
