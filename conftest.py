@@ -9,7 +9,6 @@ folders there.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator
 
@@ -19,12 +18,7 @@ import pytest
 @pytest.fixture(autouse=True, scope="session")
 def _temporary_files_in_the_runs_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     folder = str(tmp_path_factory.mktemp("tempfile"))
-    before = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = folder
-    os.environ["TMPDIR"] = folder
-    yield
-    tempfile.tempdir = before[0]
-    if before[1] is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = before[1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", folder)
+        patch.setenv("TMPDIR", folder)
+        yield

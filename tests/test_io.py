@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bigbatch.io import atomic_path, atomic_write_text
-from bigbatch.train.checkpoint import save_weights
+from bigbatch.train.checkpoint import host_copy, write_weights
 
 
 def test_failed_write_keeps_the_previous_file(tmp_path: Path) -> None:
@@ -22,7 +22,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path: Path) -> None:
 
 def test_checkpoint_survives_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = torch.nn.Linear(4, 2)
-    save_weights(model, tmp_path / "best.safetensors")
+    write_weights(host_copy(model.state_dict()), tmp_path / "best.safetensors")
     before = (tmp_path / "best.safetensors").read_bytes()
 
     def full_disk(tensors: object, filename: str, metadata: object = None) -> None:
@@ -33,7 +33,7 @@ def test_checkpoint_survives_a_full_disk(tmp_path: Path, monkeypatch: pytest.Mon
     with torch.no_grad():
         model.weight.add_(1.0)
     with pytest.raises(OSError):
-        save_weights(model, tmp_path / "best.safetensors")
+        write_weights(host_copy(model.state_dict()), tmp_path / "best.safetensors")
     assert (tmp_path / "best.safetensors").read_bytes() == before
 
 
@@ -86,7 +86,7 @@ def test_pickled_objects_are_refused_without_running_them(tmp_path: Path) -> Non
 
 
 def test_tied_weights_are_copied_once_stored_once_and_loaded_back(tmp_path: Path) -> None:
-    from bigbatch.train.checkpoint import host_copy, load_weights_file, write_weights
+    from bigbatch.train.checkpoint import load_weights_file
 
     def tied() -> torch.nn.Module:
         model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))

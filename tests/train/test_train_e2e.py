@@ -270,8 +270,6 @@ def test_epoch_files_are_written_off_the_training_thread_as_the_epoch_left_them(
     here until epoch 2 has trained, still hold epoch 1's weights."""
     import threading
 
-    import torch
-
     import bigbatch.train.loop as loop
     import bigbatch.train.state as state_module
     from bigbatch.train.checkpoint import load_state

@@ -294,9 +294,10 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         NCCL), up to twice as large where it takes far less. The update is unchanged. Ranks
         take the largest peak, so that they agree. Nothing on a CPU, whose resident memory is
         the process's, not the step's."""
-        step = self.accumulator.optimizer_step if self.accumulator is not None else 0
-        if self.plan is None or self.backoff is None or self.memory_checked:
+        checked = self.memory_checked
+        if checked or self.plan is None or self.backoff is None or self.accumulator is None:
             return
+        step = self.accumulator.optimizer_step
         if step == MEASURE_FROM_STEP and torch.backends.cudnn.benchmark:
             reset_peak_memory(self.device)
         if step < MEASURE_AT_STEP:

@@ -24,7 +24,6 @@ __all__ = [
     "load_state",
     "load_weights_file",
     "save_state",
-    "save_weights",
     "write_weights",
 ]
 
@@ -65,11 +64,6 @@ def _host_copy(obj: Any, copied: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
-def save_weights(model: nn.Module, path: str | Path) -> None:
-    """``model``'s weights as safetensors, written atomically (:func:`write_weights`)."""
-    write_weights(host_copy(model.state_dict()), path)
-
-
 def write_weights(weights: Mapping[str, torch.Tensor], path: str | Path) -> None:
     """A state dict from :func:`host_copy` as safetensors, written atomically. A tensor held
     under several names (tied weights) is stored once, under the first, as safetensors'
@@ -102,7 +96,7 @@ def write_weights(weights: Mapping[str, torch.Tensor], path: str | Path) -> None
 
 
 def load_weights_file(model: nn.Module, path: str | Path) -> None:
-    """Weights :func:`save_weights` or :func:`write_weights` wrote into ``model`` (strict)."""
+    """Weights :func:`write_weights` wrote into ``model`` (strict)."""
     from safetensors.torch import load_model
 
     load_model(model, str(path))
