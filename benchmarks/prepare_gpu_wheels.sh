@@ -20,7 +20,8 @@ py="${GPU_PYTHON:-3.12}"
 pin() { grep -i "^$1==" constraints.txt; }
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux2014_x86_64 \
     --platform any -d .whl \
     "$(pin monai)" "$(pin segmentation-models-pytorch)" "$(pin nibabel)" "$(pin peft)" \
     "$(pin bitsandbytes)"
