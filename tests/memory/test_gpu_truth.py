@@ -109,9 +109,9 @@ def test_the_allocator_model_replays_each_trace_to_its_measured_peaks(name: str)
 
 # Reserved MiB the replay over DriverAddresses' stand-in addresses gives past the trace (the
 # card's own addresses give it to the byte, as does the prediction): the one trace whose
-# segments the card placed otherwise than the stand-in (its first are the 151,936 x 896
-# embedding's 260 MiB and its AdamW states'), so that among equal free blocks one request took
-# another than the card's. Not yet a mechanism: one trace of 41 rows.
+# segments the card placed otherwise than the stand-in (among its first, the 151,936 x 896
+# embedding's 260 MiB), so that among equal free blocks a request took another than the card's.
+# Not yet a mechanism: one trace of the 59 recorded.
 DRIVER_PLACED_OTHERWISE = {"h200-torch2.11/qwen2.5-0.5b-full-1024-b4-bf16-adamw": 2}
 
 # The traces recorded in cuDNN's benchmark mode (the replay test checks the list).
