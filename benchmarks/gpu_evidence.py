@@ -146,6 +146,19 @@ def trainer_budget(dry_run: bool) -> dict[str, Any]:
     return tb.run(dry_run)
 
 
+def checkpoint_stall(dry_run: bool) -> dict[str, Any]:
+    """How long an epoch's checkpoints hold the training thread, written there or handed to
+    the writer's thread (benchmarks/checkpoint_stall.py; resnet50's weights on the GPU)."""
+    args = ["--arch", "resnet10t", "--rounds", "1"] if dry_run else ["--device", "cuda"]
+    done = subprocess.run(
+        [sys.executable, str(HERE / "checkpoint_stall.py"), *args, "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout[done.stdout.index("{") :])
+
+
 def throughput(
     dry_run: bool,
     arch: str,
@@ -189,11 +202,14 @@ def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
     jobs: list[tuple[str, Any]] = [
         ("loaderless", lambda: loaderless(dry_run)),
         ("budget_train", lambda: budget_train(dry_run)),
-        ("trainer_budget", lambda: trainer_budget(dry_run)),
+        ("checkpoint_stall", lambda: checkpoint_stall(dry_run)),
         ("resnet50_fp16", lambda: throughput(dry_run, "resnet50", "fp16", left(), passes=dry)),
         # Steady state: an epoch of 19,200 images (the 2,400 training JPEGs 8 times over).
         ("resnet50_fp16_steady", lambda: throughput(dry_run, "resnet50", "fp16", left(), passes=8)),
         ("vit_base_bf16", lambda: throughput(dry_run, "vit_base_patch16_224", "bf16", left())),
+        # After the loops: on the H200 (2026-11-28) it took 140 s of this part's 165 (planning
+        # from the CPU, two Trainer runs), and no loop was reached.
+        ("trainer_budget", lambda: trainer_budget(dry_run)),
         # Last, where the time box allows: where each loop's host time goes.
         ("resnet50_fp16_profile", lambda: throughput(dry_run, "resnet50", "fp16", left(), True)),
     ]
@@ -403,6 +419,7 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
             "context_mib": stages.get("after_cudnn"),
             "optimizer_steps_skipped": trace.get("optimizer_steps_skipped", 0),
             "two_steps_seconds": trace.get("two_steps_seconds"),
+            "seconds_by_stage": trace.get("seconds_by_stage"),
             "events": len(trace["events"]),
         }
 
@@ -410,9 +427,14 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
         predictions = [pool.submit(predict, r) for r in rows]
         measured = []
         for row in rows:
-            measured.append(
-                record(row) if time.monotonic() < deadline else {"error": "out of time"}
-            )
+            if time.monotonic() >= deadline:
+                measured.append({"error": "out of time"})
+                continue
+            t0 = time.monotonic()
+            measured.append(record(row))
+            # The row's whole time (the fork or process, the model, the trace's writing): on
+            # the H200 a language model's row took 45-60 s where its two steps took 1-2.
+            measured[-1]["row_seconds"] = round(time.monotonic() - t0, 1)
         predicted = [p.result() for p in predictions]
 
     def error(p: dict[str, Any], m: dict[str, Any], key: str) -> float | None:
@@ -503,10 +525,18 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
     tr = sp.get("trainer_budget") or {}
     if "max_reserved_mib" in tr:
         lines += ["", f"Trainer set from a plan ({tr['workload']}): micro-batch "
-                  f"{tr['trainer_micro_batch']}, reserved {tr['max_reserved_mib']} MiB, predicted "
+                  f"{tr['trainer_micro_batch']}, reserved {tr['max_reserved_mib']} MiB (allocated "
+                  f"{tr.get('max_allocated_mib')} MiB, {tr.get('alloc_retries')} cache releases "
+                  f"at the cap), predicted "
                   f"{tr['predicted_peak_mib']} MiB, cap {tr['cap_mib']} MiB, stayed under: "
                   f"{tr['stayed_under_cap']}, refits and back-offs: "
                   f"{'; '.join(tr['backoffs']) or 'none'}"]  # fmt: skip
+    stall = results.get("checkpoint_stall") or sp.get("checkpoint_stall")
+    stall = stall if stall and "stall_seconds" in stall else None
+    if stall:
+        lines += ["", f"Checkpoint stall ({stall['workload']}): inline "
+                  f"{stall['stall_seconds']['inline']} s, on the writer's thread "
+                  f"{stall['stall_seconds']['background']} s ({stall['stall_ratio']}x)"]  # fmt: skip
     dec = results.get("decode")
     if dec:
         lines += ["", f"Decoding ({dec['workload']}): {dec['images_per_s']} images/s, GPU / CPU "
@@ -603,7 +633,8 @@ def orchestrate(args: argparse.Namespace) -> int:
 def write_summary(out: Path, info: dict[str, Any], status: dict[str, Any], dry_run: bool) -> None:
     """``summary.json`` and ``summary.md`` from the part files in ``out``, as they are now."""
     files = {"memory_matrix": "memory_matrix.json", "speed": "speed.json",
-             "decode": "decode.json", "cudnn_workspaces": "cudnn-profile.json"}  # fmt: skip
+             "decode": "decode.json", "cudnn_workspaces": "cudnn-profile.json",
+             "checkpoint_stall": "checkpoint_stall.json"}  # fmt: skip
     results = {
         name: json.loads((out / file).read_text())
         for name, file in files.items()

@@ -89,6 +89,10 @@ def run(dry_run: bool) -> dict[str, Any]:
         "trainer_micro_batch": args.per_device_train_batch_size,  # the first; backoffs: changes
         "predicted_peak_mib": round(plan.peak_bytes / MiB, 1),
         "cap_mib": round(cap / MiB, 1),
+        "logged": [  # MemoryBudget's lines: reserved, allocated, the need it refitted from
+            {k.removeprefix("bigbatch/"): v for k, v in line.items() if k.startswith("bigbatch/")}
+            for line in budget_cb.logged
+        ],
         "measured_peak_mib": None
         if budget_cb.measured_bytes is None
         else round(budget_cb.measured_bytes / MiB, 1),
@@ -97,6 +101,10 @@ def run(dry_run: bool) -> dict[str, Any]:
     if device == "cuda":
         reserved = torch.cuda.max_memory_reserved()
         out["max_reserved_mib"] = round(reserved / MiB, 1)
+        out["max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
+        # The allocator's cache given back at the cap before a request would have failed: the
+        # reserved peak then says where the cap is, not what the steps needed.
+        out["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
         out["stayed_under_cap"] = reserved <= cap
         out["prediction_error"] = round((plan.peak_bytes - reserved) / reserved, 4)
     return out

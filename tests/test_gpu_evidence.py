@@ -40,6 +40,9 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
         assert (tmp_path / "traces" / f"{row['name']}.json.gz").exists()
     speed = json.loads((tmp_path / "speed.json").read_text())
     assert {"loaderless", "budget_train", "trainer_budget", "resnet50_fp16"} <= set(speed)
+    assert speed["checkpoint_stall"]["stall_seconds"]["background"] > 0
+    assert "Checkpoint stall" in (tmp_path / "summary.md").read_text()
+    assert all("row_seconds" in row["measured"] for row in matrix["rows"])
     assert "2 times over" in speed["resnet50_fp16"]["workload"]  # the steady job's --passes
     assert "split_seconds" in speed["resnet50_fp16_profile"]["profile"]["bigbatch"]
     # Each row recorded in a process forked from the forkserver (no fallback to new ones).

@@ -43,6 +43,7 @@ __all__ = [
     "free_memory",
     "measures_reserved",
     "onednn_stuck",
+    "peak_allocated_bytes",
     "peak_memory_bytes",
     "peak_memory_text",
     "pins_memory",
@@ -387,6 +388,21 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, bool] | None:
 
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return peak, True
+    return None
+
+
+def peak_allocated_bytes(device: torch.device) -> int | None:
+    """The CUDA allocator's allocated peak (``max_memory_allocated``: the bytes tensors held at
+    once, rounded to the allocator's blocks) since :func:`reset_peak_memory`; None off CUDA.
+    Where micro-batches change shape (sequences padded to each batch's longest), the reserved
+    peak grows with fragmentation that the allocator gives back at its cap before it would fail,
+    so it overstates what a step needs; the allocated peak does not.
+
+    >>> peak_allocated_bytes(torch.device("cpu")) is None
+    True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
     return None
 
 

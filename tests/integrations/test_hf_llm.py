@@ -241,6 +241,35 @@ def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
     assert update_err(run(tmp_path / "mean", True), want, init) > 0.02
 
 
+@pytest.mark.parametrize(
+    ("allocated", "refit"), [(1130, None), (None, (3, 4))], ids=["allocated", "reserved-only"]
+)
+def test_a_reserved_peak_climbed_by_changing_lengths_is_not_read_as_need(
+    monkeypatch, allocated: int | None, refit: tuple[int, int] | None
+) -> None:  # type: ignore[no-untyped-def]
+    """Micro-batches of changing lengths left the allocator's reserved peak at 2100 bytes, over
+    the 2000 usable, while the allocated peak (1130) is what the plan predicted for its step
+    (1120 allocated, 1400 reserved): the step needs 1412 in the plan's terms and the sizes stay.
+    The control: with the reserved peak alone (no allocated one), the refit shrinks."""
+    import bigbatch.device
+
+    prediction = SimpleNamespace(allocated_bytes=1120, planning_bytes=1400)
+    curve = SimpleNamespace(curve=[(1, 1100), (4, 1400)], usable_bytes=2000, max_micro_batch=4,
+                            budget_bytes=2500, overhead_bytes=250, prediction=prediction)  # fmt: skip
+    plan = SimpleNamespace(plan=curve, per_rank_extra_bytes=0, peak_bytes=1400)
+    monkeypatch.setattr(bigbatch.device, "peak_memory_bytes", lambda device: (2100, False))
+    monkeypatch.setattr(bigbatch.device, "peak_allocated_bytes", lambda device: allocated)
+    monkeypatch.setattr(bigbatch.device, "card_memory", lambda device: None)
+    budget = MemoryBudget(2**40, steps=1, plan=plan)
+    args = SimpleNamespace(device=torch.device("cpu"), per_device_train_batch_size=4,
+                           gradient_accumulation_steps=3)  # fmt: skip
+    state, control = SimpleNamespace(global_step=1, log_history=[]), SimpleNamespace()
+    budget.on_step_end(args, state, control)
+    assert budget.refit == refit
+    logged = state.log_history[-1]
+    assert logged["bigbatch/step_need_bytes"] == (1412 if allocated else 2100)
+
+
 def test_backoff_when_building_the_trainer_runs_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An OOM before any Trainer exists (moving the model to the card) backs off too."""
     said: list[str] = []

@@ -160,3 +160,33 @@ def test_each_stream_reuses_only_its_own_blocks() -> None:
     capped.free("weights")
     assert capped.trial("trial", 80 * MiB, stream=1) == 80 * MiB  # the cache released for it
     assert capped.reserved == 80 * MiB
+
+
+def test_changing_lengths_climb_the_reserved_peak_but_not_the_need() -> None:
+    """A language model's micro-steps padded to each batch's longest sequence (1024-2048
+    tokens): every large tensor changes size from one micro-step to the next, the blocks each
+    size left stay cached, and the reserved peak climbs to twice the same steps at one length;
+    under a cap the allocator gives its cache back instead and nothing runs out, so a refit
+    must not read that climb as need (``step_need_bytes``)."""
+    import random
+
+    def run(vary: bool, limit: int | None = None) -> CachingAllocatorModel:
+        model = CachingAllocatorModel(limit=limit)
+        model.malloc("weights", 1000 * MiB)
+        lengths = random.Random(0)
+        for step in range(32):
+            tokens = lengths.randint(1024, 2048) if vary else 2048
+            # activations, logits, their float32 copy, then its gradient (MiB per 8 tokens)
+            for name, size in (("act", 128), ("logits", 256), ("up", 512)):
+                model.malloc((name, step), tokens * size * 1024)
+            model.free(("logits", step))
+            model.malloc(("grad", step), tokens * 512 * 1024)
+            for name in ("up", "act", "grad"):
+                model.free((name, step))
+        return model
+
+    fixed, varied = run(vary=False), run(vary=True)
+    assert varied.peak_allocated <= fixed.peak_allocated
+    assert varied.peak_reserved > 1.9 * fixed.peak_reserved  # 7402 MiB against 3816
+    capped = run(vary=True, limit=fixed.peak_reserved)
+    assert capped.over_limit == 0 and capped.peak_reserved <= fixed.peak_reserved

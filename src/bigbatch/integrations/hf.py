@@ -44,6 +44,7 @@ __all__ = [
     "MemoryBudget",
     "refit_sizes",
     "shift_labels_collator",
+    "step_need_bytes",
     "token_loss",
     "train_with_backoff",
     "trainer_batch_sizes",
@@ -205,7 +206,8 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
     """A ``Trainer`` callback: caps this process's CUDA allocator at ``cap_bytes`` (the budget
     less the CUDA context: past it, an allocation raises out-of-memory as on a card of that
     size) for the run, and records the allocator's peak over the first ``steps`` optimizer
-    steps in :attr:`measured_bytes`, beside the plan's prediction in the log.
+    steps in :attr:`measured_bytes`, beside the plan's prediction in the log (each run's line
+    also in :attr:`logged`).
 
     Given the ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), the measurement refits the
     micro-batch as ``bigbatch train`` does (:func:`~bigbatch.memory.plan.refit_micro_batch`):
@@ -234,6 +236,7 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         self.measured_bytes: int | None = None
         self.refit: tuple[int, int] | None = None  # (micro-batch, accumulation) to resume with
         self.checked = False  # refits once a run, as bigbatch train does
+        self.logged: list[dict[str, int]] = []  # each run's line, as in Trainer's log history
         self._before: float | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -244,7 +247,7 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         reset_peak_memory(args.device)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from bigbatch.device import peak_memory_bytes
+        from bigbatch.device import peak_allocated_bytes, peak_memory_bytes
 
         if state.global_step > self.steps:
             return
@@ -254,6 +257,9 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         if state.global_step != self.steps or peak is None:
             return
         line = {"bigbatch/measured_peak_bytes": peak[0]}
+        allocated = peak_allocated_bytes(args.device)
+        if allocated is not None:
+            line["bigbatch/measured_allocated_bytes"] = allocated
         if self.predicted_bytes:
             line["bigbatch/predicted_peak_bytes"] = self.predicted_bytes
         whole_process = peak[1]  # a CPU's resident memory: not what the plan predicts
@@ -269,19 +275,47 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
             if card is not None:
                 card = (card[0], max_over_ranks(card[1], args.device))
                 line["bigbatch/outside_allocator_bytes"] = card[1]
-            measured = max_over_ranks(peak[0], args.device)
+            need = step_need_bytes(self.plan, peak[0], allocated)
+            line["bigbatch/step_need_bytes"] = need
+            measured = max_over_ranks(need, args.device)
             new = refit_sizes(self.plan, micro, steps, measured, card=card)
             if new != (micro, steps):
                 self.refit = new
                 line["bigbatch/refit_micro_batch"] = new[0]
                 control.should_save = True  # Trainer's checkpoint: the run resumes from it
                 control.should_training_stop = True
+        self.logged.append(line)
         state.log_history.append({**line, "step": state.global_step})
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from bigbatch.device import uncap_cuda_allocator
 
         uncap_cuda_allocator(args.device, self._before)
+
+
+def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:
+    """What a rank's step needs, in the plan's terms (the allocator's reserved bytes for one
+    micro-batch of the planned length), from its measured ``reserved`` and ``allocated`` peaks.
+
+    Sequences padded to each micro-batch's longest change the step's tensor sizes every
+    micro-step, and the caching allocator keeps the blocks each size left: its reserved peak
+    climbs over the first steps to whatever cap it has (where it gives its cache back rather
+    than fail), far past what any one step needs. So the allocated peak decides, scaled by the
+    reserved-to-allocated ratio the plan predicted for its step; the reserved peak bounds it.
+
+    >>> from types import SimpleNamespace
+    >>> plan = SimpleNamespace(plan=SimpleNamespace(
+    ...     prediction=SimpleNamespace(allocated_bytes=800, planning_bytes=1000)))
+    >>> step_need_bytes(plan, 1900, 840)  # fragmented by changing lengths: 840 x 1000/800
+    1050
+    >>> step_need_bytes(plan, 1000, None)  # no allocated peak (off CUDA): the reserved one
+    1000
+    """
+    prediction = getattr(getattr(plan, "plan", None), "prediction", None)
+    predicted = getattr(prediction, "allocated_bytes", 0) or 0
+    if allocated is None or prediction is None or predicted <= 0:
+        return reserved
+    return min(reserved, round(allocated * prediction.planning_bytes / predicted))
 
 
 def refit_sizes(

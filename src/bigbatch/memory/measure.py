@@ -172,6 +172,10 @@ def measure_step_reserved(spec: Any, *, seed: int = 0) -> int:
     device = torch.device(spec.device)
     if device.type != "cuda":
         raise ValueError(f"the CUDA allocator's reserved peak is measured on cuda, not {device}")
+    # Segments cached free by earlier work (a plan's own steps, another run in this process)
+    # count in the reserved peak from the reset on, though the step needs none of them.
+    gc.collect()
+    torch.cuda.empty_cache()
     model, opt, inputs = real_step_setup(spec, 2, seed=seed)
     try:
         with cudnn_benchmark_mode(spec.cudnn_benchmark):
