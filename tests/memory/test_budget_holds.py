@@ -147,6 +147,36 @@ def test_memory_the_card_holds_beside_the_allocator_past_the_plan_lowers_the_lim
     )
 
 
+def test_under_torchrun_every_rank_refits_from_the_largest_peak(
+    simulated_peak: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks measure different peaks (and may back off on their own): each takes the largest
+    of all ranks' peaks and of what their cards hold outside the allocator, and none refits
+    where any rank backed off, so every rank goes on at one micro-batch (the collectives are
+    stood in for: another rank measured ``other``)."""
+    other = {"peak": 9600 * MIB, "outside": 500 * MIB, "events": 0}
+
+    def across_ranks(value: int, device: torch.device) -> int:
+        # the one collective per figure, in after_window's order: peak, outside, back-offs
+        key = ("peak", "outside", "events")[len(calls)]
+        calls.append(key)
+        return max(value, other[key])
+
+    calls: list[str] = []
+    monkeypatch.setattr(planning, "max_over_ranks", across_ranks)
+    simulated_peak["value"] = (8000 * MIB, False)  # this rank: as predicted
+    simulated_peak["card"] = (10000 * MIB, 500 * MIB)
+    backoff = OOMBackoff(micro_batch=64)
+    MemoryCheck(_choice(), torch.device("cuda"), 256, print, None).after_window(2, backoff)
+    assert calls == ["peak", "outside", "events"]
+    assert backoff.micro_batch == 52  # the other rank's 9600 MiB decided, as on that rank
+    calls.clear()
+    other["events"] = 1  # the other rank backed off: no rank refits
+    backoff = OOMBackoff(micro_batch=64)
+    MemoryCheck(_choice(), torch.device("cuda"), 256, print, None).after_window(2, backoff)
+    assert backoff.micro_batch == 64 and not backoff.events
+
+
 def test_in_cudnn_benchmark_mode_the_first_steps_trials_are_not_measured(
     simulated_peak: dict[str, object],
 ) -> None:

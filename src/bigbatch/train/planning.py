@@ -23,7 +23,7 @@ from bigbatch.device import (
     total_bytes,
     uses_cudnn_benchmark,
 )
-from bigbatch.distributed import is_distributed
+from bigbatch.distributed import is_distributed, max_over_ranks
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.measure import measure_step_reserved
@@ -236,20 +236,27 @@ class MemoryCheck:
             return
         self.done = True
         measured = peak_memory_bytes(self.device)
-        if measured is None or backoff.events:  # the OOM back-off has had its say already
+        if measured is None:
             return
-        c, (peak, whole_process) = self.choice, measured
+        # Under torchrun every rank refits to the same micro-batch: the largest peak, the most
+        # held beside the allocator and any rank's back-off decide (collectives every rank makes).
+        card = None if measured[1] else card_memory(self.device)
+        peak = max_over_ranks(measured[0], self.device)
+        if card is not None:
+            card = (card[0], max_over_ranks(card[1], self.device))
+        if max_over_ranks(len(backoff.events), self.device):
+            return  # the OOM back-off has had its say already
+        c, whole_process = self.choice, measured[1]
+        measured = (peak, whole_process)
         if whole_process and not c.overhead_bytes:
             return  # overhead=0: the budget is the step's tensors alone, not the process's
         overhead = (c.overhead_bytes or 0) if whole_process else 0
         # A CPU process holds data and libraries besides the step: only the whole budget is
         # its limit there, and the heap does not give back what a larger step would free. A
         # card's limit is the plan's, less what it holds outside the allocator beyond the plan.
-        card = None
         if whole_process:
             limit = (c.budget_bytes or 0) - overhead
         else:
-            card = card_memory(self.device)
             usable, budget = int(c.usable_bytes or 0), c.budget_bytes or 0
             limit = limit_on_card(usable, budget, c.overhead_bytes or 0, card)
         new = refit_micro_batch(
