@@ -242,7 +242,9 @@ def test_the_first_steps_measured_refit_trainer_and_keep_the_update(
 
 
 @pytest.mark.parametrize(
-    ("allocated", "refit"), [(1130, None), (None, (3, 4))], ids=["allocated", "reserved-only"]
+    ("allocated", "refit"),
+    [(1130, None), (None, (3, 4)), (500, None)],
+    ids=["allocated", "reserved-only", "allocated-far-under"],
 )
 def test_a_reserved_peak_climbed_by_changing_lengths_is_not_read_as_need(
     monkeypatch, allocated: int | None, refit: tuple[int, int] | None
@@ -250,7 +252,8 @@ def test_a_reserved_peak_climbed_by_changing_lengths_is_not_read_as_need(
     """Micro-batches of changing lengths left the allocator's reserved peak at 2100 bytes, over
     the 2000 usable, while the allocated peak (1130) is what the plan predicted for its step
     (1120 allocated, 1400 reserved): the step needs 1412 in the plan's terms and the sizes stay.
-    The control: with the reserved peak alone (no allocated one), the refit shrinks."""
+    The control: with the reserved peak alone (no allocated one), the refit shrinks. Far under
+    (500 allocated: a need of 625), it does not grow, since the reserved peak is not."""
     import bigbatch.device
 
     prediction = SimpleNamespace(allocated_bytes=1120, planning_bytes=1400)
@@ -267,7 +270,7 @@ def test_a_reserved_peak_climbed_by_changing_lengths_is_not_read_as_need(
     budget.on_step_end(args, state, control)
     assert budget.refit == refit
     logged = state.log_history[-1]
-    assert logged["bigbatch/step_need_bytes"] == (1412 if allocated else 2100)
+    assert logged["bigbatch/step_need_bytes"] == {1130: 1412, None: 2100, 500: 625}[allocated]
 
 
 def test_backoff_when_building_the_trainer_runs_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]

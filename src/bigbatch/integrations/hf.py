@@ -277,8 +277,13 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
                 line["bigbatch/outside_allocator_bytes"] = card[1]
             need = step_need_bytes(self.plan, peak[0], allocated)
             line["bigbatch/step_need_bytes"] = need
-            measured = max_over_ranks(need, args.device)
-            new = refit_sizes(self.plan, micro, steps, measured, card=card)
+            new = refit_sizes(self.plan, micro, steps, max_over_ranks(need, args.device), card=card)
+            if new[0] > micro:
+                # The measured micro-steps may all have been shorter than the planned length:
+                # grow only where the reserved peak, too, is far under the plan.
+                reserved = max_over_ranks(peak[0], args.device)
+                by_reserved = refit_sizes(self.plan, micro, steps, reserved, card=card)
+                new = by_reserved if by_reserved[0] > micro else (micro, steps)
             if new != (micro, steps):
                 self.refit = new
                 line["bigbatch/refit_micro_batch"] = new[0]
@@ -302,6 +307,8 @@ def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:
     climbs over the first steps to whatever cap it has (where it gives its cache back rather
     than fail), far past what any one step needs. So the allocated peak decides, scaled by the
     reserved-to-allocated ratio the plan predicted for its step; the reserved peak bounds it.
+    :class:`MemoryBudget` shrinks by this need, and grows only where the reserved peak is far
+    under the plan too (the measured sequences may all have been shorter than planned).
 
     >>> from types import SimpleNamespace
     >>> plan = SimpleNamespace(plan=SimpleNamespace(
