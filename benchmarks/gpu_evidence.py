@@ -320,11 +320,11 @@ class Recorder:
     forked row fails, the row is recorded in a new process as before; where it succeeds there,
     the fork was at fault and the rest are recorded in new processes too (``usable`` off)."""
 
-    def __init__(self, dry_run: bool) -> None:
+    def __init__(self, dry_run: bool, threads: int | None = None) -> None:
         import multiprocessing
 
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-        self.dry_run, self.usable = dry_run, True
+        self.dry_run, self.usable, self.threads = dry_run, True, threads
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["torch", "timm", "record_trace"])
 
@@ -333,7 +333,7 @@ class Recorder:
         import record_trace
 
         process = self.context.Process(
-            target=record_trace.record_to, args=(row, path, self.dry_run)
+            target=record_trace.record_to, args=(row, path, self.dry_run, self.threads)
         )
         process.start()
         process.join(seconds)
@@ -378,7 +378,13 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
             return {"error": done.stderr[-1500:]}
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    forked = Recorder(dry_run)
+    # The predictions run beside the recordings, two threads each; a recording gets the cores
+    # they leave. With torch's default (a thread per core) a language model's random weights,
+    # made on the CPU, ran its OpenMP threads on busy cores (the likeliest reason such a row
+    # took 45-60 s on the H200, its steps 1-2 s; seconds_by_stage will say).
+    workers = max(1, min(6, (os.cpu_count() or 2) // 3))
+    threads = max(1, (os.cpu_count() or 2) - 2 * workers)
+    forked = Recorder(dry_run, threads)
 
     def record(row: dict[str, Any]) -> dict[str, Any]:
         path = traces / f"{row_name(row)}.json.gz"
@@ -396,6 +402,7 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
             done = subprocess.run(
                 [sys.executable, str(HERE / "record_trace.py"), json.dumps(row), str(path), *flags],
                 capture_output=True, text=True, timeout=max(1.0, min(90.0, deadline - time.monotonic())),
+                env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             return {"error": "out of time"}
@@ -423,7 +430,7 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
             "events": len(trace["events"]),
         }
 
-    with ThreadPoolExecutor(max_workers=max(1, min(6, (os.cpu_count() or 2) // 3))) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         predictions = [pool.submit(predict, r) for r in rows]
         measured = []
         for row in rows:

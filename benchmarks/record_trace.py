@@ -169,10 +169,15 @@ def record_dry(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def record_to(row: dict[str, Any], out: Path, dry_run: bool = False) -> None:
+def record_to(
+    row: dict[str, Any], out: Path, dry_run: bool = False, threads: int | None = None
+) -> None:
     """Record ``row`` into ``out`` (written whole or not at all), in a process that has not
     started CUDA: its own, or one forked from a process that never did (gpu_evidence's
-    forkserver). A failure leaves its traceback in ``out`` + ``.error`` and is raised."""
+    forkserver), on ``threads`` CPU threads (the cores the predictions beside it leave). A
+    failure leaves its traceback in ``out`` + ``.error`` and is raised."""
+    if threads:
+        torch.set_num_threads(threads)
     try:
         if not dry_run and torch.cuda._is_in_bad_fork():
             raise RuntimeError("forked from a process that started CUDA: record in a new one")
