@@ -532,9 +532,10 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
     tr = sp.get("trainer_budget") or {}
     if "max_reserved_mib" in tr:
         lines += ["", f"Trainer set from a plan ({tr['workload']}): micro-batch "
-                  f"{tr['trainer_micro_batch']}, reserved {tr['max_reserved_mib']} MiB (allocated "
-                  f"{tr.get('max_allocated_mib')} MiB, {tr.get('alloc_retries')} cache releases "
-                  f"at the cap), predicted "
+                  f"{tr['trainer_micro_batch']}, reserved {tr['max_reserved_mib']} MiB"
+                  + (f" (allocated {tr['max_allocated_mib']} MiB, {tr['alloc_retries']} cache "
+                     "releases at the cap)" if "max_allocated_mib" in tr else "")
+                  + ", predicted "
                   f"{tr['predicted_peak_mib']} MiB, cap {tr['cap_mib']} MiB, stayed under: "
                   f"{tr['stayed_under_cap']}, refits and back-offs: "
                   f"{'; '.join(tr['backoffs']) or 'none'}"]  # fmt: skip
