@@ -146,17 +146,23 @@ def trainer_budget(dry_run: bool) -> dict[str, Any]:
     return tb.run(dry_run)
 
 
-def checkpoint_stall(dry_run: bool) -> dict[str, Any]:
-    """How long an epoch's checkpoints hold the training thread, written there or handed to
-    the writer's thread (benchmarks/checkpoint_stall.py; resnet50's weights on the GPU)."""
-    args = ["--arch", "resnet10t", "--rounds", "1"] if dry_run else ["--device", "cuda"]
+def benchmark_json(script: str, args: list[str], seconds: float) -> dict[str, Any]:
+    """What ``benchmarks/<script> ARGS --json`` printed, run in a process of its own; its
+    error output, where it failed."""
     done = subprocess.run(
-        [sys.executable, str(HERE / "checkpoint_stall.py"), *args, "--json"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, str(HERE / script), *args, "--json"],
+        capture_output=True, text=True, timeout=max(1.0, seconds),
     )  # fmt: skip
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout[done.stdout.index("{") :])
+
+
+def checkpoint_stall(dry_run: bool) -> dict[str, Any]:
+    """How long an epoch's checkpoints hold the training thread, written there or handed to
+    the writer's thread (benchmarks/checkpoint_stall.py; resnet50's weights on the GPU)."""
+    args = ["--arch", "resnet10t", "--rounds", "1"] if dry_run else ["--device", "cuda"]
+    return benchmark_json("checkpoint_stall.py", args, 120)
 
 
 def throughput(
@@ -182,13 +188,7 @@ def throughput(
          "--stored-size", "256", "--format", "jpg", "--epochs", "3", "--rounds", "1",
          "--workers", "8"]
     ) + (["--profile", "--rounds", "0"] if profile else []) + steady  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(HERE / "train_throughput.py"), *args, "--json"],
-        capture_output=True, text=True, timeout=max(1.0, seconds_left),
-    )  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(done.stderr[-2000:])
-    return json.loads(done.stdout[done.stdout.index("{") :])
+    return benchmark_json("train_throughput.py", args, seconds_left)
 
 
 def speed(dry_run: bool, seconds: float) -> dict[str, Any]:

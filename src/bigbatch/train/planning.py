@@ -247,7 +247,6 @@ class MemoryCheck:
         if max_over_ranks(len(backoff.events), self.device):
             return  # the OOM back-off has had its say already
         c, whole_process = self.choice, measured[1]
-        measured = (peak, whole_process)
         if whole_process and not c.overhead_bytes:
             return  # overhead=0: the budget is the step's tensors alone, not the process's
         overhead = (c.overhead_bytes or 0) if whole_process else 0
@@ -269,7 +268,9 @@ class MemoryCheck:
             smallest=backoff.min_micro_batch,
             grow=c.planned and not whole_process,
         )
-        self._record(optimizer_step, backoff.micro_batch, measured, limit + overhead, new, card)
+        self._record(
+            optimizer_step, backoff.micro_batch, (peak, whole_process), limit + overhead, new, card
+        )
         backoff.refit(optimizer_step, new)
 
     def _record(
