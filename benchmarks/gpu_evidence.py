@@ -137,13 +137,32 @@ def budget_train(dry_run: bool) -> dict[str, Any]:
     return out
 
 
-def trainer_budget(dry_run: bool) -> dict[str, Any]:
+def trainer_budget(dry_run: bool, plan_file: Path | None, wait_seconds: float) -> dict[str, Any]:
     """Hugging Face Trainer set from `bigbatch plan --hf`'s plan under a budget (LoRA on a
-    Qwen2.5-0.5B-shaped model): benchmarks/trainer_budget.py."""
+    Qwen2.5-0.5B-shaped model): benchmarks/trainer_budget.py, its plan from ``plan_file``
+    (the orchestrator's planner, started on the CPU at the beginning) where it comes in time."""
     sys.path.insert(0, str(HERE))
     import trainer_budget as tb
 
-    return tb.run(dry_run)
+    return tb.run(dry_run, plan_file, wait_seconds)
+
+
+def start_planner(out: Path, dry_run: bool) -> tuple[subprocess.Popen[bytes], Path]:
+    """trainer_budget's plan, made on the CPU while the other parts use the GPU: on the H200
+    its tracing took most of the 140 s that run had. CUDA is hidden from it (a context of its
+    own would count in what the tests and the matrix measure of the card), so it plans for
+    sm90's profile and 132 multiprocessors, the H100's and the H200's alike."""
+    path = out / "trainer-plan.json"
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(HERE / "trainer_budget.py"), "--plan-out", str(path)]
+    (out / "logs").mkdir(exist_ok=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
+    with open(out / "logs" / "trainer_plan.log", "wb") as log:  # the child keeps its own copy
+        process = subprocess.Popen(
+            [*cmd, *(["--dry-run"] if dry_run else [])], stdout=log, stderr=subprocess.STDOUT,
+            env=env,
+        )  # fmt: skip
+    return process, path
 
 
 def benchmark_json(script: str, args: list[str], seconds: float) -> dict[str, Any]:
@@ -191,7 +210,7 @@ def throughput(
     return benchmark_json("train_throughput.py", args, seconds_left)
 
 
-def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
+def speed(dry_run: bool, seconds: float, plan_file: Path | None = None) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     out: dict[str, Any] = {}
 
@@ -208,8 +227,9 @@ def speed(dry_run: bool, seconds: float) -> dict[str, Any]:
         ("resnet50_fp16_steady", lambda: throughput(dry_run, "resnet50", "fp16", left(), passes=8)),
         ("vit_base_bf16", lambda: throughput(dry_run, "vit_base_patch16_224", "bf16", left())),
         # After the loops: on the H200 (2026-11-28) it took 140 s of this part's 165 (planning
-        # from the CPU, two Trainer runs), and no loop was reached.
-        ("trainer_budget", lambda: trainer_budget(dry_run)),
+        # from the CPU, two Trainer runs), and no loop was reached. Its plan is made
+        # beforehand now, waited for while a minute of this part's box would be left after.
+        ("trainer_budget", lambda: trainer_budget(dry_run, plan_file, max(0.0, left() - 60))),
         # Last, where the time box allows: where each loop's host time goes.
         ("resnet50_fp16_profile", lambda: throughput(dry_run, "resnet50", "fp16", left(), True)),
     ]
@@ -301,14 +321,45 @@ def card_tag(gpu: str) -> str:
     return name.split("-")[0]
 
 
-def committed(card: str) -> set[str]:
-    """The matrix rows whose traces from this card are in the tests' data: its
+def committed_traces(card: str) -> dict[str, Path]:
+    """The matrix rows whose traces from this card are in the tests' data, by name: its
     ``<card>-torch<version>/`` folders, and for the H100 the first traces at the top."""
     root = ROOT / "tests" / "memory" / "data" / "gpu_truth"
     folders = [d for d in root.glob(f"{card}-*") if d.is_dir()] if card else []
     if card == "h100":
         folders.append(root)
-    return {p.name.removesuffix(".json.gz") for d in folders for p in d.glob("*.json.gz")}
+    return {p.name.removesuffix(".json.gz"): p for d in folders for p in d.glob("*.json.gz")}
+
+
+def committed(card: str) -> set[str]:
+    """The names of :func:`committed_traces`."""
+    return set(committed_traces(card))
+
+
+def recording_order(rows: list[dict[str, Any]], done: set[str]) -> list[dict[str, Any]]:
+    """The rows a card lacks first (a short time box records what the tests lack), then one
+    language model's row whose trace is committed: recorded again, it checks that building
+    such a model without its random fills (record_trace.model_and_optimizer) records the bytes
+    the committed trace, made with them, did; then the rest (a trace recorded twice on one
+    stack has matched to the byte)."""
+    lacking = [r for r in rows if row_name(r) not in done]
+    check = [r for r in rows if row_name(r) in done and r["kind"] == "hf"][:1]
+    return lacking + check + [r for r in rows if row_name(r) in done and r not in check]
+
+
+def same_as_committed(new: Path, old: Path) -> dict[str, int]:
+    """A trace recorded again against its committed one: the bytes each peak moved."""
+    import gzip
+
+    peaks = []
+    for path in (new, old):
+        with gzip.open(path, "rt") as f:
+            trace = json.load(f)
+        peaks.append((trace["max_allocated_bytes"], trace["max_reserved_bytes"]))
+    return {
+        "allocated_bytes_moved": peaks[0][0] - peaks[1][0],
+        "reserved_bytes_moved": peaks[0][1] - peaks[1][1],
+    }
 
 
 class Recorder:
@@ -326,7 +377,14 @@ class Recorder:
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         self.dry_run, self.usable, self.threads = dry_run, True, threads
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(["torch", "timm", "record_trace"])
+        # transformers and its Llama and Qwen2 modules too (1-3 s a language model's row):
+        # none of them starts CUDA on import. Not peft: it imports bitsandbytes, which asks
+        # CUDA for each card's capability and would leave every fork unable to use it.
+        lm = [
+            "transformers",
+            *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2")),
+        ]
+        self.context.set_forkserver_preload(["torch", "timm", *lm, "record_trace"])
 
     def record(self, row: dict[str, Any], path: Path, seconds: float) -> dict[str, Any] | None:
         """None where the trace was written; else the error (and the recorder falls back)."""
@@ -356,10 +414,8 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
     the rows in parallel; then pair them."""
     deadline = time.monotonic() + seconds
     rows = matrix(dry_run)
-    # Rows whose trace from this card is committed already go last: the time box then records
-    # what the tests lack (a trace recorded twice on one stack has matched to the byte).
-    done = committed(card)
-    rows = [r for r in rows if row_name(r) not in done] + [r for r in rows if row_name(r) in done]
+    known = committed_traces(card)
+    rows = recording_order(rows, set(known))
     traces = out / "traces"
     traces.mkdir(exist_ok=True)
     cpu_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
@@ -379,9 +435,9 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     # The predictions run beside the recordings, two threads each; a recording gets the cores
-    # they leave. With torch's default (a thread per core) a language model's random weights,
-    # made on the CPU, ran its OpenMP threads on busy cores (the likeliest reason such a row
-    # took 45-60 s on the H200, its steps 1-2 s; seconds_by_stage will say).
+    # they leave. A language model's row took 45-60 s on the H200, its steps 1-2 s: its random
+    # weights, filled on the CPU, were 10-20 s of it on 2 cores here (record_trace now builds
+    # it without them), its imports a few more (the forkserver has them now).
     workers = max(1, min(6, (os.cpu_count() or 2) // 3))
     threads = max(1, (os.cpu_count() or 2) - 2 * workers)
     forked = Recorder(dry_run, threads)
@@ -451,10 +507,15 @@ def memory_matrix(out: Path, dry_run: bool, seconds: float, card: str = "") -> d
 
     table = []
     for row, p, m in zip(rows, predicted, measured, strict=True):
+        name = row_name(row)
         table.append({
-            "name": row_name(row), "row": row, "predicted": p, "measured": m,
+            "name": name, "row": row, "predicted": p, "measured": m,
             "error_pct": {k: error(p, m, f"{k}_mib") for k in ("allocated", "reserved", "process")},
         })  # fmt: skip
+        if name in known and "error" not in m:
+            table[-1]["same_as_committed"] = same_as_committed(
+                traces / f"{name}.json.gz", known[name]
+            )
     done = [r for r in table if r["error_pct"]["reserved"] is not None]
     within = {
         f"{key}_within_{pct}pct": sum(
@@ -500,6 +561,13 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
                 f"| {p['process_mib']:,.0f} / {m['process_mib'] or 0:,.0f} "
                 f"({e['process'] if e['process'] is not None else float('nan'):+.1f} %) |"
             )
+        again = [
+            (r["name"], r["same_as_committed"]) for r in mm["rows"] if "same_as_committed" in r
+        ]
+        if again:
+            lines += ["", "Recorded again against the committed traces (bytes each peak moved):"]
+            lines += [f"- {name}: allocated {d['allocated_bytes_moved']:+,}, reserved "
+                      f"{d['reserved_bytes_moved']:+,}" for name, d in again]  # fmt: skip
     sp = results.get("speed") or {}
     for key in ("resnet50_fp16", "resnet50_fp16_steady", "vit_base_bf16"):
         r = sp.get(key) or {}
@@ -630,10 +698,16 @@ def orchestrate(args: argparse.Namespace) -> int:
         ),
         ("speed", [*me, "--part", "speed", "--part-seconds", str(165 * scale)], 175),
     ]
-    for name, cmd, box in plan:
-        if args.only and name not in args.only.split(","):
-            continue
+    wanted = [p for p in plan if not args.only or p[0] in args.only.split(",")]
+    planner = None
+    for name, cmd, box in wanted:
+        if planner is None and name != "imports" and "speed" in {p[0] for p in wanted}:
+            planner, plan_file = start_planner(out, args.dry_run)  # after the cold imports
+        if name == "speed" and planner is not None:
+            cmd = [*cmd, "--trainer-plan", str(plan_file)]
         parts.run(name, cmd, box * scale)
+    if planner is not None and planner.poll() is None:  # not waited for: the part planned
+        planner.kill()
     write_summary(out, info, parts.status, args.dry_run)
     return 0 if all(s["state"] == "passed" for s in parts.status.values()) else 1
 
@@ -692,6 +766,7 @@ def main() -> int:
     p.add_argument("--part-seconds", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--card", default="", help=argparse.SUPPRESS)  # the traces' folder prefix
+    p.add_argument("--trainer-plan", type=Path, help=argparse.SUPPRESS)  # start_planner's file
     p.add_argument(
         "--summarize",
         type=Path,
@@ -710,7 +785,7 @@ def main() -> int:
                    memory_matrix(args.out, args.dry_run, args.part_seconds, args.card))  # fmt: skip
         return 0
     if args.part == "speed":
-        result = speed(args.dry_run, args.part_seconds)
+        result = speed(args.dry_run, args.part_seconds, args.trainer_plan)
         write_json(args.out / "speed.json", result)
         return 1 if any("error" in v for v in result.values()) else 0
     if args.part == "decode":

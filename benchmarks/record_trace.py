@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_matrix import ranks_of, row_name, spec_of
 
 from bigbatch.memory.measure import measure_step_peak, real_step_setup
-from bigbatch.memory.step import make_inputs, run_step_loss
+from bigbatch.memory.step import make_inputs, make_optimizer, run_step_loss
 
 MiB = 2**20
 
@@ -45,6 +45,45 @@ def _used_mib() -> float:
 def _event_count() -> int:
     traces = torch.cuda.memory._snapshot()["device_traces"]
     return len(traces[0]) if traces else 0
+
+
+def model_and_optimizer(row: dict[str, Any], spec: Any) -> tuple[torch.nn.Module, Any]:
+    """The row's model on its device, in train mode, and its optimizer, as
+    :func:`~bigbatch.memory.measure.real_step_setup` makes them. A language model (``hf``) is
+    built without its random initialisation (transformers' ``no_init_weights``, which peft's
+    adapters go through too) and its floating weights are filled with constants where they
+    are: on the CPU before the move (so bitsandbytes quantizes defined values there), or in
+    place on the GPU where FSDP2 has moved its shards. The initialisation was most of such a
+    row's time (a 1B model's: 20 s on 2 cores, two random fills of each weight, one core's
+    work); the memory is the same: the same tensors, moved in the same order, and a fill
+    allocates nothing. The values are not (no step here branches on them: bf16, no scaler)."""
+    if row["kind"] != "hf":
+        model, opt, _ = real_step_setup(spec, 0)
+        return model, opt
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+
+    torch.manual_seed(0)
+    with no_init_weights():
+        model = spec.model()
+    fill_weights(model)
+    model = model.to(spec.device).train()
+    return model, make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+
+
+def fill_weights(model: torch.nn.Module) -> None:
+    """Constants in every floating weight of ``model``, in place (a sharded one's local
+    shard): norms' scales 1, the rest 0.02; a weight bitsandbytes has already quantized
+    (integer) is left as it is."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.is_floating_point():
+                local.fill_(1.0 if p.dim() == 1 and "norm" in name else 0.02)
 
 
 def record_cuda(row: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +122,7 @@ def _record_cuda(row: dict[str, Any]) -> dict[str, Any]:
     lap("cuda_and_warm_ups")
     spec = spec_of(row, "cuda", real=True)
     lap("spec")
-    model, opt, _ = real_step_setup(spec, 0)
+    model, opt = model_and_optimizer(row, spec)
     lap("model_on_gpu")
     if row.get("compile"):  # as nnU-Net's trainer does on CUDA; compiled on the first step
         model = torch.compile(model)

@@ -3,18 +3,23 @@
 micro-batch and accumulation set by `with_plan`, the allocator capped by `MemoryBudget` (which
 measures the first steps and refits the micro-batch from them), OOM retried by
 `train_with_backoff`. Reports the plan, the measured peak against the prediction and the cap,
-and the refits and back-offs (`backoffs`: their lines). `make gpu-evidence` runs it; --dry-run:
-a tiny one on the CPU.
+and the refits and back-offs (`backoffs`: their lines). `make gpu-evidence` runs it, its plan
+made beforehand on the CPU while other parts use the GPU (a minute or more of tracing:
+`--plan-out`, then `--plan-in`); --dry-run: a tiny one on the CPU.
 
     python benchmarks/trainer_budget.py [--dry-run] [--json]
+    python benchmarks/trainer_budget.py --plan-out plan.json   # no GPU needed
+    python benchmarks/trainer_budget.py --plan-in plan.json --wait 120 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +31,76 @@ from gpu_matrix import HF_CONFIGS
 MiB = 2**20
 
 
-def run(dry_run: bool) -> dict[str, Any]:
+def workload(dry_run: bool) -> tuple[str, int, int, str]:
+    """(the model's HF_CONFIGS name, sequence length, sequences a step, budget)."""
+    return ("tiny", 64, 8, "256MiB") if dry_run else ("qwen2.5-0.5b", 2048, 32, "12GiB")
+
+
+def make_plan(dry_run: bool) -> Any:
+    """The run's plan (bigbatch plan --hf's planner, for CUDA or a dry run's CPU)."""
+    from bigbatch.memory.lm import LMSetup, plan_lm
+
+    name, seq_len, batch, budget = workload(dry_run)
+    config = plan_config(name)
+    setup = LMSetup(seq_len=seq_len, lora_r=16, gradient_checkpointing=True)
+    device, precision = ("cpu", "fp32") if dry_run else ("cuda", "bf16")
+    return plan_lm(config, setup, batch, budget, device=device, precision=precision, overhead=0)
+
+
+def save_plan(plan: Any, path: Path) -> None:
+    """``plan`` as JSON, whole or not at all (its fields are numbers, strings and lists)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(plan)))
+    tmp.replace(path)
+
+
+def load_plan(path: Path) -> Any:
+    """The plan :func:`save_plan` wrote."""
+    from bigbatch.memory.lm import LMPlan, LMSetup, ModelSizes
+    from bigbatch.memory.plan import Plan
+    from bigbatch.memory.predict import MemoryPrediction
+
+    d = json.loads(path.read_text())
+    if "error" in d:  # what its planner said
+        raise ValueError(d["error"])
+    p = d["plan"]
+    plan = Plan(**{
+        **p, "prediction": MemoryPrediction(**p["prediction"]),
+        "curve": [tuple(point) for point in p["curve"]],
+        "samples_per_s": {int(k): v for k, v in p["samples_per_s"].items()},
+    })  # fmt: skip
+    return LMPlan(
+        **{**d, "setup": LMSetup(**d["setup"]), "plan": plan, "sizes": ModelSizes(**d["sizes"])}
+    )
+
+
+def planned(dry_run: bool, plan_file: Path | None, wait_seconds: float) -> tuple[Any, str]:
+    """The plan, and where it came from: ``plan_file`` (written by ``--plan-out`` in a
+    process of its own, on the CPU while other parts used the GPU) once it is there, waiting
+    up to ``wait_seconds``; else made here."""
+    deadline = time.monotonic() + wait_seconds
+    while plan_file is not None and time.monotonic() < deadline and not plan_file.exists():
+        time.sleep(0.5)
+    if plan_file is not None and plan_file.exists():
+        try:
+            return load_plan(plan_file), f"planned beforehand ({plan_file.name})"
+        except (ValueError, KeyError, TypeError) as e:  # its planner failed: say so, plan here
+            return make_plan(dry_run), f"planned here ({plan_file.name}: {str(e)[-300:]})"
+    return make_plan(dry_run), "planned here"
+
+
+def run(dry_run: bool, plan_file: Path | None = None, wait_seconds: float = 0.0) -> dict[str, Any]:
     import transformers
 
     from bigbatch.integrations.hf import MemoryBudget, train_with_backoff, with_plan
-    from bigbatch.memory.lm import LMSetup, lm_factory, plan_lm
+    from bigbatch.memory.lm import lm_factory
 
-    name, seq_len, batch, budget = (
-        ("tiny", 64, 8, "256MiB") if dry_run else ("qwen2.5-0.5b", 2048, 32, "12GiB")
-    )
+    name, seq_len, batch, budget = workload(dry_run)
     device = "cpu" if dry_run else "cuda"
-    values = dict(HF_CONFIGS[name])
-    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    setup = LMSetup(seq_len=seq_len, lora_r=16, gradient_checkpointing=True)
-    precision = "fp32" if dry_run else "bf16"
-    plan = plan_lm(config, setup, batch, budget, device=device, precision=precision, overhead=0)
+    t0 = time.perf_counter()
+    plan, source = planned(dry_run, plan_file, wait_seconds)
+    plan_seconds = time.perf_counter() - t0
+    config, setup = plan_config(name), plan.setup
     torch.manual_seed(0)
     model = lm_factory(config, setup)()
     g = torch.Generator().manual_seed(0)
@@ -84,6 +144,8 @@ def run(dry_run: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "workload": f"{name}, LoRA r=16, checkpointing, {seq_len} tokens, batch {batch}, "
         f"budget {budget}",
+        "plan": source,  # beforehand: on the CPU without the card (sm90's profile, 132 SMs)
+        "plan_seconds": round(plan_seconds, 1),  # made here, or waited for
         "micro_batch": plan.micro_batch,
         "accumulation": plan.accumulation,
         "trainer_micro_batch": args.per_device_train_batch_size,  # the first; backoffs: changes
@@ -110,12 +172,30 @@ def run(dry_run: bool) -> dict[str, Any]:
     return out
 
 
+def plan_config(name: str) -> Any:
+    """The transformers config of an HF_CONFIGS model."""
+    import transformers
+
+    values = dict(HF_CONFIGS[name])
+    return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plan-out", type=Path, help="only plan, into this JSON file (no GPU needed)")
+    p.add_argument("--plan-in", type=Path, help="the plan --plan-out wrote, waited for")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for --plan-in")
     args = p.parse_args()
-    result = run(args.dry_run)
+    if args.plan_out:
+        try:
+            save_plan(make_plan(args.dry_run), args.plan_out)
+        except Exception as e:  # the run that waits for it plans itself, and says why
+            args.plan_out.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"[-1500:]}))
+            raise
+        return 0
+    result = run(args.dry_run, args.plan_in, args.wait)
     print(json.dumps(result, indent=1) if args.json else result)
     return 0
 

@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,6 +50,8 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     # Each row recorded in a process forked from the forkserver (no fallback to new ones).
     assert "forked recording failed" not in logs["memory_matrix.log"]
     assert speed["trainer_budget"]["backoffs"] == []  # the Trainer run set from a plan ran
+    # ... a plan made beforehand, on the CPU, while the other parts ran
+    assert speed["trainer_budget"]["plan"] == "planned beforehand (trainer-plan.json)"
     assert "ratio_vs_hand_loop" in speed["resnet50_fp16"]
     assert (tmp_path / "tests-gpu.xml").exists() and (tmp_path / "summary.md").exists()
 
@@ -100,6 +104,16 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     new |= {n for n in names if n.startswith("convnext_small") and "-bench" in n}
     assert len(new) == 17 and set(names) - new <= gpu_evidence.committed("h200")
     assert gpu_evidence.committed("a100") == set()
+    # Then one language model's committed row again: a check of building it without its
+    # random fills, its peaks against the committed trace's.
+    known = gpu_evidence.committed_traces("h200")
+    order = [row_name(r) for r in gpu_evidence.recording_order(matrix(False), set(known))]
+    lacking = len(set(names) - set(known))
+    assert set(order[:lacking]) == set(names) - set(known) and sorted(order) == sorted(names)
+    assert order[lacking] == "qwen2.5-0.5b-full-1024-b4-bf16-adamw"
+    path = known[order[lacking]]
+    same = {"allocated_bytes_moved": 0, "reserved_bytes_moved": 0}
+    assert gpu_evidence.same_as_committed(path, path) == same
 
     sigs = cudnn_workspaces.signatures()[:3]
     monkeypatch.setattr(cudnn_workspaces, "PACKAGED", tmp_path)
@@ -150,6 +164,22 @@ def test_the_cudnn_sweep_ends_itself_inside_its_time_box(
     monkeypatch.setattr(sys, "argv", argv)
     assert cudnn_workspaces.main() == 0
     assert json.loads(out.read_text())["signatures_done"] == 2 and now[0] == 120.0
+
+
+def test_a_plan_made_beforehand_is_the_plan_made_in_the_run(tmp_path: Path) -> None:
+    """trainer_budget's plan, saved by the planner process gpu_evidence starts and loaded by
+    its run, is the plan the run would make; a planner's error is said, and the run plans."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import trainer_budget
+
+    plan = trainer_budget.make_plan(True)
+    path = tmp_path / "plan.json"
+    trainer_budget.save_plan(plan, path)
+    assert trainer_budget.load_plan(path) == plan
+    path.write_text(json.dumps({"error": "RuntimeError: no memory"}))
+    again, source = trainer_budget.planned(True, path, 0.0)
+    assert again == replace(plan, plan=replace(plan.plan, prediction=again.plan.prediction))
+    assert source == "planned here (plan.json: RuntimeError: no memory)"
 
 
 def test_the_summary_is_rebuilt_from_a_folders_part_files(tmp_path: Path) -> None:
@@ -205,3 +235,42 @@ def test_the_nnunet_rows_need_nnunets_losses_and_networks_not_its_whole_closure(
                "batchgeneratorsv2", "imagecodecs", "nibabel", "tifffile"}  # fmt: skip
     assert not imported & closure, imported & closure
     assert {"nnunetv2", "dynamic_network_architectures", "batchgenerators"} <= imported
+
+
+@pytest.mark.parametrize("which", ["lora_ckpt", "fsdp2"])
+def test_a_language_models_row_is_built_without_its_random_fills(which: str) -> None:
+    """record_trace builds a language model's row without transformers' and peft's random
+    initialisation (most of such a row's time on a GPU machine) and fills its weights with
+    constants: the same parameters (names, shapes, dtypes, which train) and buffers as the
+    step the planner's real build makes, every weight defined, a finite loss; an FSDP2 rank's
+    local shards filled where they are."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from gpu_matrix import matrix, ranks_of, spec_of
+    from record_trace import model_and_optimizer
+
+    from bigbatch.memory.measure import real_step_setup
+    from bigbatch.memory.step import make_inputs, run_step_loss
+
+    rows = [r for r in matrix(True) if r["kind"] == "hf"]
+    row = rows[0] if which == "lora_ckpt" else next(r for r in rows if r.get("ranks", 1) > 1)
+    with ranks_of(row):
+        spec = spec_of(row, "cpu", real=True)
+        built = real_step_setup(spec, 0)[0]
+        model, opt = model_and_optimizer(row, spec)
+
+        def described(m: torch.nn.Module) -> list[tuple[Any, ...]]:
+            return [(n, p.shape, p.dtype, p.requires_grad, type(p).__name__)
+                    for n, p in m.named_parameters()]  # fmt: skip
+
+        assert described(model) == described(built)
+        buffers = dict(built.named_buffers())
+        for name, b in model.named_buffers():
+            assert torch.equal(b, buffers[name]), name
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            assert torch.isin(local, torch.tensor([0.02, 1.0], dtype=local.dtype)).all(), name
+        loss = run_step_loss(spec, model, make_inputs(spec, "cpu"), "cpu")
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()

@@ -58,14 +58,16 @@ def test_predicted_reserved_is_within_5_percent_of_the_measured(precision: str) 
 def test_seed000_slope_per_image_within_15_percent() -> None:
     """convnext_small at 128 px, fp16, AdamW: 32-33 MB per image published (nvidia-smi), over
     batch 16 to 64: a fixed miss at one batch (the allocator's fragmentation, where the peak
-    falls) weighs a third of what it weighs over 16 to 32, where ~100 MiB at b16 was 20 %."""
-    specs = [timm_spec("convnext_small", 128, n) for n in (16, 32, 64)]
+    falls) weighs a third of what it weighs over 16 to 32, where ~100 MiB at b16 was 20 %.
+    The two ends only (b32's prediction and measurement took a third of the test's 31 s on an
+    H100; the matrix records b32)."""
+    specs = [timm_spec("convnext_small", 128, n) for n in (16, 64)]
     predicted = [predict_peak(spec).reserved_bytes for spec in specs]
     measured = [measured_reserved(spec) for spec in specs]
-    print(f"convnext_small b16/b32/b64 reserved MiB: predicted {[p >> 20 for p in predicted]}, "
+    print(f"convnext_small b16/b64 reserved MiB: predicted {[p >> 20 for p in predicted]}, "
           f"measured {[m >> 20 for m in measured]}")  # fmt: skip
-    slope_predicted = (predicted[2] - predicted[0]) / 48
-    slope_measured = (measured[2] - measured[0]) / 48
+    slope_predicted = (predicted[1] - predicted[0]) / 48
+    slope_measured = (measured[1] - measured[0]) / 48
     assert abs(slope_predicted - slope_measured) <= 0.15 * slope_measured, (
         slope_predicted / 2**20, slope_measured / 2**20,
     )  # fmt: skip
