@@ -77,7 +77,8 @@ def _rel(params: list[torch.Tensor], model: torch.nn.Module) -> float:
 def test_oom_on_one_rank_shrinks_every_rank_without_deadlock(tmp_path: Path) -> None:
     run_distributed(oom_on_one_rank, 2, str(tmp_path))
     r0, r1 = _load(tmp_path, "oom")
-    assert r0["extra"] == r1["extra"] == [(16, 8)]  # both ranks backed off, together
+    assert r0["extra"][0] == r1["extra"][0] == [(16, 8)]  # both ranks backed off, together
+    assert r0["extra"][1] == r1["extra"][1] == [1, 10]  # maxima_over_ranks: on every rank
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
     d0, d1 = rank_data(0, [24, 24, 24]), rank_data(1, [24, 24, 24])
     reference = _big_batch([[d0[k], d1[k]] for k in range(3)])

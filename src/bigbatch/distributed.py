@@ -26,6 +26,7 @@ __all__ = [
     "is_distributed",
     "is_fsdp",
     "max_over_ranks",
+    "maxima_over_ranks",
     "maybe_no_sync",
     "syncs_gradients",
     "window_totals",
@@ -75,11 +76,24 @@ def max_over_ranks(value: int, device: torch.device | str = "cpu", group: Any = 
     >>> max_over_ranks(3)
     3
     """
+    return maxima_over_ranks([value], device, group)[0]
+
+
+def maxima_over_ranks(
+    values: list[int], device: torch.device | str = "cpu", group: Any = None
+) -> list[int]:
+    """Each of ``values``' largest over all ranks, on every rank, in one collective (one
+    process: ``values``): the measurements a refit agrees on (a peak, what the card holds
+    outside the allocator, the OOM back-offs so far), so that every rank refits alike.
+
+    >>> maxima_over_ranks([3, 0, 1])
+    [3, 0, 1]
+    """
     if not is_distributed(group):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 @contextmanager

@@ -156,19 +156,18 @@ def test_under_torchrun_every_rank_refits_from_the_largest_peak(
     stood in for: another rank measured ``other``)."""
     other = {"peak": 9600 * MIB, "outside": 500 * MIB, "events": 0}
 
-    def across_ranks(value: int, device: torch.device) -> int:
-        # the one collective per figure, in after_window's order: peak, outside, back-offs
-        key = ("peak", "outside", "events")[len(calls)]
-        calls.append(key)
-        return max(value, other[key])
+    def across_ranks(values: list[int], device: torch.device) -> list[int]:
+        # one collective for the three figures: peak, outside, back-offs
+        calls.append(("peak", "outside", "events"))
+        return [max(v, other[k]) for v, k in zip(values, calls[-1], strict=True)]
 
-    calls: list[str] = []
-    monkeypatch.setattr(planning, "max_over_ranks", across_ranks)
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(planning, "maxima_over_ranks", across_ranks)
     simulated_peak["value"] = (8000 * MIB, False)  # this rank: as predicted
     simulated_peak["card"] = (10000 * MIB, 500 * MIB)
     backoff = OOMBackoff(micro_batch=64)
     MemoryCheck(_choice(), torch.device("cuda"), 256, print, None).after_window(2, backoff)
-    assert calls == ["peak", "outside", "events"]
+    assert len(calls) == 1
     assert backoff.micro_batch == 52  # the other rank's 9600 MiB decided, as on that rank
     calls.clear()
     other["events"] = 1  # the other rank backed off: no rank refits

@@ -265,23 +265,24 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         whole_process = peak[1]  # a CPU's resident memory: not what the plan predicts
         if self.plan is not None and not self.checked and not whole_process:
             from bigbatch.device import card_memory
-            from bigbatch.distributed import max_over_ranks
+            from bigbatch.distributed import maxima_over_ranks
 
             self.checked = True
             micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-            # Under torchrun every rank must resume at the same sizes: the largest peak, and
-            # the most memory beside the allocator (NCCL's), decide.
+            # Under torchrun every rank must resume at the same sizes: the largest needs and
+            # peaks, and the most memory beside the allocator (NCCL's), decide.
             card = card_memory(args.device)
-            if card is not None:
-                card = (card[0], max_over_ranks(card[1], args.device))
-                line["bigbatch/outside_allocator_bytes"] = card[1]
             need = step_need_bytes(self.plan, peak[0], allocated)
+            agreed = [need, peak[0], card[1] if card else 0]
+            need, reserved, outside = maxima_over_ranks(agreed, args.device)
+            if card is not None:
+                card = (card[0], outside)
+                line["bigbatch/outside_allocator_bytes"] = outside
             line["bigbatch/step_need_bytes"] = need
-            new = refit_sizes(self.plan, micro, steps, max_over_ranks(need, args.device), card=card)
+            new = refit_sizes(self.plan, micro, steps, need, card=card)
             if new[0] > micro:
                 # The measured micro-steps may all have been shorter than the planned length:
                 # grow only where the reserved peak, too, is far under the plan.
-                reserved = max_over_ranks(peak[0], args.device)
                 by_reserved = refit_sizes(self.plan, micro, steps, reserved, card=card)
                 new = by_reserved if by_reserved[0] > micro else (micro, steps)
             if new != (micro, steps):

@@ -43,7 +43,7 @@ from bigbatch.device import (
     peak_memory_bytes,
     reset_peak_memory,
 )
-from bigbatch.distributed import max_over_ranks
+from bigbatch.distributed import maxima_over_ranks
 from bigbatch.integrations import require
 from bigbatch.integrations.nnunet_step import plan_step_spec
 from bigbatch.memory.budget import format_bytes
@@ -307,12 +307,11 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         if measured is None or measured[1]:
             return  # a process's resident memory, not the step's
         # Every rank reaches the same collectives, one whose OOM back-off refitted already too.
-        peak = max_over_ranks(measured[0], self.device)
-        backed_off = max_over_ranks(int(bool(self.backoff.events)), self.device)
         card = card_memory(self.device)
-        if card is not None:
-            card = (card[0], max_over_ranks(card[1], self.device))
-        if backed_off:
+        agreed = [measured[0], card[1] if card else 0, len(self.backoff.events)]
+        peak, outside, backoffs = maxima_over_ranks(agreed, self.device)
+        card = None if card is None else (card[0], outside)
+        if backoffs:
             return  # the OOM back-off has had its say
         micro, batch = self.backoff.micro_batch, int(self.batch_size)
         new = refit_to_measured(self.plan, micro, peak, card, target=batch)

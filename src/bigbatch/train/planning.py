@@ -23,7 +23,7 @@ from bigbatch.device import (
     total_bytes,
     uses_cudnn_benchmark,
 )
-from bigbatch.distributed import is_distributed, max_over_ranks
+from bigbatch.distributed import is_distributed, maxima_over_ranks
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.measure import measure_step_reserved
@@ -241,10 +241,10 @@ class MemoryCheck:
         # Under torchrun every rank refits to the same micro-batch: the largest peak, the most
         # held beside the allocator and any rank's back-off decide (collectives every rank makes).
         card = None if measured[1] else card_memory(self.device)
-        peak = max_over_ranks(measured[0], self.device)
-        if card is not None:
-            card = (card[0], max_over_ranks(card[1], self.device))
-        if max_over_ranks(len(backoff.events), self.device):
+        agreed = [measured[0], card[1] if card else 0, len(backoff.events)]
+        peak, outside, backoffs = maxima_over_ranks(agreed, self.device)
+        card = None if card is None else (card[0], outside)
+        if backoffs:
             return  # the OOM back-off has had its say already
         c, whole_process = self.choice, measured[1]
         if whole_process and not c.overhead_bytes:
