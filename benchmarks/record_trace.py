@@ -15,12 +15,14 @@ where the row says ``compile``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +62,33 @@ def model_and_optimizer(row: dict[str, Any], spec: Any) -> tuple[torch.nn.Module
     if row["kind"] != "hf":
         model, opt, _ = real_step_setup(spec, 0)
         return model, opt
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4
-        from transformers.modeling_utils import no_init_weights
-
     torch.manual_seed(0)
-    with no_init_weights():
+    with no_random_fills():
         model = spec.model()
     fill_weights(model)
     model = model.to(spec.device).train()
     return model, make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+
+
+@contextlib.contextmanager
+def no_random_fills() -> Iterator[None]:
+    """transformers' ``no_init_weights`` (torch's init functions and transformers' own
+    ``init_weights`` made no-ops), but with the weights still tied as ``init_weights`` ties
+    them: without it a model with tied embeddings (Llama-3.2-1B, Qwen2.5-0.5B) gets a head of
+    its own (Llama-3.2-1B's: 525 MB more of weights)."""
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined]
+
+    def tie_only(self: Any) -> None:
+        self.tie_weights()
+
+    with no_init_weights():  # which puts init_weights back on leaving
+        PreTrainedModel.init_weights = tie_only
+        yield
 
 
 def fill_weights(model: torch.nn.Module) -> None:

@@ -238,16 +238,22 @@ def test_the_nnunet_rows_need_nnunets_losses_and_networks_not_its_whole_closure(
 
 
 @pytest.mark.parametrize("which", ["lora_ckpt", "fsdp2"])
-def test_a_language_models_row_is_built_without_its_random_fills(which: str) -> None:
+def test_a_language_models_row_is_built_without_its_random_fills(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """record_trace builds a language model's row without transformers' and peft's random
     initialisation (most of such a row's time on a GPU machine) and fills its weights with
-    constants: the same parameters (names, shapes, dtypes, which train) and buffers as the
-    step the planner's real build makes, every weight defined, a finite loss; an FSDP2 rank's
-    local shards filled where they are."""
+    constants: the same parameters (names, shapes, dtypes, which train; tied embeddings tied)
+    and buffers as the step the planner's real build makes, every weight defined, a finite
+    loss; an FSDP2 rank's local shards filled where they are."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_matrix
     import torch
     from gpu_matrix import matrix, ranks_of, spec_of
     from record_trace import model_and_optimizer
+
+    tied = {**gpu_matrix.HF_CONFIGS["tiny"], "tie_word_embeddings": True}
+    monkeypatch.setitem(gpu_matrix.HF_CONFIGS, "tiny", tied)  # as Llama-3.2-1B's and Qwen's
 
     from bigbatch.memory.measure import real_step_setup
     from bigbatch.memory.step import make_inputs, run_step_loss
@@ -264,6 +270,7 @@ def test_a_language_models_row_is_built_without_its_random_fills(which: str) -> 
                     for n, p in m.named_parameters()]  # fmt: skip
 
         assert described(model) == described(built)
+        assert not any("lm_head" in n for n, _ in model.named_parameters())  # tied
         buffers = dict(built.named_buffers())
         for name, b in model.named_buffers():
             assert torch.equal(b, buffers[name]), name
