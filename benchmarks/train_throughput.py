@@ -36,6 +36,11 @@ loops, so that an epoch of tens of thousands of images dwarfs what starts it (wo
 kernels, validation); the scan is then outside bigbatch's run, as it is outside the hand loop's
 epochs. ``--profile`` says where each loop's host time goes (``split_seconds``: waiting for
 data, the steps, validation, checkpoints and plots).
+
+A user's command pays what a run inside this process does not (its imports are made once, by
+the warm-up): ``--from-command`` runs each loop once more in a process of its own and reports
+the seconds from that process's start to its first optimizer step and to its end
+(``from_command``; ``--rounds 0 --from-command``: those alone).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import cProfile
 import json
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -271,6 +278,48 @@ PROFILED_STAGES = {
 FIRST_STEP: dict[str, float] = {}  # each loop's last run: seconds to its first optimizer step
 
 
+def child_argv(args: argparse.Namespace) -> list[str]:
+    """The workload's flags, for a run of one loop in a process of its own (``--child``)."""
+    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+        "arch", "size", "batch", "micro", "epochs", "device", "precision", "workers", "decode",
+        "classes", "passes",
+    )]  # fmt: skip
+    argv += ["--same-workers"] if args.same_workers else []
+    return [*argv, "--hand-checkpoints" if args.hand_checkpoints else "--no-hand-checkpoints"]
+
+
+def from_command(loop: str, argv: list[str], data: Path, out: Path) -> dict[str, float]:
+    """One run of ``loop`` in a process of its own, as a user's command starts it: seconds
+    from the process's start to its first optimizer step and to its end, its imports
+    included (torch and timm for the hand loop, with the transforms it shares from bigbatch;
+    bigbatch's too for `bigbatch train`, whose setup imports torchmetrics)."""
+    start = time.time()
+    done = subprocess.run(
+        [sys.executable, __file__, *argv, "--child", loop, "--data-dir", str(data),
+         "--child-out", str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"the {loop} run in its own process failed: {done.stderr[-1500:]}")
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "to_first_step": round(child["first_step_at"] - start, 2),
+        "to_end": round(child["end_at"] - start, 2),
+    }
+
+
+def run_child(loop: str, data: Path, out: Path, work: Workload, dev: Device) -> None:
+    """``--child``: one run of ``loop``, printing when its first optimizer step and its end
+    came (seconds since the epoch, for the parent that started this process)."""
+    w0 = time.time()
+    if loop == "hand":
+        hand_loop(data, work, dev, out)
+    else:
+        bigbatch_run(data, out, work, dev)
+    end = time.time()
+    print(json.dumps({"first_step_at": w0 + FIRST_STEP[loop], "end_at": end}))
+
+
 def amp_for(dev: Device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
     """Autocast's dtype (None: fp32) and fp16's GradScaler, as both loops train."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dev.precision)
@@ -412,11 +461,25 @@ def main() -> None:
         action="store_true",
         help="then one run of each under cProfile (alone: --rounds 0)",
     )
+    p.add_argument(
+        "--from-command",
+        action="store_true",
+        help="then one run of each in a process of its own: seconds from its start (imports "
+        "included) to the first optimizer step and to the end (`from_command`)",
+    )
+    p.add_argument("--child", choices=["hand", "bigbatch"], help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)  # the child's images
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     workers = args.workers if args.device != "cpu" else 0
     if args.passes < 1:
         p.error("--passes must be 1 or more")
     dev = Device(args.device, args.precision, workers, args.same_workers, args.decode, args.passes)
+    if args.child:
+        shape = Workload(args.arch, args.size, args.batch, args.micro, args.epochs)
+        out = args.child_out if args.child == "bigbatch" or args.hand_checkpoints else None
+        run_child(args.child, args.data_dir, out, shape, dev)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "images"
         stored = args.stored_size or args.size
@@ -444,6 +507,11 @@ def main() -> None:
         limit = 0.0
         if args.rounds:
             limit = loaderless_images_per_s(args.arch, args.size, args.micro, dev, args.limit_steps)
+        commands = {}
+        if args.from_command:
+            for loop in ("hand", "bigbatch"):
+                out = Path(tmp) / f"{loop}-command"
+                commands[loop] = from_command(loop, child_argv(args), data, out)
         profiles = {}
         if args.profile:
             hand_out = Path(tmp) / "hand-profiled" if args.hand_checkpoints else None
@@ -460,6 +528,13 @@ def main() -> None:
     }
     if profiles:
         result["profile"] = profiles
+    if commands:  # each loop from its own process's start: what a user's command waits
+        h, b = commands["hand"], commands["bigbatch"]
+        result["from_command"] = {
+            **commands,
+            "first_step_ratio": round(h["to_first_step"] / b["to_first_step"], 3),
+            "whole_run_ratio": round(h["to_end"] / b["to_end"], 3),
+        }
     if not args.rounds:  # --rounds 0 --profile: where the time goes, nothing timed side by side
         print(json.dumps(result, indent=1))
         return

@@ -53,6 +53,10 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     # ... a plan made beforehand, on the CPU, while the other parts ran
     assert speed["trainer_budget"]["plan"] == "planned beforehand (trainer-plan.json)"
     assert "ratio_vs_hand_loop" in speed["resnet50_fp16"]
+    # Each loop from its own process's start (a user's command): to the first step, the end.
+    command = speed["resnet50_fp16_command"]["from_command"]
+    assert 0 < command["bigbatch"]["to_first_step"] < command["bigbatch"]["to_end"]
+    assert "from each command's start" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "tests-gpu.xml").exists() and (tmp_path / "summary.md").exists()
 
 
