@@ -155,13 +155,11 @@ def start_planner(out: Path, dry_run: bool) -> tuple[subprocess.Popen[bytes], Pa
     path = out / "trainer-plan.json"
     path.unlink(missing_ok=True)
     cmd = [sys.executable, str(HERE / "trainer_budget.py"), "--plan-out", str(path)]
+    cmd += ["--dry-run"] if dry_run else []
     (out / "logs").mkdir(exist_ok=True)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
     with open(out / "logs" / "trainer_plan.log", "wb") as log:  # the child keeps its own copy
-        process = subprocess.Popen(
-            [*cmd, *(["--dry-run"] if dry_run else [])], stdout=log, stderr=subprocess.STDOUT,
-            env=env,
-        )  # fmt: skip
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return process, path
 
 

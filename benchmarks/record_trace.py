@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import gzip
 import json
 import os
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_matrix import ranks_of, row_name, spec_of
 
 from bigbatch.memory.measure import measure_step_peak, real_step_setup
-from bigbatch.memory.step import make_inputs, make_optimizer, run_step_loss
+from bigbatch.memory.step import make_inputs, run_step_loss
 
 MiB = 2**20
 
@@ -52,22 +54,25 @@ def _event_count() -> int:
 def model_and_optimizer(row: dict[str, Any], spec: Any) -> tuple[torch.nn.Module, Any]:
     """The row's model on its device, in train mode, and its optimizer, as
     :func:`~bigbatch.memory.measure.real_step_setup` makes them. A language model (``hf``) is
-    built without its random initialisation (transformers' ``no_init_weights``, which peft's
-    adapters go through too) and its floating weights are filled with constants where they
-    are: on the CPU before the move (so bitsandbytes quantizes defined values there), or in
-    place on the GPU where FSDP2 has moved its shards. The initialisation was most of such a
-    row's time (a 1B model's: 20 s on 2 cores, two random fills of each weight, one core's
-    work); the memory is the same: the same tensors, moved in the same order, and a fill
-    allocates nothing. The values are not (no step here branches on them: bf16, no scaler)."""
-    if row["kind"] != "hf":
-        model, opt, _ = real_step_setup(spec, 0)
-        return model, opt
-    torch.manual_seed(0)
+    built without its random initialisation (:func:`no_random_fills`, which peft's adapters
+    go through too) and its floating weights are filled with constants where they are: on the
+    CPU before the move (so bitsandbytes quantizes defined values there), or in place on the
+    GPU where FSDP2 has moved its shards. The initialisation was most of such a row's time (a
+    1B model's: 20 s on 2 cores, two random fills of each weight, one core's work); the memory
+    is the same: the same tensors, moved in the same order, and a fill allocates nothing. The
+    values are not (no step here branches on them: bf16, no scaler)."""
+    if row["kind"] == "hf":
+        spec = dataclasses.replace(spec, model=functools.partial(without_random_fills, spec.model))
+    model, opt, _ = real_step_setup(spec, 0)
+    return model, opt
+
+
+def without_random_fills(build: Any) -> torch.nn.Module:
+    """``build()``'s model without its random fills, its weights filled with constants."""
     with no_random_fills():
-        model = spec.model()
+        model = build()
     fill_weights(model)
-    model = model.to(spec.device).train()
-    return model, make_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+    return model
 
 
 @contextlib.contextmanager

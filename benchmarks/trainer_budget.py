@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_matrix import HF_CONFIGS
 
+from bigbatch.io import atomic_write_text
+
 MiB = 2**20
 
 
@@ -49,9 +51,7 @@ def make_plan(dry_run: bool) -> Any:
 
 def save_plan(plan: Any, path: Path) -> None:
     """``plan`` as JSON, whole or not at all (its fields are numbers, strings and lists)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(plan)))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(dataclasses.asdict(plan)))
 
 
 def load_plan(path: Path) -> Any:
@@ -194,7 +194,8 @@ def main() -> int:
         try:
             save_plan(make_plan(args.dry_run), args.plan_out)
         except Exception as e:  # the run that waits for it plans itself, and says why
-            args.plan_out.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"[-1500:]}))
+            said = {"error": f"{type(e).__name__}: {e}"[-1500:]}
+            atomic_write_text(args.plan_out, json.dumps(said))  # whole: it is polled for
             raise
         return 0
     result = run(args.dry_run, args.plan_in, args.wait)
