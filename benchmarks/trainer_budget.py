@@ -15,7 +15,6 @@ made beforehand on the CPU while other parts use the GPU (a minute or more of tr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -49,29 +48,14 @@ def make_plan(dry_run: bool) -> Any:
     return plan_lm(config, setup, batch, budget, device=device, precision=precision, overhead=0)
 
 
-def save_plan(plan: Any, path: Path) -> None:
-    """``plan`` as JSON, whole or not at all (its fields are numbers, strings and lists)."""
-    atomic_write_text(path, json.dumps(dataclasses.asdict(plan)))
+def read_plan(path: Path) -> Any:
+    """The plan ``--plan-out`` saved (LMPlan.save) in ``path``; its planner's error raised."""
+    from bigbatch.memory.lm import LMPlan
 
-
-def load_plan(path: Path) -> Any:
-    """The plan :func:`save_plan` wrote."""
-    from bigbatch.memory.lm import LMPlan, LMSetup, ModelSizes
-    from bigbatch.memory.plan import Plan
-    from bigbatch.memory.predict import MemoryPrediction
-
-    d = json.loads(path.read_text())
-    if "error" in d:  # what its planner said
-        raise ValueError(d["error"])
-    p = d["plan"]
-    plan = Plan(**{
-        **p, "prediction": MemoryPrediction(**p["prediction"]),
-        "curve": [tuple(point) for point in p["curve"]],
-        "samples_per_s": {int(k): v for k, v in p["samples_per_s"].items()},
-    })  # fmt: skip
-    return LMPlan(
-        **{**d, "setup": LMSetup(**d["setup"]), "plan": plan, "sizes": ModelSizes(**d["sizes"])}
-    )
+    said = json.loads(path.read_text())
+    if "error" in said:
+        raise ValueError(said["error"])
+    return LMPlan.load(path)
 
 
 def planned(dry_run: bool, plan_file: Path | None, wait_seconds: float) -> tuple[Any, str]:
@@ -83,8 +67,8 @@ def planned(dry_run: bool, plan_file: Path | None, wait_seconds: float) -> tuple
         time.sleep(0.5)
     if plan_file is not None and plan_file.exists():
         try:
-            return load_plan(plan_file), f"planned beforehand ({plan_file.name})"
-        except (ValueError, KeyError, TypeError) as e:  # its planner failed: say so, plan here
+            return read_plan(plan_file), f"planned beforehand ({plan_file.name})"
+        except ValueError as e:  # its planner failed: say so, plan here
             return make_plan(dry_run), f"planned here ({plan_file.name}: {str(e)[-300:]})"
     return make_plan(dry_run), "planned here"
 
@@ -192,7 +176,7 @@ def main() -> int:
     args = p.parse_args()
     if args.plan_out:
         try:
-            save_plan(make_plan(args.dry_run), args.plan_out)
+            make_plan(args.dry_run).save(args.plan_out)
         except Exception as e:  # the run that waits for it plans itself, and says why
             said = {"error": f"{type(e).__name__}: {e}"[-1500:]}
             atomic_write_text(args.plan_out, json.dumps(said))  # whole: it is polled for

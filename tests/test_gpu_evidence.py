@@ -178,8 +178,8 @@ def test_a_plan_made_beforehand_is_the_plan_made_in_the_run(tmp_path: Path) -> N
 
     plan = trainer_budget.make_plan(True)
     path = tmp_path / "plan.json"
-    trainer_budget.save_plan(plan, path)
-    assert trainer_budget.load_plan(path) == plan
+    plan.save(path)
+    assert trainer_budget.read_plan(path) == plan
     path.write_text(json.dumps({"error": "RuntimeError: no memory"}))
     again, source = trainer_budget.planned(True, path, 0.0)
     assert again == replace(plan, plan=replace(plan.plan, prediction=again.plan.prediction))

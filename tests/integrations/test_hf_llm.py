@@ -17,23 +17,27 @@ from test_hf import collate  # noqa: E402  (right-padded: pad id 0, label -100, 
 
 from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
+    check_plan_matches,
     train_with_backoff,
     trainer_batch_sizes,
     with_plan,
 )
-from bigbatch.memory.lm import LMSetup  # noqa: E402
+from bigbatch.memory.lm import LMPlan, LMSetup, enable_checkpointing, plan_lm  # noqa: E402
 
 VOCAB, SEQ, N, LR = 48, 10, 12, 0.5
 
 
-def tiny_lora() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
+def tiny_config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ, use_cache=False,
     )  # fmt: skip
+
+
+def tiny_lora(r: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).double()
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    base = transformers.LlamaForCausalLM(tiny_config()).double()
+    lora = peft.LoraConfig(r=r, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     return peft.get_peft_model(base, lora)
 
 
@@ -345,12 +349,57 @@ def test_trainer_batch_sizes_keep_the_global_batch() -> None:
         trainer_batch_sizes(30, 4, 4)
 
 
-def test_with_plan_refuses_another_rank_count(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A plan saved where it was made (``bigbatch plan --hf ... --save``) and loaded where the
+    model trains is the plan: it sets Trainer's sizes as the plan itself does, and a run under
+    MemoryBudget with it trains. A model with other adapters (r=8 where the plan has r=4), or
+    without the checkpointing the plan counted on, is refused when training begins, in one
+    line with the fix, before any step."""
+    plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
+                   precision="fp32", overhead=0)  # fmt: skip
+    loaded = LMPlan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan and (tmp_path / "plan.json").stat().st_mode & 0o777 == 0o644
+    args = with_plan(trained(tmp_path, 1, 1), loaded)
+    sizes = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    assert sizes == (plan.micro_batch, plan.accumulation) == (12, 1)
+    budget = MemoryBudget(2**40, steps=1, plan=loaded)
+    trainer_for(tiny_lora(), sequences(), [budget])(args).train()
+    assert budget.measured_bytes is not None
+
+    with_checkpointing = dataclasses.replace(
+        loaded, setup=LMSetup(SEQ, lora_r=4, gradient_checkpointing=True)
+    )
+    for model, refused, why in [
+        (tiny_lora(r=8), loaded, "trains 1,024 parameters and this model 2,048: plan this"),
+        (tiny_lora(), with_checkpointing,
+         "counts on gradient checkpointing and this model runs without it: turn it on"),
+    ]:  # fmt: skip
+        trainer = trainer_for(model, sequences(), [MemoryBudget(2**40, plan=refused)])(args)
+        with pytest.raises(ValueError, match=why) as raised:
+            trainer.train()
+        assert "\n" not in str(raised.value) and trainer.state.global_step == 0
+    checkpointed = tiny_lora()
+    enable_checkpointing(checkpointed)
+    check_plan_matches(with_checkpointing, checkpointed)  # the same fine-tune: no refusal
+
+
+def test_with_plan_refuses_arguments_for_another_run() -> None:
+    """Another number of ranks than the plan's, and TRL's max_length past its sequence length
+    (SFTConfig's default 1024 for a plan of 10 tokens) are refused; max_length at or under it,
+    or None (the user's data decides), are not."""
     args = SimpleNamespace(
         world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=1
     )
     with pytest.raises(ValueError, match="--world-size 2"):
         with_plan(args, plan_of(8, 4))
+    args.world_size = 1
+    for max_length in (None, SEQ, 1024):
+        args.max_length = max_length
+        if max_length == 1024:
+            with pytest.raises(ValueError, match="max_length=1024 tokens, past the plan's 10: set"):
+                with_plan(args, plan_of(8, 4))
+        else:
+            assert with_plan(args, plan_of(8, 4)).per_device_train_batch_size == 4
 
 
 def tokenizer():  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ from bigbatch.cli.main import main  # noqa: E402
 from bigbatch.memory.bnb import QuantizedLinear, quantized_bytes  # noqa: E402
 from bigbatch.memory.fsdp import fake_ranks  # noqa: E402
 from bigbatch.memory.lm import (  # noqa: E402
+    LMPlan,
     LMSetup,
     lm_spec_at,
     load_lm_config,
@@ -113,6 +114,35 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
         plan_lm(config, LMSetup(seq_len=16, world_size=2), 7, "1GB", device="cpu")
 
 
+def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) -> None:
+    """LMPlan.load reads back what LMPlan.save wrote and refuses, in one line with the fix, a
+    file that is not a plan (a model's config, a file cut short), one a newer bigbatch wrote
+    and one with a field missing."""
+    plan = plan_lm(tiny(), LMSetup(seq_len=16, lora_r=4), 8, "1GB", device="cpu")
+    saved = json.loads(plan.save(tmp_path / "plan.json").read_text())
+    assert saved["format"] == "bigbatch language-model plan" and saved["version"] == 1
+    assert LMPlan.load(tmp_path / "plan.json") == plan
+    config = write_config(tmp_path / "m", tiny().to_dict()) / "config.json"
+    (tmp_path / "cut.json").write_text(json.dumps(saved)[:200])
+    newer, incomplete = dict(saved, version=2, bigbatch="9.0"), dict(saved)
+    del incomplete["sizes"]
+    cases = [
+        (config, "is not a bigbatch language-model plan"),
+        (tmp_path / "cut.json", "is not a bigbatch language-model plan"),
+        (newer, r"written by bigbatch 9.0 in plan format 2, newer .*pip install -U bigbatch"),
+        (incomplete, r"incomplete or damaged plan \(KeyError: 'sizes'\): write it again"),
+    ]
+    for case, why in cases:
+        path = case if isinstance(case, Path) else tmp_path / "case.json"
+        if isinstance(case, dict):
+            path.write_text(json.dumps(case))
+        with pytest.raises(ValueError, match=why) as refused:
+            LMPlan.load(path)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(FileNotFoundError, match="--save"):
+        LMPlan.load(tmp_path / "none.json")
+
+
 def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix() -> None:
     """A mixture of experts in float32 (grouped_mm takes 16-bit weights only, on the card as in
     the trace), an attention a model lacks, a config transformers cannot build."""
@@ -148,6 +178,13 @@ def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignor
     assert len(err) == 1 and "use --seq-len 256 or less" in err[0]
     assert main([*args, "--seq-len", "100", "--tokens", "1050"]) == 2
     assert "give a multiple of --seq-len" in capsys.readouterr().err
+    # --save: one plan, into a folder that exists, refused before any planning.
+    table = [*args, "--seq-len", "64,128", "--batch", "8", "--save", str(tmp_path / "p.json")]
+    assert main(table) == 2
+    assert "--save writes one plan: give one --seq-len" in capsys.readouterr().err
+    nowhere = tmp_path / "no" / "p.json"
+    assert main([*args, "--seq-len", "64", "--batch", "8", "--save", str(nowhere)]) == 2
+    assert "give a file in an existing folder" in capsys.readouterr().err
     # Flags of the other kind of plan are refused, not ignored.
     assert main([*args, "--seq-len", "64", "--batch", "8", "--size", "32", "--confirm"]) == 2
     assert "--size, --confirm: not for a language model's plan" in capsys.readouterr().err
@@ -267,8 +304,11 @@ def test_seven_and_eight_billion_parameter_plans(
     args = ["plan", "--hf", str(folder), "--seq-len", str(setup.seq_len), "--batch", "4"]
     args += ["--budget", card, "--lora", "16", "--gradient-checkpointing", "--json"]
     args += ["--qlora"] if setup.quant else []
-    assert main(args) == 0
+    assert main([*args, "--save", str(tmp_path / "plan.json")]) == 0
     plan = json.loads(capsys.readouterr().out)
+    saved = LMPlan.load(tmp_path / "plan.json")  # the plan the training job loads
+    assert saved.to_dict() == {k: v for k, v in plan.items() if k != "fits"}
+    assert saved.source == str(folder)
     assert plan["trainable_parameters"] == trainable
     assert plan["micro_batch"] * plan["accumulation"] == 4
     assert plan["peak_bytes_per_rank"] <= plan["usable_bytes"]

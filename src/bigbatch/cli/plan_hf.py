@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from bigbatch.cli import UserError, positive_ints
@@ -26,6 +27,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "world_size": "1",
     "fsdp": False,
+    "save": None,
 }
 IMAGE_ONLY: dict[str, Any] = {
     "size": "224",
@@ -140,6 +142,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks (processes, one GPU each), comma-separated for a table: 1,2,4,8",
     )
     g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
+    g.add_argument(
+        "--save",
+        type=Path,
+        metavar="PATH",
+        help="write the plan to PATH (JSON) for LMPlan.load in the training job (one plan: "
+        "one --seq-len and one --world-size)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--hf needs --seq-len, the tokens a sequence (e.g. 2048)")
     seq_lens = positive_ints(args.seq_len, "--seq-len")
     world_sizes = positive_ints(args.world_size, "--world-size")
+    _check_save(args.save, len(seq_lens) * len(world_sizes))
     if args.budget is None:
         raise UserError("--budget is needed: a card's name (l4, rtx4090, a100-80gb) or 24GB")
     if (args.batch is None) == (args.tokens is None):
@@ -208,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if card is not None:
         print(f"card: {card.name}, {format_bytes(card.total_bytes)}", file=sys.stderr)
+    _save(rows[0], args.save)
     if args.json:
         out: list[dict[str, Any]] = [
             r.to_dict() | {"fits": True} if isinstance(r, LMPlan) else {"fits": False, "why": r}
@@ -217,6 +228,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(args, rows)
     return 0
+
+
+def _check_save(path: Path | None, plans: int) -> None:
+    """``--save``'s refusals, before the planning starts: a table, or no folder to write to."""
+    if path is None:
+        return
+    if plans > 1:
+        raise UserError(
+            "--save writes one plan: give one --seq-len and one --world-size (a table is for "
+            "choosing; save the row you train)"
+        )
+    if path.is_dir() or not path.parent.is_dir():
+        raise UserError(f"--save {path}: give a file in an existing folder (e.g. --save plan.json)")
+
+
+def _save(plan: Any, path: Path | None) -> None:
+    """``--save``: the one plan, for ``LMPlan.load`` where the model trains."""
+    if path is None:
+        return
+    saved = plan.save(path)
+    print(f"plan saved to {saved}: LMPlan.load({str(saved)!r}) where it trains", file=sys.stderr)
 
 
 def _quiet_libraries() -> None:

@@ -42,6 +42,7 @@ require("transformers", "hf")
 
 __all__ = [
     "MemoryBudget",
+    "check_plan_matches",
     "refit_sizes",
     "shift_labels_collator",
     "step_need_bytes",
@@ -161,7 +162,9 @@ def trainer_batch_sizes(
 def with_plan(args: Any, plan: Any) -> Any:
     """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
     accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch.
-    Refuses arguments for another number of ranks than the plan's.
+    Refuses arguments for another number of ranks than the plan's, and TRL's arguments that
+    let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
+    micro-batch would not hold them).
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -178,6 +181,12 @@ def with_plan(args: Any, plan: Any) -> Any:
         raise ValueError(
             f"the plan is for {plan.setup.world_size} rank(s) and these arguments run on "
             f"{ranks}: plan with --world-size {ranks}"
+        )
+    limit, planned = getattr(args, "max_length", None), plan.setup.seq_len  # TRL truncates there
+    if isinstance(limit, int) and limit > planned:
+        raise ValueError(
+            f"these arguments let sequences run to max_length={limit} tokens, past the plan's "
+            f"{planned}: set max_length={planned}, or plan with --seq-len {limit}"
         )
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
     return with_sizes(args, micro, steps)
@@ -242,6 +251,8 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from bigbatch.device import cap_cuda_allocator, reset_peak_memory
 
+        if self.plan is not None and kwargs.get("model") is not None:
+            check_plan_matches(self.plan, kwargs["model"])  # before the cap and any step
         capped = cap_cuda_allocator(args.device, self.cap_bytes)
         self._before = None if capped is None else capped[1]
         reset_peak_memory(args.device)
@@ -297,6 +308,47 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         from bigbatch.device import uncap_cuda_allocator
 
         uncap_cuda_allocator(args.device, self._before)
+
+
+def check_plan_matches(plan: Any, model: Any) -> None:
+    """Refuse, in one line with the fix, to train ``model`` under a ``plan`` (an
+    :class:`~bigbatch.memory.lm.LMPlan`, a loaded one too) made for another fine-tune: one
+    whose trained parameters are not the plan's number (another model, LoRA rank or targets,
+    layers trained whole beside the adapters), or that runs without the gradient
+    checkpointing the plan counted on (its activations several times the plan's). The plan
+    would hold for neither. :class:`MemoryBudget` checks this when training begins.
+
+    >>> from types import SimpleNamespace
+    >>> from torch import nn
+    >>> from bigbatch.memory.lm import LMSetup
+    >>> plan = SimpleNamespace(setup=LMSetup(seq_len=512, lora_r=8), source="my-model",
+    ...                        sizes=SimpleNamespace(trainable_count=16))
+    >>> check_plan_matches(plan, nn.Linear(4, 4))
+    Traceback (most recent call last):
+    ...
+    ValueError: the plan (my-model, LoRA r=8 (all-linear), 512 tokens, padded) trains 16 parameters and this model 20: plan this fine-tune (bigbatch plan --hf ... --save), or train the one the plan describes
+    """
+    sizes, setup = getattr(plan, "sizes", None), getattr(plan, "setup", None)
+    if sizes is None or setup is None:
+        return
+    described = ", ".join(x for x in (getattr(plan, "source", ""), setup.describe()) if x)
+    fix = "plan this fine-tune (bigbatch plan --hf ... --save), or train the one the plan describes"
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trained != sizes.trainable_count:
+        raise ValueError(
+            f"the plan ({described}) trains {sizes.trainable_count:,} parameters and this model "
+            f"{trained:,}: {fix}"
+        )
+    checkpointing = any(
+        getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+    )
+    if setup.gradient_checkpointing and not checkpointing:
+        raise ValueError(
+            f"the plan ({described}) counts on gradient checkpointing and this model runs "
+            "without it: turn it on in the arguments (activation_checkpointing=True; "
+            "gradient_checkpointing=True before transformers 5), or plan without "
+            "--gradient-checkpointing"
+        )
 
 
 def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:

@@ -23,10 +23,11 @@ of the weights, gradients and optimizer state and adds its gather buffers.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from bigbatch.device import device_kind
+from bigbatch.io import atomic_write_text
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.fake_branches import known_values
@@ -48,6 +50,7 @@ from bigbatch.memory.plan import (
     resolve_budget,
     usable_bytes,
 )
+from bigbatch.memory.predict import MemoryPrediction, predict_peak
 from bigbatch.memory.step import StepSpec
 
 __all__ = [
@@ -562,6 +565,7 @@ class LMPlan:
     paged_bytes: int = 0
     vocab: int = 0
     notes: list[str] = field(default_factory=list)
+    source: str = ""  # the config's name or path, as load_lm_config was given it
 
     @property
     def micro_batch(self) -> int:
@@ -600,6 +604,78 @@ class LMPlan:
             "logits": logits,
             "per_rank": self.per_rank_extra_bytes,
         }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan to ``path`` as JSON (whole or not at all, readable by all), for
+        :meth:`load` where the model trains: plan once, on any machine, and let the training
+        job start without tracing the step again (a minute or more for an 8B model on a CPU).
+        ``bigbatch plan --hf ... --save PATH`` writes the same file.
+
+        >>> import tempfile, transformers
+        >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+        ...     num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+        >>> plan = plan_lm(cfg, LMSetup(seq_len=32, lora_r=4), 8, "64MB", device="cpu",
+        ...                precision="fp32", overhead=0)
+        >>> path = plan.save(Path(tempfile.mkdtemp()) / "plan.json")
+        >>> LMPlan.load(path) == plan
+        True
+        """
+        path = Path(path)
+        # The CPU's workspace calibration describes this machine, not the card: left out.
+        body = asdict(replace(self, plan=replace(self.plan, calibration=None)))
+        head = {"format": PLAN_FORMAT, "version": PLAN_FORMAT_VERSION, "bigbatch": _version()}
+        atomic_write_text(path, json.dumps(head | body, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LMPlan:
+        """The plan :meth:`save` wrote to ``path``. A file that is not one, or one a newer
+        bigbatch wrote, is refused in one line with the fix; nothing in it is executed (JSON).
+
+        >>> LMPlan.load("missing.json")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: missing.json: no plan there; write one with `bigbatch plan --hf NAME_OR_PATH ... --save missing.json` (or LMPlan.save)
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: no plan there; write one with `bigbatch plan --hf NAME_OR_PATH ... "
+                f"--save {path}` (or LMPlan.save)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            data = None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise ValueError(
+                f"{path} is not a bigbatch language-model plan (`bigbatch plan --hf ... --save` "
+                "and LMPlan.save write them)"
+            )
+        version = data.pop("version", None)
+        if not isinstance(version, int) or version > PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"{path} was written by bigbatch {data.get('bigbatch', '?')} in plan format "
+                f"{version}, newer than this bigbatch {_version()} reads "
+                f"({PLAN_FORMAT_VERSION}): upgrade bigbatch (pip install -U bigbatch), or plan "
+                "again with this one"
+            )
+        del data["format"]
+        data.pop("bigbatch", None)
+        try:
+            p = data["plan"]
+            p["prediction"] = _dataclass_from(MemoryPrediction, p["prediction"])
+            p["curve"] = [(int(b), int(peak)) for b, peak in p["curve"]]
+            p["samples_per_s"] = {int(b): float(v) for b, v in p["samples_per_s"].items()}
+            data["plan"] = _dataclass_from(Plan, p)
+            data["setup"] = _dataclass_from(LMSetup, data["setup"])
+            data["sizes"] = _dataclass_from(ModelSizes, data["sizes"])
+            return _dataclass_from(cls, data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(
+                f"{path} is an incomplete or damaged plan ({type(exc).__name__}: {exc}): write "
+                "it again with `bigbatch plan --hf ... --save`"
+            ) from None
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
@@ -640,6 +716,28 @@ class LMPlan:
         return text + "".join(f"; note: {n}" for n in self.notes)
 
 
+PLAN_FORMAT = "bigbatch language-model plan"
+PLAN_FORMAT_VERSION = 1  # raised when a field changes meaning; new fields with defaults keep it
+
+
+def _version() -> str:
+    from bigbatch import __version__
+
+    return __version__
+
+
+def _dataclass_from(cls: Any, data: dict[str, Any]) -> Any:
+    """``cls(**data)``, refusing fields ``cls`` does not have (a newer plan's) by name.
+
+    >>> _dataclass_from(LMSetup, {"seq_len": 512, "lora_r": 8}).describe()
+    'LoRA r=8 (all-linear), 512 tokens, padded'
+    """
+    unknown = set(data) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {', '.join(sorted(unknown))}")
+    return cls(**data)
+
+
 def plan_lm(
     config: Any,
     setup: LMSetup,
@@ -668,12 +766,10 @@ def plan_lm(
     n = setup.world_size
     if global_batch < 1 or global_batch % n:
         raise ValueError(
-            f"the global batch {global_batch} must be a positive multiple of the "
-            f"{n} ranks (each takes the same number of sequences)"
+            f"the global batch {global_batch} must be a positive multiple of the {n} ranks "
+            "(each takes the same number of sequences)"
         )
     import torch.distributed as dist
-
-    from bigbatch.memory.predict import predict_peak
 
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
@@ -719,6 +815,7 @@ def plan_lm(
         paged_bytes=paged,
         vocab=int(config.vocab_size),
         notes=_plan_notes(note, setup, device),
+        source=str(getattr(config, "_name_or_path", "") or ""),
     )
 
 
