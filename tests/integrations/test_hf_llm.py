@@ -352,9 +352,9 @@ def test_trainer_batch_sizes_keep_the_global_batch() -> None:
 def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A plan saved where it was made (``bigbatch plan --hf ... --save``) and loaded where the
     model trains is the plan: it sets Trainer's sizes as the plan itself does, and a run under
-    MemoryBudget with it trains. A model with other adapters (r=8 where the plan has r=4), or
-    without the checkpointing the plan counted on, is refused when training begins, in one
-    line with the fix, before any step."""
+    MemoryBudget with it trains. A model with other adapters (r=8 where the plan has r=4), in
+    float64 where the plan has float32, or without the checkpointing the plan counted on, is
+    refused when training begins, in one line with the fix, before any step."""
     plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                    precision="fp32", overhead=0)  # fmt: skip
     loaded = LMPlan.load(plan.save(tmp_path / "plan.json"))
@@ -363,7 +363,7 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     sizes = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     assert sizes == (plan.micro_batch, plan.accumulation) == (12, 1)
     budget = MemoryBudget(2**40, steps=1, plan=loaded)
-    trainer_for(tiny_lora(), sequences(), [budget])(args).train()
+    trainer_for(tiny_lora().float(), sequences(), [budget])(args).train()  # float32, as planned
     assert budget.measured_bytes is not None
 
     with_checkpointing = dataclasses.replace(
@@ -371,14 +371,16 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     )
     for model, refused, why in [
         (tiny_lora(r=8), loaded, "trains 1,024 parameters and this model 2,048: plan this"),
-        (tiny_lora(), with_checkpointing,
+        (tiny_lora(), loaded,  # float64 weights: twice the plan's float32
+         r"has 19.2 KiB of weights and this model 38.4 KiB: load it in the dtype planned"),
+        (tiny_lora().float(), with_checkpointing,
          "counts on gradient checkpointing and this model runs without it: turn it on"),
     ]:  # fmt: skip
         trainer = trainer_for(model, sequences(), [MemoryBudget(2**40, plan=refused)])(args)
         with pytest.raises(ValueError, match=why) as raised:
             trainer.train()
         assert "\n" not in str(raised.value) and trainer.state.global_step == 0
-    checkpointed = tiny_lora()
+    checkpointed = tiny_lora().float()
     enable_checkpointing(checkpointed)
     check_plan_matches(with_checkpointing, checkpointed)  # the same fine-tune: no refusal
 

@@ -314,9 +314,10 @@ def check_plan_matches(plan: Any, model: Any) -> None:
     """Refuse, in one line with the fix, to train ``model`` under a ``plan`` (an
     :class:`~bigbatch.memory.lm.LMPlan`, a loaded one too) made for another fine-tune: one
     whose trained parameters are not the plan's number (another model, LoRA rank or targets,
-    layers trained whole beside the adapters), or that runs without the gradient
-    checkpointing the plan counted on (its activations several times the plan's). The plan
-    would hold for neither. :class:`MemoryBudget` checks this when training begins.
+    layers trained whole beside the adapters), whose weights take more bytes than the plan's
+    (loaded in float32 where the plan has the config's bfloat16), or that runs without the
+    gradient checkpointing the plan counted on (its activations several times the plan's).
+    The plan would hold for none. :class:`MemoryBudget` checks this when training begins.
 
     >>> from types import SimpleNamespace
     >>> from torch import nn
@@ -328,6 +329,8 @@ def check_plan_matches(plan: Any, model: Any) -> None:
     ...
     ValueError: the plan (my-model, LoRA r=8 (all-linear), 512 tokens, padded) trains 16 parameters and this model 20: plan this fine-tune (bigbatch plan --hf ... --save), or train the one the plan describes
     """
+    from bigbatch.memory.budget import format_bytes
+
     sizes, setup = getattr(plan, "sizes", None), getattr(plan, "setup", None)
     if sizes is None or setup is None:
         return
@@ -338,6 +341,16 @@ def check_plan_matches(plan: Any, model: Any) -> None:
         raise ValueError(
             f"the plan ({described}) trains {sizes.trainable_count:,} parameters and this model "
             f"{trained:,}: {fix}"
+        )
+    # Quantized bases are left out: bitsandbytes keeps part of their storage outside the
+    # parameters (the quantization state), which the plan's stand-ins count in them.
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not setup.quant and weights > sizes.parameters:
+        raise ValueError(
+            f"the plan ({described}) has {format_bytes(sizes.parameters)} of weights and this "
+            f"model {format_bytes(weights)}: load it in the dtype planned (--dtype; auto is the "
+            "config's, from_pretrained(..., dtype=torch.bfloat16) for bf16), or plan with "
+            "--dtype fp32"
         )
     checkpointing = any(
         getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
