@@ -2,8 +2,9 @@
 
 `bigbatch plan --hf CONFIG` does the planning from the command line; here the same from Python,
 for a small Llama-shaped config (random weights: no download) and a CPU budget. The plan keeps
-the global batch of 32 sequences; `with_plan` sets Trainer to it; `train_with_backoff` would
-retry an out-of-memory run at half the micro-batch, the same update.
+the global batch of 32 sequences and travels as a file (`plan.save`, `bigbatch plan --hf ...
+--save`; `LMPlan.load` in the training job); `with_plan` sets Trainer to it;
+`train_with_backoff` would retry an out-of-memory run at half the micro-batch, the same update.
 """
 
 import tempfile
@@ -13,7 +14,7 @@ import torch
 import transformers
 
 from bigbatch.integrations.hf import train_with_backoff, with_plan
-from bigbatch.memory.lm import LMSetup, lm_factory, plan_lm
+from bigbatch.memory.lm import LMPlan, LMSetup, lm_factory, plan_lm
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -49,6 +50,7 @@ with tempfile.TemporaryDirectory() as out:
         output_dir=out, num_train_epochs=1, learning_rate=1e-3, report_to=[], use_cpu=True,
         save_strategy="no", logging_strategy="no", disable_tqdm=True,
     )  # fmt: skip
+    plan = LMPlan.load(plan.save(f"{out}/plan.json"))  # as a training job elsewhere reads it
     args = with_plan(args, plan)
     print(
         f"Trainer: per_device_train_batch_size={args.per_device_train_batch_size}, "
