@@ -600,9 +600,8 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
                   f"{b['to_first_step']} s; to the end {h['to_end']} s against {b['to_end']} s "
                   f"(whole run {command['whole_run_ratio']})"]  # fmt: skip
     for who, prof in ((sp.get("resnet50_fp16_profile") or {}).get("profile") or {}).items():
-        lines.append(f"- profiled resnet50, {who}: {prof['seconds']} s of host time, "
-                     f"{prof['data_wait_seconds']} s of it waiting for batches; seconds under "
-                     f"{prof.get('split_seconds')}")  # fmt: skip
+        lines.append(f"- profiled resnet50, {who}: {prof['seconds']} s of host time; seconds "
+                     f"under {prof.get('split_seconds')} (data_wait: waiting for batches)")  # fmt: skip
     if "images_per_s" in (sp.get("loaderless") or {}):
         lines += ["", f"Loader-less limit: {sp['loaderless']['images_per_s']} images/s "
                   f"({sp['loaderless']['workload']})"]  # fmt: skip

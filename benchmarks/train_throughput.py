@@ -395,7 +395,6 @@ def profile_of(run: Any) -> dict[str, Any]:
 
     return {
         "seconds": round(sum(r[0] for r in rows), 2),
-        "data_wait_seconds": round(max(waits, default=0.0), 2),
         # Where the time goes, each loop's own functions (the hand loop's train_window and
         # validate; bigbatch's step_window, the task's evaluate, the run folder's files). The
         # loaders' waits are inside the epoch (training's) and inside validation (its own).
