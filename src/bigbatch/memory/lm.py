@@ -824,6 +824,11 @@ def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
     """What transformers or torch refuse while the model is built and its step traced, which
     the same model would refuse on the card, as one line with the fix."""
     name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    # Fake tensors log the traceback of a kernel that refused its arguments at ERROR before
+    # raising: what is refused here is said below in one line (anything else still raises).
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         yield
     except AssertionError as exc:  # torch's own checks of a layer's arguments
@@ -853,6 +858,8 @@ def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
             "weights, and these are float32 (--dtype, or the config's): plan with --dtype bf16, "
             "as the model trains"
         ) from None
+    finally:
+        fake_log.setLevel(level)
 
 
 def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
