@@ -354,7 +354,8 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     model trains is the plan: it sets Trainer's sizes as the plan itself does, and a run under
     MemoryBudget with it trains. A model with other adapters (r=8 where the plan has r=4), in
     float64 where the plan has float32, or without the checkpointing the plan counted on, is
-    refused when training begins, in one line with the fix, before any step."""
+    refused when training begins, in one line with the fix, before any step; so is a plan
+    for CUDA where the run trains on the CPU."""
     plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                    precision="fp32", overhead=0)  # fmt: skip
     loaded = LMPlan.load(plan.save(tmp_path / "plan.json"))
@@ -383,6 +384,14 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     checkpointed = tiny_lora().float()
     enable_checkpointing(checkpointed)
     check_plan_matches(with_checkpointing, checkpointed)  # the same fine-tune: no refusal
+    cuda_plan = dataclasses.replace(
+        loaded, plan=dataclasses.replace(
+            loaded.plan, prediction=dataclasses.replace(loaded.plan.prediction, device="cuda")
+        ),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="is for cuda and this run trains on cpu: plan with"):
+        check_plan_matches(cuda_plan, tiny_lora().float(), torch.device("cpu"))
+    check_plan_matches(loaded, tiny_lora().float(), "cpu")
 
 
 def test_with_plan_refuses_arguments_for_another_run() -> None:

@@ -252,7 +252,7 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         from bigbatch.device import cap_cuda_allocator, reset_peak_memory
 
         if self.plan is not None and kwargs.get("model") is not None:
-            check_plan_matches(self.plan, kwargs["model"])  # before the cap and any step
+            check_plan_matches(self.plan, kwargs["model"], args.device)  # before any step
         capped = cap_cuda_allocator(args.device, self.cap_bytes)
         self._before = None if capped is None else capped[1]
         reset_peak_memory(args.device)
@@ -310,10 +310,11 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         uncap_cuda_allocator(args.device, self._before)
 
 
-def check_plan_matches(plan: Any, model: Any) -> None:
-    """Refuse, in one line with the fix, to train ``model`` under a ``plan`` (an
-    :class:`~bigbatch.memory.lm.LMPlan`, a loaded one too) made for another fine-tune: one
-    whose trained parameters are not the plan's number (another model, LoRA rank or targets,
+def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
+    """Refuse, in one line with the fix, to train ``model`` (on ``device``, where given) under
+    a ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`, a loaded one too) made for another
+    fine-tune: one for another kind of device (a CPU's plan for a CUDA run), one whose
+    trained parameters are not the plan's number (another model, LoRA rank or targets,
     layers trained whole beside the adapters), whose weights take more bytes than the plan's
     (loaded in float32 where the plan has the config's bfloat16), or that runs without the
     gradient checkpointing the plan counted on (its activations several times the plan's).
@@ -335,6 +336,13 @@ def check_plan_matches(plan: Any, model: Any) -> None:
     if sizes is None or setup is None:
         return
     described = ", ".join(x for x in (getattr(plan, "source", ""), setup.describe()) if x)
+    planned_for = getattr(getattr(getattr(plan, "plan", None), "prediction", None), "device", "")
+    kind = torch.device(device).type if device is not None else planned_for
+    if planned_for and kind in ("cpu", "cuda") and kind != planned_for:  # the kinds planned
+        raise ValueError(
+            f"the plan ({described}) is for {planned_for} and this run trains on {kind}: plan "
+            f"with --device {kind}"
+        )
     fix = "plan this fine-tune (bigbatch plan --hf ... --save), or train the one the plan describes"
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if trained != sizes.trainable_count:
