@@ -384,6 +384,15 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     checkpointed = tiny_lora().float()
     enable_checkpointing(checkpointed)
     check_plan_matches(with_checkpointing, checkpointed)  # the same fine-tune: no refusal
+    # Checkpointing by torch's wrappers, as accelerate's FSDP activation_checkpointing does.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    wrapped = tiny_lora().float()
+    layer = type(wrapped.base_model.model.model.layers[0])
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, layer))
+    check_plan_matches(with_checkpointing, wrapped)
     cuda_plan = dataclasses.replace(
         loaded, plan=dataclasses.replace(
             loaded.plan, prediction=dataclasses.replace(loaded.plan.prediction, device="cuda")

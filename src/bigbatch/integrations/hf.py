@@ -360,8 +360,12 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
             "config's, from_pretrained(..., dtype=torch.bfloat16) for bf16), or plan with "
             "--dtype fp32"
         )
+    # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
+    # activation_checkpointing wraps the decoder layers in them).
     checkpointing = any(
-        getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+        getattr(m, "gradient_checkpointing", False) is True
+        or hasattr(m, "_checkpoint_wrapped_module")
+        for m in model.modules()
     )
     if setup.gradient_checkpointing and not checkpointing:
         raise ValueError(
