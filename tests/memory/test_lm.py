@@ -118,7 +118,7 @@ def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) 
     """LMPlan.load reads back what LMPlan.save wrote and refuses, in one line with the fix, a
     file that is not a plan (a model's config, a file cut short), one a newer bigbatch wrote
     and one with a field missing."""
-    plan = plan_lm(tiny(), LMSetup(seq_len=16, lora_r=4), 8, "1GB", device="cpu")
+    plan = plan_lm(tiny(), LMSetup(seq_len=16, lora_r=4), 8, "1GB", device="cpu", overhead=0)
     saved = json.loads(plan.save(tmp_path / "plan.json").read_text())
     assert saved["format"] == "bigbatch language-model plan" and saved["version"] == 1
     assert LMPlan.load(tmp_path / "plan.json") == plan
@@ -309,7 +309,8 @@ def test_seven_and_eight_billion_parameter_plans(
     assert main([*args, "--save", str(tmp_path / "plan.json")]) == 0
     plan = json.loads(capsys.readouterr().out)
     saved = LMPlan.load(tmp_path / "plan.json")  # the plan the training job loads
-    assert saved.to_dict() == {k: v for k, v in plan.items() if k != "fits"}
+    assert saved.to_dict() == {k: v for k, v in plan.items() if k not in ("fits", "trainer")}
+    assert plan["trainer"] == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}
     assert saved.source == str(folder)
     assert plan["trainable_parameters"] == trainable
     assert plan["micro_batch"] * plan["accumulation"] == 4

@@ -221,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     _save(rows[0], args.save)
     if args.json:
         out: list[dict[str, Any]] = [
-            r.to_dict() | {"fits": True} if isinstance(r, LMPlan) else {"fits": False, "why": r}
+            r.to_dict() | {"fits": True, "trainer": _trainer_sizes(r)}
+            if isinstance(r, LMPlan)
+            else {"fits": False, "why": r}
             for r in rows
         ]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
@@ -293,6 +295,11 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{_count(sizes.trainable_count)} trained; {first.setup.describe()}"
         )
         print(first.summary())
+        micro, steps = _trainer_sizes(first).values()
+        print(
+            f"Trainer or TRL (micro-batches of one size; with_plan sets them): "
+            f"per_device_train_batch_size={micro}, gradient_accumulation_steps={steps}"
+        )
         return
     print(f"{args.hf}: global batch {args.batch} sequences, budget {args.budget} per rank")
     header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>14} {'peak / rank':>12}  parts"
@@ -313,6 +320,17 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{r.setup.seq_len:>7} {r.setup.world_size:>5} {split:>14} "
             f"{format_bytes(r.peak_bytes):>12}  {top}"
         )
+
+
+def _trainer_sizes(plan: Any) -> dict[str, int]:
+    """The plan as Trainer's arguments take it (:func:`bigbatch.integrations.hf.with_plan`'s
+    sizes: the largest micro-batch that divides each rank's share)."""
+    from bigbatch.integrations.hf import trainer_batch_sizes
+
+    micro, steps = trainer_batch_sizes(
+        plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
+    )
+    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
 
 
 def _count(n: int) -> str:
