@@ -351,9 +351,11 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
             f"{trained:,}: {fix}"
         )
     # Quantized bases are left out: bitsandbytes keeps part of their storage outside the
-    # parameters (the quantization state), which the plan's stand-ins count in them.
+    # parameters (the quantization state), which the plan's stand-ins count in them. A few %
+    # over is let through: norms some recipes keep in float32 weigh that little; a whole
+    # model in float32 where the plan has 16-bit weights is twice the plan's.
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not setup.quant and weights > sizes.parameters:
+    if not setup.quant and weights > 1.05 * sizes.parameters:
         raise ValueError(
             f"the plan ({described}) has {format_bytes(sizes.parameters)} of weights and this "
             f"model {format_bytes(weights)}: load it in the dtype planned (--dtype; auto is the "
