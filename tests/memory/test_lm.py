@@ -117,7 +117,7 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
 def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) -> None:
     """LMPlan.load reads back what LMPlan.save wrote and refuses, in one line with the fix, a
     file that is not a plan (a model's config, a file cut short), one a newer bigbatch wrote
-    and one with a field missing."""
+    (a newer format, or fields added to this one) and one with a field missing."""
     plan = plan_lm(tiny(), LMSetup(seq_len=16, lora_r=4), 8, "1GB", device="cpu", overhead=0)
     saved = json.loads(plan.save(tmp_path / "plan.json").read_text())
     assert saved["format"] == "bigbatch language-model plan" and saved["version"] == 1
@@ -125,11 +125,13 @@ def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) 
     config = write_config(tmp_path / "m", tiny().to_dict()) / "config.json"
     (tmp_path / "cut.json").write_text(json.dumps(saved)[:200])
     newer, incomplete = dict(saved, version=2, bigbatch="9.0"), dict(saved)
+    added = dict(saved, bigbatch="0.9", new_field=1)  # a newer plan of the same format
     del incomplete["sizes"]
     cases = [
         (config, "is not a bigbatch language-model plan"),
         (tmp_path / "cut.json", "is not a bigbatch language-model plan"),
         (newer, r"written by bigbatch 9.0 in plan format 2, newer .*pip install -U bigbatch"),
+        (added, r"by bigbatch 0.9, with LMPlan's field\(s\) new_field that this .* upgrade"),
         (incomplete, r"incomplete or damaged plan \(KeyError: 'sizes'\): write it again"),
     ]
     for case, why in cases:

@@ -315,8 +315,9 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
     a ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`, a loaded one too) made for another
     fine-tune: one for another kind of device (a CPU's plan for a CUDA run), one whose
     trained parameters are not the plan's number (another model, LoRA rank or targets,
-    layers trained whole beside the adapters), whose weights take more bytes than the plan's
-    (loaded in float32 where the plan has the config's bfloat16), or that runs without the
+    layers trained whole beside the adapters), whose weights take over 5 % more bytes than
+    the plan's (loaded in float32 where the plan has the config's bfloat16), or that runs
+    without the
     gradient checkpointing the plan counted on (its activations several times the plan's).
     The plan would hold for none. :class:`MemoryBudget` checks this when training begins.
 
