@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,17 @@ def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) 
         assert "\n" not in str(refused.value)
     with pytest.raises(FileNotFoundError, match="--save"):
         LMPlan.load(tmp_path / "none.json")
+
+
+def test_an_uneven_last_micro_batch_is_said() -> None:
+    """20 sequences at micro-batch 7 are 7, 7 and 6: the summary says so, not 7 x 3 alone."""
+    plan = plan_lm(tiny(), LMSetup(seq_len=16), 8, "1GB", device="cpu", overhead=0)
+    assert "micro-batch 8 x 1 accumulation;" in plan.summary()
+    one = replace(plan.plan, micro_batch=7, micro_batches=3, target_batch=20)
+    uneven = replace(plan, global_batch=20, plan=one)
+    assert "20 sequences of 16 tokens a step = micro-batch 7 x 3 accumulation (the last 6);" in (
+        uneven.summary()
+    )
 
 
 def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> None:  # type: ignore[no-untyped-def]

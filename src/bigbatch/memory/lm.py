@@ -711,9 +711,12 @@ class LMPlan:
         parts = ", ".join(
             f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.parts().items() if v > 0
         )
+        last = self.plan.target_batch - self.micro_batch * (self.accumulation - 1)
         text = (
             f"{self.global_batch} sequences of {s.seq_len} tokens a step = micro-batch "
-            f"{self.micro_batch} x {self.accumulation} accumulation{ranks}; predicted peak "
+            f"{self.micro_batch} x {self.accumulation} accumulation"
+            + (f" (the last {last})" if last != self.micro_batch else "")
+            + f"{ranks}; predicted peak "
             f"{format_bytes(self.peak_bytes)} of {format_bytes(self.usable_bytes)} usable "
             f"(budget {format_bytes(self.plan.budget_bytes)}); {parts}"
         )
