@@ -652,16 +652,15 @@ class LMPlan:
                 f"{path} is not a bigbatch language-model plan (`bigbatch plan --hf ... --save` "
                 "and LMPlan.save write them)"
             )
-        version = data.pop("version", None)
+        # The header off: what is left is the plan's own fields.
+        del data["format"]
+        version, written_by = data.pop("version", None), data.pop("bigbatch", "?")
         if not isinstance(version, int) or version > PLAN_FORMAT_VERSION:
             raise ValueError(
-                f"{path} was written by bigbatch {data.get('bigbatch', '?')} in plan format "
-                f"{version}, newer than this bigbatch {_version()} reads "
-                f"({PLAN_FORMAT_VERSION}): upgrade bigbatch (pip install -U bigbatch), or plan "
-                "again with this one"
+                f"{path} was written by bigbatch {written_by} in plan format {version}, newer "
+                f"than this bigbatch {_version()} reads ({PLAN_FORMAT_VERSION}): upgrade bigbatch "
+                "(pip install -U bigbatch), or plan again with this one"
             )
-        del data["format"]
-        written_by = data.get("bigbatch", "?")
         try:
             p = data["plan"]
             p["prediction"] = _dataclass_from(MemoryPrediction, p["prediction"])
@@ -670,7 +669,7 @@ class LMPlan:
             data["plan"] = _dataclass_from(Plan, p)
             data["setup"] = _dataclass_from(LMSetup, data["setup"])
             data["sizes"] = _dataclass_from(ModelSizes, data["sizes"])
-            return _dataclass_from(cls, {k: v for k, v in data.items() if k != "bigbatch"})
+            return _dataclass_from(cls, data)
         except _UnknownFields as exc:  # a newer bigbatch's plan: fields added, same format
             raise ValueError(
                 f"{path} was written by bigbatch {written_by}, with {exc} that this bigbatch "
