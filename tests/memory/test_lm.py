@@ -184,6 +184,10 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
     broken = tiny(pad_token_id=9999)  # past the 512 embeddings
     with pytest.raises(ValueError, match=r"cannot build .* \(Padding_idx .*\): check its values"):
         plan_lm(broken, LMSetup(seq_len=16), 2, "8GB")
+    unset = tiny()
+    unset.head_dim = None  # as ministral's config class leaves it where config.json has none
+    with pytest.raises(ValueError, match=r"cannot build llama .*TypeError.* published config"):
+        plan_lm(unset, LMSetup(seq_len=16), 2, "8GB")
 
 
 def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -194,6 +198,11 @@ def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignor
     assert len(err) == 1 and "use --seq-len 256 or less" in err[0]
     assert main([*args, "--seq-len", "100", "--tokens", "1050"]) == 2
     assert "give a multiple of --seq-len" in capsys.readouterr().err
+    # A field of the wrong type, as transformers 5 checks it while reading the config.
+    mistyped = write_config(tmp_path / "mistyped", {**tiny().to_dict(), "intermediate_size": "128"})
+    assert main(["plan", "--hf", str(mistyped), *args[3:], "--seq-len", "64", "--batch", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'intermediate_size'" in err[0] and "fix it in config.json" in err[0]
     # --save: one plan, into a folder that exists, refused before any planning.
     table = [*args, "--seq-len", "64,128", "--batch", "8", "--save", str(tmp_path / "p.json")]
     assert main(table) == 2

@@ -141,6 +141,9 @@ def load_lm_config(source: str | Path) -> Any:
                 ) from None
         else:
             config = _hub_config(text)
+    except _config_validation_errors() as exc:
+        # transformers 5 checks each field's type as the config is read.
+        raise ValueError(f"{text}: {' '.join(str(exc).split())}: fix it in config.json") from None
     except ValueError as exc:
         message = str(exc)
         if "does not recognize this architecture" in message or "model type" in message:
@@ -158,6 +161,14 @@ def load_lm_config(source: str | Path) -> Any:
             "(AutoModelForCausalLM): --hf plans decoder language models"
         )
     return config
+
+
+def _config_validation_errors() -> tuple[type[Exception], ...]:
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # a hub client older than transformers 5's
+        return ()
+    return (StrictDataclassError,)
 
 
 def _hub_config(name: str) -> Any:
@@ -307,7 +318,17 @@ def lm_factory(
         # flash_attention_2 needs its package and a GPU; its memory is SDPA's flash kernel's
         # (the output and a float32 log-sum-exp a head and token), which the trace runs.
         attn = "sdpa" if setup.attn == "flash_attention_2" else setup.attn
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        except (TypeError, AttributeError, KeyError, IndexError) as exc:
+            # A model's code reads values its config class leaves unset (ministral's head_dim):
+            # a config written by hand, or cut down, lacks one.
+            name = (getattr(config, "architectures", None) or [config.model_type])[0]
+            raise ValueError(
+                f"transformers cannot build {name} from this config ({type(exc).__name__}: "
+                f"{exc}): a value its code needs is missing or of the wrong type; compare the "
+                "config with the model's published config.json"
+            ) from None
         model.config.use_cache = False
         if setup.quant:
             head = model.get_output_embeddings()
