@@ -222,3 +222,29 @@ def test_an_explicit_budget_caps_the_cuda_allocator_simulated(
 
     uncap_cuda_allocator(cuda, 0.75)  # what the run does at its end
     assert calls[-1] == (0.75, 0)
+
+
+@pytest.mark.parametrize(("capability", "auto"), [((7, 5), "fp16"), ((8, 0), "bf16")])
+def test_auto_precision_is_fp16_where_the_card_only_emulates_bf16(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], auto: str
+) -> None:
+    """A T4 (7.5) answers torch.cuda.is_bf16_supported() with True, as its bf16 tensors work in
+    float32 emulation, several times slower than fp16: precision=auto takes fp16 there, and an
+    explicit bf16 is said (simulated: no GPU in CI)."""
+    from bigbatch.train.runtime import resolve_precision
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert device.auto_precision(cuda) == auto
+    said: list[str] = []
+    assert resolve_precision("bf16", cuda, said.append) == "bf16"
+    assert resolve_precision("auto", cuda, said.append) == auto
+    if auto == "fp16":
+        assert len(said) == 1 and "on Tesla T4, which has no bfloat16 units" in said[0]
+        assert "precision=fp16 (or auto)" in said[0]
+    else:
+        assert said == []
+    assert not device.emulates_bf16(torch.device("cpu"))

@@ -39,6 +39,7 @@ __all__ = [
     "decodes_jpeg",
     "device_kind",
     "empty_cache",
+    "emulates_bf16",
     "free_bytes",
     "free_memory",
     "measures_reserved",
@@ -143,8 +144,22 @@ def auto_precision(device: torch.device) -> str:
     """``precision=auto``: bf16 on a GPU that has it (else fp16), fp32 elsewhere (CPU bf16 is slow
     on most CPUs; MPS autocast is young)."""
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp16" if emulates_bf16(device) else "bf16"
     return "fp32"
+
+
+def emulates_bf16(device: torch.device) -> bool:
+    """Whether ``device`` has no bfloat16 units and torch emulates bf16 in float32 there,
+    several times slower than fp16: a CUDA card before Ampere (compute capability below 8: a
+    T4, a V100). ``torch.cuda.is_bf16_supported()`` says True on these, as their bf16 tensors
+    work.
+
+    >>> emulates_bf16(torch.device("cpu"))
+    False
+    """
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device)[0] < 8
 
 
 def pins_memory(device: torch.device) -> bool:

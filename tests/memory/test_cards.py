@@ -30,6 +30,14 @@ def test_every_card_says_where_its_figures_come_from_and_names_are_unique() -> N
         c.key for c in CARDS
     }
     assert find_card("8GB") is None and find_card("auto") is None
+    # Each its own compute capability: bf16 in hardware from Ampere (8.0), emulated before.
+    assert all(c.compute_capability >= (6, 0) for c in CARDS)
+    assert {c.key for c in CARDS if c.emulates_bf16} == {"t4", "p100"}
+    assert [find_card(k).short_name for k in ("t4", "rtx4090", "h100")] == [
+        "T4",
+        "RTX 4090",
+        "H100",
+    ]  # type: ignore[union-attr]
 
 
 def test_a_plan_for_a_card_keeps_its_context_out_of_its_memory() -> None:
@@ -58,7 +66,13 @@ def test_the_command_plans_for_a_card_from_a_cpu_and_lists_the_cards(
     assert main([*argv, "--device", "cuda", "--precision", "fp16"]) == 0
     out = capsys.readouterr()
     assert "card: NVIDIA T4 16 GB, 15.00 GiB" in out.err and "CUDA context 703 MiB" in out.err
-    assert "budget 15.00 GiB on cuda" in out.out
+    assert "budget 15.00 GiB on cuda" in out.out and "bfloat16" not in out.out
+    # bf16 on a T4 is emulated: the plan holds, and says to train in fp16.
+    assert main([*argv, "--device", "cuda", "--precision", "bf16"]) == 0
+    out = capsys.readouterr()
+    assert "note: the T4 (compute capability 7.5) has no bfloat16 units" in out.out
+    assert out.out.rstrip().endswith("plan and train with --precision fp16")
     assert main(["plan", "--list-cards"]) == 0
     listed = capsys.readouterr().out
+    assert "16-bit" in listed and "   fp16  t4, kaggle-t4" in listed
     assert all(c.name in listed and c.source in listed for c in CARDS)

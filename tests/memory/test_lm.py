@@ -345,6 +345,31 @@ def test_seven_and_eight_billion_parameter_plans(
         assert parts["weights"] < 0.55 * 2 * plan["parameters"]
     else:  # bfloat16
         assert abs(parts["weights"] - 2 * (plan["parameters"] - trainable)) < 2**20
+    emulated = [n for n in plan["notes"] if "has no bfloat16 units" in n]
+    assert len(emulated) == (card == "t4")  # Qwen's weights and autocast in bf16 on a T4
+
+
+def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention() -> None:
+    """A T4 (compute capability 7.5) emulates bf16, several times slower than fp16 in the same
+    memory: the plan says how to train in fp16 (a full fine-tune keeps float32 weights, which
+    GradScaler needs); flash_attention_2 does not run there at all."""
+
+    def emulated(setup: LMSetup, card: str = "t4", precision: str = "bf16") -> list[str]:
+        plan = plan_lm(tiny(), setup, 2, card, precision=precision)
+        return [n for n in plan.notes if "T4 (compute capability 7.5) has no bfloat16" in n]
+
+    lora = emulated(LMSetup(seq_len=16, lora_r=4))
+    assert len(lora) == 1 and lora[0].endswith(
+        "--precision fp16 (Trainer's fp16=True), --dtype fp16 for the frozen base"
+    )
+    assert emulated(LMSetup(seq_len=16))[0].endswith("--dtype fp32 weights")
+    assert emulated(LMSetup(seq_len=16, lora_r=4, dtype="fp16"), precision="fp16") == []
+    assert emulated(LMSetup(seq_len=16, dtype="bf16"), precision="fp16") != []  # the weights
+    assert emulated(LMSetup(seq_len=16, lora_r=4), card="l4") == []
+    with pytest.raises(
+        ValueError, match=r"Ampere or newer .* the T4 is 7.5: plan with --attn sdpa"
+    ):
+        plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "t4")
 
 
 def test_bf16_eight_billion_lora_does_not_fit_sixteen_gigabytes(tmp_path: Path) -> None:

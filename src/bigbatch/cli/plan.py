@@ -16,7 +16,7 @@ from torch import nn
 from bigbatch.cli import UserError, freeze_loaded, plan_hf, positive_ints
 from bigbatch.device import torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
-from bigbatch.memory.cards import CARDS, find_card
+from bigbatch.memory.cards import CARDS, Card, find_card
 from bigbatch.memory.plan import (
     RETURN_FREED_NOTE,
     DoesNotFitError,
@@ -434,13 +434,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    notes = []
-    total = total_bytes(args.device)
-    if total is not None and budget > total:
-        notes.append(
-            f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "
-            f"({format_bytes(total)}): fine for planning another machine, not for training here"
-        )
+    notes = _machine_notes(args, budget, card)
     threads = _threads(args)
     if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
         freeze_loaded()
@@ -463,6 +457,21 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _machine_notes(args: argparse.Namespace, budget: int, card: Card | None) -> list[str]:
+    """What the plan says of the machine it is for: a card that only emulates bf16, a budget
+    past this machine's memory."""
+    notes = []
+    if card is not None and card.emulates_bf16 and args.precision == "bf16":
+        notes.append(card.bf16_note("plan and train with --precision fp16"))
+    total = total_bytes(args.device)
+    if total is not None and budget > total:
+        notes.append(
+            f"the budget {format_bytes(budget)} is more than this machine's {args.device} memory "
+            f"({format_bytes(total)}): fine for planning another machine, not for training here"
+        )
+    return notes
 
 
 def _threads(args: argparse.Namespace) -> int | None:
@@ -614,14 +623,19 @@ def _plot(path: Path, curves: list[tuple[str, list[tuple[int, int]], int]], budg
 
 
 def _print_cards() -> None:
-    print(f"{'card':<31} {'memory':>10} {'CUDA context':>13}  --budget (any of these)")
+    print(
+        f"{'card':<31} {'memory':>10} {'CUDA context':>13} {'16-bit':>6}  --budget (any of these)"
+    )
     for c in CARDS:
         names = ", ".join((c.key, *c.aliases))
         context = f"{c.context_bytes / 2**20:.0f} MiB" + ("" if c.context_measured else "*")
-        print(f"{c.name:<31} {format_bytes(c.total_bytes):>10} {context:>13}  {names}")
+        half = "fp16" if c.emulates_bf16 else "bf16"
+        print(f"{c.name:<31} {format_bytes(c.total_bytes):>10} {context:>13} {half:>6}  {names}")
     print(
         "* estimated: the H100's measured context (CUDA 13); on the card, overhead= sets what "
-        "nvidia-smi shows a CUDA process holding before it allocates\n\n"
+        "nvidia-smi shows a CUDA process holding before it allocates\n"
+        "16-bit: the precision to train in (before Ampere, compute capability 8, bf16 is "
+        "emulated: several times slower)\n\n"
         "the memory is what the driver reports (nvidia-smi's memory.total), from:"
     )
     for c in CARDS:

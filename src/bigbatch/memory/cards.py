@@ -39,6 +39,34 @@ class Card:
     context_bytes: int = CUDA_CONTEXT_BYTES
     context_measured: bool = False  # measured on this card (else the H100's, as an estimate)
     aliases: tuple[str, ...] = ()
+    # NVIDIA's compute capability (its CUDA GPUs table): bfloat16 units and FlashAttention 2
+    # from 8.0, Ampere. Every card below gives its own.
+    compute_capability: tuple[int, int] = (0, 0)
+
+    @property
+    def emulates_bf16(self) -> bool:
+        """Whether torch runs bfloat16 here in float32 emulation, several times slower than
+        float16 (a T4, a P100: before Ampere), though ``torch.cuda.is_bf16_supported()`` says
+        True there.
+
+        >>> find_card("t4").emulates_bf16, find_card("l4").emulates_bf16
+        (True, False)
+        """
+        return self.compute_capability < (8, 0)
+
+    @property
+    def short_name(self) -> str:
+        """``NVIDIA T4 16 GB`` as ``T4``: the model alone."""
+        return re.sub(r" \d+ GB.*", "", self.name.removeprefix("NVIDIA ").removeprefix("GeForce "))
+
+    def bf16_note(self, fix: str) -> str:
+        """What a plan in bfloat16 for this card says where the card only emulates it, with
+        ``fix``, the way to train in float16 instead."""
+        major, minor = self.compute_capability
+        return (
+            f"the {self.short_name} (compute capability {major}.{minor}) has no bfloat16 units: "
+            f"torch emulates bf16 there, several times slower than fp16 in the same memory; {fix}"
+        )
 
     @property
     def context_note(self) -> str:
@@ -48,7 +76,12 @@ class Card:
 
 CARDS: tuple[Card, ...] = (
     Card(
-        "t4", "NVIDIA T4 16 GB", 15360 * MiB, _MODAL, aliases=("kaggle-t4", "colab-t4", "tesla-t4")
+        "t4",
+        "NVIDIA T4 16 GB",
+        15360 * MiB,
+        _MODAL,
+        aliases=("kaggle-t4", "colab-t4", "tesla-t4"),
+        compute_capability=(7, 5),
     ),
     Card(
         "p100",
@@ -56,16 +89,25 @@ CARDS: tuple[Card, ...] = (
         16 * 1024 * MiB,
         "nominal 16 GiB of HBM2 (no reading at hand: check nvidia-smi on the card)",
         aliases=("kaggle-p100", "tesla-p100"),
+        compute_capability=(6, 0),
     ),
-    Card("l4", "NVIDIA L4 24 GB", 23034 * MiB, _MODAL),
-    Card("a10g", "NVIDIA A10G 24 GB", 23028 * MiB, _MODAL + ", as the A10", aliases=("a10",)),
-    Card("l40s", "NVIDIA L40S 48 GB", 46068 * MiB, _MODAL),
+    Card("l4", "NVIDIA L4 24 GB", 23034 * MiB, _MODAL, compute_capability=(8, 9)),
+    Card(
+        "a10g",
+        "NVIDIA A10G 24 GB",
+        23028 * MiB,
+        _MODAL + ", as the A10",
+        aliases=("a10",),
+        compute_capability=(8, 6),
+    ),
+    Card("l40s", "NVIDIA L40S 48 GB", 46068 * MiB, _MODAL, compute_capability=(8, 9)),
     Card(
         "rtx3060",
         "NVIDIA GeForce RTX 3060 12 GB",
         12 * 1024 * MiB,
         "nominal 12 GiB of GDDR6 (no reading at hand: check nvidia-smi on the card)",
         aliases=("3060",),
+        compute_capability=(8, 6),
     ),
     Card(
         "rtx3090",
@@ -73,6 +115,7 @@ CARDS: tuple[Card, ...] = (
         24576 * MiB,
         "nvidia-smi in noonghunna/club-3090#1128",
         aliases=("3090",),
+        compute_capability=(8, 6),
     ),
     Card(
         "rtx4090",
@@ -80,6 +123,7 @@ CARDS: tuple[Card, ...] = (
         24564 * MiB,
         "nvidia-smi in RLinf/RLinf#255",
         aliases=("4090",),
+        compute_capability=(8, 9),
     ),
     Card(
         "rtx5090",
@@ -87,9 +131,24 @@ CARDS: tuple[Card, ...] = (
         32607 * MiB,
         "nvidia-smi in noonghunna/club-3090#1261",
         aliases=("5090",),
+        compute_capability=(12, 0),
     ),
-    Card("a100-40gb", "NVIDIA A100 40 GB", 40960 * MiB, _MODAL, aliases=("a100-40",)),
-    Card("a100-80gb", "NVIDIA A100 80 GB", 81920 * MiB, _MODAL, aliases=("a100-80", "a100")),
+    Card(
+        "a100-40gb",
+        "NVIDIA A100 40 GB",
+        40960 * MiB,
+        _MODAL,
+        aliases=("a100-40",),
+        compute_capability=(8, 0),
+    ),
+    Card(
+        "a100-80gb",
+        "NVIDIA A100 80 GB",
+        81920 * MiB,
+        _MODAL,
+        aliases=("a100-80", "a100"),
+        compute_capability=(8, 0),
+    ),
     Card(
         "h100",
         "NVIDIA H100 80 GB HBM3",
@@ -97,6 +156,7 @@ CARDS: tuple[Card, ...] = (
         "measured by bigbatch (tests/memory/data/gpu_truth)",
         context_measured=True,
         aliases=("h100-80gb",),
+        compute_capability=(9, 0),
     ),
     Card(
         "h200",
@@ -104,6 +164,7 @@ CARDS: tuple[Card, ...] = (
         143771 * MiB,
         "measured by bigbatch (benchmarks/results/h200-*)",
         context_measured=True,
+        compute_capability=(9, 0),
     ),
 )
 

@@ -38,6 +38,7 @@ from bigbatch.device import device_kind
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
+from bigbatch.memory.cards import Card, find_card
 from bigbatch.memory.fake_branches import known_values
 from bigbatch.memory.fsdp import fake_ranks, shard_decoder_layers
 from bigbatch.memory.meta import build_on_meta
@@ -796,6 +797,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup)
+    card = _card_for(budget, setup)
     n = setup.world_size
     if global_batch < 1 or global_batch % n:
         raise ValueError(
@@ -847,9 +849,21 @@ def plan_lm(
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
         vocab=int(config.vocab_size),
-        notes=_plan_notes(note, setup, device),
+        notes=_plan_notes(note, setup, device) + _bf16_notes(card, config, setup, precision),
         source=str(getattr(config, "_name_or_path", "") or ""),
     )
+
+
+def _card_for(budget: str | int, setup: LMSetup) -> Card | None:
+    """The card ``budget`` names, if any; refuses what cannot run on it."""
+    card = find_card(budget) if isinstance(budget, str) else None
+    if card is not None and card.compute_capability < (8, 0) and setup.attn == "flash_attention_2":
+        major, minor = card.compute_capability
+        raise ValueError(
+            f"flash_attention_2 runs on Ampere or newer (compute capability 8.0), and the "
+            f"{card.short_name} is {major}.{minor}: plan with --attn sdpa"
+        )
+    return card
 
 
 @contextlib.contextmanager
@@ -900,6 +914,21 @@ def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
     flash = setup.attn == "flash_attention_2"
     nccl = setup.world_size > 1 and device_kind(device).distributed_backend == "nccl"
     return [m for m in (note, _FLASH_NOTE if flash else "", _NCCL_NOTE if nccl else "") if m]
+
+
+def _bf16_notes(card: Card | None, config: Any, setup: LMSetup, precision: str) -> list[str]:
+    """Where the card only emulates bfloat16 and the plan computes in it (autocast, the weights,
+    or a quantized base's compute dtype, which follows the weights): how to train in fp16."""
+    dtype = weights_dtype(config, setup)
+    if card is None or not card.emulates_bf16:
+        return []
+    if precision != "bf16" and dtype != torch.bfloat16:
+        return []
+    # GradScaler cannot unscale float16 gradients: a full fine-tune keeps float32 weights.
+    weights = "--dtype fp16 for the frozen base" if setup.lora_r else "--dtype fp32 weights"
+    return [
+        card.bf16_note(f"plan and train in fp16: --precision fp16 (Trainer's fp16=True), {weights}")
+    ]
 
 
 _FLASH_NOTE = "flash_attention_2 traced as SDPA's flash kernel (the same memory)"

@@ -164,7 +164,7 @@ def _setup(
     """Every check that needs no training, the plan, the model, the data and the saved state."""
     state = check_run_dir(run_dir, cfg, resume)
     device = device_for_rank(cfg.device, rank, world)
-    precision = resolve_precision(cfg.precision, device)
+    precision = resolve_precision(cfg.precision, device, log)
     benchmark = uses_cudnn_benchmark(cfg.cudnn_benchmark, device)
     threads, workers = threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)

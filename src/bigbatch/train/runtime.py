@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.device import auto_device, auto_precision, cap_cuda_allocator, device_kind
+from bigbatch.device import (
+    auto_device,
+    auto_precision,
+    cap_cuda_allocator,
+    device_kind,
+    emulates_bf16,
+)
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import read_json
 from bigbatch.memory.budget import format_bytes
@@ -51,12 +57,25 @@ def resolve_device(name: str, what: str = "device") -> torch.device:
     return auto_device()
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision != "auto":
-        if precision == "fp16" and device.type == "cpu":
-            raise ConfigError("precision=fp16 needs a GPU; on CPU use fp32 or bf16")
-        return precision
-    return auto_precision(device)
+def resolve_precision(precision: str, device: torch.device, log: Log | None = None) -> str:
+    """``precision=`` on ``device``: ``auto`` chosen (bf16 where the card computes it, else
+    fp16); fp16 on a CPU refused; bf16 where the card emulates it said to ``log``.
+
+    >>> resolve_precision("auto", torch.device("cpu"))
+    'fp32'
+    """
+    if precision == "auto":
+        return auto_precision(device)
+    if precision == "fp16" and device.type == "cpu":
+        raise ConfigError("precision=fp16 needs a GPU; on CPU use fp32 or bf16")
+    if precision == "bf16" and log is not None and emulates_bf16(device):
+        name = torch.cuda.get_device_name(device)
+        log(
+            f"note: precision=bf16 on {name}, which has no bfloat16 units (before Ampere): torch "
+            "emulates it, several times slower than fp16 in the same memory; precision=fp16 "
+            "(or auto) trains at the card's speed"
+        )
+    return precision
 
 
 def resolve_threads(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
