@@ -78,7 +78,7 @@ def test_a_failed_fetch_is_one_line_without_the_hubs_warnings(monkeypatch, caplo
     says why in one line, and the hub's warnings stay off (no network is touched here)."""
     import logging
 
-    def from_pretrained(name: str, local_files_only: bool = False) -> object:
+    def from_pretrained(name: str, local_files_only: bool = False, **kwargs: object) -> object:
         if not local_files_only:
             logging.getLogger("huggingface_hub.utils._http").warning("'refused' thrown while ...")
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
@@ -188,6 +188,52 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
     unset.head_dim = None  # as ministral's config class leaves it where config.json has none
     with pytest.raises(ValueError, match=r"cannot build llama .*TypeError.* published config"):
         plan_lm(unset, LMSetup(seq_len=16), 2, "8GB")
+
+
+def test_a_model_with_its_own_code_is_planned_only_when_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config whose auto_map names the model's own code (as a hub repository's does): refused
+    in one line, never asked on the terminal; with --trust-remote-code, built by that code."""
+    import transformers.dynamic_module_utils as dynamic
+
+    folder = write_config(
+        tmp_path / "custom",
+        {
+            **tiny().to_dict(),
+            "model_type": "bigbatch_custom",
+            "architectures": ["CustomForCausalLM"],
+            "auto_map": {
+                "AutoConfig": "configuration_custom.CustomConfig",
+                "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+            },
+        },
+    )
+    (folder / "configuration_custom.py").write_text(
+        "from transformers import LlamaConfig\n\n\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'bigbatch_custom'\n"
+    )
+    (folder / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n"
+        "from .configuration_custom import CustomConfig\n\n\n"
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
+    # transformers copies trusted code into its modules folder, and imports it from there.
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked on the terminal"))
+    args = ["plan", "--hf", str(folder), "--seq-len", "32", "--batch", "4", "--budget", "l4"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("add --trust-remote-code (trust_remote_code=True) "
+                                             "if you trust its source")  # fmt: skip
+    try:
+        assert main([*args, "--trust-remote-code", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["model_type"] == "bigbatch_custom" and plan["micro_batch"] == 4
+    finally:
+        for name in [m for m in sys.modules if m.startswith("transformers_modules")]:
+            del sys.modules[name]  # the modules folder is gone with tmp_path
 
 
 def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

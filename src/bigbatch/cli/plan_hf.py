@@ -28,6 +28,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "world_size": "1",
     "fsdp": False,
     "save": None,
+    "trust_remote_code": False,
 }
 IMAGE_ONLY: dict[str, Any] = {
     "size": "224",
@@ -70,6 +71,7 @@ def refuse_language_flags(args: argparse.Namespace) -> None:
         )
 
 
+# One flat list of options in the order --help shows them: split, it would only scatter them.
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The language-model options of ``bigbatch plan`` (with ``--hf``)."""
     g = p.add_argument_group("language models (with --hf)")
@@ -143,6 +145,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
     g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model's own code that its config names (auto_map), as transformers' "
+        "trust_remote_code=True: only for a source you trust",
+    )
+    g.add_argument(
         "--save",
         type=Path,
         metavar="PATH",
@@ -192,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
         if card is not None and overhead is None:
             overhead = card.context_bytes
-        config = load_lm_config(args.hf)
+        config = load_lm_config(args.hf, trust_remote_code=args.trust_remote_code)
         options: dict[str, Any] = {
             "device": args.device,
             "precision": args.precision,

@@ -114,10 +114,13 @@ class LMSetup:
         return ", ".join(parts)
 
 
-def load_lm_config(source: str | Path) -> Any:
+def load_lm_config(source: str | Path, *, trust_remote_code: bool = False) -> Any:
     """A causal LM's config from a ``config.json`` (the file or its folder) or a hub name read
     from the Hugging Face cache (fetched, config only, when not cached and the hub is
-    reachable). Raises ``ValueError`` with the fix for what transformers cannot build.
+    reachable). Raises ``ValueError`` with the fix for what transformers cannot build. A model
+    with code of its own (``auto_map``) is refused unless ``trust_remote_code``, as in
+    transformers, and never asked about on the terminal; trusted, its model is built by its
+    code too.
 
     >>> import tempfile, transformers
     >>> folder = tempfile.mkdtemp()
@@ -134,19 +137,24 @@ def load_lm_config(source: str | Path) -> Any:
             if local.is_dir() and not (local / "config.json").is_file():
                 raise ValueError(f"{text}: a folder without config.json; give the model's folder")
             try:
-                config = AutoConfig.from_pretrained(str(local))
+                config = AutoConfig.from_pretrained(str(local), trust_remote_code=trust_remote_code)
             except OSError as exc:  # transformers' word for a file that is not JSON
                 raise ValueError(
                     f"{text}: {str(exc).rstrip('.')}: give a model's config.json as "
                     "transformers saves it"
                 ) from None
         else:
-            config = _hub_config(text)
+            config = _hub_config(text, trust_remote_code)
     except _config_validation_errors() as exc:
         # transformers 5 checks each field's type as the config is read.
         raise ValueError(f"{text}: {' '.join(str(exc).split())}: fix it in config.json") from None
     except ValueError as exc:
         message = str(exc)
+        if "trust_remote_code" in message:
+            raise ValueError(
+                f"{text}: its config.json names code of its own (auto_map) that builds the "
+                "model: add --trust-remote-code (trust_remote_code=True) if you trust its source"
+            ) from None
         if "does not recognize this architecture" in message or "model type" in message:
             kind = message.split("`")[1] if "`" in message else "?"
             import transformers
@@ -156,7 +164,11 @@ def load_lm_config(source: str | Path) -> Any:
                 "knows: pip install -U transformers, or check config.json's model_type"
             ) from None
         raise
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    if _remote(config):
+        causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    else:
+        causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+    if not causal:
         raise ValueError(
             f"{text}: a {config.model_type!r} model has no causal-LM head in transformers "
             "(AutoModelForCausalLM): --hf plans decoder language models"
@@ -172,13 +184,19 @@ def _config_validation_errors() -> tuple[type[Exception], ...]:
     return (StrictDataclassError,)
 
 
-def _hub_config(name: str) -> Any:
+def _remote(config: Any) -> bool:
+    """Whether ``config`` is of a class the model's own code defines (loaded trusted)."""
+    return type(config).__module__.startswith("transformers_modules")
+
+
+def _hub_config(name: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
     if name.count("/") > 1 or name.startswith((".", "/", "~")):
         raise ValueError(f"{name}: no such file or folder; give a config.json or a hub name")
+    trust = {"trust_remote_code": trust_remote_code}
     try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
+        return AutoConfig.from_pretrained(name, local_files_only=True, **trust)
     except OSError:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
@@ -188,7 +206,7 @@ def _hub_config(name: str) -> Any:
         )
     try:
         with _hub_warnings_off():
-            return AutoConfig.from_pretrained(name)  # config.json alone, into the cache
+            return AutoConfig.from_pretrained(name, **trust)  # config.json alone, into the cache
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
@@ -320,7 +338,9 @@ def lm_factory(
         # (the output and a float32 log-sum-exp a head and token), which the trace runs.
         attn = "sdpa" if setup.attn == "flash_attention_2" else setup.attn
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn, trust_remote_code=_remote(config)
+            )
         except (TypeError, AttributeError, KeyError, IndexError) as exc:
             # A model's code reads values its config class leaves unset (ministral's head_dim):
             # a config written by hand, or cut down, lacks one.
