@@ -190,6 +190,29 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
         plan_lm(unset, LMSetup(seq_len=16), 2, "8GB")
 
 
+def test_a_vision_language_model_is_planned_from_its_text_config(tmp_path: Path) -> None:
+    """Gemma 3 from 4B up (and Mistral 3, Llama 4) are vision-language models whose config keeps
+    the vocabulary and positions in ``text_config``: a text fine-tune is planned with the
+    vision tower's weights held."""
+    text = {**tiny().to_dict(), "model_type": "gemma3_text", "head_dim": 16}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    folder = write_config(
+        tmp_path / "gemma3",
+        {"model_type": "gemma3", "text_config": text, "vision_config": vision,
+         "mm_tokens_per_image": 4, "image_token_index": 500, "boi_token_index": 501,
+         "eoi_token_index": 502},
+    )  # fmt: skip
+    config = load_lm_config(folder)
+    plan = plan_lm(config, LMSetup(seq_len=64), 4, "2GB", device="cpu", overhead=0)
+    assert plan.vocab == 512 and plan.micro_batch == 4
+    text_only = plan_lm(load_lm_config(write_config(tmp_path / "text", text)), LMSetup(seq_len=64),
+                        4, "2GB", device="cpu", overhead=0)  # fmt: skip
+    assert plan.sizes.parameters > text_only.sizes.parameters  # the vision tower's
+    with pytest.raises(ValueError, match="longer than the model's 256 positions"):
+        plan_lm(config, LMSetup(seq_len=512), 4, "2GB", device="cpu", overhead=0)
+
+
 def test_a_model_with_its_own_code_is_planned_only_when_trusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -228,10 +228,17 @@ def _hub_warnings_off() -> Iterator[None]:
         hub.setLevel(level)
 
 
+def text_config(config: Any) -> Any:
+    """The language model's part of ``config``: a vision-language model's (Gemma 3, Mistral 3)
+    ``text_config``, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def max_positions(config: Any) -> int | None:
     """The longest sequence the model's positions allow (None when the config says none)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, key, None)
+        value = getattr(text_config(config), key, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -423,7 +430,7 @@ def lm_spec_at(
     >>> spec.batch_size, spec.input_shape, spec.name  # predict_peak(spec) predicts it
     (4, (32,), 'llama full fine-tune, 32 tokens, padded')
     """
-    vocab = int(config.vocab_size)
+    vocab = int(text_config(config).vocab_size)
     length = setup.seq_len
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
     if sharded:
@@ -868,7 +875,7 @@ def plan_lm(
         fsdp_traced=traced,
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
-        vocab=int(config.vocab_size),
+        vocab=int(text_config(config).vocab_size),
         notes=_plan_notes(note, setup, device) + _bf16_notes(card, config, setup, precision),
         source=str(getattr(config, "_name_or_path", "") or ""),
     )
