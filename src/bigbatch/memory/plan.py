@@ -472,7 +472,22 @@ def _affine_plan(
 ) -> int | None:
     """Peak memory is close to affine in the micro-batch: the whole target at once if it fits
     (the second prediction), else where the line through the floor and the target meets the
-    budget, balanced and confirmed (the third). None when the confirmation does not fit."""
+    budget, balanced and confirmed (the third); where the floor takes more than half of the
+    budget, the line through the floor and the next size. None when the confirmation does not
+    fit."""
+    if cap > smallest and floor > usable / 2:
+        # A large model's weights take most of the memory (a 7-8B language model on a 24 GB
+        # card): micro-batches are small, and the line through the floor and the next size says
+        # where the budget is reached without tracing the whole target, the largest step.
+        after = smallest + 1
+        if peak(after) > usable:
+            return smallest
+        if _line_at(smallest, floor, after, peak(after), cap) > usable:
+            guess = min(
+                max(_interpolate(smallest, floor, after, peak(after), usable), after), cap - 1
+            )
+            micro = max(_balanced(target, guess), smallest)
+            return micro if peak(micro) <= usable else None
     if cap == smallest or peak(cap) <= usable:
         return cap if cap in (target, smallest) else _balanced(target, cap)
     guess = min(max(_interpolate(smallest, floor, cap, peak(cap), usable), smallest), cap - 1)
@@ -531,6 +546,11 @@ def largest_fitting(
             hi = guess
         bisect = (hi - lo) * 2 > width
     return lo
+
+
+def _line_at(a: int, peak_a: int, b: int, peak_b: int, at: int) -> float:
+    """The line through (a, peak_a) and (b, peak_b), at ``at``."""
+    return peak_a + (peak_b - peak_a) * (at - a) / (b - a)
 
 
 def _interpolate(a: int, peak_a: int, b: int, peak_b: int, usable: int) -> int:
