@@ -228,7 +228,7 @@ def _hub_warnings_off() -> Iterator[None]:
         hub.setLevel(level)
 
 
-def text_config(config: Any) -> Any:
+def _text_config(config: Any) -> Any:
     """The language model's part of ``config``: a vision-language model's (Gemma 3, Mistral 3)
     ``text_config``, else the config itself."""
     get = getattr(config, "get_text_config", None)
@@ -238,7 +238,7 @@ def text_config(config: Any) -> Any:
 def max_positions(config: Any) -> int | None:
     """The longest sequence the model's positions allow (None when the config says none)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(text_config(config), key, None)
+        value = getattr(_text_config(config), key, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -430,7 +430,7 @@ def lm_spec_at(
     >>> spec.batch_size, spec.input_shape, spec.name  # predict_peak(spec) predicts it
     (4, (32,), 'llama full fine-tune, 32 tokens, padded')
     """
-    vocab = int(text_config(config).vocab_size)
+    vocab = int(_text_config(config).vocab_size)
     length = setup.seq_len
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
     if sharded:
@@ -875,7 +875,7 @@ def plan_lm(
         fsdp_traced=traced,
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
-        vocab=int(text_config(config).vocab_size),
+        vocab=int(_text_config(config).vocab_size),
         notes=_plan_notes(note, setup, device) + _bf16_notes(card, config, setup, precision),
         source=str(getattr(config, "_name_or_path", "") or ""),
     )
