@@ -142,7 +142,11 @@ def auto_device() -> torch.device:
 
 def auto_precision(device: torch.device) -> str:
     """``precision=auto``: bf16 on a GPU that has it (else fp16), fp32 elsewhere (CPU bf16 is slow
-    on most CPUs; MPS autocast is young)."""
+    on most CPUs; MPS autocast is young).
+
+    >>> auto_precision(torch.device("cpu"))
+    'fp32'
+    """
     if device.type == "cuda":
         return "fp16" if emulates_bf16(device) else "bf16"
     return "fp32"

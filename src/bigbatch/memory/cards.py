@@ -30,7 +30,12 @@ _MODAL = "modal-labs/modal-client#2797 (nvidia-smi totals across a cloud's GPUs)
 @dataclass(frozen=True)
 class Card:
     """A GPU as a budget: what its driver reports, the CUDA context a training process holds
-    on it, and where each figure comes from."""
+    on it, where each figure comes from, and its compute capability (bf16 in hardware or not).
+
+    >>> t4 = find_card("Kaggle T4")
+    >>> t4.key, t4.compute_capability, t4.emulates_bf16
+    ('t4', (7, 5), True)
+    """
 
     key: str  # what budget= takes (aliases below too)
     name: str
