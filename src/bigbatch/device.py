@@ -26,6 +26,7 @@ import torch
 from bigbatch.memory.oom import ONEDNN_OOM_MESSAGE
 
 __all__ = [
+    "AMPERE",
     "DEVICE_KINDS",
     "DeviceClock",
     "DeviceKind",
@@ -152,6 +153,11 @@ def auto_precision(device: torch.device) -> str:
     return "fp32"
 
 
+# A CUDA card's compute capability from which it has bfloat16 units (and runs FlashAttention 2):
+# Ampere's. Before it, torch emulates bf16 in float32.
+AMPERE = (8, 0)
+
+
 def emulates_bf16(device: torch.device) -> bool:
     """Whether ``device`` has no bfloat16 units and torch emulates bf16 in float32 there,
     several times slower than fp16: a CUDA card before Ampere (compute capability below 8: a
@@ -163,7 +169,7 @@ def emulates_bf16(device: torch.device) -> bool:
     """
     if device.type != "cuda" or torch.version.hip:
         return False
-    return torch.cuda.get_device_capability(device)[0] < 8
+    return torch.cuda.get_device_capability(device) < AMPERE
 
 
 def pins_memory(device: torch.device) -> bool:

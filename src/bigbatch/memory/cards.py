@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from bigbatch.device import AMPERE
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
 
 __all__ = ["CARDS", "Card", "find_card"]
@@ -45,7 +46,7 @@ class Card:
     context_measured: bool = False  # measured on this card (else the H100's, as an estimate)
     aliases: tuple[str, ...] = ()
     # NVIDIA's compute capability (its CUDA GPUs table): bfloat16 units and FlashAttention 2
-    # from 8.0, Ampere. Every card below gives its own.
+    # from Ampere's (bigbatch.device.AMPERE). Every card below gives its own.
     compute_capability: tuple[int, int] = (0, 0)
 
     @property
@@ -57,7 +58,7 @@ class Card:
         >>> find_card("t4").emulates_bf16, find_card("l4").emulates_bf16
         (True, False)
         """
-        return self.compute_capability < (8, 0)
+        return self.compute_capability < AMPERE
 
     @property
     def short_name(self) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.device import device_kind
+from bigbatch.device import AMPERE, device_kind
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
@@ -182,6 +182,11 @@ def _config_validation_errors() -> tuple[type[Exception], ...]:
     except ImportError:  # a hub client older than transformers 5's
         return ()
     return (StrictDataclassError,)
+
+
+def _model_name(config: Any) -> str:
+    """The model class the config names (``LlamaForCausalLM``), else its ``model_type``."""
+    return str((getattr(config, "architectures", None) or [config.model_type])[0])
 
 
 def _remote(config: Any) -> bool:
@@ -351,11 +356,10 @@ def lm_factory(
         except (TypeError, AttributeError, KeyError, IndexError) as exc:
             # A model's code reads values its config class leaves unset (ministral's head_dim):
             # a config written by hand, or cut down, lacks one.
-            name = (getattr(config, "architectures", None) or [config.model_type])[0]
             raise ValueError(
-                f"transformers cannot build {name} from this config ({type(exc).__name__}: "
-                f"{exc}): a value its code needs is missing or of the wrong type; compare the "
-                "config with the model's published config.json"
+                f"transformers cannot build {_model_name(config)} from this config "
+                f"({type(exc).__name__}: {exc}): a value its code needs is missing or of the "
+                "wrong type; compare the config with the model's published config.json"
             ) from None
         model.config.use_cache = False
         if setup.quant:
@@ -884,11 +888,11 @@ def plan_lm(
 def _card_for(budget: str | int, setup: LMSetup) -> Card | None:
     """The card ``budget`` names, if any; refuses what cannot run on it."""
     card = find_card(budget) if isinstance(budget, str) else None
-    if card is not None and card.compute_capability < (8, 0) and setup.attn == "flash_attention_2":
+    if card is not None and card.compute_capability < AMPERE and setup.attn == "flash_attention_2":
         major, minor = card.compute_capability
         raise ValueError(
-            f"flash_attention_2 runs on Ampere or newer (compute capability 8.0), and the "
-            f"{card.short_name} is {major}.{minor}: plan with --attn sdpa"
+            f"flash_attention_2 runs on Ampere or newer (compute capability {AMPERE[0]}.{AMPERE[1]}"
+            f"), and the {card.short_name} is {major}.{minor}: plan with --attn sdpa"
         )
     return card
 
@@ -897,7 +901,7 @@ def _card_for(budget: str | int, setup: LMSetup) -> Card | None:
 def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
     """What transformers or torch refuse while the model is built and its step traced, which
     the same model would refuse on the card, as one line with the fix."""
-    name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    name = _model_name(config)
     # Fake tensors log the traceback of a kernel that refused its arguments at ERROR before
     # raising: what is refused here is said below in one line (anything else still raises).
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -946,10 +950,9 @@ def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
 def _bf16_notes(card: Card | None, config: Any, setup: LMSetup, precision: str) -> list[str]:
     """Where the card only emulates bfloat16 and the plan computes in it (autocast, the weights,
     or a quantized base's compute dtype, which follows the weights): how to train in fp16."""
-    dtype = weights_dtype(config, setup)
     if card is None or not card.emulates_bf16:
         return []
-    if precision != "bf16" and dtype != torch.bfloat16:
+    if precision != "bf16" and weights_dtype(config, setup) != torch.bfloat16:
         return []
     # GradScaler cannot unscale float16 gradients: a full fine-tune keeps float32 weights.
     weights = "--dtype fp16 for the frozen base" if setup.lora_r else "--dtype fp32 weights"
