@@ -19,6 +19,7 @@ from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     check_plan_matches,
     train_with_backoff,
+    trainer_arguments,
     trainer_batch_sizes,
     with_plan,
 )
@@ -357,7 +358,7 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     refused when training begins, in one line with the fix, before any step; so is a plan
     for CUDA where the run trains on the CPU."""
     plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
-                   precision="fp32", overhead=0)  # fmt: skip
+                   precision="fp32", optimizer="sgd", overhead=0)  # fmt: skip
     loaded = LMPlan.load(plan.save(tmp_path / "plan.json"))
     assert loaded == plan and (tmp_path / "plan.json").stat().st_mode & 0o777 == 0o644
     args = with_plan(trained(tmp_path, 1, 1), loaded)
@@ -401,6 +402,55 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     with pytest.raises(ValueError, match="is for cuda and this run trains on cpu: plan with"):
         check_plan_matches(cuda_plan, tiny_lora().float(), torch.device("cpu"))
     check_plan_matches(loaded, tiny_lora().float(), "cpu")
+
+
+def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refused(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    """A plan traced with AdamW in bf16 holds for Trainer's AdamW (torch's, fused or not) in
+    bf16 or fp16 (the same bytes), and for no other optimizer or precision: bitsandbytes'
+    8-bit AdamW where the plan has torch's, an optimizer bigbatch does not plan, float32
+    compute where the plan has autocast's bf16 (twice the activations) and the reverse. Each
+    is refused in one line naming the fix, by with_plan and by MemoryBudget when training
+    begins (arguments built without with_plan); trainer_arguments names the plan's."""
+    plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
+                   precision="bf16", overhead=0)  # fmt: skip
+    assert trainer_arguments(plan) == {
+        "per_device_train_batch_size": N, "gradient_accumulation_steps": 1, "bf16": True,
+        "fp16": False, "optim": "adamw_torch",
+    }  # fmt: skip
+    model = tiny_lora().float()
+    for settings in [{"bf16": True}, {"fp16": True}, {"bf16": True, "optim": "adamw_torch"}]:
+        args = SimpleNamespace(world_size=1, optim="adamw_torch_fused", bf16=False, fp16=False,
+                               per_device_train_batch_size=1, gradient_accumulation_steps=1)  # fmt: skip
+        vars(args).update(settings)
+        assert with_plan(args, plan).per_device_train_batch_size == N
+        check_plan_matches(plan, model, "cpu", args)
+    for settings, why in [
+        ({"bf16": True, "optim": "adamw_8bit"}, "traces the adamw optimizer and these arguments "
+         "train with optim='adamw_8bit': set optim='adamw_torch', or plan with --optimizer "
+         "adamw_8bit"),
+        ({"bf16": True, "optim": "adafactor"}, "optim='adafactor': set optim='adamw_torch' "
+         r"\(bigbatch plans adamw_torch, "),
+        ({}, "computes in bf16 and these arguments in fp32: set bf16=True \\(fp16=True on a "
+         "card without bfloat16 units\\), or plan with --precision fp32"),
+    ]:  # fmt: skip
+        args = trained(tmp_path, 1, 1, **({"optim": "adamw_torch"} | settings))
+        with pytest.raises(ValueError, match=why) as raised:
+            with_plan(args, plan)
+        assert "\n" not in str(raised.value)
+        trainer = trainer_for(model, sequences(), [MemoryBudget(2**40, plan=plan)])(args)
+        with pytest.raises(ValueError, match=why):
+            trainer.train()
+        assert trainer.state.global_step == 0
+    fp32 = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
+                   precision="fp32", optimizer="adam", overhead=0)  # fmt: skip
+    args = SimpleNamespace(world_size=1, optim="adamw_torch", bf16=True, fp16=False)
+    with pytest.raises(ValueError, match="optim='adamw_torch': plan with an optimizer Trainer"):
+        with_plan(args, fp32)
+    args.optim = None  # arguments without an optimizer (not Trainer's): the precision decides
+    with pytest.raises(ValueError, match="in fp32 and these arguments in bf16: set bf16=False"):
+        with_plan(args, fp32)
 
 
 def test_with_plan_refuses_arguments_for_another_run() -> None:

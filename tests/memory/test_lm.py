@@ -108,6 +108,16 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
         plan_lm(config, LMSetup(seq_len=16, lora_r=4, lora_targets="qkv"), 8, "1GB", device="cpu")
     with pytest.raises(ValueError, match="add --lora R"):
         plan_lm(config, LMSetup(seq_len=16, quant=4), 8, "1GB", device="cpu")
+    # The adapters' settings without adapters: not a full fine-tune planned in silence.
+    for unused, named in [({"lora_targets": "q_proj"}, "--lora-targets"),
+                          ({"lora_dropout": 0.05, "lora_alpha": 32}, "--lora-dropout, lora_alpha")]:  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"^{named} set LoRA's adapters and this plan has none"
+        ):
+            plan_lm(config, LMSetup(seq_len=16, **unused), 8, "1GB", device="cpu")
+    with pytest.raises(ValueError, match="--no-double-quant is for a 4-bit base: add --qlora"):
+        plan_lm(config, LMSetup(seq_len=16, lora_r=4, quant=8, double_quant=False), 8, "1GB",
+                device="cpu")  # fmt: skip
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import that fails
     with pytest.raises(ValueError, match=r"--qlora needs bitsandbytes.*pip install bitsandbytes"):
         plan_lm(config, LMSetup(seq_len=16, lora_r=4, quant=4), 8, "1GB", device="cpu")
@@ -267,6 +277,10 @@ def test_cli_refuses_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignor
     assert len(err) == 1 and "use --seq-len 256 or less" in err[0]
     assert main([*args, "--seq-len", "100", "--tokens", "1050"]) == 2
     assert "give a multiple of --seq-len" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "100", "--tokens", "1000", "--batch", "10"]) == 2
+    assert "--batch and --tokens both give the global batch: give one" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "64", "--batch", "8", "--lora-targets", "q_proj"]) == 2
+    assert "--lora-targets set LoRA's adapters and this plan has none" in capsys.readouterr().err
     # A field of the wrong type, as transformers 5 checks it while reading the config.
     mistyped = write_config(tmp_path / "mistyped", {**tiny().to_dict(), "intermediate_size": "128"})
     assert main(["plan", "--hf", str(mistyped), *args[3:], "--seq-len", "64", "--batch", "8"]) == 2
@@ -402,7 +416,10 @@ def test_seven_and_eight_billion_parameter_plans(
     plan = json.loads(capsys.readouterr().out)
     saved = LMPlan.load(tmp_path / "plan.json")  # the plan the training job loads
     assert saved.to_dict() == {k: v for k, v in plan.items() if k not in ("fits", "trainer")}
-    assert plan["trainer"] == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}
+    assert plan["trainer"] == {
+        "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4,
+        "bf16": True, "fp16": False, "optim": "adamw_torch",
+    }  # fmt: skip
     assert saved.source == str(folder)
     assert plan["trainable_parameters"] == trainable
     assert plan["micro_batch"] * plan["accumulation"] == 4

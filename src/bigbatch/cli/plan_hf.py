@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan the fine-tune ``args`` describe; print the plan or the table (``--json``)."""
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     _quiet_libraries()
+    from bigbatch.integrations.hf import trainer_arguments
     from bigbatch.memory.budget import format_bytes, parse_bytes
     from bigbatch.memory.cards import find_card
     from bigbatch.memory.lm import LMPlan, load_lm_config, plan_lm, plan_table
@@ -183,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
     _check_save(args.save, len(seq_lens) * len(world_sizes))
     if args.budget is None:
         raise UserError("--budget is needed: a card's name (l4, rtx4090, a100-80gb) or 24GB")
-    if (args.batch is None) == (args.tokens is None):
+    if args.batch is None and args.tokens is None:
         raise UserError("give the global batch: --batch (sequences a step, all ranks) or --tokens")
+    if args.batch is not None and args.tokens is not None:
+        raise UserError("--batch and --tokens both give the global batch: give one of them")
     if args.tokens is not None:
         if len(seq_lens) > 1 or args.tokens % seq_lens[0]:
             raise UserError(
@@ -229,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     _save(rows[0], args.save)
     if args.json:
         out: list[dict[str, Any]] = [
-            r.to_dict() | {"fits": True, "trainer": _trainer_sizes(r)}
+            r.to_dict() | {"fits": True, "trainer": trainer_arguments(r)}
             if isinstance(r, LMPlan)
             else {"fits": False, "why": r}
             for r in rows
@@ -292,6 +295,7 @@ def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
 
 
 def _print(args: argparse.Namespace, rows: list[Any]) -> None:
+    from bigbatch.integrations.hf import trainer_arguments
     from bigbatch.memory.budget import format_bytes
     from bigbatch.memory.lm import LMPlan
 
@@ -303,11 +307,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{_count(sizes.trainable_count)} trained; {first.setup.describe()}"
         )
         print(first.summary())
-        micro, steps = _trainer_sizes(first).values()
-        print(
-            f"Trainer or TRL (micro-batches of one size; with_plan sets them): "
-            f"per_device_train_batch_size={micro}, gradient_accumulation_steps={steps}"
-        )
+        fields = ", ".join(f"{k}={v!r}" for k, v in trainer_arguments(first).items())
+        print(f"Trainer or TRL (with_plan sets the sizes and refuses other settings): {fields}")
         return
     print(f"{args.hf}: global batch {args.batch} sequences, budget {args.budget} per rank")
     header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>14} {'peak / rank':>12}  parts"
@@ -328,17 +329,6 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{r.setup.seq_len:>7} {r.setup.world_size:>5} {split:>14} "
             f"{format_bytes(r.peak_bytes):>12}  {top}"
         )
-
-
-def _trainer_sizes(plan: Any) -> dict[str, int]:
-    """The plan as Trainer's arguments take it (:func:`bigbatch.integrations.hf.with_plan`'s
-    sizes: the largest micro-batch that divides each rank's share)."""
-    from bigbatch.integrations.hf import trainer_batch_sizes
-
-    micro, steps = trainer_batch_sizes(
-        plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
-    )
-    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": steps}
 
 
 def _count(n: int) -> str:

@@ -48,6 +48,7 @@ __all__ = [
     "step_need_bytes",
     "token_loss",
     "train_with_backoff",
+    "trainer_arguments",
     "trainer_batch_sizes",
     "with_plan",
 ]
@@ -159,12 +160,57 @@ def trainer_batch_sizes(
     return micro, per_rank // micro
 
 
+# Trainer's optimizers (``TrainingArguments.optim``) by the optimizer a plan traces for each
+# (bigbatch.memory.step.make_optimizer's names); the first of each is the one to name.
+_TRAINER_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_8bit": "adamw_8bit",
+    "adamw_bnb_8bit": "adamw_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+    "sgd": "sgd",
+    "rmsprop": "rmsprop",
+    "adagrad": "adagrad",
+}
+
+
+def trainer_arguments(plan: Any) -> dict[str, Any]:
+    """The fields of ``TrainingArguments`` (TRL's ``SFTConfig``) that ``plan`` (an
+    :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch and
+    accumulation, the precision it traced (``bf16``, ``fp16``) and its optimizer as Trainer
+    names it (``optim``; None for one Trainer has no name for).
+
+    >>> import transformers
+    >>> from bigbatch.memory.lm import LMSetup, plan_lm
+    >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                                num_attention_heads=4, vocab_size=100)
+    >>> plan = plan_lm(cfg, LMSetup(seq_len=32, lora_r=4), 8, "64MB", device="cpu",
+    ...                precision="fp32", overhead=0)
+    >>> trainer_arguments(plan)
+    {'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 1, 'bf16': False, 'fp16': False, 'optim': 'adamw_torch'}
+    """
+    micro, steps = trainer_batch_sizes(
+        plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
+    )
+    traced = plan.plan.prediction
+    return {
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": steps,
+        "bf16": traced.precision == "bf16",
+        "fp16": traced.precision == "fp16",
+        "optim": next((k for k, v in _TRAINER_OPTIMIZERS.items() if v == traced.optimizer), None),
+    }
+
+
 def with_plan(args: Any, plan: Any) -> Any:
     """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
     accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch.
-    Refuses arguments for another number of ranks than the plan's, and TRL's arguments that
+    Refuses arguments for another number of ranks than the plan's, TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
-    micro-batch would not hold them).
+    micro-batch would not hold them), and arguments that compute in another precision or
+    train with another optimizer than the plan traced (:func:`trainer_arguments` names
+    the plan's): the plan would not hold for them.
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -188,8 +234,60 @@ def with_plan(args: Any, plan: Any) -> Any:
             f"these arguments let sequences run to max_length={limit} tokens, past the plan's "
             f"{planned}: set max_length={planned}, or plan with --seq-len {limit}"
         )
+    _check_arguments(plan, args)
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
     return with_sizes(args, micro, steps)
+
+
+def _described(plan: Any) -> str:
+    """The plan as its refusals name it: its model and its fine-tune."""
+    return ", ".join(x for x in (getattr(plan, "source", ""), plan.setup.describe()) if x)
+
+
+def _check_arguments(plan: Any, args: Any) -> None:
+    """Refuse ``args`` that compute in another precision, or train with another optimizer,
+    than the plan traced (a plan without its prediction, as tests build one, is let be)."""
+    traced = getattr(getattr(plan, "plan", None), "prediction", None)
+    if traced is None:
+        return
+    described = _described(plan)
+    optim = getattr(args, "optim", None)
+    optim = str(getattr(optim, "value", optim))  # Trainer's is an enum of its names
+    want = trainer_arguments(plan)["optim"]
+    if optim != "None" and _TRAINER_OPTIMIZERS.get(optim) != traced.optimizer:
+        fix = f"set optim={want!r}" if want else "plan with an optimizer Trainer has"
+        if optim in _TRAINER_OPTIMIZERS:
+            fix += f", or plan with --optimizer {_TRAINER_OPTIMIZERS[optim]}"
+        else:
+            fix += f" (bigbatch plans {', '.join(_TRAINER_OPTIMIZERS)})"
+        raise ValueError(
+            f"the plan ({described}) traces the {traced.optimizer} optimizer and these "
+            f"arguments train with optim={optim!r}: {fix}"
+        )
+    ran = (
+        "bf16"
+        if getattr(args, "bf16", False)
+        else "fp16"
+        if getattr(args, "fp16", False)
+        else "fp32"
+    )
+    # bf16 and fp16 hold the same bytes; autocast or not changes the activations' dtype and,
+    # for float32 weights, adds their 16-bit copies.
+    if (ran == "fp32") != (traced.precision == "fp32"):
+        fix = (
+            "set bf16=False and fp16=False"
+            if ran != "fp32"
+            else f"set {traced.precision}=True"
+            + (
+                " (fp16=True on a card without bfloat16 units)"
+                if traced.precision == "bf16"
+                else ""
+            )
+        )
+        raise ValueError(
+            f"the plan ({described}) computes in {traced.precision} and these arguments in "
+            f"{ran}: {fix}, or plan with --precision {ran}"
+        )
 
 
 SIZES_FILE = "bigbatch-sizes.json"  # in the output folder: see _sizes_path
@@ -252,7 +350,7 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         from bigbatch.device import cap_cuda_allocator, reset_peak_memory
 
         if self.plan is not None and kwargs.get("model") is not None:
-            check_plan_matches(self.plan, kwargs["model"], args.device)  # before any step
+            check_plan_matches(self.plan, kwargs["model"], args.device, args)  # before a step
         capped = cap_cuda_allocator(args.device, self.cap_bytes)
         self._before = None if capped is None else capped[1]
         reset_peak_memory(args.device)
@@ -310,16 +408,17 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         uncap_cuda_allocator(args.device, self._before)
 
 
-def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
-    """Refuse, in one line with the fix, to train ``model`` (on ``device``, where given) under
-    a ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`, a loaded one too) made for another
-    fine-tune: one for another kind of device (a CPU's plan for a CUDA run), one whose
-    trained parameters are not the plan's number (another model, LoRA rank or targets,
-    layers trained whole beside the adapters), whose weights take over 5 % more bytes than
-    the plan's (loaded in float32 where the plan has the config's bfloat16), or that runs
-    without the
-    gradient checkpointing the plan counted on (its activations several times the plan's).
-    The plan would hold for none. :class:`MemoryBudget` checks this when training begins.
+def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = None) -> None:
+    """Refuse, in one line with the fix, to train ``model`` (on ``device``, with Trainer's
+    ``args``, where given) under a ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`, a loaded
+    one too) made for another fine-tune: one for another kind of device (a CPU's plan for a
+    CUDA run), one whose trained parameters are not the plan's number (another model, LoRA
+    rank or targets, layers trained whole beside the adapters), whose weights take over 5 %
+    more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16),
+    that runs without the gradient checkpointing the plan counted on (its activations several
+    times the plan's), or arguments with another precision or optimizer (as
+    :func:`with_plan` refuses them). The plan would hold for none. :class:`MemoryBudget`
+    checks this when training begins.
 
     >>> from types import SimpleNamespace
     >>> from torch import nn
@@ -336,7 +435,7 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
     sizes, setup = getattr(plan, "sizes", None), getattr(plan, "setup", None)
     if sizes is None or setup is None:
         return
-    described = ", ".join(x for x in (getattr(plan, "source", ""), setup.describe()) if x)
+    described = _described(plan)
     planned_for = getattr(getattr(getattr(plan, "plan", None), "prediction", None), "device", "")
     kind = torch.device(device).type if device is not None else planned_for
     if planned_for and kind in ("cpu", "cuda") and kind != planned_for:  # the kinds planned
@@ -365,6 +464,8 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None) -> None:
         )
     # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
     # activation_checkpointing wraps the decoder layers in them).
+    if args is not None:
+        _check_arguments(plan, args)
     checkpointing = any(
         getattr(m, "gradient_checkpointing", False) is True
         or hasattr(m, "_checkpoint_wrapped_module")

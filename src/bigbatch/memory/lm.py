@@ -277,6 +277,23 @@ def check_setup(config: Any, setup: LMSetup) -> None:
         )
     if setup.quant not in (0, 4, 8):
         raise ValueError(f"--qlora takes 4 or 8 bits, got {setup.quant}")
+    # The adapters' settings without adapters would plan a full fine-tune in silence.
+    adapter_flags = [
+        flag
+        for flag, given in (
+            ("--lora-targets", setup.lora_targets != "all-linear"),
+            ("--lora-dropout", setup.lora_dropout != 0.0),
+            ("lora_alpha", setup.lora_alpha is not None),
+        )
+        if given
+    ]
+    if adapter_flags and not setup.lora_r:
+        raise ValueError(
+            f"{', '.join(adapter_flags)} set LoRA's adapters and this plan has none (a full "
+            "fine-tune): add --lora R, or drop them"
+        )
+    if not setup.double_quant and setup.quant != 4:
+        raise ValueError("--no-double-quant is for a 4-bit base: add --qlora, or drop it")
     if setup.quant:
         try:
             import bitsandbytes  # noqa: F401
