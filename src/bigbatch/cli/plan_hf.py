@@ -184,19 +184,7 @@ def run(args: argparse.Namespace) -> int:
     _check_save(args.save, len(seq_lens) * len(world_sizes))
     if args.budget is None:
         raise UserError("--budget is needed: a card's name (l4, rtx4090, a100-80gb) or 24GB")
-    if args.batch is None and args.tokens is None:
-        raise UserError("give the global batch: --batch (sequences a step, all ranks) or --tokens")
-    if args.batch is not None and args.tokens is not None:
-        raise UserError("--batch and --tokens both give the global batch: give one of them")
-    if args.tokens is not None:
-        if len(seq_lens) > 1 or args.tokens % seq_lens[0]:
-            raise UserError(
-                f"--tokens {args.tokens} is no whole number of {seq_lens[0]}-token sequences: "
-                "give a multiple of --seq-len (one --seq-len), or --batch"
-            )
-        args.batch = args.tokens // seq_lens[0]
-    if args.batch < 1:
-        raise UserError(f"--batch must be a positive number of sequences, got {args.batch}")
+    args.batch = _global_batch(args.batch, args.tokens, seq_lens)
     setup = _setup(args, seq_lens[0], world_sizes[0])
     card = find_card(args.budget)
     try:
@@ -241,6 +229,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(args, rows)
     return 0
+
+
+def _global_batch(batch: int | None, tokens: int | None, seq_lens: list[int]) -> int:
+    """Sequences an optimizer step, all ranks together, from ``--batch`` or ``--tokens``."""
+    if batch is not None and tokens is not None:
+        raise UserError("--batch and --tokens both give the global batch: give one of them")
+    if tokens is not None:
+        if len(seq_lens) > 1 or tokens % seq_lens[0]:
+            raise UserError(
+                f"--tokens {tokens} is no whole number of {seq_lens[0]}-token sequences: "
+                "give a multiple of --seq-len (one --seq-len), or --batch"
+            )
+        batch = tokens // seq_lens[0]
+    if batch is None:
+        raise UserError("give the global batch: --batch (sequences a step, all ranks) or --tokens")
+    if batch < 1:
+        raise UserError(f"--batch must be a positive number of sequences, got {batch}")
+    return batch
 
 
 def _check_save(path: Path | None, plans: int) -> None:
