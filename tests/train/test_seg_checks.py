@@ -158,6 +158,24 @@ def test_pretrained_without_pretrained_weights_and_fine_tune_mode_are_refused(
         load_config(overrides=[f"data={data}", *COMMON, "mode=fine_tune"])
 
 
+def test_the_keys_of_an_rle_csv_are_refused_for_files_of_images_and_masks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """crop=, image_size=, labels=, mask_size= are read for a Kaggle RLE CSV alone: given
+    for a folder of images and masks, which trains at size=, they are refused before the
+    run starts, not ignored."""
+    data = shapes(tmp_path / "d")
+    out = tmp_path / "run"
+    for keys, said in [
+        (["crop=16x16"], "crop=16x16: for a Kaggle RLE CSV"),
+        (["labels=exclusive", "mask_size=32x48"], "labels=exclusive, mask_size=32x48: for a "),
+    ]:  # fmt: skip
+        assert main(["train", "--out", str(out), f"data={data}", *COMMON, "size=16", *keys]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "trained at size=16: drop" in err
+        assert not (out / "config.json").exists()  # before the run starts
+
+
 @pytest.fixture
 def trained_2d(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("run2d")

@@ -87,7 +87,9 @@ def test_every_tracker_gets_the_history_and_the_plan(image_folder: Path, tiny_mo
     run = tmp_path / "run"
     lines: list[str] = []
     train(
-        load_config(overrides=[*base_overrides(image_folder, tiny_model), ALL]),
+        load_config(
+            overrides=[*base_overrides(image_folder, tiny_model), ALL, "log_checkpoint=true"]
+        ),
         run,
         log=lines.append,
     )
@@ -109,7 +111,7 @@ def test_every_tracker_gets_the_history_and_the_plan(image_folder: Path, tiny_mo
     assert params["plan.micro_batch"] == "4" and params["batch"] == "12"
     assert client.get_run(run_id).info.status == "FINISHED"
     kept = {a.path for a in client.list_artifacts(run_id)}
-    assert {"history.csv", "history.png", "plan.json"} <= kept
+    assert {"history.csv", "history.png", "plan.json", "best.safetensors"} <= kept
     # W&B: the same metrics in its offline run, the config.
     records = wandb_records(run)
     assert [
@@ -185,6 +187,10 @@ def test_a_missing_tracker_library_is_refused_before_training(monkeypatch: pytes
         load_config(overrides=["data=x", "log=tensorboard,wandb"]).validate()
     with pytest.raises(ConfigError, match="comet is not a tracker"):
         load_config(overrides=["data=x", "log=comet"]).validate()
+    # The best weights kept where no tracker stores files: refused, not ignored.
+    for log in ("none", "tensorboard"):
+        with pytest.raises(ConfigError, match=f"log={log} reports to neither: add log=wandb"):
+            load_config(overrides=["data=x", f"log={log}", "log_checkpoint=true"])
 
 
 def test_window_log_waits_for_the_device_once_per_flush() -> None:

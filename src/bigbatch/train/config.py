@@ -153,7 +153,7 @@ class TrainConfig:
             raise ConfigError(
                 f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}"
             )
-        _check_log(self.log)
+        _check_log(self.log, self.log_checkpoint)
         if self.log_every < 0:
             raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
         check_device(self.device, "device")
@@ -281,14 +281,21 @@ class TrainConfig:
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
 
 
-def _check_log(log: str) -> None:
-    """``log=``'s trackers: known, and their libraries installed (before any work)."""
+def _check_log(log: str, log_checkpoint: bool) -> None:
+    """``log=``'s trackers: known, and their libraries installed (before any work); one that
+    stores files for ``log_checkpoint``."""
     from bigbatch.trackers import check_trackers, parse_trackers
 
     try:
-        check_trackers(parse_trackers(log))
+        names = parse_trackers(log)
+        check_trackers(names)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if log_checkpoint and not {"wandb", "mlflow"} & set(names):
+        raise ConfigError(
+            f"log_checkpoint=true keeps best.safetensors in W&B or MLflow, and log={log} reports "
+            "to neither: add log=wandb or log=mlflow, or drop log_checkpoint"
+        )
 
 
 HELP: dict[str, str] = {
