@@ -32,6 +32,27 @@ def test_the_unet_decoder_normalises_per_sample_by_default() -> None:
         smp_factory("unet", "resnet10t", in_channels=3, num_classes=1, norm="group")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["arch=unet", "encoder=resnet10t", "widths=8,16"],
+         "widths=8,16: the channels of MONAI's networks, and arch=unet encoder=resnet10t is "
+         "segmentation_models_pytorch's decoder .*: drop widths"),
+        (["arch=resnet10t", "widths=8,16"], "arch=resnet10t is segmentation_models_pytorch"),
+        (["model=m:f", "arch=unet", "widths=8,16", "norm=batch"],
+         "widths=8,16, norm=batch: for the networks bigbatch builds, and model=m:f builds your "
+         "own: drop them"),
+    ],
+)  # fmt: skip
+def test_network_keys_where_another_network_is_built_are_refused(
+    overrides: list[str], match: str
+) -> None:
+    """widths= where smp's decoder on a timm encoder is built (its channels are the
+    encoder's), the network keys where model= builds the network: refused, not ignored."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=["data=x", "task=segmentation", *overrides])
+
+
 def test_a_meta_build_loads_nothing() -> None:
     with torch.device("meta"):  # the planner's shapes-only build
         net = smp_factory("unetplusplus", "resnet10t", in_channels=3, num_classes=2)()

@@ -35,6 +35,37 @@ def test_bad_config_names_the_fix(overrides: list[str], match: str) -> None:
         load_config(overrides=overrides)
 
 
+def test_keys_this_run_would_not_read_are_refused(tmp_path: Path) -> None:
+    """valid_pct= beside valid=, image_root= for folders, freeze_epochs= where no head trains
+    alone: each would be ignored, so each is refused naming the fix; the same keys where they
+    are read pass."""
+    folder, csv = tmp_path / "images", tmp_path / "train.csv"
+    folder.mkdir()
+    csv.write_text("file,label\n")
+    for overrides, match in [
+        ([f"data={folder}", f"valid={folder}", "valid_pct=0.1"],
+         "valid_pct=0.1 splits data= when valid= is empty, and valid=.* is given: drop one"),
+        ([f"data={folder}", "image_root=imgs"], "image_root= is where a CSV's files are, and "
+         "data=.* is a folder: drop image_root"),
+        ([f"data={folder}", "freeze_epochs=3"], "freeze_epochs=3: the head trains alone only "
+         "when fine-tuning .*: set mode=fine_tune, or drop freeze_epochs"),
+        ([f"data={folder}", "task=segmentation", "freeze_epochs=2"],
+         "freeze_epochs=2: task=segmentation trains no head alone, .*: drop freeze_epochs"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            load_config(overrides=overrides)
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"")
+    for overrides in [
+        [f"data={folder}", f"valid={folder}"],
+        [f"data={csv}", "image_root=imgs", "valid_pct=0.1"],
+        [f"data={folder}", f"valid={csv}", "image_root=imgs"],  # valid='s files
+        [f"data={folder}", "freeze_epochs=3", "mode=fine_tune"],
+        [f"data={folder}", "freeze_epochs=3", f"weights={weights}"],  # auto: fine-tunes
+    ]:
+        load_config(overrides=overrides)
+
+
 def test_unknown_key_in_file(tmp_path: Path) -> None:
     f = tmp_path / "run.toml"
     f.write_text('data = "x"\nlearning_rate = 0.1\n')

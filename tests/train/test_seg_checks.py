@@ -161,9 +161,9 @@ def test_pretrained_without_pretrained_weights_and_fine_tune_mode_are_refused(
 def test_the_keys_of_an_rle_csv_are_refused_for_files_of_images_and_masks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """crop=, image_size=, labels=, mask_size= are read for a Kaggle RLE CSV alone: given
-    for a folder of images and masks, which trains at size=, they are refused before the
-    run starts, not ignored."""
+    """crop=, image_size=, labels=, mask_size= are read for a Kaggle RLE CSV alone, pos_neg=
+    for volumes: given for a folder of 2D images and masks, which trains at size=, they are
+    refused before the run starts, not ignored."""
     data = shapes(tmp_path / "d")
     out = tmp_path / "run"
     for keys, said in [
@@ -174,6 +174,10 @@ def test_the_keys_of_an_rle_csv_are_refused_for_files_of_images_and_masks(
         err = capsys.readouterr().err
         assert said in err and "trained at size=16: drop" in err
         assert not (out / "config.json").exists()  # before the run starts
+    # The volumes' patch odds, for 2D images (resized whole): refused too.
+    cfg = load_config(overrides=[f"data={data}", *COMMON, "size=16", "pos_neg=2"])
+    with pytest.raises(ConfigError, match=r"pos_neg=2\.0 sets the odds of a volume's patches; 2D"):
+        SegmentationTask(cfg).prepare(lambda _: None)
 
 
 @pytest.fixture

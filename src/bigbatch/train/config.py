@@ -194,10 +194,37 @@ class TrainConfig:
         if not 0 <= self.ema < 1:
             raise ConfigError(f"ema is a decay in [0, 1) (0.999 is common; 0: off), got {self.ema}")
         self._check_options()
+        self._check_read()
         if self.micro_batch > self.batch:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
                 "is a part of the batch; lower it, or raise batch"
+            )
+
+    def _check_read(self) -> None:
+        """Keys set to what this run would not read are refused, not ignored."""
+        if self.valid and self.valid_pct != TrainConfig.valid_pct:
+            raise ConfigError(
+                f"valid_pct={self.valid_pct} splits data= when valid= is empty, and "
+                f"valid={self.valid} is given: drop one of them"
+            )
+        folders = [p for p in (self.data, self.valid) if p]
+        if self.image_root and all(Path(p).is_dir() for p in folders):
+            where = f"data={self.data} is a folder"
+            if self.valid:
+                where = f"data={self.data} and valid={self.valid} are folders"
+            raise ConfigError(
+                f"image_root= is where a CSV's files are, and {where}: drop image_root"
+            )
+        if self.freeze_epochs > 1 and not self.fine_tunes:
+            why = "the head trains alone only when fine-tuning (mode=fine_tune, or auto with "
+            why += "weights= or pretrained=true)"
+            fix = "set mode=fine_tune, or drop freeze_epochs"
+            if not self.options.fine_tunes_head:
+                why, fix = f"task={self.task} trains no head alone", "drop freeze_epochs"
+            raise ConfigError(
+                f"freeze_epochs={self.freeze_epochs}: {why}, and this run trains every layer "
+                f"from its first epoch: {fix}"
             )
 
     def _check_options(self) -> None:

@@ -10,7 +10,7 @@ This module loads nothing but :mod:`dataclasses`: the configuration imports it t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 __all__ = ["TaskOptions", "option"]
@@ -54,3 +54,17 @@ class TaskOptions:
     def check(self, cfg: Any) -> None:
         """Raise ValueError, naming the key and the fix, for a value this task cannot use;
         ``cfg`` is the whole configuration, for rules that involve shared keys."""
+
+    def changed(self, *keys: str) -> list[str]:
+        """``key=value`` for each of ``keys`` set away from its default: what to refuse where
+        the data at hand would not read those keys.
+
+        >>> @dataclass
+        ... class TagsOptions(TaskOptions):
+        ...     threshold: float = option(0.5, "a tag where its probability is above this")
+        ...     top_k: int = option(0, "at most this many tags; 0: any")
+        >>> TagsOptions(threshold=0.3).changed("threshold", "top_k")
+        ['threshold=0.3']
+        """
+        defaults = {f.name: f.default for f in fields(self)}
+        return [f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) != defaults[k]]

@@ -119,6 +119,25 @@ class SegmentationOptions(TaskOptions):
             raise ValueError(
                 f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
             )
+        self._check_network_keys(cfg)
+
+    def _check_network_keys(self, cfg: Any) -> None:
+        """The keys of the networks bigbatch builds, set where they would not be read."""
+        from bigbatch.segmentation.networks import MONAI_ARCHS
+
+        unread = self.changed("encoder", "widths", "norm") if cfg.model else []
+        if unread:
+            raise ValueError(
+                f"{', '.join(unread)}: for the networks bigbatch builds, and model={cfg.model} "
+                f"builds your own: drop {'them' if len(unread) > 1 else 'it'}"
+            )
+        if (self.encoder or cfg.arch not in MONAI_ARCHS) and self.changed("widths"):
+            named = f"arch={cfg.arch}" + (f" encoder={self.encoder}" if self.encoder else "")
+            raise ValueError(
+                f"widths={self.widths}: the channels of MONAI's networks, and {named} is "
+                "segmentation_models_pytorch's decoder on a timm encoder, whose channels are "
+                "the encoder's: drop widths, or train one of MONAI's networks"
+            )
 
 
 @dataclass

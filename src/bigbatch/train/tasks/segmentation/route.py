@@ -3,8 +3,6 @@ competitions ship it; anything else is a folder or CSV of image and mask files."
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.tasks.base import Task
 from bigbatch.train.tasks.segmentation.kaggle import KaggleSegmentationTask
@@ -21,12 +19,7 @@ def segmentation_task(cfg: TrainConfig) -> Task:
     files of images and masks, are refused (they would be ignored)."""
     if is_rle_csv(cfg.data):
         return KaggleSegmentationTask(cfg)
-    defaults = {f.name: f.default for f in fields(cfg.options)}
-    given = [
-        f"{key}={getattr(cfg.options, key)}"
-        for key in RLE_ONLY
-        if key in defaults and getattr(cfg.options, key) != defaults[key]
-    ]
+    given = cfg.options.changed(*RLE_ONLY)
     if given:
         raise ConfigError(
             f"{', '.join(given)}: for a Kaggle RLE CSV (image ids and EncodedPixels), and "

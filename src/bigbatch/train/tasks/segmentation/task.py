@@ -77,6 +77,11 @@ def seg_settings(cfg: TrainConfig, dims: int | None = None) -> SegSettings:
         raise ConfigError(
             "spacing= resamples volumes (from their NIfTI header); 2D images are resized to size="
         )
+    if dims == 2 and cfg.options.changed("pos_neg"):
+        raise ConfigError(
+            f"pos_neg={cfg.options.pos_neg} sets the odds of a volume's patches; 2D images are "
+            "resized whole to size=: drop it"
+        )
     try:
         regions = parse_regions(cfg.options.regions)
     except ValueError as exc:
