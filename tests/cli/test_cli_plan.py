@@ -111,8 +111,14 @@ def test_user_model(
             "does not fit: it needs",
         ),
         (["--model", "net:build"], "needs --input-shape"),
+        # A flag the model planned would not read: refused, not ignored.
+        (["--arch", "resnet10t", "--widths", "8,16"], "--widths: not read for a timm --arch"),
+        (["--arch", "resnet10t", "--input-shape", "1,32,32"], "--input-shape: not read for a"),
+        (["--arch", "unet", "--input-shape", "1,32,32"], "--size: not read for a MONAI --arch"),
+        (["--model", "net:build", "--input-shape", "8", "--vocab", "100"],
+         "--size, --vocab (token ids: with --input-dtype long): not read for --model"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_one_clear_line(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

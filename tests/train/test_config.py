@@ -106,6 +106,8 @@ def test_a_tasks_own_keys_live_in_its_options() -> None:
         (["data=x", "task=segmentation", "mode=fine_tune"], "mode=fine_tune trains a classifier"),
         (["data=x", "label_smoothing=1"], "label_smoothing must be in .0, 1."),
         (["data=x", "auto_augment=bogus"], "auto_augment='bogus': give a timm policy"),
+        (["data=x", "auto_augment=trivialaugment", "augment=false"],
+         "auto_augment=trivialaugment augments the training images, and augment=false"),
         (["data=x", "task=segmentation", "num_clases=2"], "did you mean num_classes"),
     ],
 )  # fmt: skip

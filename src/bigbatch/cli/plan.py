@@ -186,12 +186,53 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
 Row = tuple[str, int | None, Callable[[], nn.Module], tuple[int, ...]]
 
 
+# The model flags each kind of model reads; set for another kind, they are refused.
+_MODEL_FLAGS = ("size", "input_shape", "widths", "encoder", "input_dtype", "vocab", "num_classes")
+_READ_BY = {
+    "timm": ("size", "num_classes"),
+    "monai": ("input_shape", "widths", "num_classes"),
+    "smp": ("input_shape", "encoder", "num_classes"),
+    "model": ("input_shape", "input_dtype", "vocab"),
+}
+_KIND_NAMES = {
+    "timm": "a timm --arch (its input: 3 x --size x --size)",
+    "monai": "a MONAI --arch (its input: --input-shape)",
+    "smp": "smp's decoder on --encoder (its input: --input-shape)",
+    "model": "--model (your factory builds it; its input: --input-shape)",
+}
+
+
+def _model_kind(args: argparse.Namespace) -> str:
+    """Which model the flags plan: ``model``, ``smp``, ``monai`` or ``timm``; the flags that
+    kind does not read are refused (set, they would be ignored)."""
+    archs = [a.strip() for a in (args.arch or "").split(",") if a.strip()]
+    kind = "timm"
+    if args.model:
+        kind = "model"
+    elif args.encoder:
+        kind = "smp"
+    elif args.input_shape and all(a in MONAI_ARCHS for a in archs):
+        kind = "monai"
+    if kind == "model" and not args.input_shape:
+        raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
+    defaults = {k: plan_hf.IMAGE_ONLY[k] for k in _MODEL_FLAGS if k not in _READ_BY[kind]}
+    unread = plan_hf.flags_set(args, defaults)
+    vocab_set = args.vocab != plan_hf.IMAGE_ONLY["vocab"]
+    if kind == "model" and vocab_set and args.input_dtype not in ("long", "int"):
+        unread.append("--vocab (token ids: with --input-dtype long)")
+    if unread:
+        raise UserError(
+            f"{', '.join(unread)}: not read for {_KIND_NAMES[kind]}: drop "
+            f"{'them' if len(unread) > 1 else 'it'}"
+        )
+    return kind
+
+
 def _targets(args: argparse.Namespace) -> list[Row]:
     """(name, size, factory, per-sample input shape) for every row to plan."""
-    if args.model:
+    kind = _model_kind(args)
+    if kind == "model":
         factory = load_callable(args.model, "--model")
-        if not args.input_shape:
-            raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
         return [
             (args.model, None, factory, tuple(positive_ints(args.input_shape, "--input-shape")))
         ]
@@ -200,9 +241,9 @@ def _targets(args: argparse.Namespace) -> list[Row]:
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     rows: list[Row] = []
-    if args.encoder:
+    if kind == "smp":
         return [_smp_row(a, args) for a in archs]
-    if args.input_shape and all(a in MONAI_ARCHS for a in archs):
+    if kind == "monai":
         return [_monai_row(a, args) for a in archs]
     for arch in archs:
         for size in positive_ints(args.size, "--size"):
