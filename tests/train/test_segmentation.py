@@ -50,6 +50,8 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(
     mask = np.asarray(Image.open(tmp_path / "run" / "masks" / "odd.png"))
     assert mask.shape == (40, 48) and set(np.unique(mask)) <= {0, 1, 2}
     assert main(["predict", str(tmp_path / "run"), str(test), "--patch", "16"]) == 2
+    assert main(["predict", str(tmp_path / "run"), str(test), "--overlap", "0.25"]) == 2
+    assert "--overlap is for volumes" in capsys.readouterr().err
 
     # An ensemble of two runs averages their probabilities into one mask per image.
     other = load_config(

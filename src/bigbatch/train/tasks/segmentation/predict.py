@@ -189,7 +189,7 @@ def predict_masks(
     dims, channels, classes = kind
     tta_flips(dims, tta)
     for run in runs:
-        _check_patch(patch, dims, int(run.info.get("multiple", 8)))
+        _check_patch(patch, overlap, dims, int(run.info.get("multiple", 8)))
     cases, root = _inputs(folder, dims)
     _check_inputs(cases, root, out, dims, channels)
     dev = resolve_device(device, "--device")
@@ -210,7 +210,11 @@ def _kind(run: TrainedRun) -> tuple[int, int, int]:
     return int(run.info["dims"]), int(run.info["channels"]), int(run.info["num_classes"])
 
 
-def _check_patch(patch: int, dims: int, multiple: int) -> None:
+def _check_patch(patch: int, overlap: float, dims: int, multiple: int) -> None:
+    if dims == 2 and overlap != 0.5:  # the default: set, it would be ignored
+        raise ConfigError(
+            "--overlap is for volumes (2D images are predicted whole at the run's size): drop it"
+        )
     if patch and (dims == 2 or patch < 2 * multiple or patch % multiple):
         raise ConfigError(
             "--patch is for volumes (2D images are predicted whole at the run's size)"
