@@ -125,6 +125,14 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "is a file, not a folder",
     ),
     "verify --micro without --model": (lambda j: ["verify", "--micro", "4,4"], "add --model"),
+    "verify --loss without --model": (
+        lambda j: ["verify", "--loss", "mse", "--tokens"],
+        "--tokens, --loss describe(s) your model's window: add --model",
+    ),
+    "verify --distributed with --model": (
+        lambda j: ["verify", "--distributed", "2", "--model", "m:f"],
+        "--distributed runs bigbatch's own distributed cases, not --model",
+    ),
     # Root passes every access check: /proc refuses the file itself. Refused before planning.
     "plan csv where no file can be made": (
         lambda j: [*PLAN, "--csv", "/proc/bigbatch-plan.csv"],

@@ -155,13 +155,19 @@ def _print_table(results: list[CaseResult]) -> None:
 
 
 # Options that only describe a user model: given without --model they would be ignored.
-_MODEL_ONLY = ("micro", "data", "eval")
+_MODEL_ONLY = ("micro", "data", "eval", "tokens")
 
 
 def run(args: argparse.Namespace) -> int:
     dtypes = _dtypes(args.dtype)
+    if args.distributed and args.model:
+        raise UserError(
+            "--distributed runs bigbatch's own distributed cases, not --model: verify your "
+            "model without --distributed, or the distributed cases without --model"
+        )
     if not args.model:
         given = [f"--{name}" for name in _MODEL_ONLY if getattr(args, name, None)]
+        given += ["--loss"] if args.loss != "cross_entropy" else []
         if given:
             raise UserError(
                 f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
