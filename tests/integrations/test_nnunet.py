@@ -199,7 +199,7 @@ def test_refusals_come_before_any_work_in_one_line(root: Path) -> None:
     """A dataset with an ignore label (its plans copied, its dataset.json naming one): plan and
     train refuse it in one line, before nnU-Net's data workers start (train printed the reason,
     then some 30 lines of their tracebacks; plan failed inside the trace); a negative
-    micro-batch is refused too."""
+    micro-batch is refused too, and training's flags with --val, which only validates."""
     source = root / "preprocessed" / "Dataset987_Example"
     target = root / "preprocessed" / "Dataset988_Ignore"
     target.mkdir(exist_ok=True)
@@ -217,3 +217,7 @@ def test_refusals_come_before_any_work_in_one_line(root: Path) -> None:
         root, "-m", "bigbatch", "nnunet", "train", "987", "3d_fullres", "0", "--micro-batch", "-1"
     )
     assert "--micro-batch is a number of samples >= 1 (0: planned), got -1" in micro
+    validate = _fails(root, *train[:4], "987", *train[5:], "--val", "--epochs", "2")
+    assert (
+        "--epochs: for training, and --val only validates the fold's final checkpoint" in validate
+    )

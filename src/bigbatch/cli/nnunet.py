@@ -150,6 +150,22 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
 
     if args.continue_training and args.pretrained_weights:
         raise UserError("--c continues a training; --pretrained-weights starts one: choose one")
+    training_only = [
+        flag
+        for flag, given in (
+            ("--c", args.continue_training),
+            ("--pretrained-weights", args.pretrained_weights),
+            ("--micro-batch", args.micro_batch),
+            ("--epochs", args.epochs),
+            ("--iterations-per-epoch", args.iterations_per_epoch),
+        )
+        if given
+    ]
+    if args.validation_only and training_only:
+        raise UserError(
+            f"{', '.join(training_only)}: for training, and --val only validates the fold's "
+            "final checkpoint: drop them, or drop --val"
+        )
     if args.micro_batch < 0:
         raise UserError(
             f"--micro-batch is a number of samples >= 1 (0: planned), got {args.micro_batch}"
