@@ -90,6 +90,20 @@ def test_bad_experiments_fail_before_any_member_trains(comp: Path, name: str) ->
     assert not (comp / "out" / "m1").exists()
 
 
+def test_the_flags_of_run_folders_are_refused_for_an_experiments_toml(
+    comp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--tta, --device, --images (and the task options) average run folders; an experiments
+    TOML says them in the file: given with one, refused before any member trains."""
+    from bigbatch.cli.main import main
+
+    argv = ["ensemble", str(_experiments(comp)), "--out", str(comp / "out"), "--tta", "4"]
+    assert main([*argv, "--device", "cuda", "--mask-size", "350x525"]) == 2
+    err = capsys.readouterr().err
+    assert "--tta, --device, --mask-size: for run folders; an experiments TOML says it" in err
+    assert not (comp / "out" / "m1").exists()
+
+
 @pytest.mark.parametrize(
     ("sample", "match"),
     [

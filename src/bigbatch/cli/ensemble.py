@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.experiments.is_dir():
         return _run_folders(args)
+    _refuse_folder_flags(args)
     from bigbatch.train.ensemble import run_ensemble
 
     try:
@@ -73,6 +74,22 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     print("\n" + result.summary(args.out))
     return 0
+
+
+# The flags of run folders and their defaults: an experiments TOML sets these in the file.
+_FOLDER_FLAGS = {"images": None, "tta": 2, "device": "cpu", "unfinished": False, "budget": ""}
+
+
+def _refuse_folder_flags(args: argparse.Namespace) -> None:
+    """An experiments TOML with the flags of run folders: refused (they would be ignored)."""
+    given = [f"--{k}" for k, default in _FOLDER_FLAGS.items() if getattr(args, k) != default]
+    given += [f"--{k.replace('_', '-')}" for k in task_options(args)]
+    if given:
+        raise UserError(
+            f"{', '.join(given)}: for run folders; an experiments TOML says it in the file "
+            "(tta = 4 and test = in [ensemble], device= in [common] or as key=value): drop "
+            f"{'them' if len(given) > 1 else 'it'}"
+        )
 
 
 def _run_folders(args: argparse.Namespace) -> int:
