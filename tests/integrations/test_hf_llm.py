@@ -342,6 +342,51 @@ def test_backoff_reraises_what_is_not_out_of_memory(tmp_path) -> None:  # type: 
         train_with_backoff(make, SimpleNamespace(output_dir=str(tmp_path)))
 
 
+def test_out_of_memory_while_evaluating_halves_the_evaluation_batch_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An OOM raised inside Trainer's evaluation loop (Trainer's default of 8 sequences a
+    forward pass, say) is retried from the last checkpoint at half the evaluation batch, the
+    training micro-batch and accumulation unchanged; at 1 it is raised. One in training
+    still halves the micro-batch."""
+
+    class Trainer:  # out of memory training over 4 sequences, evaluating over args.fits
+        def __init__(self, args):  # type: ignore[no-untyped-def]
+            self.args = args
+
+        def evaluation_loop(self) -> None:
+            if self.args.per_device_eval_batch_size > self.args.fits:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        def train(self, resume_from_checkpoint=None):  # type: ignore[no-untyped-def]
+            if self.args.per_device_train_batch_size > 4:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            self.evaluation_loop()
+            a = self.args
+            return (
+                a.per_device_train_batch_size,
+                a.gradient_accumulation_steps,
+                a.per_device_eval_batch_size,
+            )
+
+    def args(micro: int, eval_batch: int, fits: int = 2) -> SimpleNamespace:
+        return SimpleNamespace(per_device_train_batch_size=micro, gradient_accumulation_steps=2,
+                               per_device_eval_batch_size=eval_batch, fits=fits,
+                               output_dir=str(tmp_path))  # fmt: skip
+
+    said: list[str] = []
+    assert train_with_backoff(Trainer, args(4, 8), log=said.append) == (4, 2, 2)
+    assert said == [
+        "out of memory evaluating 8 sequences a forward pass: again at 4 from the last "
+        "checkpoint, training's sizes unchanged",
+        "out of memory evaluating 4 sequences a forward pass: again at 2 from the last "
+        "checkpoint, training's sizes unchanged",
+    ]
+    assert train_with_backoff(Trainer, args(8, 2), log=said.append) == (4, 4, 2)
+    assert said[-1].startswith("out of memory at micro-batch 8: again at 4 x 4")
+    with pytest.raises(torch.OutOfMemoryError):
+        train_with_backoff(Trainer, args(4, 2, fits=0), log=said.append)
+    assert said[-1].startswith("out of memory evaluating 2 sequences a forward pass: again at 1")
+
+
 def test_trainer_batch_sizes_keep_the_global_batch() -> None:
     for global_batch, largest, ranks in [(64, 6, 2), (12, 5, 1), (7, 3, 1), (32, 64, 4)]:
         micro, steps = trainer_batch_sizes(global_batch, largest, ranks)
@@ -364,6 +409,7 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     args = with_plan(trained(tmp_path, 1, 1), loaded)
     sizes = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     assert sizes == (plan.micro_batch, plan.accumulation) == (12, 1)
+    assert plan.evaluation is not None and args.per_device_eval_batch_size == plan.evaluation.batch
     budget = MemoryBudget(2**40, steps=1, plan=loaded)
     trainer_for(tiny_lora().float(), sequences(), [budget])(args).train()  # float32, as planned
     assert budget.measured_bytes is not None
@@ -416,8 +462,8 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
     plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                    precision="bf16", overhead=0)  # fmt: skip
     assert trainer_arguments(plan) == {
-        "per_device_train_batch_size": N, "gradient_accumulation_steps": 1, "bf16": True,
-        "fp16": False, "optim": "adamw_torch",
+        "per_device_train_batch_size": N, "gradient_accumulation_steps": 1,
+        "per_device_eval_batch_size": N, "bf16": True, "fp16": False, "optim": "adamw_torch",
     }  # fmt: skip
     model = tiny_lora().float()
     for settings in [{"bf16": True}, {"fp16": True}, {"bf16": True, "optim": "adamw_torch"}]:
@@ -443,6 +489,16 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
         with pytest.raises(ValueError, match=why):
             trainer.train()
         assert trainer.state.global_step == 0
+    # An evaluation batch over the plan's, where Trainer evaluates: refused when training
+    # begins (with_plan sets the plan's).
+    evaluates = SimpleNamespace(world_size=1, optim="adamw_torch", bf16=True, fp16=False,
+                                eval_strategy="steps", per_device_eval_batch_size=2 * N)  # fmt: skip
+    with pytest.raises(ValueError, match=f"per_device_eval_batch_size={2 * N} is over the plan's"):
+        check_plan_matches(plan, model, "cpu", evaluates)
+    check_plan_matches(
+        plan, model, "cpu", SimpleNamespace(**{**vars(evaluates), "eval_strategy": "no"})
+    )
+    assert with_plan(evaluates, plan).per_device_eval_batch_size == N
     fp32 = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                    precision="fp32", optimizer="adam", overhead=0)  # fmt: skip
     args = SimpleNamespace(world_size=1, optim="adamw_torch", bf16=True, fp16=False)

@@ -418,8 +418,12 @@ def test_seven_and_eight_billion_parameter_plans(
     assert saved.to_dict() == {k: v for k, v in plan.items() if k not in ("fits", "trainer")}
     assert plan["trainer"] == {
         "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4,
-        "bf16": True, "fp16": False, "optim": "adamw_torch",
+        "per_device_eval_batch_size": plan["eval_batch"], "bf16": True, "fp16": False,
+        "optim": "adamw_torch",
     }  # fmt: skip
+    # Evaluation's logits (and their float32 copy) at this length: Trainer's default of 8
+    # sequences a forward pass would not fit beside the weights.
+    assert 1 <= plan["eval_batch"] < 8 and plan["eval_peak_bytes_per_rank"] <= plan["usable_bytes"]
     assert saved.source == str(folder)
     assert plan["trainable_parameters"] == trainable
     assert plan["micro_batch"] * plan["accumulation"] == 4

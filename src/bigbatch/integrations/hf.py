@@ -177,9 +177,10 @@ _TRAINER_OPTIMIZERS = {
 
 def trainer_arguments(plan: Any) -> dict[str, Any]:
     """The fields of ``TrainingArguments`` (TRL's ``SFTConfig``) that ``plan`` (an
-    :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch and
-    accumulation, the precision it traced (``bf16``, ``fp16``) and its optimizer as Trainer
-    names it (``optim``; None for one Trainer has no name for).
+    :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch,
+    accumulation and evaluation batch (None where not planned), the precision it traced
+    (``bf16``, ``fp16``) and its optimizer as Trainer names it (``optim``; None for one
+    Trainer has no name for).
 
     >>> import transformers
     >>> from bigbatch.memory.lm import LMSetup, plan_lm
@@ -188,15 +189,17 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     >>> plan = plan_lm(cfg, LMSetup(seq_len=32, lora_r=4), 8, "64MB", device="cpu",
     ...                precision="fp32", overhead=0)
     >>> trainer_arguments(plan)
-    {'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 1, 'bf16': False, 'fp16': False, 'optim': 'adamw_torch'}
+    {'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 1, 'per_device_eval_batch_size': 8, 'bf16': False, 'fp16': False, 'optim': 'adamw_torch'}
     """
     micro, steps = trainer_batch_sizes(
         plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
     )
     traced = plan.plan.prediction
+    evaluation = getattr(plan, "evaluation", None)
     return {
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": steps,
+        "per_device_eval_batch_size": evaluation.batch if evaluation else None,
         "bf16": traced.precision == "bf16",
         "fp16": traced.precision == "fp16",
         "optim": next((k for k, v in _TRAINER_OPTIMIZERS.items() if v == traced.optimizer), None),
@@ -205,7 +208,9 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
 
 def with_plan(args: Any, plan: Any) -> Any:
     """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
-    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch.
+    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch,
+    and its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8
+    sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone).
     Refuses arguments for another number of ranks than the plan's, TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
     micro-batch would not hold them), and arguments that compute in another precision or
@@ -234,9 +239,10 @@ def with_plan(args: Any, plan: Any) -> Any:
             f"these arguments let sequences run to max_length={limit} tokens, past the plan's "
             f"{planned}: set max_length={planned}, or plan with --seq-len {limit}"
         )
-    _check_arguments(plan, args)
+    _check_arguments(plan, args, eval_batch=False)  # its evaluation batch is set here
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
-    return with_sizes(args, micro, steps)
+    evaluation = getattr(plan, "evaluation", None)
+    return with_sizes(args, micro, steps, eval_batch=evaluation.batch if evaluation else None)
 
 
 def _described(plan: Any) -> str:
@@ -244,9 +250,10 @@ def _described(plan: Any) -> str:
     return ", ".join(x for x in (getattr(plan, "source", ""), plan.setup.describe()) if x)
 
 
-def _check_arguments(plan: Any, args: Any) -> None:
+def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     """Refuse ``args`` that compute in another precision, or train with another optimizer,
-    than the plan traced (a plan without its prediction, as tests build one, is let be)."""
+    than the plan traced, or (with ``eval_batch``) evaluate more sequences a pass than it
+    planned (a plan without its prediction, as tests build one, is let be)."""
     traced = getattr(getattr(plan, "plan", None), "prediction", None)
     if traced is None:
         return
@@ -287,6 +294,23 @@ def _check_arguments(plan: Any, args: Any) -> None:
         raise ValueError(
             f"the plan ({described}) computes in {traced.precision} and these arguments in "
             f"{ran}: {fix}, or plan with --precision {ran}"
+        )
+    if eval_batch:
+        _check_eval_batch(plan, args, described)
+
+
+def _check_eval_batch(plan: Any, args: Any, described: str) -> None:
+    """Refuse an evaluation batch over the plan's where Trainer evaluates (it would run out of
+    memory at the first evaluation, after training up to it)."""
+    evaluation = getattr(plan, "evaluation", None)
+    strategy = getattr(args, "eval_strategy", "no")
+    if evaluation is None or str(getattr(strategy, "value", strategy)) == "no":
+        return
+    if _eval_batch(args) > evaluation.batch:
+        raise ValueError(
+            f"per_device_eval_batch_size={_eval_batch(args)} is over the plan's evaluation "
+            f"batch ({described}: {evaluation.batch}): set per_device_eval_batch_size="
+            f"{evaluation.batch} (with_plan does)"
         )
 
 
@@ -417,7 +441,8 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16),
     that runs without the gradient checkpointing the plan counted on (its activations several
     times the plan's), or arguments with another precision or optimizer (as
-    :func:`with_plan` refuses them). The plan would hold for none. :class:`MemoryBudget`
+    :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
+    plan's. The plan would hold for none. :class:`MemoryBudget`
     checks this when training begins.
 
     >>> from types import SimpleNamespace
@@ -564,7 +589,8 @@ def train_with_backoff(
     exact with Trainer's token count), from the last checkpoint Trainer saved in
     ``args.output_dir`` if any. Raises the error when micro-batch 1 runs out too. A
     :class:`MemoryBudget` callback that refitted the micro-batch after the first steps stopped
-    the run at a checkpoint: it goes on from there at the new sizes.
+    the run at a checkpoint: it goes on from there at the new sizes. Out of memory while
+    Trainer evaluates, the evaluation batch halves instead, training's sizes unchanged.
 
     Under ``torchrun`` a rank that runs out of memory cannot tell the others, which wait for it
     in their next collective: it writes the smaller sizes to ``bigbatch-sizes.json`` in
@@ -593,12 +619,10 @@ def train_with_backoff(
     from transformers.trainer_utils import get_last_checkpoint
 
     from bigbatch.device import free_memory
-    from bigbatch.distributed import is_distributed
-    from bigbatch.memory.oom import is_oom
 
     args, shrunk = _resumed_sizes(args, log)
     while True:
-        failed, refit, trainer = False, None, None
+        failed, refit, trainer = None, None, None
         try:
             trainer = make_trainer(args)
             for budget in _budgets(trainer):
@@ -613,29 +637,81 @@ def train_with_backoff(
                 _sizes_path(args).unlink(missing_ok=True)
                 return result
         except Exception as exc:
-            if not is_oom(exc) or args.per_device_train_batch_size == 1:
+            failed = _retried(exc, args, log)
+            if failed is None:
                 raise
-            if is_distributed():
-                _hand_over(args, log)
-                raise
-            failed = shrunk = True
+            shrunk = shrunk or failed == "training"
         finally:
             trainer = None  # drop the model, optimizer and the exception's frames first
-        micro = args.per_device_train_batch_size
         if failed:
             free_memory(host_oom=False)
+        if failed == "evaluation":
+            args = _evaluation_halved(args, log)
+            continue
+        if failed:
             refit = _halved(args)
-            log(
-                f"out of memory at micro-batch {micro}: again at {refit[0]} x {refit[1]} "
-                "accumulation, the same global batch"
-            )
-        elif refit is not None:
-            log(
-                f"memory measured at micro-batch {micro}: on at {refit[0]} x {refit[1]} "
-                "accumulation from the checkpoint, the same global batch"
-            )
         if refit is not None:
+            log(_resized(args.per_device_train_batch_size, refit, out_of_memory=bool(failed)))
             args = with_sizes(args, *refit)
+
+
+def _evaluation_halved(args: Any, log: Callable[[str], None]) -> Any:
+    """``args`` at half the evaluation batch, said; training's sizes stay."""
+    smaller = _eval_batch(args) // 2
+    log(
+        f"out of memory evaluating {_eval_batch(args)} sequences a forward pass: again at "
+        f"{smaller} from the last checkpoint, training's sizes unchanged"
+    )
+    micro, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    return with_sizes(args, micro, steps, eval_batch=smaller)
+
+
+def _resized(micro: int, refit: tuple[int, int], *, out_of_memory: bool) -> str:
+    """The line that says why the run goes on at ``refit``'s sizes."""
+    if out_of_memory:
+        return (
+            f"out of memory at micro-batch {micro}: again at {refit[0]} x {refit[1]} "
+            "accumulation, the same global batch"
+        )
+    return (
+        f"memory measured at micro-batch {micro}: on at {refit[0]} x {refit[1]} accumulation "
+        "from the checkpoint, the same global batch"
+    )
+
+
+def _retried(exc: BaseException, args: Any, log: Callable[[str], None]) -> str | None:
+    """What a run that raised ``exc`` retries with less memory: ``evaluation`` (out of memory
+    while Trainer evaluated: its batch halves) or ``training`` (its micro-batch halves);
+    None for what is raised as it is. Under torchrun a rank out of memory in training hands
+    the halved sizes over first (:func:`_hand_over`)."""
+    from bigbatch.distributed import is_distributed
+    from bigbatch.memory.oom import is_oom
+
+    if not is_oom(exc):
+        return None
+    if _in_evaluation(exc):
+        return "evaluation" if _eval_batch(args) > 1 and not is_distributed() else None
+    if args.per_device_train_batch_size == 1:
+        return None
+    if is_distributed():
+        _hand_over(args, log)
+        return None
+    return "training"
+
+
+def _eval_batch(args: Any) -> int:
+    """Trainer's evaluation batch a rank (its default 8 where ``args`` has none)."""
+    return int(getattr(args, "per_device_eval_batch_size", 8) or 8)
+
+
+def _in_evaluation(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while Trainer evaluated (its evaluation loop on the stack)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("evaluation_loop", "prediction_step"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _halved(args: Any) -> tuple[int, int]:
@@ -698,12 +774,17 @@ def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
     return with_sizes(args, *new), True
 
 
-def with_sizes(args: Any, micro_batch: int, accumulation: int) -> Any:
-    """``args`` with another micro-batch and accumulation (a copy for a dataclass)."""
+def with_sizes(
+    args: Any, micro_batch: int, accumulation: int, *, eval_batch: int | None = None
+) -> Any:
+    """``args`` with another micro-batch and accumulation, and evaluation batch where given
+    (a copy for a dataclass)."""
     changes = {
         "per_device_train_batch_size": micro_batch,
         "gradient_accumulation_steps": accumulation,
     }
+    if eval_batch is not None:
+        changes["per_device_eval_batch_size"] = eval_batch
     if dataclasses.is_dataclass(args) and not isinstance(args, type):
         return dataclasses.replace(args, **changes)
     for key, value in changes.items():

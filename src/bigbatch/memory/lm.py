@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bigbatch.device import AMPERE, device_kind
@@ -39,6 +40,7 @@ from bigbatch.io import atomic_write_text
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cards import Card, find_card
+from bigbatch.memory.evaluate import EvaluationPlan, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.fake_branches import known_values
 from bigbatch.memory.fsdp import fake_ranks, shard_decoder_layers
 from bigbatch.memory.meta import build_on_meta
@@ -261,8 +263,15 @@ def weights_dtype(config: Any, setup: LMSetup) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def check_setup(config: Any, setup: LMSetup) -> None:
-    """Refuse, with the fix, what cannot be planned or trained as given."""
+def check_setup(config: Any, setup: LMSetup, global_batch: int | None = None) -> None:
+    """Refuse, with the fix, what cannot be planned or trained as given (with
+    ``global_batch`` sequences a step, where given)."""
+    n = setup.world_size
+    if global_batch is not None and (global_batch < 1 or global_batch % n):
+        raise ValueError(
+            f"the global batch {global_batch} must be a positive multiple of the {n} ranks "
+            "(each takes the same number of sequences)"
+        )
     longest = max_positions(config)
     if setup.seq_len < 1:
         raise ValueError(f"--seq-len must be a positive number of tokens, got {setup.seq_len}")
@@ -636,6 +645,8 @@ class LMPlan:
     vocab: int = 0
     notes: list[str] = field(default_factory=list)
     source: str = ""  # the config's name or path, as load_lm_config was given it
+    # Trainer's evaluation batch a rank (per_device_eval_batch_size); None: not planned (FSDP2)
+    evaluation: EvaluationPlan | None = None
 
     @property
     def micro_batch(self) -> int:
@@ -739,6 +750,9 @@ class LMPlan:
             data["plan"] = _dataclass_from(Plan, p)
             data["setup"] = _dataclass_from(LMSetup, data["setup"])
             data["sizes"] = _dataclass_from(ModelSizes, data["sizes"])
+            if data.get("evaluation") is not None:
+                evaluation = data["evaluation"] | {"shape": tuple(data["evaluation"]["shape"])}
+                data["evaluation"] = _dataclass_from(EvaluationPlan, evaluation)
             return _dataclass_from(cls, data)
         except _UnknownFields as exc:  # a newer bigbatch's plan: fields added, same format
             raise ValueError(
@@ -771,8 +785,17 @@ class LMPlan:
             "trainable_parameters": self.sizes.trainable_count,
             "parts": self.parts(),
             "paged_optimizer_bytes": self.paged_bytes,
+            "eval_batch": self.evaluation.batch if self.evaluation else None,
+            "eval_peak_bytes_per_rank": self.eval_peak_bytes,
             "notes": [*self.notes, *self.plan.prediction.notes],
         }
+
+    @property
+    def eval_peak_bytes(self) -> int | None:
+        """One rank's predicted peak while evaluating at :attr:`evaluation`'s batch."""
+        if self.evaluation is None:
+            return None
+        return self.evaluation.predicted_peak_bytes + self.per_rank_extra_bytes
 
     def summary(self) -> str:
         s = self.setup
@@ -791,6 +814,14 @@ class LMPlan:
         )
         if self.paged_bytes:
             text += f"; paged optimizer state {format_bytes(self.paged_bytes)} outside the budget"
+        if self.evaluation is not None and self.eval_peak_bytes is not None:
+            n = self.evaluation.batch
+            text += (
+                f"; evaluation {n} sequence{'s' if n > 1 else ''} a forward pass{ranks} (no "
+                f"gradients), predicted peak {format_bytes(self.eval_peak_bytes)}"
+            )
+            if not self.evaluation.fits:
+                text += " (over the budget even at 1: evaluate on a bigger card)"
         return text + "".join(f"; note: {n}" for n in self.notes)
 
 
@@ -831,10 +862,12 @@ def plan_lm(
     optimizer: str = "adamw",
     margin: float = DEFAULT_MARGIN,
     overhead: int | None = None,
+    evaluation: bool = True,
 ) -> LMPlan:
     """Plan a fine-tune of ``config``'s model: the largest micro-batch (sequences per rank)
     under ``budget`` and the accumulation that makes ``global_batch`` sequences a step over
-    ``setup.world_size`` ranks, never changing that batch.
+    ``setup.world_size`` ranks, never changing that batch; with ``evaluation``, Trainer's
+    evaluation batch too (:attr:`LMPlan.evaluation`).
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -844,16 +877,9 @@ def plan_lm(
     >>> p.micro_batch * p.accumulation
     8
     """
-    check_setup(config, setup)
+    check_setup(config, setup, global_batch)
     card = _card_for(budget, setup)
     n = setup.world_size
-    if global_batch < 1 or global_batch % n:
-        raise ValueError(
-            f"the global batch {global_batch} must be a positive multiple of the {n} ranks "
-            "(each takes the same number of sequences)"
-        )
-    import torch.distributed as dist
-
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
     traced = setup.fsdp and n > 1 and not dist.is_initialized()
@@ -887,6 +913,9 @@ def plan_lm(
                 config, setup, floor, extra, (usable, budget_bytes, margin, overhead)
             )
             raise DoesNotFitError(why, exc.floor) from None
+    evaluated = (
+        _plan_evaluation(spec_at, plan, global_batch // n) if evaluation and not traced else None
+    )
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -899,7 +928,26 @@ def plan_lm(
         vocab=int(_text_config(config).vocab_size),
         notes=_plan_notes(note, setup, device) + _bf16_notes(card, config, setup, precision),
         source=str(getattr(config, "_name_or_path", "") or ""),
+        evaluation=evaluated,
     )
+
+
+def _plan_evaluation(spec_at: Callable[[int], StepSpec], plan: Plan, largest: int) -> Any:
+    """Trainer's evaluation batch a rank, up to ``largest``: forward passes without gradients
+    at the plan's sequence length (the logits and their float32 copy for the loss: at long
+    sequences and large vocabularies more than training's micro-batch holds), beside what
+    training keeps meanwhile: the weights and the optimizer state (the gradients are freed at
+    each optimizer step) and, on CUDA, the cuBLAS workspace and handle of autograd's thread,
+    under the training plan's usable memory. (Not for FSDP2, whose evaluation gathers each
+    layer as its training does.)"""
+    trained = plan.prediction
+
+    def peak_at(b: int) -> int:
+        p = predict_evaluation_peak(spec_at(b), state_copies=0, held_bytes=trained.optimizer_state)
+        kept = max(0, trained.library_workspace_bytes - p.library_workspace_bytes)
+        return p.planning_bytes + kept + max(0, trained.cuda_handle_bytes - p.cuda_handle_bytes)
+
+    return plan_evaluation_batch(peak_at, largest, plan.usable_bytes, (spec_at(1).input_shape[0],))
 
 
 def _card_for(budget: str | int, setup: LMSetup) -> Card | None:
@@ -1042,7 +1090,9 @@ def plan_table(
     world_sizes: list[int],
     **kwargs: Any,
 ) -> list[LMPlan | str]:
-    """One plan per sequence length and rank count (a ``str``, why, where none fits)."""
+    """One plan per sequence length and rank count (a ``str``, why, where none fits), for
+    choosing one: their evaluation is left unplanned (plan the row chosen with
+    :func:`plan_lm`)."""
     rows: list[LMPlan | str] = []
     for length in seq_lens:
         for ranks in world_sizes:
@@ -1051,7 +1101,7 @@ def plan_table(
                 rows.append(f"{length} tokens, {ranks} ranks: {global_batch} is no multiple")
                 continue
             try:
-                rows.append(plan_lm(config, row, global_batch, budget, **kwargs))
+                rows.append(plan_lm(config, row, global_batch, budget, evaluation=False, **kwargs))
             except DoesNotFitError as exc:
                 rows.append(f"{length} tokens, {ranks} rank(s): {str(exc).split(' (budget')[0]}")
     return rows
