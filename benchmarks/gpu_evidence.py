@@ -620,6 +620,10 @@ def summary_md(info: dict[str, Any], status: dict[str, Any], results: dict[str, 
                   f"{tr['predicted_peak_mib']} MiB, cap {tr['cap_mib']} MiB, stayed under: "
                   f"{tr['stayed_under_cap']}, refits and back-offs: "
                   f"{'; '.join(tr['backoffs']) or 'none'}"]  # fmt: skip
+    if "eval_max_reserved_mib" in tr:
+        lines += [f"Its evaluation, {tr['eval_batch']} sequences a pass: reserved "
+                  f"{tr['eval_max_reserved_mib']} MiB, predicted {tr['eval_predicted_peak_mib']} "
+                  f"MiB ({tr['eval_prediction_error']:+.1%})"]  # fmt: skip
     stall = results.get("checkpoint_stall") or sp.get("checkpoint_stall")
     stall = stall if stall and "stall_seconds" in stall else None
     if stall:

@@ -117,16 +117,21 @@ def run(dry_run: bool, plan_file: Path | None = None, wait_seconds: float = 0.0)
         )  # fmt: skip
         args = with_plan(args, plan)
 
+        made: list[Any] = []
+
         def make(a: Any) -> Any:
-            return transformers.Trainer(
+            made.append(transformers.Trainer(
                 model=model, args=a, train_dataset=data, data_collator=collate,
                 callbacks=[budget_cb],
-            )  # fmt: skip
+            ))  # fmt: skip
+            return made[-1]
 
         if device == "cuda":  # what the fills left cached is not the run's
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         train_with_backoff(make, args, log=said.append)
+        trained = _training_peaks(device)  # before evaluation resets them
+        evaluated = evaluate(made[-1], plan, config.vocab_size, seq_len, device)
     out: dict[str, Any] = {
         "workload": f"{name}, LoRA r=16, checkpointing, {seq_len} tokens, batch {batch}, "
         f"budget {budget}",
@@ -145,16 +150,52 @@ def run(dry_run: bool, plan_file: Path | None = None, wait_seconds: float = 0.0)
         if budget_cb.measured_bytes is None
         else round(budget_cb.measured_bytes / MiB, 1),
         "backoffs": said,
+        **evaluated,
     }
-    if device == "cuda":
-        reserved = torch.cuda.max_memory_reserved()
+    if trained:
+        reserved = trained["max_reserved"]
         out["max_reserved_mib"] = round(reserved / MiB, 1)
-        out["max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
+        out["max_allocated_mib"] = round(trained["max_allocated"] / MiB, 1)
         # The allocator's cache given back at the cap before a request would have failed: the
         # reserved peak then says where the cap is, not what the steps needed.
-        out["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        out["alloc_retries"] = trained["alloc_retries"]
         out["stayed_under_cap"] = reserved <= cap
         out["prediction_error"] = round((plan.peak_bytes - reserved) / reserved, 4)
+    return out
+
+
+def _training_peaks(device: str) -> dict[str, int]:
+    """The allocator's peaks over the training run (CUDA; empty elsewhere)."""
+    if device != "cuda":
+        return {}
+    return {
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "alloc_retries": int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
+    }
+
+
+def evaluate(trainer: Any, plan: Any, vocab: int, seq_len: int, device: str) -> dict[str, Any]:
+    """Trainer's evaluation after the run, at the planned evaluation batch (with_plan's) and
+    the planned length (the shape planned), the optimizer state still alive; on CUDA its
+    reserved peak from an emptied cache (the evaluation alone) against the plan's."""
+    g = torch.Generator().manual_seed(1)
+    batch = trainer.args.per_device_eval_batch_size
+    ids = [torch.randint(1, vocab, (seq_len,), generator=g) for _ in range(2 * batch)]
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    metrics = trainer.evaluate(eval_dataset=[{"input_ids": i, "labels": i.clone()} for i in ids])
+    predicted = plan.eval_peak_bytes
+    out: dict[str, Any] = {
+        "eval_batch": batch,
+        "eval_loss": round(float(metrics["eval_loss"]), 4),
+        "eval_predicted_peak_mib": None if predicted is None else round(predicted / MiB, 1),
+    }
+    if device == "cuda" and predicted:
+        reserved = torch.cuda.max_memory_reserved()
+        out["eval_max_reserved_mib"] = round(reserved / MiB, 1)
+        out["eval_prediction_error"] = round((predicted - reserved) / reserved, 4)
     return out
 
 

@@ -50,6 +50,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_summary(tmp_path: Path) -> N
     # Each row recorded in a process forked from the forkserver (no fallback to new ones).
     assert "forked recording failed" not in logs["memory_matrix.log"]
     assert speed["trainer_budget"]["backoffs"] == []  # the Trainer run set from a plan ran
+    assert speed["trainer_budget"]["eval_batch"] >= 1  # and evaluated at the planned batch
     # ... a plan made beforehand, on the CPU, while the other parts ran
     assert speed["trainer_budget"]["plan"] == "planned beforehand (trainer-plan.json)"
     assert "ratio_vs_hand_loop" in speed["resnet50_fp16"]
