@@ -64,6 +64,11 @@ def test_keys_this_run_would_not_read_are_refused(tmp_path: Path) -> None:
         [f"data={folder}", "freeze_epochs=3", f"weights={weights}"],  # auto: fine-tunes
     ]:
         load_config(overrides=overrides)
+    # A resumed run (its saved config the base) goes on as it trained, by an older bigbatch
+    # that let such keys be.
+    saved = load_config(overrides=[f"data={folder}", f"valid={folder}"])
+    saved.valid_pct = 0.1
+    assert load_config(overrides=["epochs=2"], base=saved).valid_pct == 0.1
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:

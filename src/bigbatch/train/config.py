@@ -123,8 +123,10 @@ class TrainConfig:
                 setattr(new, key, os.path.abspath(value))
         return new
 
-    def validate(self) -> None:
-        """Every check that needs no data and no model: before any work starts."""
+    def validate(self, *, refuse_unread: bool = True) -> None:
+        """Every check that needs no data and no model: before any work starts. With
+        ``refuse_unread``, keys set to what the run would not read are refused too (not for a
+        resumed run: it goes on as its saved config trained, by an earlier bigbatch too)."""
         if not self.data:
             _check_task(self.task)
             raise ConfigError(f"data is not set: give data= ({_data_help(self.task)})")
@@ -153,7 +155,7 @@ class TrainConfig:
             raise ConfigError(
                 f"weight_decay must be >= 0 (0 turns it off), got {self.weight_decay}"
             )
-        _check_log(self.log, self.log_checkpoint)
+        _check_log(self.log)
         if self.log_every < 0:
             raise ConfigError(f"log_every must be >= 0 seconds (0: never), got {self.log_every}")
         check_device(self.device, "device")
@@ -194,7 +196,8 @@ class TrainConfig:
         if not 0 <= self.ema < 1:
             raise ConfigError(f"ema is a decay in [0, 1) (0.999 is common; 0: off), got {self.ema}")
         self._check_options()
-        self._check_read()
+        if refuse_unread:
+            self._check_read()
         if self.micro_batch > self.batch:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} is larger than batch={self.batch}: a micro-batch "
@@ -215,6 +218,13 @@ class TrainConfig:
                 where = f"data={self.data} and valid={self.valid} are folders"
             raise ConfigError(
                 f"image_root= is where a CSV's files are, and {where}: drop image_root"
+            )
+        from bigbatch.trackers import parse_trackers  # log= is checked before this
+
+        if self.log_checkpoint and not {"wandb", "mlflow"} & set(parse_trackers(self.log)):
+            raise ConfigError(
+                f"log_checkpoint=true keeps best.safetensors in W&B or MLflow, and log={self.log} "
+                "reports to neither: add log=wandb or log=mlflow, or drop log_checkpoint"
             )
         if self.freeze_epochs > 1 and not self.fine_tunes:
             why = "the head trains alone only when fine-tuning (mode=fine_tune, or auto with "
@@ -308,21 +318,14 @@ class TrainConfig:
         return {k: v for k, v in self.to_dict().items() if k not in ignore}
 
 
-def _check_log(log: str, log_checkpoint: bool) -> None:
-    """``log=``'s trackers: known, and their libraries installed (before any work); one that
-    stores files for ``log_checkpoint``."""
+def _check_log(log: str) -> None:
+    """``log=``'s trackers: known, and their libraries installed (before any work)."""
     from bigbatch.trackers import check_trackers, parse_trackers
 
     try:
-        names = parse_trackers(log)
-        check_trackers(names)
+        check_trackers(parse_trackers(log))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if log_checkpoint and not {"wandb", "mlflow"} & set(names):
-        raise ConfigError(
-            f"log_checkpoint=true keeps best.safetensors in W&B or MLflow, and log={log} reports "
-            "to neither: add log=wandb or log=mlflow, or drop log_checkpoint"
-        )
 
 
 HELP: dict[str, str] = {
@@ -570,7 +573,7 @@ def load_config(
         values[key.strip()] = value.strip()
         sources[key.strip()] = "the overrides"
     _apply(cfg, values, sources)
-    cfg.validate()
+    cfg.validate(refuse_unread=base is None)
     return cfg
 
 

@@ -97,7 +97,7 @@ def train(
 
         result = train(load_config("run.toml", ["lr=0.001"]), "runs/b")  # result.best_metric
     """
-    cfg.validate()
+    cfg.validate(refuse_unread=not resume)  # a resumed run trained as its config said
     cfg = cfg.with_absolute_paths()  # predict, ensemble and --resume find the data from anywhere
     rank, world = init_distributed(cfg)
     run_dir = Path(run_dir)
