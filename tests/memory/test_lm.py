@@ -478,6 +478,9 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     assert ddp.per_rank_extra_bytes == ddp.sizes.trainable  # DDP's gradient buckets
     assert fsdp.fsdp_traced and fsdp.per_rank_extra_bytes == 0  # one rank, traced
     assert "FSDP2 over 4 ranks, traced as one rank" in fsdp.notes[0]
+    # Evaluation: planned for DDP's ranks as for one; not under FSDP2 (said, with the fix).
+    assert one.evaluation is not None and ddp.evaluation is not None and fsdp.evaluation is None
+    assert "evaluation not planned under FSDP2: set per_device_eval_batch_size" in fsdp.summary()
     # NCCL's buffers are outside the allocator and the trace: a CUDA plan over ranks says so.
     cuda = plan_lm(config, LMSetup(seq_len=64, world_size=2), 8, "h100", device="cuda")
     assert any("NCCL" in n for n in cuda.notes) and not any("NCCL" in n for n in ddp.notes)
@@ -488,6 +491,7 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
         with pytest.raises(RuntimeError, match="plan before init_process_group"), fake_ranks(2):
             pass
     assert not composed.fsdp_traced and composed.per_rank_extra_bytes < 0
+    assert composed.evaluation is None
     assert "composed onto one process's trace" in composed.notes[0]
     # A rank's usable memory is the budget's, whatever the rank holds beyond the trace.
     reported = [plan.to_dict() for plan in (one, ddp, fsdp, composed)]

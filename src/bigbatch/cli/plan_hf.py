@@ -313,7 +313,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{_count(sizes.trainable_count)} trained; {first.setup.describe()}"
         )
         print(first.summary())
-        fields = ", ".join(f"{k}={v!r}" for k, v in trainer_arguments(first).items())
+        said = trainer_arguments(first).items()  # None: not planned (FSDP2's evaluation)
+        fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         print(f"Trainer or TRL (with_plan sets the sizes and refuses other settings): {fields}")
         return
     print(f"{args.hf}: global batch {args.batch} sequences, budget {args.budget} per rank")

@@ -822,6 +822,11 @@ class LMPlan:
             )
             if not self.evaluation.fits:
                 text += " (over the budget even at 1: evaluate on a bigger card)"
+        elif self.setup.fsdp and s.world_size > 1:  # no more than training's micro-batch
+            text += (
+                "; evaluation not planned under FSDP2: set per_device_eval_batch_size to at most "
+                f"the micro-batch ({self.micro_batch})"
+            )
         return text + "".join(f"; note: {n}" for n in self.notes)
 
 
@@ -882,7 +887,8 @@ def plan_lm(
     n = setup.world_size
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
-    traced = setup.fsdp and n > 1 and not dist.is_initialized()
+    fsdp = setup.fsdp and n > 1
+    traced = fsdp and not dist.is_initialized()
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
     with _refused_in_one_line(config, setup):
@@ -914,7 +920,7 @@ def plan_lm(
             )
             raise DoesNotFitError(why, exc.floor) from None
     evaluated = (
-        _plan_evaluation(spec_at, plan, global_batch // n) if evaluation and not traced else None
+        _plan_evaluation(spec_at, plan, global_batch // n) if evaluation and not fsdp else None
     )
     return LMPlan(
         setup=setup,
