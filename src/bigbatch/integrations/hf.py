@@ -271,26 +271,15 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
             f"the plan ({described}) traces the {traced.optimizer} optimizer and these "
             f"arguments train with optim={optim!r}: {fix}"
         )
-    ran = (
-        "bf16"
-        if getattr(args, "bf16", False)
-        else "fp16"
-        if getattr(args, "fp16", False)
-        else "fp32"
-    )
+    ran = next((p for p in ("bf16", "fp16") if getattr(args, p, False)), "fp32")
     # bf16 and fp16 hold the same bytes; autocast or not changes the activations' dtype and,
     # for float32 weights, adds their 16-bit copies.
     if (ran == "fp32") != (traced.precision == "fp32"):
-        fix = (
-            "set bf16=False and fp16=False"
-            if ran != "fp32"
-            else f"set {traced.precision}=True"
-            + (
-                " (fp16=True on a card without bfloat16 units)"
-                if traced.precision == "bf16"
-                else ""
-            )
-        )
+        fix = f"set {traced.precision}=True"
+        if traced.precision == "bf16":
+            fix += " (fp16=True on a card without bfloat16 units)"
+        if ran != "fp32":
+            fix = "set bf16=False and fp16=False"
         raise ValueError(
             f"the plan ({described}) computes in {traced.precision} and these arguments in "
             f"{ran}: {fix}, or plan with --precision {ran}"
@@ -442,8 +431,8 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     that runs without the gradient checkpointing the plan counted on (its activations several
     times the plan's), or arguments with another precision or optimizer (as
     :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
-    plan's. The plan would hold for none. :class:`MemoryBudget`
-    checks this when training begins.
+    plan's. The plan would hold for none. :class:`MemoryBudget` checks this when training
+    begins.
 
     >>> from types import SimpleNamespace
     >>> from torch import nn
@@ -487,10 +476,10 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
             "config's, from_pretrained(..., dtype=torch.bfloat16) for bf16), or plan with "
             "--dtype fp32"
         )
-    # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
-    # activation_checkpointing wraps the decoder layers in them).
     if args is not None:
         _check_arguments(plan, args)
+    # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
+    # activation_checkpointing wraps the decoder layers in them).
     checkpointing = any(
         getattr(m, "gradient_checkpointing", False) is True
         or hasattr(m, "_checkpoint_wrapped_module")
