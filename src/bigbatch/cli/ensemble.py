@@ -82,7 +82,7 @@ _FOLDER_FLAGS = {"images": None, "tta": 2, "device": "cpu", "unfinished": False,
 
 def _refuse_folder_flags(args: argparse.Namespace) -> None:
     """An experiments TOML with the flags of run folders: refused (they would be ignored)."""
-    given = [f"--{k}" for k, default in _FOLDER_FLAGS.items() if getattr(args, k) != default]
+    given = [f"--{k}" for k, d in _FOLDER_FLAGS.items() if getattr(args, k, d) != d]
     given += [f"--{k.replace('_', '-')}" for k in task_options(args)]
     if given:
         raise UserError(
