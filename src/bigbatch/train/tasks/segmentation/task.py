@@ -77,11 +77,6 @@ def seg_settings(cfg: TrainConfig, dims: int | None = None) -> SegSettings:
         raise ConfigError(
             "spacing= resamples volumes (from their NIfTI header); 2D images are resized to size="
         )
-    if dims == 2 and cfg.options.changed("pos_neg"):
-        raise ConfigError(
-            f"pos_neg={cfg.options.pos_neg} sets the odds of a volume's patches; 2D images are "
-            "resized whole to size=: drop it"
-        )
     try:
         regions = parse_regions(cfg.options.regions)
     except ValueError as exc:
@@ -273,6 +268,11 @@ class SegmentationTask(Task):
             raise ConfigError(
                 f"size={cfg.size}: arch={cfg.arch} halves it down to 1/{s.multiple}, so it must "
                 f"be a multiple of {s.multiple}, at least {least}; use size={fit}"
+            )
+        if self.dims == 2 and cfg.options.changed("pos_neg"):
+            raise ConfigError(
+                f"pos_neg={cfg.options.pos_neg} sets the odds of a volume's patches; 2D images "
+                "are resized whole to size=: drop it"
             )
         if s.spacing and any(volume_suffix(f[0]) == ".npy" for f in items.images):
             raise ConfigError(
