@@ -15,6 +15,19 @@ class UserError(Exception):
     """Bad input from the command line: printed as one clear line, without a traceback."""
 
 
+def flags_set(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
+    """The flags among ``defaults`` that ``args`` sets to something else, as typed.
+
+    >>> flags_set(argparse.Namespace(lora=16, packing=False), {"lora": 0, "packing": False})
+    ['--lora']
+    """
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, default in defaults.items()
+        if getattr(args, dest, default) != default
+    ]
+
+
 def positive_ints(text: str, flag: str) -> list[int]:
     """A flag's comma-separated positive integers (``--size 128,224``), or a UserError.
 

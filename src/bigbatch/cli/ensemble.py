@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli import UserError, add_task_options, task_options
+from bigbatch.cli import UserError, add_task_options, flags_set, task_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +82,7 @@ _FOLDER_FLAGS = {"images": None, "tta": 2, "device": "cpu", "unfinished": False,
 
 def _refuse_folder_flags(args: argparse.Namespace) -> None:
     """An experiments TOML with the flags of run folders: refused (they would be ignored)."""
-    given = [f"--{k}" for k, d in _FOLDER_FLAGS.items() if getattr(args, k, d) != d]
+    given = flags_set(args, _FOLDER_FLAGS)  # the demo's own namespace has none of them
     given += [f"--{k.replace('_', '-')}" for k in task_options(args)]
     if given:
         raise UserError(

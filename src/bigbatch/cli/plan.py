@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.cli import UserError, freeze_loaded, plan_hf, positive_ints
+from bigbatch.cli import UserError, flags_set, freeze_loaded, plan_hf, positive_ints
 from bigbatch.device import torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, Card, find_card
@@ -216,7 +216,7 @@ def _model_kind(args: argparse.Namespace) -> str:
     if kind == "model" and not args.input_shape:
         raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
     defaults = {k: plan_hf.IMAGE_ONLY[k] for k in _MODEL_FLAGS if k not in _READ_BY[kind]}
-    unread = plan_hf.flags_set(args, defaults)
+    unread = flags_set(args, defaults)
     vocab_set = args.vocab != plan_hf.IMAGE_ONLY["vocab"]
     if kind == "model" and vocab_set and args.input_dtype not in ("long", "int"):
         unread.append("--vocab (token ids: with --input-dtype long)")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bigbatch.cli import UserError, positive_ints
+from bigbatch.cli import UserError, flags_set, positive_ints
 
 # The language-model flags and their defaults: set without --hf, they are refused (and the
 # image flags with it: IMAGE_ONLY), not ignored.
@@ -46,19 +46,6 @@ IMAGE_ONLY: dict[str, Any] = {
     "confirm": False,
     "config": None,
 }
-
-
-def flags_set(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
-    """The flags among ``defaults`` that ``args`` sets to something else, as typed.
-
-    >>> flags_set(argparse.Namespace(lora=16, packing=False), {"lora": 0, "packing": False})
-    ['--lora']
-    """
-    return [
-        "--" + dest.replace("_", "-")
-        for dest, default in defaults.items()
-        if getattr(args, dest, default) != default
-    ]
 
 
 def refuse_language_flags(args: argparse.Namespace) -> None:
