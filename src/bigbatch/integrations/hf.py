@@ -195,15 +195,19 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
         plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
     )
     traced = plan.plan.prediction
-    evaluation = getattr(plan, "evaluation", None)
     return {
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": steps,
-        "per_device_eval_batch_size": evaluation.batch if evaluation else None,
+        "per_device_eval_batch_size": plan.eval_batch,
         "bf16": traced.precision == "bf16",
         "fp16": traced.precision == "fp16",
-        "optim": next((k for k, v in _TRAINER_OPTIMIZERS.items() if v == traced.optimizer), None),
+        "optim": _trainer_optim(traced.optimizer),
     }
+
+
+def _trainer_optim(optimizer: str) -> str | None:
+    """Trainer's name for a plan's optimizer (None: Trainer has none for it)."""
+    return next((k for k, v in _TRAINER_OPTIMIZERS.items() if v == optimizer), None)
 
 
 def with_plan(args: Any, plan: Any) -> Any:
@@ -241,8 +245,7 @@ def with_plan(args: Any, plan: Any) -> Any:
         )
     _check_arguments(plan, args, eval_batch=False)  # its evaluation batch is set here
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
-    evaluation = getattr(plan, "evaluation", None)
-    return with_sizes(args, micro, steps, eval_batch=evaluation.batch if evaluation else None)
+    return with_sizes(args, micro, steps, eval_batch=getattr(plan, "eval_batch", None))
 
 
 def _described(plan: Any) -> str:
@@ -260,7 +263,7 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     described = _described(plan)
     optim = getattr(args, "optim", None)
     optim = str(getattr(optim, "value", optim))  # Trainer's is an enum of its names
-    want = trainer_arguments(plan)["optim"]
+    want = _trainer_optim(traced.optimizer)
     if optim != "None" and _TRAINER_OPTIMIZERS.get(optim) != traced.optimizer:
         fix = f"set optim={want!r}" if want else "plan with an optimizer Trainer has"
         if optim in _TRAINER_OPTIMIZERS:
@@ -291,15 +294,15 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
 def _check_eval_batch(plan: Any, args: Any, described: str) -> None:
     """Refuse an evaluation batch over the plan's where Trainer evaluates (it would run out of
     memory at the first evaluation, after training up to it)."""
-    evaluation = getattr(plan, "evaluation", None)
+    planned = getattr(plan, "eval_batch", None)
     strategy = getattr(args, "eval_strategy", "no")
-    if evaluation is None or str(getattr(strategy, "value", strategy)) == "no":
+    if planned is None or str(getattr(strategy, "value", strategy)) == "no":
         return
-    if _eval_batch(args) > evaluation.batch:
+    if _eval_batch(args) > planned:
         raise ValueError(
             f"per_device_eval_batch_size={_eval_batch(args)} is over the plan's evaluation "
-            f"batch ({described}: {evaluation.batch}): set per_device_eval_batch_size="
-            f"{evaluation.batch} (with_plan does)"
+            f"batch ({described}: {planned}): set per_device_eval_batch_size={planned} "
+            "(with_plan does)"
         )
 
 

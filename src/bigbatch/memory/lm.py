@@ -785,10 +785,16 @@ class LMPlan:
             "trainable_parameters": self.sizes.trainable_count,
             "parts": self.parts(),
             "paged_optimizer_bytes": self.paged_bytes,
-            "eval_batch": self.evaluation.batch if self.evaluation else None,
+            "eval_batch": self.eval_batch,
             "eval_peak_bytes_per_rank": self.eval_peak_bytes,
             "notes": [*self.notes, *self.plan.prediction.notes],
         }
+
+    @property
+    def eval_batch(self) -> int | None:
+        """Trainer's evaluation batch a rank (``per_device_eval_batch_size``); None: not
+        planned."""
+        return self.evaluation.batch if self.evaluation else None
 
     @property
     def eval_peak_bytes(self) -> int | None:
