@@ -387,6 +387,58 @@ def test_out_of_memory_while_evaluating_halves_the_evaluation_batch_alone(tmp_pa
     assert said[-1].startswith("out of memory evaluating 2 sequences a forward pass: again at 1")
 
 
+def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(
+    tmp_path,
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """Under torchrun a rank out of memory in Trainer's evaluation cannot retry alone (the
+    others wait in a collective): it leaves the halved evaluation batch, training's sizes
+    unchanged, in bigbatch-sizes.json and raises; relaunched, every rank evaluates at it and
+    training's micro-batch may still grow (nothing shrank it)."""
+    import json
+
+    import torch.distributed as dist
+
+    import bigbatch.distributed
+
+    monkeypatch.setattr(bigbatch.distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    budget = MemoryBudget(2**40)
+
+    class Trainer:  # out of memory evaluating over 4 sequences
+        def __init__(self, args):  # type: ignore[no-untyped-def]
+            self.args, self.callback_handler = args, SimpleNamespace(callbacks=[budget])
+
+        def evaluation_loop(self) -> None:
+            if self.args.per_device_eval_batch_size > 4:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        def train(self, resume_from_checkpoint=None):  # type: ignore[no-untyped-def]
+            self.evaluation_loop()
+            a = self.args
+            return a.per_device_train_batch_size, a.per_device_eval_batch_size, budget.checked
+
+    def args() -> SimpleNamespace:
+        return SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                               per_device_eval_batch_size=8, world_size=2,
+                               output_dir=str(tmp_path))  # fmt: skip
+
+    said: list[str] = []
+    with pytest.raises(torch.OutOfMemoryError):
+        train_with_backoff(Trainer, args(), log=said.append)
+    sizes = json.loads((tmp_path / "bigbatch-sizes.json").read_text())
+    assert sizes["per_device_eval_batch_size"] == 4 and sizes["evaluation_out_of_memory_at"] == 8
+    assert (sizes["per_device_train_batch_size"], sizes["gradient_accumulation_steps"]) == (4, 3)
+    assert said[-1].startswith(
+        "out of memory evaluating 8 sequences a forward pass on rank 1 of 2: the others wait"
+    )
+    assert "resumes at evaluation batch 4, training's sizes unchanged" in said[-1]
+    assert train_with_backoff(Trainer, args(), log=said.append) == (4, 4, False)
+    assert said[-1].startswith("resuming at evaluation batch 4: a rank ran out of memory at "
+                               "evaluation batch 8")  # fmt: skip
+    assert not (tmp_path / "bigbatch-sizes.json").exists()  # spent: the run is done
+
+
 def test_trainer_batch_sizes_keep_the_global_batch() -> None:
     for global_batch, largest, ranks in [(64, 6, 2), (12, 5, 1), (7, 3, 1), (32, 64, 4)]:
         micro, steps = trainer_batch_sizes(global_batch, largest, ranks)

@@ -69,6 +69,15 @@ def test_keys_this_run_would_not_read_are_refused(tmp_path: Path) -> None:
     saved = load_config(overrides=[f"data={folder}", f"valid={folder}"])
     saved.valid_pct = 0.1
     assert load_config(overrides=["epochs=2"], base=saved).valid_pct == 0.1
+    # The task's own such keys (TaskOptions.check_read) too.
+    saved = load_config(overrides=[f"data={folder}", "augment=false"])
+    saved.options.auto_augment = "trivialaugment"
+    assert load_config(overrides=["epochs=2"], base=saved).options.auto_augment
+    saved = load_config(overrides=[f"data={folder}", "task=segmentation", "model=m:f"])
+    saved.options.widths, saved.options.crop = "8,16", "16x16"
+    assert load_config(overrides=["epochs=2"], base=saved).options.crop == "16x16"
+    with pytest.raises(ConfigError, match="crop=16x16: for a Kaggle RLE CSV"):
+        load_config(overrides=[f"data={folder}", "task=segmentation", "crop=16x16"])
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:

@@ -584,9 +584,10 @@ def train_with_backoff(
     the run at a checkpoint: it goes on from there at the new sizes. Out of memory while
     Trainer evaluates, the evaluation batch halves instead, training's sizes unchanged.
 
-    Under ``torchrun`` a rank that runs out of memory cannot tell the others, which wait for it
-    in their next collective: it writes the smaller sizes to ``bigbatch-sizes.json`` in
-    ``args.output_dir`` and raises, so that torchrun stops every rank at once; relaunched
+    Under ``torchrun`` a rank that runs out of memory (training or evaluating) cannot tell the
+    others, which wait for it in their next collective: it writes the smaller sizes to
+    ``bigbatch-sizes.json`` in ``args.output_dir`` and raises, so that torchrun stops every
+    rank at once; relaunched
     (``torchrun --max-restarts N`` does it, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch
     2.5+'s restarts may read the last attempt's addresses from the store torchrun shares,
     pytorch/pytorch#135712), every rank resumes there at those sizes.
@@ -681,14 +682,15 @@ def _retried(exc: BaseException, args: Any, log: Callable[[str], None]) -> str |
 
     if not is_oom(exc):
         return None
-    if _in_evaluation(exc):
-        return "evaluation" if _eval_batch(args) > 1 and not is_distributed() else None
-    if args.per_device_train_batch_size == 1:
+    failed = "evaluation" if _in_evaluation(exc) else "training"
+    if failed == "evaluation" and _eval_batch(args) == 1:
+        return None
+    if failed == "training" and args.per_device_train_batch_size == 1:
         return None
     if is_distributed():
-        _hand_over(args, log)
+        _hand_over(args, log, evaluation=failed == "evaluation")
         return None
-    return "training"
+    return failed
 
 
 def _eval_batch(args: Any) -> int:
@@ -713,38 +715,53 @@ def _halved(args: Any) -> tuple[int, int]:
     return smaller, steps * (micro // smaller)
 
 
-def _hand_over(args: Any, log: Callable[[str], None]) -> None:
-    """A rank out of memory under torchrun: the sizes every rank resumes at, in the output
-    folder, before this process raises and torchrun stops the others."""
+def _hand_over(args: Any, log: Callable[[str], None], *, evaluation: bool = False) -> None:
+    """A rank out of memory under torchrun, in training or (``evaluation``) in Trainer's
+    evaluation: the sizes every rank resumes at, in the output folder, before this process
+    raises and torchrun stops the others."""
     import json
 
     import torch.distributed as dist
 
     from bigbatch.io import atomic_write_text
 
-    micro, world = args.per_device_train_batch_size, _ranks(args)
-    smaller, steps = _halved(args)
+    micro, steps, world = (
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        _ranks(args),
+    )
+    eval_batch = _eval_batch(args)
+    if evaluation:
+        eval_batch //= 2
+        what = f"evaluating {_eval_batch(args)} sequences a forward pass"
+        resumes = f"at evaluation batch {eval_batch}, training's sizes unchanged"
+    else:
+        micro, steps = _halved(args)
+        what = f"at micro-batch {args.per_device_train_batch_size}"
+        resumes = f"at {micro} x {steps} accumulation, the same global batch"
     sizes = {
-        "per_device_train_batch_size": smaller,
+        "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": steps,
+        "per_device_eval_batch_size": eval_batch,
         "world_size": world,
-        "out_of_memory_at": micro,
+        "out_of_memory_at": None if evaluation else args.per_device_train_batch_size,
+        "evaluation_out_of_memory_at": _eval_batch(args) if evaluation else None,
     }
     path = _sizes_path(args)
     atomic_write_text(path, json.dumps(sizes) + "\n")
     log(
-        f"out of memory at micro-batch {micro} on rank {dist.get_rank()} of {world}: the others "
-        "wait for it in a collective, so this process stops (and torchrun stops them); "
-        f"relaunched, every rank resumes at {smaller} x {steps} accumulation from the last "
-        f"checkpoint, the same global batch ({path}; `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-        "torchrun --max-restarts 3 ...` relaunches by itself)"
+        f"out of memory {what} on rank {dist.get_rank()} of {world}: the others wait for it "
+        "in a collective, so this process stops (and torchrun stops them); relaunched, every "
+        f"rank resumes {resumes} from the last checkpoint ({path}; "
+        "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 3 ...` relaunches by "
+        "itself)"
     )
 
 
 def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
     """``args`` at the sizes a rank of this run left before it ran out of memory under torchrun
-    (:func:`_hand_over`), and whether they were; a file of another global batch or number of
-    ranks is not this run's and is left alone."""
+    (:func:`_hand_over`), and whether training's were smaller; a file of another global batch
+    or number of ranks is not this run's and is left alone."""
     from bigbatch.io import read_json
 
     path = _sizes_path(args)
@@ -757,13 +774,23 @@ def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
         return args, False
     same_run = new[0] * new[1] == micro * steps
     same_run = same_run and saved.get("world_size") == _ranks(args)
-    if not same_run or new[0] >= micro:
+    eval_batch = saved.get("per_device_eval_batch_size")
+    if not (isinstance(eval_batch, int) and 0 < eval_batch < _eval_batch(args)):
+        eval_batch = None  # an older file without it, or no smaller
+    shrunk = new[0] < micro
+    if not same_run or not (shrunk or eval_batch):
         return args, False
-    log(
-        f"resuming at {new[0]} x {new[1]} accumulation, the same global batch: a rank ran out of "
-        f"memory at micro-batch {saved.get('out_of_memory_at')} ({path})"
-    )
-    return with_sizes(args, *new), True
+    why = []
+    if shrunk:
+        why.append(f"{new[0]} x {new[1]} accumulation, the same global batch")
+    if eval_batch:
+        why.append(f"evaluation batch {eval_batch}")
+    at = [f"micro-batch {saved['out_of_memory_at']}"] if saved.get("out_of_memory_at") else []
+    if saved.get("evaluation_out_of_memory_at"):
+        at.append(f"evaluation batch {saved['evaluation_out_of_memory_at']}")
+    where = f" at {' and '.join(at)}" if at else ""
+    log(f"resuming at {' and '.join(why)}: a rank ran out of memory{where} ({path})")
+    return with_sizes(args, *(new if shrunk else (micro, steps)), eval_batch=eval_batch), shrunk
 
 
 def with_sizes(

@@ -206,6 +206,10 @@ class TrainConfig:
 
     def _check_read(self) -> None:
         """Keys set to what this run would not read are refused, not ignored."""
+        try:
+            self.options.check_read(self)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         if self.valid and self.valid_pct != TrainConfig.valid_pct:
             raise ConfigError(
                 f"valid_pct={self.valid_pct} splits data= when valid= is empty, and "

@@ -55,6 +55,20 @@ class TaskOptions:
         """Raise ValueError, naming the key and the fix, for a value this task cannot use;
         ``cfg`` is the whole configuration, for rules that involve shared keys."""
 
+    def check_read(self, cfg: Any) -> None:
+        """Raise ValueError for a key set where this run would not read it (``auto_augment``
+        with augmentation off), naming the key to drop. Unlike :meth:`check`, it is skipped
+        for a resumed run, which goes on as its saved config trained.
+
+        >>> @dataclass
+        ... class TagsOptions(TaskOptions):
+        ...     top_k: int = option(0, "at most this many tags; 0: any")
+        ...     def check_read(self, cfg):
+        ...         if self.changed("top_k") and cfg.task != "tags":
+        ...             raise ValueError(f"{self.changed('top_k')[0]} is read by task=tags")
+        >>> TagsOptions().check_read(None)  # top_k at its default: nothing to refuse
+        """
+
     def changed(self, *keys: str) -> list[str]:
         """``key=value`` for each of ``keys`` set away from its default: what to refuse where
         the data at hand would not read those keys.

@@ -63,10 +63,12 @@ class ClassificationOptions(TaskOptions):
                 f"auto_augment={self.auto_augment!r}: give a timm policy, e.g. rand-m9-mstd0.5 "
                 "(RandAugment), trivialaugment, augmix-m5-w3"
             )
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+    def check_read(self, cfg: Any) -> None:
         if self.auto_augment and not cfg.augment:  # timm's policy runs with the crops alone
             raise ValueError(
                 f"auto_augment={self.auto_augment} augments the training images, and "
                 "augment=false turns augmentation off: drop one of them"
             )
-        if not 0 <= self.label_smoothing < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from bigbatch.train.tasks.options import TaskOptions, option
@@ -11,6 +12,7 @@ __all__ = ["LOSSES", "SegmentationOptions", "SegmentationPredictOptions"]
 
 # MONAI's losses per sample, then the batch forms that couple the samples (gradient caching).
 LOSSES = ("dice_ce", "dice", "dice_focal", "ce", "dice_batch", "dice_ce_batch")
+RLE_ONLY = ("labels", "image_size", "crop", "mask_size")  # keys only an RLE CSV's task reads
 
 
 @dataclass
@@ -119,11 +121,20 @@ class SegmentationOptions(TaskOptions):
             raise ValueError(
                 f"pos_neg must be >= 0 (0: background centres only), got {self.pos_neg}"
             )
-        self._check_network_keys(cfg)
 
-    def _check_network_keys(self, cfg: Any) -> None:
-        """The keys of the networks bigbatch builds, set where they would not be read."""
+    def check_read(self, cfg: Any) -> None:
+        """The keys of a Kaggle RLE CSV for files of images and masks, and those of the
+        networks bigbatch builds where another network is built: refused, not ignored."""
         from bigbatch.segmentation.networks import MONAI_ARCHS
+        from bigbatch.train.tasks.segmentation.rle_data import is_rle_csv
+
+        given = self.changed(*RLE_ONLY)
+        if given and Path(cfg.data).exists() and not is_rle_csv(cfg.data):
+            raise ValueError(
+                f"{', '.join(given)}: for a Kaggle RLE CSV (image ids and EncodedPixels), and "
+                f"data={cfg.data} is files of images and masks, trained at size={cfg.size}: drop "
+                f"{'them' if len(given) > 1 else 'it'}"
+            )
 
         unread = self.changed("encoder", "widths", "norm") if cfg.model else []
         if unread:
