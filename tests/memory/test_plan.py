@@ -100,6 +100,7 @@ def test_overhead_larger_than_the_budget_is_refused() -> None:
         ("512MiB", 512 * 2**20),
         ("1.5G", int(1.5 * 2**30)),
         (" 10 mb ", 10**7),
+        ("2000000", 2 * 10**6),  # bytes, without a unit, from 1 MiB
     ],
 )
 def test_parse_bytes(text: str, value: int) -> None:
@@ -110,6 +111,14 @@ def test_parse_bytes(text: str, value: int) -> None:
 def test_parse_bytes_rejects_with_the_fix(text: str) -> None:
     with pytest.raises(ValueError, match=r"GB|positive"):
         parse_bytes(text)
+
+
+def test_a_number_without_a_unit_too_small_for_a_budget_is_refused() -> None:
+    """'24' meant 24 GB: read as 24 bytes it would be refused later as leaving nothing, or
+    plan for nothing; it is refused where it is read, with the units to write."""
+    with pytest.raises(ValueError, match="'24' has no unit, so it is 24 bytes: write 24GB or 24GiB"):
+        parse_bytes("24")
+    assert parse_bytes("0", allow_zero=True) == 0  # overhead=0 needs no unit
 
 
 def test_top_level_plan_and_its_micro_batches() -> None:

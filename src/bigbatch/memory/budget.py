@@ -24,7 +24,8 @@ _UNITS = {
 
 
 def parse_bytes(text: str | int | float, *, allow_zero: bool = False) -> int:
-    """Parse a memory size: ``"8GB"`` (10^9), ``"8GiB"`` or ``"8G"`` (2^30), ``"512MiB"``, bytes.
+    """Parse a memory size: ``"8GB"`` (10^9), ``"8GiB"`` or ``"8G"`` (2^30), ``"512MiB"``, bytes
+(a number without a unit, from 1 MiB: ``"24"`` is refused as the 24 GB it surely meant).
 
     >>> parse_bytes("8GB"), parse_bytes("1.5GiB"), parse_bytes(1024)
     (8000000000, 1610612736, 1024)
@@ -43,6 +44,11 @@ def parse_bytes(text: str | int | float, *, allow_zero: bool = False) -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"a memory size must be positive, got {text!r}")
+    if not unit and 0 < value < 2**20:  # '24' for 24 GB: a few bytes is no one's budget
+        raise ValueError(
+            f"{text.strip()!r} has no unit, so it is {int(value)} bytes: write {m.group(1)}GB "
+            f"or {m.group(1)}GiB (or the bytes, at least 1 MiB)"
+        )
     return int(value)
 
 
