@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,22 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
         shell=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.stdout.startswith("card") and "Traceback" not in done.stderr, done.stderr
+
+
+def test_prediction_runs_where_training_does_by_default() -> None:
+    """predict and ensemble pick the GPU where there is one, as train's device=auto does: a
+    Kaggle notebook's `bigbatch predict RUN IMAGES` does not run its TTA on the CPU."""
+    import inspect
+
+    from bigbatch.train.config import TrainConfig
+    from bigbatch.train.tasks import PredictRequest
+    from bigbatch.train.tasks.classification.predict import predict_files
+    from bigbatch.train.tasks.regression.predict import predict_files as predict_values
+    from bigbatch.train.tasks.segmentation.predict import predict_masks
+    from bigbatch.train.tasks.segmentation.submit import write_submission
+
+    assert parse("predict", "runs/a", "images")[0].device == TrainConfig.device == "auto"
+    assert parse("ensemble", "runs/a", "runs/b")[0].device == "auto"
+    assert PredictRequest(run_dir=Path("runs/a"), inputs=Path("images")).device == "auto"
+    for f in (predict_files, predict_values, predict_masks, write_submission):
+        assert inspect.signature(f).parameters["device"].default == "auto", f.__module__

@@ -116,7 +116,9 @@ def test_parse_bytes_rejects_with_the_fix(text: str) -> None:
 def test_a_number_without_a_unit_too_small_for_a_budget_is_refused() -> None:
     """'24' meant 24 GB: read as 24 bytes it would be refused later as leaving nothing, or
     plan for nothing; it is refused where it is read, with the units to write."""
-    with pytest.raises(ValueError, match="'24' has no unit, so it is 24 bytes: write 24GB or 24GiB"):
+    with pytest.raises(
+        ValueError, match="'24' has no unit, so it is 24 bytes: write 24GB or 24GiB"
+    ):
         parse_bytes("24")
     assert parse_bytes("0", allow_zero=True) == 0  # overhead=0 needs no unit
 

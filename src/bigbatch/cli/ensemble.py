@@ -40,7 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run folders: test-time passes per image, each a distinct flip: 1 none, 2 + "
         "horizontal, 3 + vertical, 4 + both",
     )
-    p.add_argument("--device", default="cpu", help="run folders: cpu, cuda, cuda:N, mps or auto")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="run folders: auto (a GPU where there is one, else the CPU), cpu, cuda, cuda:N or "
+        "mps; an experiments TOML's members predict on their device=",
+    )
     p.add_argument(
         "--unfinished",
         action="store_true",
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # The flags of run folders and their defaults: an experiments TOML sets these in the file.
-_FOLDER_FLAGS = {"images": None, "tta": 2, "device": "cpu", "unfinished": False, "budget": ""}
+_FOLDER_FLAGS = {"images": None, "tta": 2, "device": "auto", "unfinished": False, "budget": ""}
 
 
 def _refuse_folder_flags(args: argparse.Namespace) -> None:

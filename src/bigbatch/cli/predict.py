@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="output path without suffix (default: RUN/predictions); segmentation: a folder "
         "(default: RUN/masks), or the submission CSV of an RLE run (default: RUN/submission.csv)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU where there is one: cuda, then mps; else the CPU), cpu, cuda, cuda:N "
+        "or mps",
+    )
     p.add_argument(
         "--budget",
         default="",

@@ -64,7 +64,7 @@ class _RunRequest:
     out: Path | None = None
     tta: int = 2
     checkpoint: str = "best"
-    device: str = "cpu"
+    device: str = "auto"  # a GPU where there is one (cuda, then mps), else the CPU
     options: Mapping[str, Any] = field(default_factory=dict)
     budget: str = ""  # memory for prediction's forward passes ("": the run's planned batch)
 

@@ -377,12 +377,13 @@ def run_experiments(
         elif member_classes != classes:
             raise ConfigError(f"member {m.name} was trained on other classes than the first member")
         valid_items = data[1]
-        vp = predict_files(run_dir, valid_items.files, tta=tta)
+        device = c.device  # where it trained (auto: a GPU where there is one)
+        vp = predict_files(run_dir, valid_items.files, tta=tta, device=device)
         labels = np.array(valid_items.labels)
         valid_probs.append((m.weight, vp.probs))
         result.scores.append({"member": m.name, "weight": m.weight} | _scores(vp.probs, labels))
         if test_files:
-            tp = predict_files(run_dir, test_files, tta=tta)
+            tp = predict_files(run_dir, test_files, tta=tta, device=device)
             save_predictions(tp, out_dir / m.name / "test_predictions")
             test_probs.append((m.weight, tp))
     if classes is None:

@@ -59,7 +59,7 @@ def predict_files(
     *,
     tta: int = 2,
     checkpoint: str = "best",
-    device: str = "cpu",
+    device: str = "auto",
     batch_size: int | None = None,
     seed: int = 0,
     budget: str = "",

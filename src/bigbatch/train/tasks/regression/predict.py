@@ -29,7 +29,7 @@ def predict_files(
     *,
     tta: int = 2,
     checkpoint: str = "best",
-    device: str = "cpu",
+    device: str = "auto",
     seed: int = 0,
     budget: str = "",
 ) -> tuple[np.ndarray, list[str]]:

@@ -162,7 +162,7 @@ def predict_masks(
     *,
     tta: int = 2,
     checkpoint: str = "best",
-    device: str = "cpu",
+    device: str = "auto",
     patch: int = 0,
     overlap: float = 0.5,
 ) -> list[Path]:

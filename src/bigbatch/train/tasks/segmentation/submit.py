@@ -158,7 +158,7 @@ def write_submission(
     mask_size: str = "",
     tta: int = 2,
     checkpoint: str = "best",
-    device: str = "cpu",
+    device: str = "auto",
 ) -> tuple[Path, int, str]:
     """Write the submission CSV of every image under ``images`` to ``out``: the runs'
     probabilities averaged (one run: its own), at ``mask_size`` (``HxW``; default the size the
