@@ -46,7 +46,7 @@ def parse_bytes(text: str | int | float, *, allow_zero: bool = False) -> int:
         raise ValueError(f"a memory size must be positive, got {text!r}")
     if not unit and 0 < value < 2**20:  # '24' for 24 GB: a few bytes is no one's budget
         raise ValueError(
-            f"{text.strip()!r} has no unit, so it is {int(value)} bytes: write {m.group(1)}GB "
+            f"{str(text).strip()!r} has no unit, so it is {int(value)} bytes: write {m.group(1)}GB "
             f"or {m.group(1)}GiB (or the bytes, at least 1 MiB)"
         )
     return int(value)
