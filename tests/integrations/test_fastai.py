@@ -153,6 +153,7 @@ def test_plan_learner_predicts_a_micro_batch_under_the_budget() -> None:
     learn = Learner(DataLoaders(train, train), model, loss_func=nn.CrossEntropyLoss())
     roomy = plan_learner(learn, 64, "2GB", overhead=0)
     assert (roomy.micro_batch, roomy.micro_batches) == (64, 1)
+    assert roomy.prediction.device == "cpu"  # where the loaders put the batches: the default
     tight = plan_learner(learn, 64, roomy.floor_bytes * 4, overhead=0)
     assert tight.micro_batch < 64 and tight.micro_batch * tight.micro_batches >= 64
     assert tight.predicted_peak_bytes <= tight.usable_bytes

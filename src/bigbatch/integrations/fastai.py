@@ -160,7 +160,7 @@ def plan_learner(
     target_batch: int,
     budget: str | int,
     *,
-    device: str = "cpu",
+    device: str = "",
     overhead: int | None = None,
 ) -> Any:
     """Plan the micro-batch for a ``Learner`` under a memory budget, by prediction (no trial
@@ -170,10 +170,12 @@ def plan_learner(
     Then rebuild the loaders with ``bs=plan.micro_batch`` and train with
     ``ExactGradientAccumulation(n_acc=target_batch)``. Returns a
     :class:`bigbatch.memory.plan.Plan` (``plan.summary()`` says why). ``overhead``: bytes the
-    process holds besides the step (default: measured, as ``bigbatch plan`` does). With a
-    ``Learner`` already built::
+    process holds besides the step (default: measured, as ``bigbatch plan`` does).
+    ``device``: the kind planned for, by default the one the Learner's loaders put its batches
+    on (fastai's ``default_device()``: a GPU where there is one). With a ``Learner`` already
+    built::
 
-        plan = plan_learner(learn, target_batch=256, budget="16GB", device="cuda")
+        plan = plan_learner(learn, target_batch=256, budget="16GB")
         learn.dls = dblock.dataloaders(path, bs=plan.micro_batch)
         learn.fit_one_cycle(5, cbs=ExactGradientAccumulation(n_acc=256))
     """
@@ -182,6 +184,7 @@ def plan_learner(
     xb = next(iter(learn.dls.train))[0]  # one batch: the sample shape and dtype
     if not isinstance(xb, torch.Tensor):
         raise TypeError(f"plan_learner plans models with one tensor input, got {type(xb).__name__}")
+    device = device or xb.device.type  # where the Learner trains, not the CPU by default
     mp = next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
     precision = "fp32" if mp is None else ("bf16" if "bf16" in str(mp.amp_mode) else "fp16")
     optimizer = "sgd" if getattr(learn.opt_func, "__name__", "") == "SGD" else "adamw"
