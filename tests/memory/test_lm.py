@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 from bigbatch.cli.main import main  # noqa: E402
 from bigbatch.memory.bnb import QuantizedLinear, quantized_bytes  # noqa: E402
+from bigbatch.memory.evaluate import predict_evaluation_peak  # noqa: E402
 from bigbatch.memory.fsdp import fake_ranks  # noqa: E402
 from bigbatch.memory.lm import (  # noqa: E402
     LMPlan,
@@ -27,10 +28,11 @@ from bigbatch.memory.lm import (  # noqa: E402
     per_rank_bytes,
     plan_lm,
 )
-from bigbatch.memory.measure import measure_step_peak  # noqa: E402
+from bigbatch.memory.measure import measure_peak, measure_step_peak  # noqa: E402
 from bigbatch.memory.meta import build_on_meta  # noqa: E402
 from bigbatch.memory.plan import DoesNotFitError  # noqa: E402
 from bigbatch.memory.predict import predict_peak  # noqa: E402
+from bigbatch.memory.step import make_inputs, run_step_loss  # noqa: E402
 
 # The shapes of the public configs (written in the repository: no download).
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
@@ -478,9 +480,10 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     assert ddp.per_rank_extra_bytes == ddp.sizes.trainable  # DDP's gradient buckets
     assert fsdp.fsdp_traced and fsdp.per_rank_extra_bytes == 0  # one rank, traced
     assert "FSDP2 over 4 ranks, traced as one rank" in fsdp.notes[0]
-    # Evaluation: planned for DDP's ranks as for one; not under FSDP2 (said, with the fix).
-    assert one.evaluation is not None and ddp.evaluation is not None and fsdp.evaluation is None
-    assert "evaluation not planned under FSDP2: set per_device_eval_batch_size" in fsdp.summary()
+    # Evaluation: planned for DDP's ranks as for one, and for an FSDP2 rank as it runs.
+    assert one.evaluation is not None and ddp.evaluation is not None
+    assert fsdp.evaluation is not None and fsdp.eval_batch == 2  # a rank's share, at most
+    assert fsdp.to_dict()["eval_peak_bytes_per_rank"] == fsdp.evaluation.predicted_peak_bytes
     # NCCL's buffers are outside the allocator and the trace: a CUDA plan over ranks says so.
     cuda = plan_lm(config, LMSetup(seq_len=64, world_size=2), 8, "h100", device="cuda")
     assert any("NCCL" in n for n in cuda.notes) and not any("NCCL" in n for n in ddp.notes)
@@ -491,7 +494,8 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
         with pytest.raises(RuntimeError, match="plan before init_process_group"), fake_ranks(2):
             pass
     assert not composed.fsdp_traced and composed.per_rank_extra_bytes < 0
-    assert composed.evaluation is None
+    assert composed.evaluation is None  # one unsharded process's trace: said, with the fix
+    assert "evaluation not planned for FSDP2 ranks composed onto one process" in composed.summary()
     assert "composed onto one process's trace" in composed.notes[0]
     # A rank's usable memory is the budget's, whatever the rank holds beyond the trace.
     reported = [plan.to_dict() for plan in (one, ddp, fsdp, composed)]
@@ -519,14 +523,25 @@ def fsdp_config() -> transformers.LlamaConfig:
 def test_an_fsdp2_rank_is_traced_as_it_runs(setup: LMSetup) -> None:
     """One FSDP2 rank's step (fully_shard on each decoder layer and the root), traced on a fake
     process group, against the same step really run on it (collectives that move no data; the
-    memory is the rank's own). Composing the ranks onto one process's trace instead (the
-    control) is 18 % over for the full fine-tune: its optimizer step's temporaries and the
-    moment of its peak are one process's, not a rank's."""
+    memory is the rank's own); its evaluation's forward without gradients too (each layer's
+    gathered weights freed after it, as FSDP2 does: not following those frees, the trace was
+    44-56 % over). Composing the ranks onto one process's trace instead (the control) is 18 %
+    over for the full fine-tune: its optimizer step's temporaries and the moment of its peak
+    are one process's, not a rank's."""
     config = fsdp_config()
     spec = lm_spec_at(config, setup, device="cpu", precision="fp32", sharded=True)(2)
     with fake_ranks(setup.world_size):
         predicted, measured = predict_peak(spec).peak_bytes, measure_step_peak(spec)
+        evaluating = predict_evaluation_peak(spec, state_copies=0).peak_bytes
+        model = spec.model().eval()
+        x = make_inputs(spec, torch.device("cpu"))
+        with torch.no_grad():
+            evaluated = measure_peak(
+                lambda: run_step_loss(spec, model, x, "cpu"),
+                alive=[*model.parameters(), *model.buffers()],
+            )
     assert abs(predicted - measured) / measured <= 0.01, (predicted, measured)
+    assert abs(evaluating - evaluated) / evaluated <= 0.01, (evaluating, evaluated)
     if not setup.lora_r:
         one = lm_spec_at(config, LMSetup(seq_len=64), device="cpu", precision="fp32")(2)
         floor = predict_peak(one)

@@ -19,6 +19,7 @@ import torch
 
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.fake_branches import real_branches
+from bigbatch.memory.fsdp import storage_resizes
 from bigbatch.memory.meta import build_on_meta, to_empty_shared
 from bigbatch.memory.plan import largest_fitting
 from bigbatch.memory.predict import MemoryPrediction, _assemble, tracing_for
@@ -53,7 +54,8 @@ def predict_evaluation_peak(
     device, tracker, rules = tracing_for(target, cudnn_benchmark=spec.cudnn_benchmark)
     param_uids: set[int] = set()
     state_uids: set[int] = set()
-    with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches():
+    resizes = storage_resizes(tracker.resized)  # FSDP2 frees each layer's gathered weights
+    with rules, FakeTensorMode(allow_non_fake_inputs=True), tracker, real_branches(), resizes:
         model = to_empty_shared(model, device).eval()
         for t in [*model.parameters(), *model.buffers()]:
             tracker.track(t)
@@ -66,7 +68,13 @@ def predict_evaluation_peak(
         with torch.no_grad(), tracker.in_phase("forward"):
             loss = run_step_loss(spec, model, x, device.type)
         del loss, x, state, model
-    return _assemble(tracker, (param_uids, set(), state_uids), spec, target.type, t0)
+    # FSDP2's unsharded weights (storages it resizes) count as weights, as its shards do.
+    uids: tuple[set[int], set[int], set[int]] = (
+        param_uids | tracker.resized_uids,
+        set(),
+        state_uids,
+    )
+    return _assemble(tracker, uids, spec, target.type, t0)
 
 
 @dataclass(frozen=True)

@@ -645,7 +645,7 @@ class LMPlan:
     vocab: int = 0
     notes: list[str] = field(default_factory=list)
     source: str = ""  # the config's name or path, as load_lm_config was given it
-    # Trainer's evaluation batch a rank (per_device_eval_batch_size); None: not planned (FSDP2)
+    # Trainer's evaluation batch a rank (per_device_eval_batch_size); None: not planned
     evaluation: EvaluationPlan | None = None
 
     @property
@@ -828,10 +828,11 @@ class LMPlan:
             )
             if not self.evaluation.fits:
                 text += " (over the budget even at 1: evaluate on a bigger card)"
-        elif self.setup.fsdp and s.world_size > 1:  # no more than training's micro-batch
+        elif self.setup.fsdp and s.world_size > 1:  # composed under torchrun: not traced
             text += (
-                "; evaluation not planned under FSDP2: set per_device_eval_batch_size to at most "
-                f"the micro-batch ({self.micro_batch})"
+                "; evaluation not planned for FSDP2 ranks composed onto one process: plan "
+                "before init_process_group (bigbatch plan --hf ... --save), or set "
+                f"per_device_eval_batch_size to at most the micro-batch ({self.micro_batch})"
             )
         return text + "".join(f"; note: {n}" for n in self.notes)
 
@@ -925,9 +926,9 @@ def plan_lm(
                 config, setup, floor, extra, (usable, budget_bytes, margin, overhead)
             )
             raise DoesNotFitError(why, exc.floor) from None
-    evaluated = (
-        _plan_evaluation(spec_at, plan, global_batch // n) if evaluation and not fsdp else None
-    )
+        # Composed FSDP2 ranks (under torchrun) trace one unsharded process: not its forward.
+        planned = evaluation and (traced or not fsdp)
+        evaluated = _plan_evaluation(spec_at, plan, global_batch // n) if planned else None
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -950,8 +951,8 @@ def _plan_evaluation(spec_at: Callable[[int], StepSpec], plan: Plan, largest: in
     sequences and large vocabularies more than training's micro-batch holds), beside what
     training keeps meanwhile: the weights and the optimizer state (the gradients are freed at
     each optimizer step) and, on CUDA, the cuBLAS workspace and handle of autograd's thread,
-    under the training plan's usable memory. (Not for FSDP2, whose evaluation gathers each
-    layer as its training does.)"""
+    under the training plan's usable memory. An FSDP2 rank is traced as its training is, on
+    the fake process group: its shards, each layer's gathered weights until FSDP2 frees them."""
     trained = plan.prediction
 
     def peak_at(b: int) -> int:
