@@ -86,6 +86,17 @@ def test_predict_with_tta_and_files(image_folder: Path, tiny_model: str, tmp_pat
     assert csv_path.read_text().splitlines()[0] == "file,label,confidence"
     one = predict_folder(tmp_path / "run", tmp_path / "test", tta=1)
     assert not np.allclose(one.probs, pred.probs)  # the flip and crops changed the average
+    # Forward passes as its validation ran them: in the run's autocast (bf16 here, on the
+    # CPU); a run trained in fp16 on a GPU, predicted on a CPU, computes in fp32 there.
+    saved = tmp_path / "run" / "config.json"
+    fp32 = json.loads(saved.read_text())
+    for precision in ("bf16", "fp16"):
+        saved.write_text(json.dumps(fp32 | {"precision": precision}))
+        again = predict_folder(tmp_path / "run", tmp_path / "test", tta=1, device="cpu")
+        if precision == "bf16":
+            assert 0 < np.abs(again.probs - one.probs).max() < 0.05  # bfloat16's round-off
+        else:
+            np.testing.assert_array_equal(again.probs, one.probs)
 
 
 @pytest.mark.slow

@@ -242,6 +242,20 @@ def place_model(
     return model, torch.contiguous_format
 
 
+def inference_precision(precision: str, device: torch.device) -> str:
+    """A trained run's ``precision=`` for its forward passes without gradients on ``device``,
+    which may not be the one it trained on: its autocast, as its validation ran, except fp16 on
+    a CPU (a run trained on a GPU, predicted on a laptop), which has no fp16 autocast worth
+    running: fp32 there.
+
+    >>> inference_precision("fp16", torch.device("cpu")), inference_precision("bf16", torch.device("cpu"))
+    ('fp32', 'bf16')
+    """
+    if precision == "fp16" and device.type == "cpu":
+        return "fp32"
+    return resolve_precision(precision, device)
+
+
 def distributed_sampler(dataset: Any, rank: int, world: int, seed: int) -> Any:
     """This rank's share of each epoch under torchrun (None on one process)."""
     if world <= 1:

@@ -20,7 +20,9 @@ from bigbatch.images import ImageInfo, UnreadableImageError, probe, read_pixels,
 from bigbatch.models import MEAN, STD, UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import DataError, make_loader, seed_python_from_torch
+from bigbatch.train.runtime import inference_precision, place_model
 from bigbatch.train.tasks import planned_eval_batch
+from bigbatch.train.tasks.base import Placement
 from bigbatch.train.tasks.device_images import DeviceAugment, EncodedImages
 from bigbatch.train.tasks.user_model import load_user_model
 
@@ -461,15 +463,22 @@ def predict_images(
     cfg, info = run.config, run.info
     fmt = ImageFormat.from_dict(info.get("format"))
     factory = build_model(cfg, outputs, fmt.channels)
-    model = run.load_into(factory())
+    # As its validation ran: the run's autocast, and NHWC where that pays on the device.
+    model, memory_format = place_model(run.load_into(factory()), cfg.channels_last, device)
+    where = Placement(device, inference_precision(cfg.precision, device), memory_format)
     if budget and not batch_size:
-        batch_size = predict_batch(factory, (fmt.channels, cfg.size, cfg.size), device, budget)
+        shape = (fmt.channels, cfg.size, cfg.size)
+        batch_size = predict_batch(factory, shape, device, budget, precision=where.precision)
     batch_size = batch_size or planned_eval_batch(run.run_dir, device)
     backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
-    model.to(device).eval()
+    model.eval()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with where.autocast():
+            return model(x)
 
     def rows(x: torch.Tensor) -> np.ndarray:
-        return head(infer_fitting(model, x.to(device), backoff))
+        return head(infer_fitting(forward, where.inputs(x), backoff))
 
     mean = tta_mean(
         rows,

@@ -27,7 +27,7 @@ from bigbatch.device import autocast_for
 from bigbatch.io import atomic_path, check_writable
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
-from bigbatch.train.runtime import resolve_device, resolve_precision
+from bigbatch.train.runtime import inference_precision, resolve_device
 from bigbatch.train.tasks import PredictRequest, planned_eval_batch, read_task_info
 from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES,
@@ -232,7 +232,7 @@ def _member(
     cfg = run.config
     dims, channels, classes = _kind(run)
     model = run.load_into(build_seg_model(cfg, channels, classes, dims)())
-    precision = resolve_precision(cfg.precision, dev)
+    precision = inference_precision(cfg.precision, dev)
     model.to(dev).eval()
     # Patches a forward pass: as many as the run's validation planned (at its patch size).
     window_batch = planned_eval_batch(run.run_dir, dev, default=1) if not patch else 1

@@ -32,7 +32,7 @@ from bigbatch.segmentation.postprocess import (
 from bigbatch.segmentation.rle import RLEError, parse_mask_size, write_rle_csv
 from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict, split_items
-from bigbatch.train.runtime import resolve_device, resolve_precision
+from bigbatch.train.runtime import inference_precision, resolve_device
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
@@ -99,7 +99,7 @@ def load_submission_run(
         transforms(False, False, tuple(rle["image_size"]) if rle.get("image_size") else None, None),
         rules,
         (int(rules_size[0]), int(rules_size[1])),
-        resolve_precision(cfg.precision, dev),
+        inference_precision(cfg.precision, dev),
         (cfg.data, cfg.image_root, cfg.valid_pct, cfg.seed),
         str(getattr(cfg.options, "labels", "auto")),
         (int(rle["stored_size"][0]), int(rle["stored_size"][1]))
