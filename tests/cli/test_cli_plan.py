@@ -46,6 +46,30 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
+def test_a_card_named_by_the_budget_is_planned_as_train_runs_on_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--budget t4 alone plans for CUDA in fp16 (a T4 only emulates bf16), --budget l4 in
+    bf16: what bigbatch train's precision=auto takes there, said on stderr; --precision plans
+    another, --device cpu refuses the card with the fix."""
+    args = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--json"]
+    for card, precision in [("t4", "fp16"), ("l4", "bf16")]:
+        assert main([*args, "--budget", card]) == 0
+        out, err = capsys.readouterr()
+        plan = json.loads(out)
+        assert (plan["device"], plan["precision"], plan["optimizer"]) == (
+            "cuda",
+            precision,
+            "adamw",
+        )
+        assert f"--device cuda --precision {precision} (precision=auto's there" in err
+    assert main([*args, "--budget", "t4", "--precision", "fp32"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["precision"] == "fp32" and "planned for the T4: --device cuda\n" in err
+    assert main([*args, "--budget", "t4", "--device", "cpu"]) == 2
+    assert "is a GPU (NVIDIA T4 16 GB): plan for it with --device cuda" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_table_csv_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path, png = tmp_path / "table.csv", tmp_path / "peaks.png"

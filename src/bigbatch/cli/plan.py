@@ -123,10 +123,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device",
-        help="the device to plan for: cpu or cuda (no GPU needed); default cpu, cuda with --hf",
+        help="the device to plan for: cpu or cuda (no GPU needed); default cpu, cuda with --hf "
+        "or where --budget names a card",
     )
     p.add_argument(
-        "--precision", choices=PRECISIONS, help="autocast's dtype; default fp32, bf16 with --hf"
+        "--precision",
+        choices=PRECISIONS,
+        help="autocast's dtype; default fp32, bf16 with --hf; for a card named by --budget, "
+        "what bigbatch train's precision=auto takes on it (bf16, or fp16 before Ampere)",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument(
@@ -434,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
     _refuse_misplaced_benchmark(args)
     if args.hf is not None:
         return plan_hf.run(args)
-    args.device, args.precision = args.device or "cpu", args.precision or "fp32"
+    _card_defaults(args)
     plan_hf.refuse_language_flags(args)
     training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
     if args.config or training:
@@ -481,8 +485,9 @@ def run(args: argparse.Namespace) -> int:
         freeze_loaded()
     with torch_threads(threads):
         plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
-    for p in plans:
-        p["threads"] = threads
+    for p in plans:  # what it was planned for, with the defaults (a card's) resolved
+        p |= {"threads": threads, "device": args.device, "precision": args.precision}
+        p["optimizer"] = args.optimizer
     if any(p.get("return_freed_memory") for p in plans):
         notes.append(RETURN_FREED_NOTE)
     if args.csv:
@@ -498,6 +503,23 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
     return 0
+
+
+def _card_defaults(args: argparse.Namespace) -> None:
+    """``--device`` and ``--precision`` where not given: for a card named by ``--budget``,
+    CUDA in the precision ``bigbatch train``'s ``precision=auto`` takes on it (bf16, or fp16
+    where the card only emulates bf16), said on stderr; else the CPU in fp32."""
+    card = find_card(args.budget) if args.budget else None
+    if card is None or (args.device or "cuda") != "cuda":
+        args.device, args.precision = args.device or "cpu", args.precision or "fp32"
+        return
+    said = [] if args.device else ["--device cuda"]
+    if not args.precision:
+        args.precision = "fp16" if card.emulates_bf16 else "bf16"
+        said.append(f"--precision {args.precision} (precision=auto's there; give another)")
+    args.device = "cuda"
+    if said:  # stdout stays the plan (JSON with --json)
+        print(f"planned for the {card.short_name}: {' '.join(said)}", file=sys.stderr)
 
 
 def _machine_notes(args: argparse.Namespace, budget: int, card: Card | None) -> list[str]:
