@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from bigbatch.cli import UserError, flags_set, freeze_loaded, plan_hf, positive_ints
-from bigbatch.device import torch_threads, total_bytes
+from bigbatch.device import device_kind, torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, Card, find_card
 from bigbatch.memory.plan import (
@@ -126,12 +126,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="the device to plan for: cpu or cuda (no GPU needed); default cpu, cuda with --hf "
         "or where --budget names a card",
     )
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        help="autocast's dtype; default fp32, bf16 with --hf; for a card named by --budget, "
-        "what bigbatch train's precision=auto takes on it (bf16, or fp16 before Ampere)",
-    )
+    precision = "autocast's dtype; default fp32, bf16 with --hf, for a card named by --budget "
+    precision += "bigbatch train's precision=auto there (bf16, or fp16 before Ampere)"
+    p.add_argument("--precision", choices=PRECISIONS, help=precision)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument(
         "--cudnn-benchmark",
@@ -510,14 +507,14 @@ def _card_defaults(args: argparse.Namespace) -> None:
     CUDA in the precision ``bigbatch train``'s ``precision=auto`` takes on it (bf16, or fp16
     where the card only emulates bf16), said on stderr; else the CPU in fp32."""
     card = find_card(args.budget) if args.budget else None
-    if card is None or (args.device or "cuda") != "cuda":
+    if card is None or (args.device and not device_kind(args.device).dedicated_memory):
         args.device, args.precision = args.device or "cpu", args.precision or "fp32"
         return
     said = [] if args.device else ["--device cuda"]
     if not args.precision:
         args.precision = "fp16" if card.emulates_bf16 else "bf16"
         said.append(f"--precision {args.precision} (precision=auto's there; give another)")
-    args.device = "cuda"
+    args.device = args.device or "cuda"
     if said:  # stdout stays the plan (JSON with --json)
         print(f"planned for the {card.short_name}: {' '.join(said)}", file=sys.stderr)
 
