@@ -171,6 +171,11 @@ def test_bigbatch_plan_plans_the_tasks_own_run(
     cuda = [*keys, "budget=t4", "device=cuda"]
     assert main(["plan", *cuda, "precision=fp16"]) == 0
     assert "plan: target batch 8" in capsys.readouterr().out
-    if not torch.cuda.is_available():
-        assert main(["plan", *cuda]) == 2
+    # A card named: device=auto and precision=auto are what train takes on it (fp16 on a T4).
+    assert main(["plan", *keys, "budget=t4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "planned as bigbatch train runs on the T4: device=cuda precision=fp16" in err
+    assert json.loads(out.strip().splitlines()[-1])["target_batch"] == 8
+    if not torch.cuda.is_available():  # a size: which card, and so which precision, is unknown
+        assert main(["plan", *keys, "budget=15GB", "device=cuda"]) == 2
         assert "precision=auto on a cuda this machine does not have" in capsys.readouterr().err

@@ -350,9 +350,20 @@ def _plan_training_run(args: argparse.Namespace) -> int:
     wanted = next((k.partition("=")[2] for k in reversed(keys) if k.startswith("device=")), "")
     try:
         cfg = load_config(args.config, [k for k in keys if not k.startswith("device=")])
-        check_device(wanted or cfg.device, "device", here=False)
-        device = torch.device(wanted) if wanted and wanted != "auto" else resolve_device(cfg.device)
+        name = wanted or cfg.device
+        check_device(name, "device", here=False)
+        card = find_card(cfg.budget)
+        if card is not None and name == "auto":  # as train picks the GPU on that card
+            name = "cuda"
+        device = torch.device(name) if name != "auto" else resolve_device(name)
         cfg.device = str(device)
+        if card is not None and cfg.precision == "auto" and device_kind(device).dedicated_memory:
+            cfg.precision = card.auto_precision
+            print(
+                f"planned as bigbatch train runs on the {card.short_name}: device={device} "
+                f"precision={cfg.precision} (precision=auto's there)",
+                file=sys.stderr,
+            )
         if cfg.precision == "auto" and device.type != resolve_device("auto").type:
             raise ConfigError(
                 f"precision=auto on a {device.type} this machine does not have: give "
@@ -512,7 +523,7 @@ def _card_defaults(args: argparse.Namespace) -> None:
         return
     said = [] if args.device else ["--device cuda"]
     if not args.precision:
-        args.precision = "fp16" if card.emulates_bf16 else "bf16"
+        args.precision = card.auto_precision
         said.append(f"--precision {args.precision} (precision=auto's there; give another)")
     args.device = args.device or "cuda"
     if said:  # stdout stays the plan (JSON with --json)
@@ -689,7 +700,7 @@ def _print_cards() -> None:
     for c in CARDS:
         names = ", ".join((c.key, *c.aliases))
         context = f"{c.context_bytes / 2**20:.0f} MiB" + ("" if c.context_measured else "*")
-        half = "fp16" if c.emulates_bf16 else "bf16"
+        half = c.auto_precision
         print(f"{c.name:<31} {format_bytes(c.total_bytes):>10} {context:>13} {half:>6}  {names}")
     print(
         "* estimated: the H100's measured context (CUDA 13); on the card, overhead= sets what "

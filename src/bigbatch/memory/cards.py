@@ -61,6 +61,16 @@ class Card:
         return self.compute_capability < AMPERE
 
     @property
+    def auto_precision(self) -> str:
+        """What ``precision=auto`` trains in on this card: bf16, or fp16 where it only
+        emulates bf16 (:func:`bigbatch.device.auto_precision` on the card itself).
+
+        >>> find_card("t4").auto_precision, find_card("a100-80gb").auto_precision
+        ('fp16', 'bf16')
+        """
+        return "fp16" if self.emulates_bf16 else "bf16"
+
+    @property
     def short_name(self) -> str:
         """``NVIDIA T4 16 GB`` as ``T4``: the model alone."""
         return re.sub(r" \d+ GB.*", "", self.name.removeprefix("NVIDIA ").removeprefix("GeForce "))
