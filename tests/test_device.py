@@ -248,3 +248,19 @@ def test_auto_precision_is_fp16_where_the_card_only_emulates_bf16(
     else:
         assert said == []
     assert not device.emulates_bf16(torch.device("cpu"))
+
+
+def test_a_run_names_its_device_and_a_cpu_chosen_by_auto_says_no_gpu_was_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A notebook with its accelerator off trains on the CPU under device=auto: the first line
+    of the run says so. A GPU is named with its memory (simulated here)."""
+    from types import SimpleNamespace
+
+    assert device.describe_device(torch.device("cpu")) == "cpu"
+    assert "device=auto found no GPU" in device.describe_device(torch.device("cpu"), auto=True)
+    card = SimpleNamespace(name="Tesla T4", total_memory=15 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert device.describe_device(torch.device("cuda"), auto=True) == "cuda:0 (Tesla T4, 15.0 GiB)"
+    assert device.describe_device(torch.device("cuda:1")) == "cuda:1 (Tesla T4, 15.0 GiB)"

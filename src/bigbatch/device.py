@@ -141,6 +141,23 @@ def auto_device() -> torch.device:
     return torch.device("cpu")
 
 
+def describe_device(device: torch.device, *, auto: bool = False) -> str:
+    """``device`` as a run's log names it: a GPU's model and memory (``cuda:0 (NVIDIA T4,
+    15.0 GiB)``); with ``auto`` (``device=auto`` chose it), a CPU says that no GPU was found,
+    so that a notebook with its accelerator off is told before hours of training on the CPU.
+
+    >>> describe_device(torch.device("cpu"))
+    'cpu'
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        card = torch.cuda.get_device_properties(index)
+        return f"cuda:{index} ({card.name}, {card.total_memory / 2**30:.1f} GiB)"
+    if device.type == "cpu" and auto:
+        return "cpu (device=auto found no GPU: no CUDA or MPS device is visible to torch)"
+    return str(device)
+
+
 def auto_precision(device: torch.device) -> str:
     """``precision=auto``: bf16 on a GPU that has it (else fp16), fp32 elsewhere (CPU bf16 is slow
     on most CPUs; MPS autocast is young).

@@ -202,6 +202,9 @@ def test_predict_bad_input(job: Path, capsys: pytest.CaptureFixture[str]) -> Non
     if not torch.cuda.is_available():
         _fails(["predict", "run", "test", "--device", "cuda"], capsys, "no CUDA device")
     _fails(["predict", "run", "test", "--tta", "0"], capsys, "tta is a number of passes")
+    # A mistyped run folder is said, and not made (it was, for the predictions' folder).
+    _fails(["predict", "rnu", "test"], capsys, "rnu is not a bigbatch run folder")
+    assert not (job / "rnu").exists()
     (job / "test" / "red" / "broken.png").write_bytes(b"\x89PNG not really")
     _fails(["predict", "run", "test"], capsys, "broken.png")
 

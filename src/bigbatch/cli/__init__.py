@@ -43,6 +43,18 @@ def positive_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def say_device(name: str) -> None:
+    """The device ``--device`` picks (``auto``: a GPU where there is one), on stderr, where the
+    command's own line on stdout stays what it wrote."""
+    import sys
+
+    from bigbatch.device import describe_device
+    from bigbatch.train.runtime import resolve_device
+
+    device = resolve_device(name, "--device")
+    print(f"device: {describe_device(device, auto=name == 'auto')}", file=sys.stderr)
+
+
 def freeze_loaded() -> None:
     """In a process that runs one command: what it has loaded by now (torch, sympy, the
     command's libraries: some 300k objects) lives to the end, so the collector need not scan it

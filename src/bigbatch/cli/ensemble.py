@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli import UserError, add_task_options, flags_set, task_options
+from bigbatch.cli import UserError, add_task_options, flags_set, say_device, task_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,6 +137,7 @@ def _run_folders(args: argparse.Namespace) -> int:
             options=options,
             budget=args.budget,
         )
+        say_device(args.device)
         # Two ensembles into one folder would race on its files: the second is refused.
         with lock_folder(args.out, "--out"):
             print(ensemble(request))

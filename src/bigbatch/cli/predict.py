@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli import UserError, add_task_options, task_options
+from bigbatch.cli import UserError, add_task_options, say_device, task_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.train.config import ConfigError
     from bigbatch.train.data import DataError
     from bigbatch.train.tasks import PredictRequest, check_finished, run_task_entry
+    from bigbatch.train.trained_run import check_run_folder
 
     # A task's own options, passed only when set: a task refuses those it does not take.
     options = task_options(args)
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
     )
     try:
+        check_run_folder(args.run)  # before --out's folder is made in it
         entry = run_task_entry(args.run)
         predict = entry.predictor()
         if predict is None:
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 f"task={entry.name} registered no prediction: bigbatch predict cannot run it"
             )
         note = check_finished(args.run, unfinished=args.unfinished)
+        say_device(args.device)
         print(predict(request))
     except (ConfigError, DataError, ValueError, OSError) as exc:
         # A task's own bug (a KeyError, say) is not the user's input: its traceback shows.

@@ -44,12 +44,11 @@ from bigbatch.train.run_dir import (
 from bigbatch.train.runtime import (
     cap_to_budget,
     check_no_lone_sample,
-    device_for_rank,
     distributed_sampler,
     init_distributed,
     note_inexact,
     place_model,
-    resolve_precision,
+    run_device,
     slow_data_fix,
     threads_for_run,
     train_mode,
@@ -163,8 +162,7 @@ def _setup(
 ) -> Run:
     """Every check that needs no training, the plan, the model, the data and the saved state."""
     state = check_run_dir(run_dir, cfg, resume)
-    device = device_for_rank(cfg.device, rank, world)
-    precision = resolve_precision(cfg.precision, device, log)
+    device, precision = run_device(cfg, rank, world, log)
     benchmark = uses_cudnn_benchmark(cfg.cudnn_benchmark, device)
     threads, workers = threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)

@@ -15,6 +15,7 @@ from bigbatch.device import (
     auto_device,
     auto_precision,
     cap_cuda_allocator,
+    describe_device,
     device_kind,
     emulates_bf16,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "check_no_lone_sample",
     "device_for_rank",
     "distributed_sampler",
+    "inference_precision",
     "init_distributed",
     "note_inexact",
     "place_model",
@@ -35,6 +37,7 @@ __all__ = [
     "resolve_device",
     "resolve_precision",
     "resolve_threads",
+    "run_device",
     "slow_data_fix",
     "threads_for_run",
     "train_mode",
@@ -219,6 +222,15 @@ def train_mode(model: nn.Module, cfg: TrainConfig) -> None:
     model.train()
     if cfg.freeze_bn:
         freeze_batchnorm(model)
+
+
+def run_device(cfg: TrainConfig, rank: int, world: int, log: Log) -> tuple[torch.device, str]:
+    """A run's device (this rank's under torchrun) and the precision it computes in, said in
+    the log first: which GPU, or the CPU where ``device=auto`` found none."""
+    device = device_for_rank(cfg.device, rank, world)
+    precision = resolve_precision(cfg.precision, device, log)
+    log(f"device: {describe_device(device, auto=cfg.device == 'auto')}, {precision}")
+    return device, precision
 
 
 def device_for_rank(name: str, rank: int, world: int) -> torch.device:

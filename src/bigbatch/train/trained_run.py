@@ -13,7 +13,22 @@ from bigbatch.train.checkpoint import load_weights_file
 from bigbatch.train.config import ConfigError, TrainConfig, config_from_json
 from bigbatch.train.tasks import read_task_info
 
-__all__ = ["TrainedRun"]
+__all__ = ["TrainedRun", "check_run_folder"]
+
+
+def check_run_folder(run_dir: str | Path) -> None:
+    """ConfigError with the fix where ``run_dir`` is no run folder ``bigbatch train`` wrote
+    (no ``config.json``): before anything is written beside it, such as its predictions.
+
+    >>> check_run_folder("no/such/run")
+    Traceback (most recent call last):
+    ...
+    bigbatch.train.config.ConfigError: no/such/run is not a bigbatch run folder (no config.json); train one first
+    """
+    if not (Path(run_dir) / "config.json").is_file():
+        raise ConfigError(
+            f"{run_dir} is not a bigbatch run folder (no config.json); train one first"
+        )
 
 
 @dataclass(frozen=True)
@@ -37,11 +52,8 @@ class TrainedRun:
         """The run in ``run_dir`` at ``checkpoint`` (best or last); ConfigError with the fix
         where it is no run, a damaged one, one of another ``task``, or one without weights."""
         run_dir = Path(run_dir)
+        check_run_folder(run_dir)
         saved = run_dir / "config.json"
-        if not saved.is_file():
-            raise ConfigError(
-                f"{run_dir} is not a bigbatch run folder (no config.json); train one first"
-            )
         config = config_from_json(saved.read_text(), str(saved))
         try:
             info = read_task_info(run_dir)
