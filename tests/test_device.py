@@ -264,3 +264,16 @@ def test_a_run_names_its_device_and_a_cpu_chosen_by_auto_says_no_gpu_was_found(
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert device.describe_device(torch.device("cuda"), auto=True) == "cuda:0 (Tesla T4, 15.0 GiB)"
     assert device.describe_device(torch.device("cuda:1")) == "cuda:1 (Tesla T4, 15.0 GiB)"
+
+
+def test_one_process_on_one_of_several_gpus_says_the_others_are_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kaggle's two T4s: one process trains on one, and the run says how to use both."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    note = device.idle_gpus_note(torch.device("cuda", 0), 1)
+    assert note.startswith("note: 2 CUDA GPUs here and this run trains on one")
+    assert "torchrun --nproc-per-node 2 -m bigbatch train" in note
+    assert device.idle_gpus_note(torch.device("cuda", 0), 2) == ""  # under torchrun: each used
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device.idle_gpus_note(torch.device("cuda", 0), 1) == ""

@@ -158,6 +158,22 @@ def describe_device(device: torch.device, *, auto: bool = False) -> str:
     return str(device)
 
 
+def idle_gpus_note(device: torch.device, world: int) -> str:
+    """Where this one process trains on one of several GPUs (a Kaggle notebook's two T4s):
+    the others stay idle unless torchrun starts a process on each; '' otherwise.
+
+    >>> idle_gpus_note(torch.device("cpu"), 1)
+    ''
+    """
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if world > 1 or count < 2:
+        return ""
+    return (
+        f"note: {count} CUDA GPUs here and this run trains on one; `torchrun --nproc-per-node "
+        f"{count} -m bigbatch train ...` trains on all {count}, the same global batch"
+    )
+
+
 def auto_precision(device: torch.device) -> str:
     """``precision=auto``: bf16 on a GPU that has it (else fp16), fp32 elsewhere (CPU bf16 is slow
     on most CPUs; MPS autocast is young).

@@ -18,6 +18,7 @@ from bigbatch.device import (
     describe_device,
     device_kind,
     emulates_bf16,
+    idle_gpus_note,
 )
 from bigbatch.inexact import find_inexact_layers, freeze_batchnorm
 from bigbatch.io import read_json
@@ -230,6 +231,8 @@ def run_device(cfg: TrainConfig, rank: int, world: int, log: Log) -> tuple[torch
     device = device_for_rank(cfg.device, rank, world)
     precision = resolve_precision(cfg.precision, device, log)
     log(f"device: {describe_device(device, auto=cfg.device == 'auto')}, {precision}")
+    if rank == 0 and (note := idle_gpus_note(device, world)):
+        log(note)
     return device, precision
 
 
