@@ -251,14 +251,22 @@ def test_auto_precision_is_fp16_where_the_card_only_emulates_bf16(
 
 
 def test_a_run_names_its_device_and_a_cpu_chosen_by_auto_says_no_gpu_was_found(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     """A notebook with its accelerator off trains on the CPU under device=auto: the first line
     of the run says so. A GPU is named with its memory (simulated here)."""
     from types import SimpleNamespace
 
     assert device.describe_device(torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(device, "NVIDIA_DRIVER", "/no/such/driver")
     assert "device=auto found no GPU" in device.describe_device(torch.device("cpu"), auto=True)
+    # A GPU machine with torch's CPU wheel (what pip picks by default on some platforms).
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65\n")
+    monkeypatch.setattr(device, "NVIDIA_DRIVER", str(driver))
+    monkeypatch.setattr(torch.version, "cuda", None)
+    said = device.describe_device(torch.device("cpu"), auto=True)
+    assert "this torch is a CPU build, and this machine has an NVIDIA driver" in said
     card = SimpleNamespace(name="Tesla T4", total_memory=15 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -141,6 +141,9 @@ def auto_device() -> torch.device:
     return torch.device("cpu")
 
 
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"  # there where NVIDIA's Linux driver is loaded
+
+
 def describe_device(device: torch.device, *, auto: bool = False) -> str:
     """``device`` as a run's log names it: a GPU's model and memory (``cuda:0 (NVIDIA T4,
     15.0 GiB)``); with ``auto`` (``device=auto`` chose it), a CPU says that no GPU was found,
@@ -154,6 +157,12 @@ def describe_device(device: torch.device, *, auto: bool = False) -> str:
         card = torch.cuda.get_device_properties(index)
         return f"cuda:{index} ({card.name}, {card.total_memory / 2**30:.1f} GiB)"
     if device.type == "cpu" and auto:
+        if torch.version.cuda is None and os.path.exists(NVIDIA_DRIVER):
+            return (
+                "cpu (device=auto: this torch is a CPU build, and this machine has an NVIDIA "
+                "driver: install torch's CUDA build, e.g. pip install torch --index-url "
+                "https://download.pytorch.org/whl/cu128)"
+            )
         return "cpu (device=auto found no GPU: no CUDA or MPS device is visible to torch)"
     return str(device)
 
