@@ -143,6 +143,8 @@ def test_bigbatch_predict_runs_the_runs_task_through_the_registry(
     run = tmp_path / "run"
     run.mkdir()
     (run / "task.json").write_text('{"task": "toy_boxes"}')
+    for name in ("config.json", "done.json"):  # a finished run folder bigbatch train wrote
+        (run / name).write_text("{}")
     assert main(["predict", str(run), str(tmp_path / "images"), "--patch", "8"]) == 0
     assert capsys.readouterr().out.strip() == "boxes for images"
     assert seen[0].options == {"patch": 8} and seen[0].run_dir == run
@@ -154,6 +156,8 @@ def test_an_option_the_runs_task_does_not_take_is_refused(
     from bigbatch.cli.main import main
 
     (tmp_path / "run").mkdir()  # no task.json: a classification run
+    for name in ("config.json", "done.json"):
+        (tmp_path / "run" / name).write_text("{}")
     assert main(["predict", str(tmp_path / "run"), str(tmp_path), "--overlap", "0.25"]) == 2
     err = capsys.readouterr().err
     assert "--overlap is not an option of a classification run's prediction" in err
