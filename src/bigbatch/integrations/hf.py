@@ -587,10 +587,10 @@ def train_with_backoff(
     Under ``torchrun`` a rank that runs out of memory (training or evaluating) cannot tell the
     others, which wait for it in their next collective: it writes the smaller sizes to
     ``bigbatch-sizes.json`` in ``args.output_dir`` and raises, so that torchrun stops every
-    rank at once; relaunched
-    (``torchrun --max-restarts N`` does it, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch
-    2.5+'s restarts may read the last attempt's addresses from the store torchrun shares,
-    pytorch/pytorch#135712), every rank resumes there at those sizes.
+    rank at once; relaunched (``torchrun --max-restarts N`` does it, with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch 2.5+'s restarts may read the last
+    attempt's addresses from the store torchrun shares, pytorch/pytorch#135712), every rank
+    resumes there at those sizes.
 
     ``make_trainer(args)`` builds the Trainer (model, data, callbacks) anew for each try.
 
