@@ -203,10 +203,15 @@ _KIND_NAMES = {
 }
 
 
+def _archs(args: argparse.Namespace) -> list[str]:
+    """The architectures ``--arch`` names (comma-separated), none without it."""
+    return [a.strip() for a in (args.arch or "").split(",") if a.strip()]
+
+
 def _model_kind(args: argparse.Namespace) -> str:
     """Which model the flags plan: ``model``, ``smp``, ``monai`` or ``timm``; the flags that
     kind does not read are refused (set, they would be ignored)."""
-    archs = [a.strip() for a in (args.arch or "").split(",") if a.strip()]
+    archs = _archs(args)
     kind = "timm"
     if args.model:
         kind = "model"
@@ -240,7 +245,7 @@ def _targets(args: argparse.Namespace) -> list[Row]:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.models import UnknownArchitectureError, timm_factory
 
-    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    archs = _archs(args)
     rows: list[Row] = []
     if kind == "smp":
         return [_smp_row(a, args) for a in archs]
