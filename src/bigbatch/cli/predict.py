@@ -70,13 +70,13 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
     )
     try:
-        check_run_folder(args.run)  # before --out's folder is made in it
         entry = run_task_entry(args.run)
-        predict = entry.predictor()
+        predict = entry.predictor()  # a missing extra is said first
         if predict is None:
             raise ValueError(
                 f"task={entry.name} registered no prediction: bigbatch predict cannot run it"
             )
+        check_run_folder(args.run)  # before --out's folder is made in it
         note = check_finished(args.run, unfinished=args.unfinished)
         say_device(args.device)
         print(predict(request))
