@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         entry = run_task_entry(args.run)
-        predict = entry.predictor()  # a missing extra is said first
+        predict = entry.predictor()
         if predict is None:
             raise ValueError(
                 f"task={entry.name} registered no prediction: bigbatch predict cannot run it"
