@@ -24,11 +24,12 @@ _UNITS = {
 
 
 def parse_bytes(text: str | int | float, *, allow_zero: bool = False) -> int:
-    """Parse a memory size: ``"8GB"`` (10^9), ``"8GiB"`` or ``"8G"`` (2^30), ``"512MiB"``, bytes
-    (a number without a unit, from 1 MiB: ``"24"`` is refused as the 24 GB it surely meant).
+    """Parse a memory size: ``"8GB"`` (10^9), ``"8GiB"`` or ``"8G"`` (2^30), ``"512MiB"``, or
+    bytes: a number without a unit, from 1 MiB (``"24"`` is refused, as the 24 GB it surely
+    meant).
 
-        >>> parse_bytes("8GB"), parse_bytes("1.5GiB"), parse_bytes(1024)
-        (8000000000, 1610612736, 1024)
+    >>> parse_bytes("8GB"), parse_bytes("1.5GiB"), parse_bytes(1024)
+    (8000000000, 1610612736, 1024)
     """
     if isinstance(text, int | float) and not isinstance(text, bool):
         if text < 0 or (text == 0 and not allow_zero):
