@@ -24,7 +24,7 @@ from bigbatch.backoff import EvalBackoff, infer_fitting
 from bigbatch.batching import batch_len, split_batch
 from bigbatch.device import autocast_for
 
-__all__ = ["Log", "Metrics", "Placement", "Task", "ValidShape"]
+__all__ = ["Log", "Metrics", "Placement", "Task", "ValidShape", "inference_placement"]
 
 Log = Callable[[str], None]
 
@@ -83,6 +83,26 @@ class Placement:
     def autocast(self) -> AbstractContextManager[Any]:
         """The forward pass's autocast (none at fp32); losses run outside it, in float32."""
         return autocast_for(self.precision, self.device.type)
+
+
+def inference_placement(
+    model: nn.Module, cfg: Any, device: torch.device
+) -> tuple[nn.Module, Placement]:
+    """A trained run's ``model`` on ``device`` in eval mode, and the :class:`Placement` its
+    forward passes without gradients take there, as its validation ran them: NHWC where that
+    pays (:func:`~bigbatch.train.runtime.place_model`), in the run's autocast
+    (:func:`~bigbatch.train.runtime.inference_precision`: fp32 for an fp16 run on a CPU).
+
+    >>> from bigbatch.train.config import TrainConfig
+    >>> model, where = inference_placement(nn.Linear(2, 2), TrainConfig(), torch.device("cpu"))
+    >>> where.precision, model.training
+    ('fp32', False)
+    """
+    from bigbatch.train.runtime import inference_precision, place_model
+
+    model, memory_format = place_model(model, cfg.channels_last, device)
+    precision = inference_precision(cfg.precision, device)
+    return model.eval(), Placement(device, precision, memory_format)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,8 @@ from bigbatch.images import ImageInfo, UnreadableImageError, probe, read_pixels,
 from bigbatch.models import MEAN, STD, UnknownArchitectureError, timm_factory
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import DataError, make_loader, seed_python_from_torch
-from bigbatch.train.runtime import inference_precision, place_model
 from bigbatch.train.tasks import planned_eval_batch
-from bigbatch.train.tasks.base import Placement
+from bigbatch.train.tasks.base import inference_placement
 from bigbatch.train.tasks.device_images import DeviceAugment, EncodedImages
 from bigbatch.train.tasks.user_model import load_user_model
 
@@ -463,15 +462,12 @@ def predict_images(
     cfg, info = run.config, run.info
     fmt = ImageFormat.from_dict(info.get("format"))
     factory = build_model(cfg, outputs, fmt.channels)
-    # As its validation ran: the run's autocast, and NHWC where that pays on the device.
-    model, memory_format = place_model(run.load_into(factory()), cfg.channels_last, device)
-    where = Placement(device, inference_precision(cfg.precision, device), memory_format)
+    model, where = inference_placement(run.load_into(factory()), cfg, device)
     if budget and not batch_size:
         shape = (fmt.channels, cfg.size, cfg.size)
         batch_size = predict_batch(factory, shape, device, budget, precision=where.precision)
     batch_size = batch_size or planned_eval_batch(run.run_dir, device)
     backoff = EvalBackoff()  # kept across the passes: a size that ran out once is not retried
-    model.eval()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with where.autocast():

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.backoff import EvalBackoff
-from bigbatch.device import autocast_for
 from bigbatch.io import atomic_path, check_writable
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import IMAGE_SUFFIXES, DataError, images_to_predict, read_csv_rows
-from bigbatch.train.runtime import inference_precision, place_model, resolve_device
+from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks import PredictRequest, planned_eval_batch, read_task_info
+from bigbatch.train.tasks.base import inference_placement
 from bigbatch.train.tasks.segmentation.data import (
     VOLUME_SUFFIXES,
     VolumeRecipe,
@@ -231,19 +231,15 @@ def _member(
     """One run's probabilities of a case (on the CPU, in the input's own grid), with TTA."""
     cfg = run.config
     dims, channels, classes = _kind(run)
-    # As its validation ran: the run's autocast, and NHWC where that pays on the device.
     model = run.load_into(build_seg_model(cfg, channels, classes, dims)())
-    model, memory_format = place_model(model, cfg.channels_last, dev)
-    precision = inference_precision(cfg.precision, dev)
-    model.eval()
+    model, where = inference_placement(model, cfg, dev)
     # Patches a forward pass: as many as the run's validation planned (at its patch size).
     window_batch = planned_eval_batch(run.run_dir, dev, default=1) if not patch else 1
     backoff = EvalBackoff()
 
     def probabilities(x: torch.Tensor) -> torch.Tensor:
-        with autocast_for(precision, dev.type):
-            flat = x.dim() == 4  # NHWC is for 2D batches
-            logits = model(x.to(dev, memory_format=memory_format if flat else None)).float()
+        with where.autocast():
+            logits = model(where.inputs(x)).float()
         return torch.sigmoid(logits) if classes == 1 else torch.softmax(logits, 1)
 
     def of(case: Case, tta: int) -> torch.Tensor:

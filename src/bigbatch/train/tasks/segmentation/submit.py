@@ -32,7 +32,8 @@ from bigbatch.segmentation.postprocess import (
 from bigbatch.segmentation.rle import RLEError, parse_mask_size, write_rle_csv
 from bigbatch.train.config import ConfigError
 from bigbatch.train.data import images_to_predict, split_items
-from bigbatch.train.runtime import inference_precision, place_model, resolve_device
+from bigbatch.train.runtime import resolve_device
+from bigbatch.train.tasks.base import inference_placement
 from bigbatch.train.tasks.segmentation.kaggle import padded_forward, probabilities_of
 from bigbatch.train.tasks.segmentation.rle_data import (
     network_input,
@@ -82,7 +83,7 @@ def load_submission_run(
     classes = [str(c) for c in info["classes"]]
     model = run.load_into(build_seg_model(cfg, 3, int(info["num_classes"]), 2)())
     dev = device or torch.device("cpu")
-    model = place_model(model, cfg.channels_last, dev)[0].eval()  # NHWC as validation ran it
+    model, where = inference_placement(model, cfg, dev)
     rules_file = run_dir / "postprocess.json"
     rules, rules_size = None, tuple(rle["mask_size"] or (0, 0))
     if rules_file.is_file():
@@ -99,7 +100,7 @@ def load_submission_run(
         transforms(False, False, tuple(rle["image_size"]) if rle.get("image_size") else None, None),
         rules,
         (int(rules_size[0]), int(rules_size[1])),
-        inference_precision(cfg.precision, dev),
+        where.precision,
         (cfg.data, cfg.image_root, cfg.valid_pct, cfg.seed),
         str(getattr(cfg.options, "labels", "auto")),
         (int(rle["stored_size"][0]), int(rle["stored_size"][1]))
