@@ -358,17 +358,16 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         name = wanted or cfg.device
         check_device(name, "device", here=False)
         card = find_card(cfg.budget)
-        if card is not None and name == "auto":  # as train picks the GPU on that card
-            name = "cuda"
+        if card is not None:  # as train runs on that card
+            name, cfg.precision, filled = _for_card(card, name, cfg.precision)
+            if "precision" in filled:
+                print(
+                    f"planned as bigbatch train runs on the {card.short_name}: device={name} "
+                    f"precision={cfg.precision} (precision=auto's there)",
+                    file=sys.stderr,
+                )
         device = torch.device(name) if name != "auto" else resolve_device(name)
         cfg.device = str(device)
-        if card is not None and cfg.precision == "auto" and device_kind(device).dedicated_memory:
-            cfg.precision = card.auto_precision
-            print(
-                f"planned as bigbatch train runs on the {card.short_name}: device={device} "
-                f"precision={cfg.precision} (precision=auto's there)",
-                file=sys.stderr,
-            )
         if cfg.precision == "auto" and device.type != resolve_device("auto").type:
             raise ConfigError(
                 f"precision=auto on a {device.type} this machine does not have: give "
@@ -523,16 +522,32 @@ def _card_defaults(args: argparse.Namespace) -> None:
     CUDA in the precision ``bigbatch train``'s ``precision=auto`` takes on it (bf16, or fp16
     where the card only emulates bf16), said on stderr; else the CPU in fp32."""
     card = find_card(args.budget) if args.budget else None
-    if card is None or (args.device and not device_kind(args.device).dedicated_memory):
-        args.device, args.precision = args.device or "cpu", args.precision or "fp32"
-        return
-    said = [] if args.device else ["--device cuda"]
-    if not args.precision:
-        args.precision = card.auto_precision
+    filled: list[str] = []
+    if card is not None:
+        args.device, args.precision, filled = _for_card(card, args.device, args.precision)
+    args.device, args.precision = args.device or "cpu", args.precision or "fp32"
+    said = [f"--device {args.device}"] if "device" in filled else []
+    if "precision" in filled:
         said.append(f"--precision {args.precision} (precision=auto's there; give another)")
-    args.device = args.device or "cuda"
-    if said:  # stdout stays the plan (JSON with --json)
+    if said and card is not None:  # stdout stays the plan (JSON with --json)
         print(f"planned for the {card.short_name}: {' '.join(said)}", file=sys.stderr)
+
+
+def _for_card(card: Card, device: str | None, precision: str | None) -> tuple[str, str, list[str]]:
+    """The device and precision ``bigbatch train`` takes on ``card`` where they are left unset
+    (None, '' or ``auto``): CUDA, and ``precision=auto``'s there (a precision only for a card's
+    device: on a CPU, which refuses the card, it stays unset); with the names of those filled.
+
+    >>> _for_card(find_card("t4"), "auto", "auto")
+    ('cuda', 'fp16', ['device', 'precision'])
+    """
+    filled = []
+    if device in (None, "", "auto"):
+        device, filled = "cuda", ["device"]
+    if precision in (None, "", "auto") and device_kind(device).dedicated_memory:
+        precision = card.auto_precision
+        filled.append("precision")
+    return str(device), str(precision or ""), filled
 
 
 def _machine_notes(args: argparse.Namespace, budget: int, card: Card | None) -> list[str]:
