@@ -248,6 +248,19 @@ def test_auto_precision_is_fp16_where_the_card_only_emulates_bf16(
     else:
         assert said == []
     assert not device.emulates_bf16(torch.device("cpu"))
+    # A run's log names the card first, then what is said of its precision there.
+    from types import SimpleNamespace
+
+    from bigbatch.train import runtime
+
+    monkeypatch.setattr(runtime, "device_for_rank", lambda name, rank, world: cuda)
+    monkeypatch.setattr(runtime, "describe_device", lambda d, auto: "cuda:0 (Tesla T4)")
+    monkeypatch.setattr(runtime, "idle_gpus_note", lambda d, world: "")
+    logged: list[str] = []
+    cfg = SimpleNamespace(device="cuda", precision="bf16")
+    assert runtime.run_device(cfg, 0, 1, logged.append) == (cuda, "bf16")  # type: ignore[arg-type]
+    assert logged[0] == "device: cuda:0 (Tesla T4), bf16"
+    assert logged[1:] == said[:1]
 
 
 def test_a_run_names_its_device_and_a_cpu_chosen_by_auto_says_no_gpu_was_found(

@@ -111,7 +111,7 @@ def test_every_tracker_gets_the_history_and_the_plan(image_folder: Path, tiny_mo
     assert params["plan.micro_batch"] == "4" and params["batch"] == "12"
     assert client.get_run(run_id).info.status == "FINISHED"
     kept = {a.path for a in client.list_artifacts(run_id)}
-    assert {"history.csv", "history.png", "plan.json", "best.safetensors"} <= kept
+    assert {"history.csv", "history.png", "plan.json", "train.log", "best.safetensors"} <= kept
     # W&B: the same metrics in its offline run, the config.
     records = wandb_records(run)
     assert [

@@ -31,8 +31,14 @@ def quiet(_: str) -> None:
 @pytest.mark.slow
 def test_train_writes_the_run_folder(image_folder: Path, tiny_model: str, tmp_path: Path) -> None:
     cfg = load_config(overrides=base_overrides(image_folder, tiny_model))
-    result = train(cfg, tmp_path / "run", log=quiet)
+    lines: list[str] = []
+    result = train(cfg, tmp_path / "run", log=lines.append)
     run = tmp_path / "run"
+    # train.log: every line the run said, each after the time it was said.
+    kept = (run / "train.log").read_text().splitlines()
+    assert [line.split(" ", 2)[2] for line in kept] == lines
+    assert lines[0].startswith("device: cpu") and len(lines) > 2
+    assert oct((run / "train.log").stat().st_mode & 0o777) == "0o644"
     for name in (
         "best.safetensors",
         "last.safetensors",
@@ -120,11 +126,15 @@ def test_resume_after_a_kill_gives_the_same_weights(
         train(load_config(overrides=overrides), tmp_path / "killed", log=quiet)
     monkeypatch.setattr(stepping, "run_window", real_run_window)
     assert not (tmp_path / "killed" / "done.json").exists()
+    said = (tmp_path / "killed" / "train.log").read_text()
+    assert said.endswith(" interrupted (Ctrl-C); finished epochs are kept for --resume\n")
     lines: list[str] = []
     result = train(
         load_config(overrides=overrides), tmp_path / "killed", resume=True, log=lines.append
     )
     assert any("resuming" in line and "after epoch 1" in line for line in lines)
+    resumed_log = (tmp_path / "killed" / "train.log").read_text()
+    assert resumed_log.startswith(said) and "resuming" in resumed_log[len(said) :]
     assert [r["epoch"] for r in result.history] == [1, 2, 3]  # epoch 1 not redone
     full = load_file(tmp_path / "full" / "last.safetensors")
     resumed = load_file(tmp_path / "killed" / "last.safetensors")
@@ -137,6 +147,7 @@ def test_run_folder_with_another_config_is_refused(
     train(
         load_config(overrides=base_overrides(image_folder, tiny_model)), tmp_path / "run", log=quiet
     )
+    said = (tmp_path / "run" / "train.log").read_text()
     with pytest.raises(ConfigError, match=r"different config \(lr: 0.01 -> 0.5\)"):
         train(
             load_config(overrides=[*base_overrides(image_folder, tiny_model), "lr=0.5"]),
@@ -149,6 +160,7 @@ def test_run_folder_with_another_config_is_refused(
             tmp_path / "run",
             log=quiet,
         )
+    assert (tmp_path / "run" / "train.log").read_text() == said  # refused: the run's log kept
 
 
 def test_model_that_cannot_take_the_size_fails_before_training(
@@ -158,6 +170,8 @@ def test_model_that_cannot_take_the_size_fails_before_training(
     with pytest.raises(ConfigError, match="cannot train on inputs of 3x32x32"):
         train(load_config(overrides=overrides), tmp_path / "run", log=quiet)
     assert not (tmp_path / "run" / "last.pt").exists()
+    said = (tmp_path / "run" / "train.log").read_text().splitlines()
+    assert " error: " in said[-1] and "cannot train on inputs of 3x32x32" in said[-1]
 
 
 def test_unknown_arch_suggests_names(image_folder: Path, tmp_path: Path) -> None:

@@ -19,7 +19,10 @@ from bigbatch.user_code import UserCodeError
 # Imported lazily so `bigbatch verify` does not pay for timm or matplotlib.
 COMMANDS = {
     "verify": ("bigbatch.cli.verify", "prove accumulated training equals big-batch training"),
-    "plan": ("bigbatch.cli.plan", "micro-batch x accumulation for a memory budget; the table"),
+    "plan": (
+        "bigbatch.cli.plan",
+        "micro-batch x accumulation under a memory budget, predicted on the CPU",
+    ),
     "train": ("bigbatch.cli.train", "train a timm model (or yours) on an image folder or CSV"),
     "predict": ("bigbatch.cli.predict", "class probabilities for a folder of images, with TTA"),
     "ensemble": ("bigbatch.cli.ensemble", "train members, TTA, weighted average, submission CSV"),

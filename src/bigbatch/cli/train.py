@@ -36,6 +36,7 @@ RUN_FILES = (
     "plan.json",
     "config.json",
     "split.json",
+    "train.log",
 )
 # The run's bookkeeping, not named in the closing line.
 QUIET_FILES = ("config.toml", "classes.json", "task.json", "best.json", "done.json")

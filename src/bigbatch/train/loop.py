@@ -36,6 +36,7 @@ from bigbatch.train.optim import mode_line, phases
 from bigbatch.train.planning import MemoryCheck, plan_for, plan_validation
 from bigbatch.train.progress import progress
 from bigbatch.train.run_dir import (
+    RunLog,
     check_run_dir,
     record_measured_peak,
     write_epoch_files,
@@ -105,8 +106,8 @@ def train(
 
     threads_before = torch.get_num_threads()
     try:
-        with lock_folder(run_dir, "run folder"):
-            return _run(_setup(cfg, run_dir, resume, log, progress, data, rank, world))
+        with lock_folder(run_dir, "run folder"), RunLog(run_dir, log) as run_log:
+            return _run(_setup(cfg, run_dir, resume, run_log, progress, data, rank, world))
     except (FolderBusyError, NotADirectoryError, PermissionError) as exc:
         raise ConfigError(str(exc)) from exc
     finally:

@@ -4,6 +4,10 @@ resumed run needs to end bit-identical."""
 from __future__ import annotations
 
 import json
+import os
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +15,7 @@ import torch
 from torch import nn
 
 from bigbatch.accumulate import Accumulator
-from bigbatch.backoff import OOMBackoff
+from bigbatch.backoff import OOMBackoff, OutOfMemoryAtMinimumError
 from bigbatch.device import peak_memory_bytes
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes
@@ -21,6 +25,7 @@ from bigbatch.train.registry import task_entry
 from bigbatch.train.report import plot_history, write_history
 
 __all__ = [
+    "RunLog",
     "add_to_plan",
     "check_run_dir",
     "checkpoint_state",
@@ -30,6 +35,56 @@ __all__ = [
     "write_epoch_files",
     "write_run_files",
 ]
+
+
+class RunLog:
+    """A run's log: each line said to ``echo`` and appended to ``train.log`` in the run folder
+    with the time it was said, so that what a run said (its device, plan, back-offs, notes and
+    the error that stopped it) outlives the notebook or terminal that showed it. The file is
+    made at the first line, after the folder's checks: a run refused there writes nothing.
+
+    >>> import tempfile
+    >>> with RunLog(Path(tempfile.mkdtemp()), echo=lambda line: None) as log:
+    ...     log("device: cpu, fp32")
+    >>> log.path.read_text().endswith(" device: cpu, fp32\\n")
+    True
+    """
+
+    def __init__(self, run_dir: Path, echo: Callable[[str], None]) -> None:
+        self.path = run_dir / "train.log"
+        self.echo = echo
+        self.written = False
+
+    def __call__(self, line: str) -> None:
+        self.echo(line)
+        self._append(line)
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            self.ended(exc)
+
+    def ended(self, exc: BaseException) -> None:
+        """What stopped the run, in the file only (the caller says it on the console): one
+        line for bad input (bigbatch's errors about it are ValueErrors) or Ctrl-C, the
+        traceback too for anything unforeseen."""
+        if not self.written:
+            return
+        if isinstance(exc, KeyboardInterrupt):
+            self._append("interrupted (Ctrl-C); finished epochs are kept for --resume")
+        elif isinstance(exc, (ValueError, OutOfMemoryAtMinimumError)):  # bad input, or OOM
+            self._append(f"error: {exc}")  # at micro-batch 1: the message is the fix
+        else:
+            self._append("error:\n" + "".join(traceback.format_exception(exc)).rstrip())
+
+    def _append(self, text: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:  # whole lines: a kill loses at most one
+            f.write(f"{stamp} {text}\n")
+        self.written = True
 
 
 def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:

@@ -229,8 +229,11 @@ def run_device(cfg: TrainConfig, rank: int, world: int, log: Log) -> tuple[torch
     """A run's device (this rank's under torchrun) and the precision it computes in, said in
     the log first: which GPU, or the CPU where ``device=auto`` found none."""
     device = device_for_rank(cfg.device, rank, world)
-    precision = resolve_precision(cfg.precision, device, log)
+    notes: list[str] = []  # a note on the precision reads after the device it is about
+    precision = resolve_precision(cfg.precision, device, notes.append)
     log(f"device: {describe_device(device, auto=cfg.device == 'auto')}, {precision}")
+    for note in notes:
+        log(note)
     if rank == 0 and (note := idle_gpus_note(device, world)):
         log(note)
     return device, precision

@@ -119,7 +119,7 @@ def _where(trackers: Trackers) -> str:
 
 def report_files(folder: Path, checkpoint: bool) -> list[Path]:
     """The run's files the trackers keep at its end: the history (CSV and plot), the plan,
-    and with ``log_checkpoint`` the best weights."""
-    names = ["history.csv", "history.png", "plan.json"]
+    the run's log, and with ``log_checkpoint`` the best weights."""
+    names = ["history.csv", "history.png", "plan.json", "train.log"]
     names += ["best.safetensors"] if checkpoint else []
     return [folder / n for n in names if (folder / n).is_file()]
