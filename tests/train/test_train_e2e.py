@@ -335,3 +335,32 @@ def test_the_saved_config_toml_trains_the_same_run_again(
     train(cfg, tmp_path / "run", log=lambda _: None, progress=False)
     again = load_config(tmp_path / "run" / "config.toml")
     assert again == cfg
+
+
+def test_train_log_keeps_an_unforeseen_error_with_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash that is no bad input keeps its traceback in train.log, for the bug report; a
+    run that said nothing (refused before its first line) writes no log; and a full disk while
+    the error is written raises the run's own error, not the log's."""
+    import errno
+
+    from bigbatch.train.run_dir import RunLog
+
+    with pytest.raises(RuntimeError), RunLog(tmp_path, quiet):
+        raise RuntimeError("refused early")
+    assert not (tmp_path / "train.log").exists()
+    with pytest.raises(RuntimeError), RunLog(tmp_path, quiet) as log:
+        log("epoch 1: train loss 0.5")
+        raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")
+    said = (tmp_path / "train.log").read_text()
+    assert " error:\nTraceback (most recent call last):" in said
+    assert said.rstrip().endswith("RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")
+
+    def full(self: RunLog, text: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    with pytest.raises(RuntimeError, match="the run's own"), RunLog(tmp_path, quiet) as log:
+        log("epoch 2: train loss 0.4")
+        monkeypatch.setattr(RunLog, "_append", full)
+        raise RuntimeError("the run's own")

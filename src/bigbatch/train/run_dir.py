@@ -3,6 +3,7 @@ resumed run needs to end bit-identical."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -73,11 +74,13 @@ class RunLog:
         if not self.written:
             return
         if isinstance(exc, KeyboardInterrupt):
-            self._append("interrupted (Ctrl-C); finished epochs are kept for --resume")
+            said = "interrupted (Ctrl-C); finished epochs are kept for --resume"
         elif isinstance(exc, (ValueError, OutOfMemoryAtMinimumError)):  # bad input, or OOM
-            self._append(f"error: {exc}")  # at micro-batch 1: the message is the fix
+            said = f"error: {exc}"  # at micro-batch 1: the message is the fix
         else:
-            self._append("error:\n" + "".join(traceback.format_exception(exc)).rstrip())
+            said = "error:\n" + "".join(traceback.format_exception(exc)).rstrip()
+        with contextlib.suppress(OSError):  # a full disk: the run's own error is the one raised
+            self._append(said)
 
     def _append(self, text: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
