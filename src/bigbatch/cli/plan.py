@@ -126,7 +126,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="the device to plan for: cpu or cuda (no GPU needed); default cpu, cuda with --hf "
         "or where --budget names a card",
     )
-    precision = "autocast's dtype; default fp32, bf16 with --hf, for a card named by --budget "
+    precision = "autocast's dtype; default fp32 (bf16 with --hf); for a card named by --budget, "
     precision += "bigbatch train's precision=auto there (bf16, or fp16 before Ampere)"
     p.add_argument("--precision", choices=PRECISIONS, help=precision)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bigbatch.cli import UserError, flags_set, positive_ints
 
 # The language-model flags and their defaults: set without --hf, they are refused (and the
@@ -123,7 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=LM_DEFAULTS["dtype"],
         choices=("auto", "bf16", "fp16", "fp32"),
-        help="the weights' dtype (auto: the config's, as from_pretrained loads them)",
+        help="the weights' dtype (auto: the config's, as from_pretrained loads them; where "
+        "a card before Ampere plans in fp16, its bf16 in fp16 under LoRA, else fp32)",
     )
     g.add_argument(
         "--world-size",
@@ -156,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.memory.lm import LMPlan, load_lm_config, plan_lm, plan_table
     from bigbatch.memory.plan import DoesNotFitError
 
-    # A GPU and bf16 unless said: what a fine-tuner plans for.
-    args.device, args.precision = args.device or "cuda", args.precision or "bf16"
+    # A GPU unless said: what a fine-tuner plans for (bf16 where the card computes it).
+    args.device = args.device or "cuda"
     ignored = flags_set(args, IMAGE_ONLY) + (["KEY=VALUE"] if args.train_keys else [])
     if ignored:
         raise UserError(
@@ -179,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         if card is not None and overhead is None:
             overhead = card.context_bytes
         config = load_lm_config(args.hf, trust_remote_code=args.trust_remote_code)
+        if said := _precision_for_card(args, card, config, setup):
+            setup = _setup(args, seq_lens[0], world_sizes[0])
+            print(said, file=sys.stderr)  # stdout stays the plan (JSON with --json)
         options: dict[str, Any] = {
             "device": args.device,
             "precision": args.precision,
@@ -216,6 +222,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(args, rows)
     return 0
+
+
+def _precision_for_card(args: argparse.Namespace, card: Any, config: Any, setup: Any) -> str:
+    """``--precision`` where not given: bf16, or on a card without bfloat16 units (a T4,
+    where torch emulates it several times slower) fp16, with the weights the config keeps in
+    bf16 (``--dtype auto``) in fp16 under adapters, in float32 for a full fine-tune (GradScaler
+    cannot unscale fp16 gradients). Returns what was filled in for that card, to be said."""
+    from bigbatch.memory.lm import weights_dtype
+
+    emulated = card is not None and card.emulates_bf16
+    filled = []
+    if args.precision is None:
+        args.precision = "fp16" if emulated else "bf16"
+        filled += [f"--precision {args.precision}"] if emulated else []
+    in_bf16 = args.dtype == "auto" and weights_dtype(config, setup) == torch.bfloat16
+    if emulated and args.precision == "fp16" and in_bf16:
+        args.dtype = "fp16" if setup.lora_r else "fp32"
+        filled.append(f"--dtype {args.dtype}")
+    if not filled:
+        return ""
+    keep = "--precision bf16" if filled[0].startswith("--precision") else "--dtype bf16"
+    return (
+        f"planned for the {card.short_name}: {' '.join(filled)} (it has no bfloat16 units: "
+        f"torch would emulate bf16 there, several times slower; {keep} plans that anyway)"
+    )
 
 
 def _global_batch(batch: int | None, tokens: int | None, seq_lens: list[int]) -> int:

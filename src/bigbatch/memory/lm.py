@@ -111,6 +111,8 @@ class LMSetup:
             parts.append("gradient checkpointing")
         if self.attn != "sdpa":
             parts.append(self.attn)
+        if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
+            parts.append(f"{self.dtype} weights")
         if self.world_size > 1:
             parts.append(f"{'FSDP2' if self.fsdp else 'DDP'} over {self.world_size} ranks")
         return ", ".join(parts)
@@ -771,6 +773,7 @@ class LMPlan:
         return {
             "model_type": self.model_type,
             "setup": s.describe(),
+            "dtype": s.dtype,  # the weights' (auto: the config's)
             "seq_len": s.seq_len,
             "world_size": s.world_size,
             "fsdp": s.fsdp,
