@@ -500,6 +500,13 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     with pytest.raises(ValueError, match="is for cuda and this run trains on cpu: plan with"):
         check_plan_matches(cuda_plan, tiny_lora().float(), torch.device("cpu"))
     check_plan_matches(loaded, tiny_lora().float(), "cpu")
+    # A T4's plan in fp16: a base loaded in bf16 weighs the same, and is refused by its dtype.
+    fp16_plan = dataclasses.replace(loaded, setup=LMSetup(SEQ, lora_r=4, dtype="fp16"))
+    with pytest.raises(ValueError, match=r"has fp16 weights and this model's are bfloat16: load "
+                       r"it with from_pretrained\(\.\.\., dtype=torch.float16\), or plan with "
+                       r"--dtype bf16"):  # fmt: skip
+        check_plan_matches(fp16_plan, tiny_lora().to(torch.bfloat16), "cpu")
+    check_plan_matches(fp16_plan, tiny_lora().half(), "cpu")  # peft's float32 adapters aside
 
 
 def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refused(

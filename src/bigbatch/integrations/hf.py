@@ -430,8 +430,9 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     one too) made for another fine-tune: one for another kind of device (a CPU's plan for a
     CUDA run), one whose trained parameters are not the plan's number (another model, LoRA
     rank or targets, layers trained whole beside the adapters), whose weights take over 5 %
-    more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16),
-    that runs without the gradient checkpointing the plan counted on (its activations several
+    more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16)
+    or that are in another dtype than a plan's own ``--dtype`` (bf16 where a T4's plan has
+    fp16: the same bytes, emulated there), that runs without the gradient checkpointing the plan counted on (its activations several
     times the plan's), or arguments with another precision or optimizer (as
     :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
     plan's. The plan would hold for none. :class:`MemoryBudget` checks this when training
@@ -479,6 +480,7 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
             "config's, from_pretrained(..., dtype=torch.bfloat16) for bf16), or plan with "
             "--dtype fp32"
         )
+    _check_weights_dtype(plan, model, described)
     if args is not None:
         _check_arguments(plan, args)
     # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
@@ -495,6 +497,33 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
             "gradient_checkpointing=True before transformers 5), or plan without "
             "--gradient-checkpointing"
         )
+
+
+_DTYPE_FLAGS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
+    """A plan with a ``--dtype`` of its own (a T4's fp16) against the dtype the model's frozen
+    weights (every weight, for a full fine-tune) are in: fp16 and bf16 weigh the same, so the
+    bytes' check cannot tell them apart, but bf16 weights under fp16 autocast run emulated on
+    a card without bfloat16 units, and autocast's casts are memory the plan did not trace.
+    A quantized base keeps its other weights in float32 whatever the plan: not checked."""
+    setup = plan.setup
+    if setup.dtype == "auto" or setup.quant:
+        return
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point() and (not setup.lora_r or not p.requires_grad):
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    held = max(counts, key=counts.__getitem__, default=None)
+    if held is None or _DTYPE_FLAGS.get(held) == setup.dtype:
+        return
+    want = {v: k for k, v in _DTYPE_FLAGS.items()}[setup.dtype]
+    raise ValueError(
+        f"the plan ({described}) has {setup.dtype} weights and this model's are "
+        f"{str(held).removeprefix('torch.')}: load it with from_pretrained(..., "
+        f"dtype={want}), or plan with --dtype {_DTYPE_FLAGS.get(held, 'auto')}"
+    )
 
 
 def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:
