@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import bigbatch
 import bigbatch.train.stepping as stepping
 from bigbatch.cli.main import main
 from bigbatch.train.config import ConfigError, load_config
@@ -36,7 +37,8 @@ def test_train_writes_the_run_folder(image_folder: Path, tiny_model: str, tmp_pa
     run = tmp_path / "run"
     # train.log: every line the run said, each after the time it was said.
     kept = (run / "train.log").read_text().splitlines()
-    assert [line.split(" ", 2)[2] for line in kept] == lines
+    assert kept[0].split(" ", 2)[2].startswith(f"bigbatch {bigbatch.__version__}, torch ")
+    assert [line.split(" ", 2)[2] for line in kept[1:]] == lines
     assert lines[0].startswith("device: cpu") and len(lines) > 2
     assert oct((run / "train.log").stat().st_mode & 0o777) == "0o644"
     for name in (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import time
 import traceback
 from collections.abc import Callable
@@ -41,14 +42,16 @@ __all__ = [
 class RunLog:
     """A run's log: each line said to ``echo`` and appended to ``train.log`` in the run folder
     with the time it was said, so that what a run said (its device, plan, back-offs, notes and
-    the error that stopped it) outlives the notebook or terminal that showed it. The file is
-    made at the first line, after the folder's checks: a run refused there writes nothing.
+    the error that stopped it) outlives the notebook or terminal that showed it; each run or
+    resume starts with the versions of bigbatch, torch and Python. The file is made at the
+    first line, after the folder's checks: a run refused there writes nothing.
 
     >>> import tempfile
     >>> with RunLog(Path(tempfile.mkdtemp()), echo=lambda line: None) as log:
     ...     log("device: cpu, fp32")
-    >>> log.path.read_text().endswith(" device: cpu, fp32\\n")
-    True
+    >>> said = log.path.read_text().splitlines()
+    >>> said[0].split(" ", 2)[2].startswith("bigbatch "), said[1].endswith(" device: cpu, fp32")
+    (True, True)
     """
 
     def __init__(self, run_dir: Path, echo: Callable[[str], None]) -> None:
@@ -84,10 +87,21 @@ class RunLog:
 
     def _append(self, text: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        if not self.written:  # each run or resume opens with what a bug report needs first
+            text = f"{_versions()}\n{stamp} {text}"
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         with os.fdopen(fd, "a", encoding="utf-8") as f:  # whole lines: a kill loses at most one
             f.write(f"{stamp} {text}\n")
         self.written = True
+
+
+def _versions() -> str:
+    from bigbatch import __version__
+
+    return (
+        f"bigbatch {__version__}, torch {torch.__version__}, python "
+        f"{platform.python_version()} on {platform.system()} {platform.machine()}"
+    )
 
 
 def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
