@@ -8,7 +8,9 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("demo_output"))
+    p.add_argument(
+        "--out", type=Path, default=Path("demo_output"), help="the folder the demo writes"
+    )
     p.add_argument(
         "--task",
         default="classification",

@@ -129,14 +129,21 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     precision = "autocast's dtype; default fp32 (bf16 with --hf); for a card named by --budget, "
     precision += "bigbatch train's precision=auto there (bf16, or fp16 before Ampere)"
     p.add_argument("--precision", choices=PRECISIONS, help=precision)
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="the optimizer whose state the step holds (8-bit and paged: bitsandbytes')",
+    )
     p.add_argument(
         "--cudnn-benchmark",
         action="store_true",
         help="plan a CUDA step in cuDNN's benchmark mode (torch.backends.cudnn.benchmark, as "
         "timm's train.py and fastai set): the algorithms' workspaces and first-step trials",
     )
-    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument(
+        "--num-classes", type=int, default=1000, help="outputs of the model's head (--arch)"
+    )
     p.add_argument(
         "--margin", type=float, default=0.10, help="safety margin, a fraction of the budget"
     )

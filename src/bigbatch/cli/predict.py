@@ -22,7 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "flip: 1 none, 2 + horizontal, 3 + vertical, 4 + both (3D volumes: up to 8, the depth "
         "axis and the combinations)",
     )
-    p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        choices=("best", "last"),
+        help="the run's weights to predict with: best (by its monitor) or last (its last epoch)",
+    )
     p.add_argument(
         "--unfinished",
         action="store_true",

@@ -56,7 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eval", action="store_true", help="put the model in eval mode (BatchNorm, dropout off)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the random state both runs start from (dropout's masks, the built-in cases' data)",
+    )
     p.add_argument(
         "--distributed",
         type=int,
