@@ -124,3 +124,23 @@ def test_prediction_runs_where_training_does_by_default() -> None:
     assert PredictRequest(run_dir=Path("runs/a"), inputs=Path("images")).device == "auto"
     for f in (predict_files, predict_values, predict_masks, write_submission):
         assert inspect.signature(f).parameters["device"].default == "auto", f.__module__
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """`bigbatch COMMAND --help` is the reference users read first: no flag without a line."""
+    import argparse
+
+    from bigbatch.cli.main import COMMANDS
+
+    def bare(name: str, parser: argparse.ArgumentParser) -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):  # nnunet's own commands
+                for sub, sub_parser in action.choices.items():
+                    found += bare(f"{name} {sub}", sub_parser)
+            elif action.dest != "help" and not action.help:
+                found.append(f"{name} {(action.option_strings or [action.dest])[-1]}")
+        return found
+
+    parser = build_parser()
+    assert [b for name in COMMANDS for b in bare(name, _subparser(parser, name))] == []
