@@ -686,3 +686,28 @@ def test_trainer_under_torchrun_is_exact_across_ranks_and_one_ranks_oom_restarts
     said = "resuming at 1 x 6 accumulation, the same global batch: a rank ran out of memory at "
     assert done.stdout.count(said + "micro-batch 2") == 2  # both ranks, from the file
     assert not (tmp_path / "oom" / "bigbatch-sizes.json").exists()  # spent: the run is done
+
+
+def test_bf16_on_a_card_without_bfloat16_units_is_said_when_training_begins(
+    monkeypatch, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """Trainer runs bf16=True on a T4 (torch says it supports bf16, by emulation): several
+    times slower than fp16. MemoryBudget says so when training begins (simulated: no GPU in
+    CI); fp16, or a card with bfloat16 units, says nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    import bigbatch.device
+
+    budget = MemoryBudget(2**40)
+    for bf16, emulated, said in [(True, True, 1), (False, True, 0), (True, False, 0)]:
+        monkeypatch.setattr(bigbatch.device, "emulates_bf16", lambda device, e=emulated: e)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bigbatch"):
+            args = SimpleNamespace(device=torch.device("cpu"), bf16=bf16)
+            budget.on_train_begin(args, None, None)
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == said
+        if said:
+            assert warned[0].startswith("bf16=True on cpu, which has no bfloat16 units")
+            assert "fp16=True (a plan with --precision fp16)" in warned[0]

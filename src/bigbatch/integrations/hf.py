@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -363,10 +364,23 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
         self._before: float | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from bigbatch.device import cap_cuda_allocator, reset_peak_memory
+        from bigbatch.device import (
+            cap_cuda_allocator,
+            describe_device,
+            emulates_bf16,
+            reset_peak_memory,
+        )
 
         if self.plan is not None and kwargs.get("model") is not None:
             check_plan_matches(self.plan, kwargs["model"], args.device, args)  # before a step
+        device = torch.device(args.device)
+        if getattr(args, "bf16", False) and emulates_bf16(device):  # Trainer lets it run
+            logging.getLogger("bigbatch").warning(
+                "bf16=True on %s, which has no bfloat16 units (before Ampere): torch emulates "
+                "it, several times slower than fp16 in the same memory; fp16=True (a plan with "
+                "--precision fp16) trains at the card's speed",
+                describe_device(device),
+            )
         capped = cap_cuda_allocator(args.device, self.cap_bytes)
         self._before = None if capped is None else capped[1]
         reset_peak_memory(args.device)
