@@ -229,9 +229,11 @@ def _precision_for_card(args: argparse.Namespace, card: Any, config: Any, setup:
     where torch emulates it several times slower) fp16, with the weights the config keeps in
     bf16 (``--dtype auto``) in fp16 under adapters, in float32 for a full fine-tune (GradScaler
     cannot unscale fp16 gradients). Returns what was filled in for that card, to be said."""
+    from bigbatch.device import device_kind
     from bigbatch.memory.lm import weights_dtype
 
-    emulated = card is not None and card.emulates_bf16
+    # A card's plan on a CPU is refused after this: nothing to fill in for it.
+    emulated = card is not None and card.emulates_bf16 and device_kind(args.device).dedicated_memory
     filled = []
     if args.precision is None:
         args.precision = "fp16" if emulated else "bf16"
