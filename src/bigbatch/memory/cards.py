@@ -25,7 +25,7 @@ from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
 __all__ = ["CARDS", "Card", "find_card"]
 
 MiB = 2**20
-_MODAL = "modal-labs/modal-client#2797 (nvidia-smi totals across a cloud's GPUs)"
+_MODAL = "nvidia-smi in modal-labs/modal-client#2797, a cloud's GPUs"
 
 
 @dataclass(frozen=True)
