@@ -558,6 +558,13 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
         plan, model, "cpu", SimpleNamespace(**{**vars(evaluates), "eval_strategy": "no"})
     )
     assert with_plan(evaluates, plan).per_device_eval_batch_size == N
+    # Evaluation not planned (inside torchrun under FSDP2): at most the training micro-batch,
+    # not Trainer's default of 8 (a smaller one asked for is kept).
+    unplanned = dataclasses.replace(plan, evaluation=None)
+    assert with_plan(evaluates, unplanned).per_device_eval_batch_size == N
+    assert trainer_arguments(unplanned)["per_device_eval_batch_size"] == N
+    one = SimpleNamespace(**{**vars(evaluates), "per_device_eval_batch_size": 1})
+    assert with_plan(one, unplanned).per_device_eval_batch_size == 1
     fp32 = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                    precision="fp32", optimizer="adam", overhead=0)  # fmt: skip
     args = SimpleNamespace(world_size=1, optim="adamw_torch", bf16=True, fp16=False)

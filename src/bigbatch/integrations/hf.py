@@ -179,7 +179,8 @@ _TRAINER_OPTIMIZERS = {
 def trainer_arguments(plan: Any) -> dict[str, Any]:
     """The fields of ``TrainingArguments`` (TRL's ``SFTConfig``) that ``plan`` (an
     :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch,
-    accumulation and evaluation batch (None where not planned), the precision it traced
+    accumulation and evaluation batch (at most the micro-batch where not planned), the
+    precision it traced
     (``bf16``, ``fp16``) and its optimizer as Trainer names it (``optim``; None for one
     Trainer has no name for).
 
@@ -199,7 +200,7 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     return {
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": steps,
-        "per_device_eval_batch_size": plan.eval_batch,
+        "per_device_eval_batch_size": _planned_eval_batch(plan, micro),
         "bf16": traced.precision == "bf16",
         "fp16": traced.precision == "fp16",
         "optim": _trainer_optim(traced.optimizer),
@@ -215,7 +216,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
     accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch,
     and its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8
-    sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone).
+    sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone;
+    where the plan has none, at most the micro-batch).
     Refuses arguments for another number of ranks than the plan's, TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
     micro-batch would not hold them), and arguments that compute in another precision or
@@ -246,7 +248,18 @@ def with_plan(args: Any, plan: Any) -> Any:
         )
     _check_arguments(plan, args, eval_batch=False)  # its evaluation batch is set here
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
-    return with_sizes(args, micro, steps, eval_batch=getattr(plan, "eval_batch", None))
+    eval_batch = _planned_eval_batch(plan, micro, _eval_batch(args))
+    return with_sizes(args, micro, steps, eval_batch=eval_batch)
+
+
+def _planned_eval_batch(plan: Any, micro: int, asked: int | None = None) -> int:
+    """The plan's evaluation batch; where it planned none (inside torchrun under FSDP2), at
+    most the training micro-batch: a forward pass without gradients of what a training step
+    held fits where that step does, and Trainer's default of 8 may not."""
+    planned = getattr(plan, "eval_batch", None)
+    if planned is not None:
+        return int(planned)
+    return min(micro, asked) if asked else micro
 
 
 def _described(plan: Any) -> str:
