@@ -211,7 +211,13 @@ def test_ensemble_submission_and_skip_on_rerun(
     assert (tmp_path / "out" / "scores.csv").is_file()
     lines.clear()
     run_ensemble(tmp_path / "exp.toml", tmp_path / "out", log=lines.append)
-    assert sum("skipped" in line for line in lines) == 2
+    assert sum("finished earlier (2 epoch(s), best valid_loss" in line for line in lines) == 2
+    assert not any(line.lstrip().startswith(("plan:", "epoch")) for line in lines)
+    # An edited member is refused, not its earlier run's predictions used.
+    edited = (tmp_path / "exp.toml").read_text().replace("lr = 0.02", "lr = 0.05")
+    (tmp_path / "exp.toml").write_text(edited)
+    with pytest.raises(ConfigError, match=r"different config \(lr: 0.02 -> 0.05\)"):
+        run_ensemble(tmp_path / "exp.toml", tmp_path / "out", log=lines.append)
 
 
 def test_cli_train_and_predict(

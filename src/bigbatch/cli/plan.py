@@ -100,6 +100,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=2,
         help="with --input-dtype long: token ids are drawn from [0, vocab) (the embedding's size)",
     )
+    p.add_argument("--num-classes", type=int, default=1000, help="the head's outputs (--arch)")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,20 +130,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     precision = "autocast's dtype; default fp32 (bf16 with --hf); for a card named by --budget, "
     precision += "bigbatch train's precision=auto there (bf16, or fp16 before Ampere)"
     p.add_argument("--precision", choices=PRECISIONS, help=precision)
-    p.add_argument(
-        "--optimizer",
-        default="adamw",
-        choices=OPTIMIZERS,
-        help="the optimizer whose state the step holds (8-bit and paged: bitsandbytes')",
-    )
+    optimizer = "the optimizer whose state the step holds (8-bit and paged: bitsandbytes')"
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help=optimizer)
     p.add_argument(
         "--cudnn-benchmark",
         action="store_true",
         help="plan a CUDA step in cuDNN's benchmark mode (torch.backends.cudnn.benchmark, as "
         "timm's train.py and fastai set): the algorithms' workspaces and first-step trials",
-    )
-    p.add_argument(
-        "--num-classes", type=int, default=1000, help="outputs of the model's head (--arch)"
     )
     p.add_argument(
         "--margin", type=float, default=0.10, help="safety margin, a fraction of the budget"

@@ -12,7 +12,6 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from bigbatch.train.run_dir import (
     write_run_files,
 )
 from bigbatch.train.runtime import (
+    Log,
     cap_to_budget,
     check_no_lone_sample,
     distributed_sampler,
@@ -62,6 +62,7 @@ from bigbatch.train.state import (
     TrainResult,
     build_phase,
     diverged,
+    finished_result,
     make_backoff,
     make_ema,
     make_valid_loader,
@@ -73,8 +74,6 @@ from bigbatch.train.tasks.base import Placement
 from bigbatch.train.tracking import report_files, start_report
 
 __all__ = ["train"]
-
-Log = Callable[[str], None]
 
 
 def train(
@@ -101,6 +100,8 @@ def train(
     cfg = cfg.with_absolute_paths()  # predict, ensemble and --resume find the data from anywhere
     rank, world = init_distributed(cfg)
     run_dir = Path(run_dir)
+    if resume and (finished := finished_result(cfg, run_dir, log if rank == 0 else _silent)):
+        return finished  # every rank: none plans or joins a collective
     if rank != 0:  # rank 0 alone logs and writes files
         return _run(_setup(cfg, run_dir, resume, _silent, False, data, rank, world))
 

@@ -16,10 +16,11 @@ from torch import nn
 
 from bigbatch.accumulate import Accumulator
 from bigbatch.backoff import BackoffEvent, OOMBackoff
+from bigbatch.io import read_json
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
-from bigbatch.train.run_dir import checkpoint_state
+from bigbatch.train.run_dir import check_run_dir, checkpoint_state
 from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Placement, Task
 from bigbatch.train.tasks.device_images import collate_encoded
@@ -33,6 +34,7 @@ __all__ = [
     "TrainingDiverged",
     "build_phase",
     "diverged",
+    "finished_result",
     "make_backoff",
     "make_ema",
     "make_valid_loader",
@@ -82,6 +84,32 @@ class TrainResult:
     classes: list[str] = field(default_factory=list)
     monitor: str = "valid_loss"
     backoff_events: list[BackoffEvent] = field(default_factory=list)
+
+
+def finished_result(
+    cfg: TrainConfig, run_dir: Path, log: Callable[[str], None]
+) -> TrainResult | None:
+    """What a resumed run that has finished (``done.json``, written at its end) reports,
+    having said so, or None for one that has not: nothing is planned, trained or reported to
+    the trackers again. Its config is checked as every resumed run's is.
+
+    >>> finished_result(TrainConfig(data="x"), Path("no/such/run"), print) is None
+    True
+    """
+    done = run_dir / "done.json"
+    if not done.is_file():
+        return None
+    state = check_run_dir(run_dir, cfg, resume=True)  # another config: refused, as ever
+    fix = f"delete {done} and resume the run again: its end (validation, done.json) runs again"
+    summary = read_json(done, fix)
+    history = json.loads(state["history"]) if state is not None else []
+    classes = run_dir / "classes.json"
+    monitor, best = str(summary["monitor"]), float(summary["best"])
+    said = f"{run_dir} finished earlier ({len(history)} epoch(s), best {monitor} {best:.4f})"
+    log(f"{said}: nothing to resume")
+    return TrainResult(
+        run_dir, best, history, read_json(classes, fix) if classes.is_file() else [], monitor
+    )
 
 
 @dataclass

@@ -7,8 +7,8 @@ The experiments file (TOML) has a ``[common]`` table of training keys shared by 
 ``[ensemble]`` table (``test`` folder, ``sample_submission`` CSV, ``tta`` passes) and one
 ``[[member]]`` per run with its ``name``, ``weight`` and its own keys (``arch``, ``size``,
 ``item_transform``, ...). Members are trained in turn, each planned into the same budget; a
-member whose run is finished is skipped on rerun, and one interrupted mid-way resumes, so a crash
-costs at most the epoch in flight.
+member whose run is finished is not trained again on rerun (one whose keys were edited since is
+refused), and one interrupted mid-way resumes, so a crash costs at most the epoch in flight.
 """
 
 from __future__ import annotations
@@ -364,10 +364,9 @@ def run_experiments(
         log(
             f"\n== member {m.name}: {c.model_name} @ {c.size} ({c.options.item_transform}), weight {m.weight}"
         )
-        if (run_dir / "done.json").exists():
-            log(f"   finished earlier in {run_dir}: skipped")
-        else:
-            train(c, run_dir, resume=(run_dir / "last.pt").exists(), log=indented, data=data)
+        # A finished member says so and trains no more, once its config is checked: an edited
+        # member is refused, not its earlier run's predictions used.
+        train(c, run_dir, resume=(run_dir / "config.json").exists(), log=indented, data=data)
         member_classes = read_json(
             run_dir / "classes.json",
             f"train the member again: delete {run_dir}/done.json and run the ensemble again",
