@@ -137,6 +137,15 @@ def test_resume_after_a_kill_gives_the_same_weights(
     assert any("resuming" in line and "after epoch 1" in line for line in lines)
     resumed_log = (tmp_path / "killed" / "train.log").read_text()
     assert resumed_log.startswith(said) and "resuming" in resumed_log[len(said) :]
+    # Resumed again, finished: said at once, the same result, nothing planned or trained.
+    lines.clear()
+    again = train(
+        load_config(overrides=overrides), tmp_path / "killed", resume=True, log=lines.append
+    )
+    assert lines == [f"{tmp_path / 'killed'} finished earlier (3 epoch(s), best valid_loss "
+                     f"{result.best_metric:.4f}): nothing to resume"]  # fmt: skip
+    assert again.history == result.history and again.best_metric == result.best_metric
+    assert (tmp_path / "killed" / "train.log").read_text() == resumed_log
     assert [r["epoch"] for r in result.history] == [1, 2, 3]  # epoch 1 not redone
     full = load_file(tmp_path / "full" / "last.safetensors")
     resumed = load_file(tmp_path / "killed" / "last.safetensors")
