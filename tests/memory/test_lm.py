@@ -498,6 +498,16 @@ def test_a_plan_for_a_card_without_bfloat16_units_takes_fp16_unless_told(
     )
     ada, err = plan("--budget", "l4", "--lora", "4")
     assert "planned for" not in err and ada["trainer"]["bf16"] and ada["dtype"] == "auto"
+    # A config in float16: kept under LoRA; float32 for a full fine-tune, whose float16
+    # gradients GradScaler cannot unscale (planned so by hand: refused with the fix).
+    write_config(tmp_path / "m", tiny().to_dict() | {"dtype": "float16"})
+    lora16, err = plan("--budget", "t4", "--lora", "4")
+    assert "planned for the T4: --precision fp16 (" in err and lora16["dtype"] == "auto"
+    full16, err = plan("--budget", "t4")
+    assert "planned for the T4: --precision fp16 --dtype fp32" in err and full16["dtype"] == "fp32"
+    with pytest.raises(ValueError, match=r"^a full fine-tune of float16 weights in fp16: torch's "
+                       r"GradScaler cannot unscale float16 gradients .*--dtype fp32"):  # fmt: skip
+        plan_lm(tiny(), LMSetup(seq_len=16, dtype="fp16"), 2, "t4", precision="fp16")
 
 
 def test_bf16_eight_billion_lora_does_not_fit_sixteen_gigabytes(tmp_path: Path) -> None:

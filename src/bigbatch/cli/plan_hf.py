@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bigbatch.cli import UserError, flags_set, positive_ints
 
 # The language-model flags and their defaults: set without --hf, they are refused (and the
@@ -226,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _precision_for_card(args: argparse.Namespace, card: Any, config: Any, setup: Any) -> str:
     """``--precision`` where not given: bf16, or on a card without bfloat16 units (a T4,
-    where torch emulates it several times slower) fp16, with the weights the config keeps in
-    bf16 (``--dtype auto``) in fp16 under adapters, in float32 for a full fine-tune (GradScaler
+    where torch emulates it several times slower) fp16, with the config's 16-bit weights
+    (``--dtype auto``) in fp16 under adapters and in float32 for a full fine-tune (GradScaler
     cannot unscale fp16 gradients). Returns what was filled in for that card, to be said."""
     from bigbatch.device import device_kind
     from bigbatch.memory.lm import weights_dtype
@@ -238,10 +236,14 @@ def _precision_for_card(args: argparse.Namespace, card: Any, config: Any, setup:
     if args.precision is None:
         args.precision = "fp16" if emulated else "bf16"
         filled += [f"--precision {args.precision}"] if emulated else []
-    in_bf16 = args.dtype == "auto" and weights_dtype(config, setup) == torch.bfloat16
-    if emulated and args.precision == "fp16" and in_bf16:
-        args.dtype = "fp16" if setup.lora_r else "fp32"
-        filled.append(f"--dtype {args.dtype}")
+    held = str(weights_dtype(config, setup)) if args.dtype == "auto" else ""
+    half = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(held)
+    if emulated and args.precision == "fp16" and half:
+        # GradScaler unscales no float16 gradient: a full fine-tune keeps float32 weights.
+        dtype = "fp16" if setup.lora_r else "fp32"
+        if dtype != half:
+            args.dtype = dtype
+            filled.append(f"--dtype {args.dtype}")
     if not filled:
         return ""
     keep = "--precision bf16" if filled[0].startswith("--precision") else "--dtype bf16"

@@ -893,6 +893,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch)
+    _check_fp16_weights(config, setup, precision)
     card = _card_for(budget, setup)
     n = setup.world_size
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
@@ -1026,6 +1027,18 @@ def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
     flash = setup.attn == "flash_attention_2"
     nccl = setup.world_size > 1 and device_kind(device).distributed_backend == "nccl"
     return [m for m in (note, _FLASH_NOTE if flash else "", _NCCL_NOTE if nccl else "") if m]
+
+
+def _check_fp16_weights(config: Any, setup: LMSetup, precision: str) -> None:
+    """A full fine-tune whose weights are float16, under fp16: torch's GradScaler cannot
+    unscale float16 gradients, so Trainer (``fp16=True``) stops at its first step. Adapters
+    are float32 (peft keeps them so), whatever the base."""
+    if precision == "fp16" and not setup.lora_r and weights_dtype(config, setup) == torch.float16:
+        raise ValueError(
+            "a full fine-tune of float16 weights in fp16: torch's GradScaler cannot unscale "
+            "float16 gradients (Trainer stops at its first step): plan with --dtype fp32 "
+            "(float32 weights under fp16 autocast), or with --lora R"
+        )
 
 
 def _bf16_notes(card: Card | None, config: Any, setup: LMSetup, precision: str) -> list[str]:
