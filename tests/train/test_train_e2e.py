@@ -146,6 +146,9 @@ def test_resume_after_a_kill_gives_the_same_weights(
                      f"{result.best_metric:.4f}): nothing to resume"]  # fmt: skip
     assert again.history == result.history and again.best_metric == result.best_metric
     assert (tmp_path / "killed" / "train.log").read_text() == resumed_log
+    (tmp_path / "killed" / "done.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"done.json is not one bigbatch wrote .*: delete"):
+        train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)
     assert [r["epoch"] for r in result.history] == [1, 2, 3]  # epoch 1 not redone
     full = load_file(tmp_path / "full" / "last.safetensors")
     resumed = load_file(tmp_path / "killed" / "last.safetensors")

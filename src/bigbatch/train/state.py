@@ -102,6 +102,8 @@ def finished_result(
     state = check_run_dir(run_dir, cfg, resume=True)  # another config: refused, as ever
     fix = f"delete {done} and resume the run again: its end (validation, done.json) runs again"
     summary = read_json(done, fix)
+    if not isinstance(summary, dict) or not {"monitor", "best"} <= summary.keys():
+        raise ConfigError(f"{done} is not one bigbatch wrote (no monitor or best): {fix}")
     history = json.loads(state["history"]) if state is not None else []
     classes = run_dir / "classes.json"
     monitor, best = str(summary["monitor"]), float(summary["best"])
