@@ -339,7 +339,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         print(f"Trainer or TRL (with_plan sets the sizes and refuses other settings): {fields}")
         return
-    print(f"{args.hf}: global batch {args.batch} sequences, budget {args.budget} per rank")
+    setup = f"{_setup(args, 1, 1).describe(table=True)}, precision {args.precision}"
+    print(f"{args.hf}: {setup}; global batch {args.batch} sequences, budget {args.budget} per rank")
     header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>14} {'peak / rank':>12}  parts"
     print(header)
     print("-" * len(header))

@@ -100,20 +100,31 @@ class LMSetup:
     world_size: int = 1
     fsdp: bool = False
 
-    def describe(self) -> str:
+    def describe(self, table: bool = False) -> str:
+        """The fine-tune in a line; with ``table``, without the length and the ranks (a
+        table's rows give them).
+
+        >>> LMSetup(seq_len=2048, lora_r=16, dtype="fp16", world_size=4, fsdp=True).describe()
+        'LoRA r=16 (all-linear), 2048 tokens, padded, fp16 weights, FSDP2 over 4 ranks'
+        >>> LMSetup(seq_len=2048, lora_r=16, world_size=4, fsdp=True).describe(table=True)
+        'LoRA r=16 (all-linear), padded, FSDP2'
+        """
         kind = "full fine-tune"
         if self.lora_r:
             kind = f"LoRA r={self.lora_r} ({self.lora_targets})"
             if self.quant:
                 kind = f"QLoRA {self.quant}-bit r={self.lora_r} ({self.lora_targets})"
-        parts = [kind, f"{self.seq_len} tokens", "packed" if self.packing else "padded"]
+        length = [] if table else [f"{self.seq_len} tokens"]
+        parts = [kind, *length, "packed" if self.packing else "padded"]
         if self.gradient_checkpointing:
             parts.append("gradient checkpointing")
         if self.attn != "sdpa":
             parts.append(self.attn)
         if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
             parts.append(f"{self.dtype} weights")
-        if self.world_size > 1:
+        if table and self.fsdp:
+            parts.append("FSDP2")
+        elif self.world_size > 1 and not table:
             parts.append(f"{'FSDP2' if self.fsdp else 'DDP'} over {self.world_size} ranks")
         return ", ".join(parts)
 
