@@ -44,4 +44,14 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
     assert rows[-1]["optimizer_steps"] == "4"  # 24 images / 12 per window, over 2 ranks, 2 epochs
     again = _torchrun(tmp_path, "--resume", "run", "--no-progress")
     assert again.returncode == 0, again.stderr[-3000:]
+    # Finished: every rank returns at once (none waits on a collective), nothing reported again.
+    assert "run finished earlier (2 epoch(s), best valid_loss" in again.stdout
+    assert again.stdout.count("run folder: run") == 1
+    events.Reload()
+    assert [e.step for e in events.Scalars("valid_loss")] == [2, 4]
+    # Its end undone (done.json deleted, as the refusal of a damaged one says): each rank
+    # loads last.pt and the run ends again.
+    (tmp_path / "run" / "done.json").unlink()
+    again = _torchrun(tmp_path, "--resume", "run", "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming run after epoch 2 of 2" in again.stdout
