@@ -453,7 +453,10 @@ def test_the_sweep_of_issue_43_over_classification(
     monkeypatch.chdir(job)
     # Damaged run files: the file, what is wrong, the fix; no traceback.
     (job / "run" / "plan.json").write_text('{"threads": ')
+    done = (job / "run" / "done.json").read_bytes()
+    (job / "run" / "done.json").unlink()  # unfinished: a resumed run reads its plan
     _fails(["train", "--resume", "run"], capsys, "plan.json is damaged (not JSON")
+    (job / "run" / "done.json").write_bytes(done)
     (job / "run" / "classes.json").write_text("[")
     _fails(["predict", "run", "test"], capsys, "classes.json is missing or damaged")
 
