@@ -180,9 +180,8 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     """The fields of ``TrainingArguments`` (TRL's ``SFTConfig``) that ``plan`` (an
     :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch,
     accumulation and evaluation batch (at most the micro-batch where not planned), the
-    precision it traced
-    (``bf16``, ``fp16``) and its optimizer as Trainer names it (``optim``; None for one
-    Trainer has no name for).
+    precision it traced (``bf16``, ``fp16``) and its optimizer as Trainer names it (``optim``;
+    None for one Trainer has no name for).
 
     >>> import transformers
     >>> from bigbatch.memory.lm import LMSetup, plan_lm
@@ -459,8 +458,8 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     rank or targets, layers trained whole beside the adapters), whose weights take over 5 %
     more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16)
     or that are in another dtype than a plan's own ``--dtype`` (bf16 where a T4's plan has
-    fp16: the same bytes, emulated there), that runs without the gradient checkpointing the plan counted on (its activations several
-    times the plan's), or arguments with another precision or optimizer (as
+    fp16: the same bytes, emulated there), that runs without the gradient checkpointing the
+    plan counted on (its activations several times the plan's), or arguments with another precision or optimizer (as
     :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
     plan's. The plan would hold for none. :class:`MemoryBudget` checks this when training
     begins.
