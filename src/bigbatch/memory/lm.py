@@ -276,9 +276,12 @@ def weights_dtype(config: Any, setup: LMSetup) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def check_setup(config: Any, setup: LMSetup, global_batch: int | None = None) -> None:
+def check_setup(
+    config: Any, setup: LMSetup, global_batch: int | None = None, precision: str = ""
+) -> None:
     """Refuse, with the fix, what cannot be planned or trained as given (with
-    ``global_batch`` sequences a step, where given)."""
+    ``global_batch`` sequences a step and in ``precision``, where given)."""
+    _check_fp16_weights(config, setup, precision)
     n = setup.world_size
     if global_batch is not None and (global_batch < 1 or global_batch % n):
         raise ValueError(
@@ -903,8 +906,7 @@ def plan_lm(
     >>> p.micro_batch * p.accumulation
     8
     """
-    check_setup(config, setup, global_batch)
-    _check_fp16_weights(config, setup, precision)
+    check_setup(config, setup, global_batch, precision)
     card = _card_for(budget, setup)
     n = setup.world_size
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
