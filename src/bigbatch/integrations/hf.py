@@ -544,7 +544,9 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
     held = max(counts, key=counts.__getitem__, default=None)
     if held is None or _DTYPE_FLAGS.get(held) == setup.dtype:
         return
-    want = {v: k for k, v in _DTYPE_FLAGS.items()}[setup.dtype]
+    from bigbatch.memory.lm import weights_dtype
+
+    want = weights_dtype(None, setup)  # the plan's own --dtype, as lm reads it
     raise ValueError(
         f"the plan ({described}) has {setup.dtype} weights and this model's are "
         f"{str(held).removeprefix('torch.')}: load it with from_pretrained(..., "
