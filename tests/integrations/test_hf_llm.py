@@ -18,12 +18,19 @@ from test_hf import collate  # noqa: E402  (right-padded: pad id 0, label -100, 
 from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     check_plan_matches,
+    model_arguments,
     train_with_backoff,
     trainer_arguments,
     trainer_batch_sizes,
     with_plan,
 )
-from bigbatch.memory.lm import LMPlan, LMSetup, enable_checkpointing, plan_lm  # noqa: E402
+from bigbatch.memory.lm import (  # noqa: E402
+    LMPlan,
+    LMSetup,
+    enable_checkpointing,
+    lora_config,
+    plan_lm,
+)
 
 VOCAB, SEQ, N, LR = 48, 10, 12, 0.5
 
@@ -507,6 +514,44 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
                        r"--dtype bf16"):  # fmt: skip
         check_plan_matches(fp16_plan, tiny_lora().to(torch.bfloat16), "cpu")
     check_plan_matches(fp16_plan, tiny_lora().half(), "cpu")  # peft's float32 adapters aside
+
+
+def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``from_pretrained(..., **model_arguments(plan))`` and ``lora_config(plan.setup)`` build
+    the fine-tune a (saved, loaded) QLoRA plan traced: bitsandbytes' 4-bit layers computing in
+    the config's bf16, which check_plan_matches lets train. Loaded with BitsAndBytesConfig's
+    default compute dtype (float32: every dequantized weight twice the plan's), it refuses
+    the model in one line naming model_arguments."""
+    pytest.importorskip("bitsandbytes")
+    config = tiny_config()
+    config.dtype = "bfloat16"
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    plan = plan_lm(config, LMSetup(seq_len=SEQ, lora_r=4, quant=4), 4, "1GB", device="cpu",
+                   precision="bf16", overhead=0)  # fmt: skip
+    loaded = LMPlan.load(plan.save(tmp_path / "plan.json"))
+    kwargs = model_arguments(loaded)
+    assert kwargs["dtype"] == torch.bfloat16 and kwargs["attn_implementation"] == "sdpa"
+    assert kwargs["quantization_config"].bnb_4bit_compute_dtype == torch.bfloat16
+
+    def qlora(**load):  # type: ignore[no-untyped-def]
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", **load)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return peft.get_peft_model(model, lora_config(loaded.setup))
+
+    check_plan_matches(loaded, qlora(**kwargs), "cpu")
+    default = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    with pytest.raises(ValueError, match=r"4-bit layers compute in bfloat16 and this model's "
+                       r"compute in float32: load it with from_pretrained\(\.\.\., "
+                       r"\*\*model_arguments\(plan\)\)"):  # fmt: skip
+        check_plan_matches(loaded, qlora(quantization_config=default), "cpu")
+    # A T4's plan (--dtype fp16) computes in fp16; LLM.int8 has no compute dtype to set.
+    t4 = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4, dtype="fp16"), weights_dtype="")
+    assert model_arguments(t4)["quantization_config"].bnb_4bit_compute_dtype == torch.float16
+    int8 = model_arguments(SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=8)))
+    assert int8["dtype"] == "auto" and int8["quantization_config"].load_in_8bit
+    older = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4), weights_dtype="")
+    with pytest.raises(ValueError, match=r"does not record the weights' dtype .*: plan again"):
+        model_arguments(older)
 
 
 def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refused(

@@ -418,7 +418,9 @@ def test_seven_and_eight_billion_parameter_plans(
     assert main([*args, "--save", str(tmp_path / "plan.json")]) == 0
     plan = json.loads(capsys.readouterr().out)
     saved = LMPlan.load(tmp_path / "plan.json")  # the plan the training job loads
-    assert saved.to_dict() == {k: v for k, v in plan.items() if k not in ("fits", "trainer")}
+    assert saved.to_dict() == {
+        k: v for k, v in plan.items() if k not in ("fits", "trainer", "model")
+    }
     assert plan["trainer"] == {
         "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 4,
@@ -427,6 +429,11 @@ def test_seven_and_eight_billion_parameter_plans(
         "fp16": card == "t4",
         "optim": "adamw_torch",
     }  # fmt: skip  (a T4 has no bfloat16 units: fp16 there)
+    # The model as the plan traced it: the 4-bit layers compute in the T4's fp16 weights' dtype.
+    half = "float16" if card == "t4" else "bfloat16"
+    assert plan["model"]["dtype"] == half and plan["model"]["attn_implementation"] == "sdpa"
+    quant = plan["model"].get("quantization_config", "")
+    assert (f"bnb_4bit_compute_dtype=torch.{half})" in quant) == bool(setup.quant)
     # Evaluation's logits (and their float32 copy) at this length: Trainer's default of 8
     # sequences a forward pass would not fit beside the weights.
     assert 1 <= plan["eval_batch"] < 8 and plan["eval_peak_bytes_per_rank"] <= plan["usable_bytes"]

@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
             else {"fits": False, "why": r}
             for r in rows
         ]
+        for r, o in zip(rows, out, strict=True):
+            if isinstance(r, LMPlan):
+                o["model"] = _model_fields(r)
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
         return 0
     _print(args, rows)
@@ -338,6 +341,11 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         said = trainer_arguments(first).items()  # None: not planned (FSDP2's evaluation)
         fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         print(f"Trainer or TRL (with_plan sets the sizes and refuses other settings): {fields}")
+        model = _model_fields(first)
+        attn = model.pop("attn_implementation")
+        fields = f"dtype=torch.{model.pop('dtype')}, attn_implementation={attn!r}"
+        fields += "".join(f", {k}={v}" for k, v in model.items())
+        print(f"The model (from_pretrained(..., **model_arguments(plan)) loads it so): {fields}")
         return
     setup = f"{_setup(args, 1, 1).describe(table=True)}, precision {args.precision}"
     print(f"{args.hf}: {setup}; global batch {args.batch} sequences, budget {args.budget} per rank")
@@ -359,6 +367,26 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{r.setup.seq_len:>7} {r.setup.world_size:>5} {split:>14} "
             f"{format_bytes(r.peak_bytes):>12}  {top}"
         )
+
+
+def _model_fields(plan: Any) -> dict[str, str]:
+    """``model_arguments(plan)`` as text: what a script that loads the model from its command
+    line (TRL's ``--dtype``, ``--load_in_4bit``) is to be given."""
+    from bigbatch.integrations.hf import model_arguments
+
+    kwargs = model_arguments(plan)
+    dtype = str(kwargs["dtype"]).removeprefix("torch.")
+    fields = {"dtype": dtype, "attn_implementation": kwargs["attn_implementation"]}
+    quant = kwargs.get("quantization_config")
+    if quant is not None and quant.load_in_8bit:
+        fields["quantization_config"] = "BitsAndBytesConfig(load_in_8bit=True)"
+    elif quant is not None:
+        fields["quantization_config"] = (
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+            f"bnb_4bit_use_double_quant={quant.bnb_4bit_use_double_quant}, "
+            f"bnb_4bit_compute_dtype={quant.bnb_4bit_compute_dtype})"
+        )
+    return fields
 
 
 def _count(n: int) -> str:

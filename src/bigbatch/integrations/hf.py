@@ -44,6 +44,7 @@ require("transformers", "hf")
 __all__ = [
     "MemoryBudget",
     "check_plan_matches",
+    "model_arguments",
     "refit_sizes",
     "shift_labels_collator",
     "step_need_bytes",
@@ -249,6 +250,51 @@ def with_plan(args: Any, plan: Any) -> Any:
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
     eval_batch = _planned_eval_batch(plan, micro, _eval_batch(args))
     return with_sizes(args, micro, steps, eval_batch=eval_batch)
+
+
+def model_arguments(plan: Any) -> dict[str, Any]:
+    """The keyword arguments of ``AutoModelForCausalLM.from_pretrained`` that load the model
+    ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`) describes: its weights' ``dtype``, its
+    ``attn_implementation`` and, for ``--qlora``, bitsandbytes' ``quantization_config`` (NF4,
+    double-quantized as planned, computing in the plan's 16-bit dtype: bitsandbytes' default
+    of float32 doubles every dequantized weight). Its adapters: ``lora_config(plan.setup)``
+    (:func:`~bigbatch.memory.lm.lora_config`).
+
+    >>> from types import SimpleNamespace
+    >>> from bigbatch.memory.lm import LMSetup
+    >>> plan = SimpleNamespace(setup=LMSetup(seq_len=1024, lora_r=16, dtype="fp16"))
+    >>> model_arguments(plan)
+    {'dtype': torch.float16, 'attn_implementation': 'sdpa'}
+    """
+    from bigbatch.memory.lm import quant_compute_dtype, weights_dtype
+
+    setup = plan.setup
+    # --dtype auto, from a plan saved before the dtype was recorded: transformers reads the
+    # config's as the planner did.
+    held = getattr(plan, "weights_dtype", "")
+    dtype: Any = getattr(torch, held) if held else "auto"
+    if setup.dtype != "auto":
+        dtype = weights_dtype(None, setup)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": setup.attn}
+    if setup.quant:
+        from transformers import BitsAndBytesConfig
+
+        if setup.quant == 8:
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        else:
+            if dtype == "auto":
+                raise ValueError(
+                    "this plan, saved by an older bigbatch, does not record the weights' dtype "
+                    "that sets the 4-bit layers' compute dtype: plan again (bigbatch plan --hf "
+                    "... --save), or plan with --dtype"
+                )
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=setup.double_quant,
+                bnb_4bit_compute_dtype=quant_compute_dtype(dtype),
+            )
+    return kwargs
 
 
 def _planned_eval_batch(plan: Any, micro: int, asked: int | None = None) -> int:
@@ -458,8 +504,10 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     rank or targets, layers trained whole beside the adapters), whose weights take over 5 %
     more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16)
     or that are in another dtype than a plan's own ``--dtype`` (bf16 where a T4's plan has
-    fp16: the same bytes, emulated there), that runs without the gradient checkpointing the
-    plan counted on (its activations several times the plan's), or arguments with another precision or optimizer (as
+    fp16: the same bytes, emulated there), whose 4-bit layers compute in another dtype than
+    the plan's (bitsandbytes' default float32: :func:`model_arguments` loads the plan's),
+    that runs without the gradient checkpointing the plan counted on (its activations
+    several times the plan's), or arguments with another precision or optimizer (as
     :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
     plan's. The plan would hold for none. :class:`MemoryBudget` checks this when training
     begins.
@@ -507,6 +555,7 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
             "--dtype fp32"
         )
     _check_weights_dtype(plan, model, described)
+    _check_compute_dtype(plan, model, described)
     if args is not None:
         _check_arguments(plan, args)
     # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
@@ -552,6 +601,31 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
         f"{str(held).removeprefix('torch.')}: load it with from_pretrained(..., "
         f"dtype={want}), or plan with --dtype {_DTYPE_FLAGS.get(held, 'auto')}"
     )
+
+
+def _check_compute_dtype(plan: Any, model: Any, described: str) -> None:
+    """A 4-bit base whose layers compute in another dtype than the plan's: bitsandbytes'
+    default, float32, doubles each dequantized weight and its matmul's input; bf16 on a T4's
+    plan runs emulated. The layers say theirs (``compute_dtype``)."""
+    from bigbatch.memory.lm import quant_compute_dtype
+
+    setup, held = plan.setup, getattr(plan, "weights_dtype", "")
+    if setup.quant != 4 or not held:
+        return
+    want = quant_compute_dtype(getattr(torch, held))
+    found = {
+        m.compute_dtype
+        for m in model.modules()
+        if isinstance(getattr(m, "compute_dtype", None), torch.dtype)
+    }
+    other = sorted(str(d).removeprefix("torch.") for d in found - {want})
+    if other:
+        raise ValueError(
+            f"the plan ({described}) has its 4-bit layers compute in "
+            f"{str(want).removeprefix('torch.')} and this model's compute in "
+            f"{', '.join(other)}: load it with from_pretrained(..., **model_arguments(plan)) "
+            f"(BitsAndBytesConfig(..., bnb_4bit_compute_dtype={want}))"
+        )
 
 
 def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:

@@ -64,9 +64,11 @@ __all__ = [
     "lm_factory",
     "lm_spec_at",
     "load_lm_config",
+    "lora_config",
     "model_sizes",
     "per_rank_bytes",
     "plan_lm",
+    "quant_compute_dtype",
 ]
 
 ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
@@ -276,6 +278,18 @@ def weights_dtype(config: Any, setup: LMSetup) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+def quant_compute_dtype(weights: torch.dtype) -> torch.dtype:
+    """The dtype a quantized base's layers compute in (bitsandbytes' ``compute_dtype``, the
+    dtype of the weight each layer dequantizes for its matmul) for weights in ``weights``: the
+    weights' own 16-bit dtype, and bfloat16 for float32 weights (bitsandbytes' float32 default
+    doubles every dequantized weight).
+
+    >>> quant_compute_dtype(torch.float16), quant_compute_dtype(torch.float32)
+    (torch.float16, torch.bfloat16)
+    """
+    return weights if weights in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
 def check_setup(
     config: Any, setup: LMSetup, global_batch: int | None = None, precision: str = ""
 ) -> None:
@@ -339,21 +353,32 @@ def check_setup(
         )
 
 
-def _apply_lora(model: nn.Module, setup: LMSetup) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+def lora_config(setup: LMSetup) -> Any:
+    """peft's ``LoraConfig`` for ``setup``'s adapters (rank, alpha: twice the rank unless
+    given, dropout, target modules), the adapters the planner builds.
+
+    >>> lora_config(LMSetup(seq_len=512, lora_r=16, lora_targets="q_proj,v_proj")).lora_alpha
+    32
+    """
+    from peft import LoraConfig
 
     targets: str | list[str] = setup.lora_targets
     if targets != "all-linear":
         targets = [t.strip() for t in setup.lora_targets.split(",") if t.strip()]
-    config = LoraConfig(
+    return LoraConfig(
         r=setup.lora_r,
         lora_alpha=setup.lora_alpha or 2 * setup.lora_r,
         lora_dropout=setup.lora_dropout,
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
+
+
+def _apply_lora(model: nn.Module, setup: LMSetup) -> nn.Module:
+    from peft import get_peft_model
+
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(setup))
     except ValueError as exc:
         if "not found in the base model" not in str(exc) and "target module" not in str(exc):
             raise
@@ -407,12 +432,11 @@ def lm_factory(
         if setup.quant:
             head = model.get_output_embeddings()
             skip = tuple(n for n, m in model.named_modules() if m is head)
-            compute = dtype if dtype != torch.float32 else torch.bfloat16
             quantize_linears(
                 model,
                 bits=setup.quant,
                 nested=setup.double_quant,
-                compute_dtype=compute,
+                compute_dtype=quant_compute_dtype(dtype),
                 skip=skip,
                 real=real_bitsandbytes,
             )
@@ -663,6 +687,9 @@ class LMPlan:
     source: str = ""  # the config's name or path, as load_lm_config was given it
     # Trainer's evaluation batch a rank (per_device_eval_batch_size); None: not planned
     evaluation: EvaluationPlan | None = None
+    # The weights' dtype as planned ("bfloat16"; --dtype auto resolved from the config), what
+    # the model is loaded in; "" in plans saved before it was recorded.
+    weights_dtype: str = ""
 
     @property
     def micro_batch(self) -> int:
@@ -908,10 +935,9 @@ def plan_lm(
     """
     check_setup(config, setup, global_batch, precision)
     card = _card_for(budget, setup)
-    n = setup.world_size
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
-    fsdp = setup.fsdp and n > 1
+    n, fsdp = setup.world_size, setup.fsdp and setup.world_size > 1
     traced = fsdp and not dist.is_initialized()
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
@@ -959,6 +985,7 @@ def plan_lm(
         notes=_plan_notes(note, setup, device) + _bf16_notes(card, config, setup, precision),
         source=str(getattr(config, "_name_or_path", "") or ""),
         evaluation=evaluated,
+        weights_dtype=str(weights_dtype(config, setup)).removeprefix("torch."),
     )
 
 
