@@ -490,6 +490,12 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     checkpointed = tiny_lora().float()
     enable_checkpointing(checkpointed)
     check_plan_matches(with_checkpointing, checkpointed)  # the same fine-tune: no refusal
+    # with_plan turns Trainer's checkpointing on for a plan that counts on it: no refusal.
+    on = with_plan(trained(tmp_path, 1, 1), with_checkpointing)
+    assert on.activation_checkpointing and not args.activation_checkpointing
+    budget = MemoryBudget(2**40, steps=1, plan=with_checkpointing)
+    trainer_for(tiny_lora().float(), sequences(), [budget])(on).train()
+    assert budget.measured_bytes is not None
     # Checkpointing by torch's wrappers, as accelerate's FSDP activation_checkpointing does.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,

@@ -428,6 +428,7 @@ def test_seven_and_eight_billion_parameter_plans(
         "bf16": card != "t4",
         "fp16": card == "t4",
         "optim": "adamw_torch",
+        "activation_checkpointing": True,  # the plan counts on it
     }  # fmt: skip  (a T4 has no bfloat16 units: fp16 there)
     # The model as the plan traced it: the 4-bit layers compute in the T4's fp16 weights' dtype.
     half = "float16" if card == "t4" else "bfloat16"

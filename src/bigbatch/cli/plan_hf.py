@@ -340,7 +340,10 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         print(first.summary())
         said = trainer_arguments(first).items()  # None: not planned (FSDP2's evaluation)
         fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
-        print(f"Trainer or TRL (with_plan sets the sizes and refuses other settings): {fields}")
+        said_by = (
+            "with_plan sets the sizes and checkpointing, refuses another precision or optimizer"
+        )
+        print(f"Trainer or TRL ({said_by}): {fields}")
         model = _model_fields(first)
         attn = model.pop("attn_implementation")
         fields = f"dtype=torch.{model.pop('dtype')}, attn_implementation={attn!r}"

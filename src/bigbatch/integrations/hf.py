@@ -181,8 +181,10 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     """The fields of ``TrainingArguments`` (TRL's ``SFTConfig``) that ``plan`` (an
     :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch,
     accumulation and evaluation batch (at most the micro-batch where not planned), the
-    precision it traced (``bf16``, ``fp16``) and its optimizer as Trainer names it (``optim``;
-    None for one Trainer has no name for).
+    precision it traced (``bf16``, ``fp16``), its optimizer as Trainer names it (``optim``;
+    None for one Trainer has no name for) and, where it counts on checkpointing (without
+    FSDP2, whose checkpointing is accelerate's ``fsdp_config``'s),
+    ``activation_checkpointing=True`` (``gradient_checkpointing`` before transformers 5).
 
     >>> import transformers
     >>> from bigbatch.memory.lm import LMSetup, plan_lm
@@ -197,7 +199,7 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
         plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
     )
     traced = plan.plan.prediction
-    return {
+    said = {
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": steps,
         "per_device_eval_batch_size": _planned_eval_batch(plan, micro),
@@ -205,6 +207,27 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
         "fp16": traced.precision == "fp16",
         "optim": _trainer_optim(traced.optimizer),
     }
+    return said | _checkpointing_argument(plan)
+
+
+def _checkpointing_argument(plan: Any, args: Any = None) -> dict[str, bool]:
+    """Trainer's checkpointing flag, on, where ``plan`` counts on checkpointing and ``args``
+    (where given) have it off: ``activation_checkpointing`` (``gradient_checkpointing``
+    before transformers 5). Not for FSDP2, which checkpoints through accelerate's
+    ``fsdp_config`` (transformers warns against the argument there)."""
+    if not plan.setup.gradient_checkpointing or plan.setup.fsdp:
+        return {}
+    import transformers
+
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
+    if args is not None and getattr(args, name, False):
+        return {}
+    return {name: True}
 
 
 def _trainer_optim(optimizer: str) -> str | None:
@@ -217,7 +240,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch,
     and its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8
     sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone;
-    where the plan has none, at most the micro-batch).
+    where the plan has none, at most the micro-batch), and Trainer's activation checkpointing
+    on where the plan counts on it (:func:`trainer_arguments` names the flag).
     Refuses arguments for another number of ranks than the plan's, TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
     micro-batch would not hold them), and arguments that compute in another precision or
@@ -249,7 +273,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     _check_arguments(plan, args, eval_batch=False)  # its evaluation batch is set here
     micro, steps = trainer_batch_sizes(plan.global_batch, plan.plan.max_micro_batch, ranks)
     eval_batch = _planned_eval_batch(plan, micro, _eval_batch(args))
-    return with_sizes(args, micro, steps, eval_batch=eval_batch)
+    checkpointing = _checkpointing_argument(plan, args)
+    return with_sizes(args, micro, steps, eval_batch=eval_batch, **checkpointing)
 
 
 def model_arguments(plan: Any) -> dict[str, Any]:
@@ -925,13 +950,19 @@ def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
 
 
 def with_sizes(
-    args: Any, micro_batch: int, accumulation: int, *, eval_batch: int | None = None
+    args: Any,
+    micro_batch: int,
+    accumulation: int,
+    *,
+    eval_batch: int | None = None,
+    **other: Any,
 ) -> Any:
     """``args`` with another micro-batch and accumulation, and evaluation batch where given
-    (a copy for a dataclass)."""
+    (a copy for a dataclass), and the ``other`` fields given."""
     changes = {
         "per_device_train_batch_size": micro_batch,
         "gradient_accumulation_steps": accumulation,
+        **other,
     }
     if eval_batch is not None:
         changes["per_device_eval_batch_size"] = eval_batch
