@@ -231,7 +231,7 @@ def _precision_for_card(args: argparse.Namespace, card: Any, config: Any, setup:
     (``--dtype auto``) in fp16 under adapters and in float32 for a full fine-tune (GradScaler
     cannot unscale fp16 gradients). Returns what was filled in for that card, to be said."""
     from bigbatch.device import device_kind
-    from bigbatch.memory.lm import weights_dtype
+    from bigbatch.memory.lm import dtype_flag, weights_dtype
 
     # A card's plan on a CPU is refused after this: nothing to fill in for it.
     emulated = card is not None and card.emulates_bf16 and device_kind(args.device).dedicated_memory
@@ -239,8 +239,8 @@ def _precision_for_card(args: argparse.Namespace, card: Any, config: Any, setup:
     if args.precision is None:
         args.precision = "fp16" if emulated else "bf16"
         filled += [f"--precision {args.precision}"] if emulated else []
-    held = str(weights_dtype(config, setup)) if args.dtype == "auto" else ""
-    half = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(held)
+    held = dtype_flag(weights_dtype(config, setup)) if args.dtype == "auto" else ""
+    half = held if held in ("bf16", "fp16") else None
     if emulated and args.precision == "fp16" and half:
         # GradScaler unscales no float16 gradient: a full fine-tune keeps float32 weights.
         dtype = "fp16" if setup.lora_r else "fp32"

@@ -599,9 +599,6 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
         )
 
 
-_DTYPE_FLAGS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
 def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
     """A plan with a ``--dtype`` of its own (a T4's fp16) against the dtype the model's frozen
     weights (every weight, for a full fine-tune) are in: fp16 and bf16 weigh the same, so the
@@ -615,16 +612,17 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
     for p in model.parameters():
         if p.is_floating_point() and (not setup.lora_r or not p.requires_grad):
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    from bigbatch.memory.lm import dtype_flag, weights_dtype
+
     held = max(counts, key=counts.__getitem__, default=None)
-    if held is None or _DTYPE_FLAGS.get(held) == setup.dtype:
+    if held is None or dtype_flag(held) == setup.dtype:
         return
-    from bigbatch.memory.lm import weights_dtype
 
     want = weights_dtype(None, setup)  # the plan's own --dtype, as lm reads it
     raise ValueError(
         f"the plan ({described}) has {setup.dtype} weights and this model's are "
         f"{str(held).removeprefix('torch.')}: load it with from_pretrained(..., "
-        f"dtype={want}), or plan with --dtype {_DTYPE_FLAGS.get(held, 'auto')}"
+        f"dtype={want}), or plan with --dtype {dtype_flag(held)}"
     )
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "LMPlan",
     "LMSetup",
     "ModelSizes",
+    "dtype_flag",
     "lm_factory",
     "lm_spec_at",
     "load_lm_config",
@@ -276,6 +277,16 @@ def weights_dtype(config: Any, setup: LMSetup) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def dtype_flag(dtype: torch.dtype | None) -> str:
+    """``--dtype``'s name for ``dtype`` (``LMSetup.dtype``): bf16, fp16 or fp32; ``auto`` for
+    any other.
+
+    >>> dtype_flag(torch.bfloat16), dtype_flag(torch.float64)
+    ('bf16', 'auto')
+    """
+    return next((flag for flag, d in _DTYPES.items() if d == dtype), "auto")
 
 
 def quant_compute_dtype(weights: torch.dtype) -> torch.dtype:
