@@ -154,7 +154,8 @@ def update_rel_diff(start: nn.Module, a: nn.Module, b: nn.Module) -> float:
 def roundoff_tol(rounded: Sequence[torch.Tensor], exact: Sequence[torch.Tensor]) -> float:
     """The tolerance of a float32 equivalence check: a multiple of the float32 big batch's own
     distance from the float64 big batch (``rounded`` and ``exact``: the same gradients or
-    updates in both), never below 1e-6 (``bigbatch.verify.roundoff_tolerance``)."""
+    updates in both), never below 8 units in
+    float32's last place (``bigbatch.verify.roundoff_tolerance``)."""
     from bigbatch.verify import roundoff_tolerance
 
     def named(ts: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -675,11 +675,12 @@ def _group_finite(grads: list[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool on the gradients' device: none of ``grads`` (one device and dtype) holds
     inf or nan."""
     device = grads[0].device
-    # float32 whatever torch's default dtype is: the check takes no other.
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    one = torch.ones(1, dtype=torch.float32, device=device)
+    # float32 whatever torch's default dtype is: the check takes no other. 0-d, as GradScaler's
+    # own: FSDP2's DTensor gradients take a 0-d tensor as replicated (and warn on a 1-element one).
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     except NotImplementedError:
         return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()
-    return found[0] == 0
+    return found == 0

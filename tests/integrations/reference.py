@@ -88,7 +88,8 @@ def roundoff_tol(
     init: tuple[torch.Tensor, torch.Tensor], windows: list[list[Batch]], lr: float
 ) -> float:
     """The tolerance of a float32 run: a multiple of the float32 big batch's own distance from
-    the float64 one, on the update, never below 1e-6 (``bigbatch.verify.roundoff_tolerance``)."""
+    the float64 one, on the update, never below 8 units in
+    float32's last place (``bigbatch.verify.roundoff_tolerance``)."""
     from bigbatch.verify import roundoff_tolerance
 
     def update(dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -140,14 +140,22 @@ def _user_results(
 
 
 def _print_table(results: list[CaseResult]) -> None:
-    header = f"{'case':<16} {'method':<9} {'dtype':<8} {'counts':<20} {'max_abs':>9} {'max_rel':>9} {'tol':>7}  verdict"
+    # Columns as wide as their longest entry (a case's name, "float64/fsdp_every"), counts cut.
+    counts = [",".join(str(c) for c in r.micro_batch_counts)[:24] for r in results]
+    w_case = max([4, *(len(r.case) for r in results)])
+    w_method = max([6, *(len(r.method) for r in results)])
+    w_dtype = max([5, *(len(r.dtype) for r in results)])
+    w_counts = max([6, *map(len, counts)])
+    header = (
+        f"{'case':<{w_case}} {'method':<{w_method}} {'dtype':<{w_dtype}} "
+        f"{'counts':<{w_counts}} {'max_abs':>9} {'max_rel':>9} {'tol':>7}  verdict"
+    )
     print(header)
     print("-" * len(header))
-    for r in results:
-        counts = ",".join(str(c) for c in r.micro_batch_counts)
+    for r, said in zip(results, counts, strict=True):
         verdict = "EXACT" if r.passed else "DIFFERS"
         print(
-            f"{r.case[:16]:<16} {r.method:<9} {r.dtype:<8} {counts[:20]:<20} "
+            f"{r.case:<{w_case}} {r.method:<{w_method}} {r.dtype:<{w_dtype}} {said:<{w_counts}} "
             f"{r.max_abs:9.1e} {r.max_rel:9.1e} {r.tolerance:7.1e}  {verdict}"
         )
     # One paragraph per distinct explanation, naming the rows it explains.
