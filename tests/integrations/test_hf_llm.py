@@ -19,6 +19,7 @@ from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     check_plan_matches,
     model_arguments,
+    quantization_arguments,
     train_with_backoff,
     trainer_arguments,
     trainer_batch_sizes,
@@ -553,6 +554,7 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
     # A T4's plan (--dtype fp16) computes in fp16; LLM.int8 has no compute dtype to set.
     t4 = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4, dtype="fp16"), weights_dtype="")
     assert model_arguments(t4)["quantization_config"].bnb_4bit_compute_dtype == torch.float16
+    assert quantization_arguments(t4)["bnb_4bit_compute_dtype"] == torch.float16
     int8 = model_arguments(SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=8)))
     assert int8["dtype"] == "auto" and int8["quantization_config"].load_in_8bit
     older = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4), weights_dtype="")

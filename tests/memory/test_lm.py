@@ -4,6 +4,7 @@ configs on 16 and 24 GB cards, and the refusals."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -450,6 +451,30 @@ def test_seven_and_eight_billion_parameter_plans(
     else:  # bfloat16
         assert abs(parts["weights"] - 2 * (plan["parameters"] - trainable)) < 2**20
     assert not [n for n in plan["notes"] if "has no bfloat16 units" in n]  # fp16 on a T4
+
+
+def test_a_qlora_plan_names_the_model_to_load_where_bitsandbytes_is_missing(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The plan's last line says how to load the model it traced: a T4's QLoRA computes in
+    fp16. It is said without building transformers' BitsAndBytesConfig, which releases before
+    5 refuse where bitsandbytes is not installed (a Mac planning for the card)."""
+    transformers = pytest.importorskip("transformers")
+
+    def missing(**kwargs: object) -> None:
+        raise importlib.metadata.PackageNotFoundError("bitsandbytes")
+
+    monkeypatch.setattr(transformers, "BitsAndBytesConfig", missing)
+    folder = write_config(tmp_path / "m", tiny().to_dict() | {"dtype": "bfloat16"})
+    args = ["plan", "--hf", str(folder), "--seq-len", "16", "--batch", "2", "--lora", "4"]
+    assert main([*args, "--qlora", "--budget", "t4"]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said == (
+        "The model (from_pretrained(..., **model_arguments(plan)) loads it so): "
+        "dtype=torch.float16, attn_implementation='sdpa', quantization_config=BitsAndBytesConfig("
+        "load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
+        "bnb_4bit_compute_dtype=torch.float16)"
+    )
 
 
 def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention() -> None:

@@ -374,21 +374,22 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
 
 def _model_fields(plan: Any) -> dict[str, str]:
     """``model_arguments(plan)`` as text: what a script that loads the model from its command
-    line (TRL's ``--dtype``, ``--load_in_4bit``) is to be given."""
-    from bigbatch.integrations.hf import model_arguments
+    line (TRL's ``--dtype``, ``--load_in_4bit``) is to be given. Without building
+    ``BitsAndBytesConfig``, which some transformers releases refuse where bitsandbytes is not
+    installed (a Mac planning for a card)."""
+    from dataclasses import replace
 
-    kwargs = model_arguments(plan)
+    from bigbatch.integrations.hf import model_arguments, quantization_arguments
+
+    setup = replace(plan.setup, quant=0)  # the rest of the arguments; the quantization's below
+    kwargs = model_arguments(replace(plan, setup=setup))
     dtype = str(kwargs["dtype"]).removeprefix("torch.")
     fields = {"dtype": dtype, "attn_implementation": kwargs["attn_implementation"]}
-    quant = kwargs.get("quantization_config")
-    if quant is not None and quant.load_in_8bit:
-        fields["quantization_config"] = "BitsAndBytesConfig(load_in_8bit=True)"
-    elif quant is not None:
-        fields["quantization_config"] = (
-            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
-            f"bnb_4bit_use_double_quant={quant.bnb_4bit_use_double_quant}, "
-            f"bnb_4bit_compute_dtype={quant.bnb_4bit_compute_dtype})"
+    if quant := quantization_arguments(plan):
+        said = ", ".join(
+            f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in quant.items()
         )
+        fields["quantization_config"] = f"BitsAndBytesConfig({said})"
     return fields
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "MemoryBudget",
     "check_plan_matches",
     "model_arguments",
+    "quantization_arguments",
     "refit_sizes",
     "shift_labels_collator",
     "step_need_bytes",
@@ -280,9 +281,8 @@ def with_plan(args: Any, plan: Any) -> Any:
 def model_arguments(plan: Any) -> dict[str, Any]:
     """The keyword arguments of ``AutoModelForCausalLM.from_pretrained`` that load the model
     ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`) describes: its weights' ``dtype``, its
-    ``attn_implementation`` and, for ``--qlora``, bitsandbytes' ``quantization_config`` (NF4,
-    double-quantized as planned, computing in the plan's 16-bit dtype: bitsandbytes' default
-    of float32 doubles every dequantized weight). Its adapters: ``lora_config(plan.setup)``
+    ``attn_implementation`` and, for ``--qlora``, bitsandbytes' ``quantization_config``
+    (:func:`quantization_arguments`'s). Its adapters: ``lora_config(plan.setup)``
     (:func:`~bigbatch.memory.lm.lora_config`).
 
     >>> from types import SimpleNamespace
@@ -291,35 +291,56 @@ def model_arguments(plan: Any) -> dict[str, Any]:
     >>> model_arguments(plan)
     {'dtype': torch.float16, 'attn_implementation': 'sdpa'}
     """
-    from bigbatch.memory.lm import quant_compute_dtype, weights_dtype
-
-    setup = plan.setup
-    # --dtype auto, from a plan saved before the dtype was recorded: transformers reads the
-    # config's as the planner did.
-    held = getattr(plan, "weights_dtype", "")
-    dtype: Any = getattr(torch, held) if held else "auto"
-    if setup.dtype != "auto":
-        dtype = weights_dtype(None, setup)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": setup.attn}
-    if setup.quant:
+    kwargs: dict[str, Any] = {"dtype": _planned_dtype(plan), "attn_implementation": plan.setup.attn}
+    if plan.setup.quant:
         from transformers import BitsAndBytesConfig
 
-        if setup.quant == 8:
-            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-        else:
-            if dtype == "auto":
-                raise ValueError(
-                    "this plan, saved by an older bigbatch, does not record the weights' dtype "
-                    "that sets the 4-bit layers' compute dtype: plan again (bigbatch plan --hf "
-                    "... --save), or plan with --dtype"
-                )
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=setup.double_quant,
-                bnb_4bit_compute_dtype=quant_compute_dtype(dtype),
-            )
+        kwargs["quantization_config"] = BitsAndBytesConfig(**quantization_arguments(plan))
     return kwargs
+
+
+def quantization_arguments(plan: Any) -> dict[str, Any]:
+    """The keyword arguments of transformers' ``BitsAndBytesConfig`` for a ``--qlora`` plan
+    (an :class:`~bigbatch.memory.lm.LMPlan`): 4-bit NF4, double-quantized as planned and
+    computing in the plan's 16-bit dtype (bitsandbytes' default, float32, doubles every
+    dequantized weight), or LLM.int8; empty for a plan without a quantized base.
+
+    >>> from types import SimpleNamespace
+    >>> from bigbatch.memory.lm import LMSetup
+    >>> quantization_arguments(SimpleNamespace(setup=LMSetup(512, lora_r=16, quant=4, dtype="fp16")))
+    {'load_in_4bit': True, 'bnb_4bit_quant_type': 'nf4', 'bnb_4bit_use_double_quant': True, 'bnb_4bit_compute_dtype': torch.float16}
+    """
+    from bigbatch.memory.lm import quant_compute_dtype
+
+    setup = plan.setup
+    if setup.quant == 8:
+        return {"load_in_8bit": True}
+    if setup.quant != 4:
+        return {}
+    dtype = _planned_dtype(plan)
+    if dtype == "auto":
+        raise ValueError(
+            "this plan, saved by an older bigbatch, does not record the weights' dtype that sets "
+            "the 4-bit layers' compute dtype: plan again (bigbatch plan --hf ... --save), or plan "
+            "with --dtype"
+        )
+    return {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": setup.double_quant,
+        "bnb_4bit_compute_dtype": quant_compute_dtype(dtype),
+    }
+
+
+def _planned_dtype(plan: Any) -> Any:
+    """The weights' dtype as planned: ``--dtype``, or the config's the plan recorded; "auto"
+    (transformers reads the config's, as the planner did) for a plan saved before it was."""
+    from bigbatch.memory.lm import weights_dtype
+
+    if plan.setup.dtype != "auto":
+        return weights_dtype(None, plan.setup)
+    held = getattr(plan, "weights_dtype", "")
+    return getattr(torch, held) if held else "auto"
 
 
 def _planned_eval_batch(plan: Any, micro: int, asked: int | None = None) -> int:
