@@ -113,9 +113,8 @@ def run(dry_run: bool, plan_file: Path | None = None, wait_seconds: float = 0.0)
             output_dir=tmp, num_train_epochs=1, learning_rate=1e-4, report_to=[],
             save_strategy="no", logging_strategy="no", disable_tqdm=True,
             use_cpu=dry_run, bf16=not dry_run, dataloader_num_workers=0,
-            gradient_checkpointing=False,  # the model's own, set by lm_factory
         )  # fmt: skip
-        args = with_plan(args, plan)
+        args = with_plan(args, plan)  # and checkpointing on: the plan counts on it
 
         made: list[Any] = []
 

@@ -526,9 +526,10 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
 def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``from_pretrained(..., **model_arguments(plan))`` and ``lora_config(plan.setup)`` build
     the fine-tune a (saved, loaded) QLoRA plan traced: bitsandbytes' 4-bit layers computing in
-    the config's bf16, which check_plan_matches lets train. Loaded with BitsAndBytesConfig's
-    default compute dtype (float32: every dequantized weight twice the plan's), it refuses
-    the model in one line naming model_arguments."""
+    the config's bf16, double-quantized, which check_plan_matches lets train. Loaded with
+    BitsAndBytesConfig's default compute dtype (float32: every dequantized weight twice the
+    plan's) or without double quantization (its default too), it refuses the model in one
+    line naming model_arguments."""
     pytest.importorskip("bitsandbytes")
     config = tiny_config()
     config.dtype = "bfloat16"
@@ -551,6 +552,17 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
                        r"compute in float32: load it with from_pretrained\(\.\.\., "
                        r"\*\*model_arguments\(plan\)\)"):  # fmt: skip
         check_plan_matches(loaded, qlora(quantization_config=default), "cpu")
+    # Its scales in float32 (BitsAndBytesConfig's default): half a bit a weight, not an eighth.
+    single = transformers.BitsAndBytesConfig(
+        **(quantization_arguments(loaded) | {"bnb_4bit_use_double_quant": False})
+    )
+    with pytest.raises(ValueError, match=r"double-quantizes its 4-bit layers and 7 of this "
+                       r"model's are not .*, or plan with --no-double-quant"):  # fmt: skip
+        check_plan_matches(loaded, qlora(quantization_config=single), "cpu")
+    no_double = dataclasses.replace(
+        loaded, setup=dataclasses.replace(loaded.setup, double_quant=False)
+    )
+    check_plan_matches(no_double, qlora(quantization_config=single), "cpu")
     # A T4's plan (--dtype fp16) computes in fp16; LLM.int8 has no compute dtype to set.
     t4 = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4, dtype="fp16"), weights_dtype="")
     assert model_arguments(t4)["quantization_config"].bnb_4bit_compute_dtype == torch.float16
@@ -645,6 +657,29 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
                 with_plan(args, plan_of(8, 4))
         else:
             assert with_plan(args, plan_of(8, 4)).per_device_train_batch_size == 4
+
+
+def test_with_plan_turns_checkpointing_on_as_the_plan_traced_it() -> None:
+    """A plan that counts on checkpointing: transformers 5's activation_checkpointing; before
+    it, gradient_checkpointing, non-reentrant as the plan traced it (the old default was
+    reentrant) unless the arguments chose; arguments with it on already are left alone."""
+    plan = plan_of(8, 4)
+    plan.setup = LMSetup(SEQ, gradient_checkpointing=True)
+
+    def args(**more: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            world_size=1, per_device_train_batch_size=1, gradient_accumulation_steps=1, **more
+        )
+
+    assert with_plan(args(activation_checkpointing=False), plan).activation_checkpointing
+    # Arguments of transformers 4, which has gradient_checkpointing alone.
+    on = with_plan(args(gradient_checkpointing=False, gradient_checkpointing_kwargs=None), plan)
+    assert on.gradient_checkpointing and on.gradient_checkpointing_kwargs == {
+        "use_reentrant": False
+    }
+    chosen = {"use_reentrant": True}
+    kept = with_plan(args(gradient_checkpointing=False, gradient_checkpointing_kwargs=chosen), plan)
+    assert kept.gradient_checkpointing_kwargs is chosen
 
 
 def tokenizer():  # type: ignore[no-untyped-def]

@@ -211,24 +211,32 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     return said | _checkpointing_argument(plan)
 
 
-def _checkpointing_argument(plan: Any, args: Any = None) -> dict[str, bool]:
+def _checkpointing_argument(plan: Any, args: Any = None) -> dict[str, Any]:
     """Trainer's checkpointing flag, on, where ``plan`` counts on checkpointing and ``args``
     (where given) have it off: ``activation_checkpointing`` (``gradient_checkpointing``
     before transformers 5). Not for FSDP2, which checkpoints through accelerate's
     ``fsdp_config`` (transformers warns against the argument there)."""
     if not plan.setup.gradient_checkpointing or plan.setup.fsdp:
         return {}
-    import transformers
+    if args is not None:  # the transformers that made them named it
+        new = hasattr(args, "activation_checkpointing")
+    else:
+        import transformers
 
-    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    name = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in fields
-        else "gradient_checkpointing"
-    )
+        new = "activation_checkpointing" in {
+            f.name for f in dataclasses.fields(transformers.TrainingArguments)
+        }
+    name = "activation_checkpointing" if new else "gradient_checkpointing"
     if args is not None and getattr(args, name, False):
         return {}
-    return {name: True}
+    said: dict[str, Any] = {name: True}
+    if args is not None and name == "gradient_checkpointing":
+        # Before transformers 5, Trainer's default was reentrant checkpointing; the plan
+        # traced the non-reentrant kind (transformers 5's default).
+        said["gradient_checkpointing_kwargs"] = getattr(
+            args, "gradient_checkpointing_kwargs", None
+        ) or {"use_reentrant": False}
+    return said
 
 
 def _trainer_optim(optimizer: str) -> str | None:
@@ -601,7 +609,7 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
             "--dtype fp32"
         )
     _check_weights_dtype(plan, model, described)
-    _check_compute_dtype(plan, model, described)
+    _check_quantized_layers(plan, model, described)
     if args is not None:
         _check_arguments(plan, args)
     # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
@@ -647,29 +655,50 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
     )
 
 
-def _check_compute_dtype(plan: Any, model: Any, described: str) -> None:
-    """A 4-bit base whose layers compute in another dtype than the plan's: bitsandbytes'
+def _check_quantized_layers(plan: Any, model: Any, described: str) -> None:
+    """A 4-bit base whose layers compute in another dtype than the plan's (bitsandbytes'
     default, float32, doubles each dequantized weight and its matmul's input; bf16 on a T4's
-    plan runs emulated. The layers say theirs (``compute_dtype``)."""
+    plan runs emulated), or that are not double-quantized where the plan's are (each block's
+    scale in float32: half a bit a weight, against the plan's eighth; BitsAndBytesConfig's
+    default). The layers say theirs: ``compute_dtype``, and whether their scales are
+    quantized."""
     from bigbatch.memory.lm import quant_compute_dtype
 
-    setup, held = plan.setup, getattr(plan, "weights_dtype", "")
-    if setup.quant != 4 or not held:
+    setup, dtype = plan.setup, _planned_dtype(plan)
+    if setup.quant != 4:
         return
-    want = quant_compute_dtype(getattr(torch, held))
-    found = {
-        m.compute_dtype
-        for m in model.modules()
-        if isinstance(getattr(m, "compute_dtype", None), torch.dtype)
-    }
-    other = sorted(str(d).removeprefix("torch.") for d in found - {want})
-    if other:
+    layers = [
+        m for m in model.modules() if isinstance(getattr(m, "compute_dtype", None), torch.dtype)
+    ]
+    if dtype != "auto":  # a plan saved before it recorded the weights' dtype: not known
+        want = quant_compute_dtype(dtype)
+        other = {m.compute_dtype for m in layers} - {want}
+        if other:
+            named = ", ".join(sorted(str(d).removeprefix("torch.") for d in other))
+            raise ValueError(
+                f"the plan ({described}) has its 4-bit layers compute in "
+                f"{str(want).removeprefix('torch.')} and this model's compute in {named}: "
+                "load it with from_pretrained(..., **model_arguments(plan)) "
+                f"(BitsAndBytesConfig(..., bnb_4bit_compute_dtype={want}))"
+            )
+    single = sum(_double_quantized(m) is False for m in layers)
+    if setup.double_quant and single:
         raise ValueError(
-            f"the plan ({described}) has its 4-bit layers compute in "
-            f"{str(want).removeprefix('torch.')} and this model's compute in "
-            f"{', '.join(other)}: load it with from_pretrained(..., **model_arguments(plan)) "
-            f"(BitsAndBytesConfig(..., bnb_4bit_compute_dtype={want}))"
+            f"the plan ({described}) double-quantizes its 4-bit layers and {single} of this "
+            "model's are not (their scales take half a bit a weight, the plan's an eighth): "
+            "load it with from_pretrained(..., **model_arguments(plan)) "
+            "(BitsAndBytesConfig(..., bnb_4bit_use_double_quant=True)), or plan with "
+            "--no-double-quant"
         )
+
+
+def _double_quantized(layer: Any) -> bool | None:
+    """Whether a 4-bit layer's scales are quantized: the planner's stand-in says ``nested``,
+    bitsandbytes' weight ``compress_statistics``; None where neither is said."""
+    nested = getattr(layer, "nested", None)
+    if nested is None:
+        nested = getattr(getattr(layer, "weight", None), "compress_statistics", None)
+    return nested if isinstance(nested, bool) else None
 
 
 def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:
