@@ -559,7 +559,8 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     more bytes than the plan's (loaded in float32 where the plan has the config's bfloat16)
     or that are in another dtype than a plan's own ``--dtype`` (bf16 where a T4's plan has
     fp16: the same bytes, emulated there), whose 4-bit layers compute in another dtype than
-    the plan's (bitsandbytes' default float32: :func:`model_arguments` loads the plan's),
+    the plan's (bitsandbytes' default float32: :func:`model_arguments` loads the plan's) or
+    are not double-quantized where the plan's are,
     that runs without the gradient checkpointing the plan counted on (its activations
     several times the plan's), or arguments with another precision or optimizer (as
     :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
