@@ -635,6 +635,8 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
     bytes' check cannot tell them apart, but bf16 weights under fp16 autocast run emulated on
     a card without bfloat16 units, and autocast's casts are memory the plan did not trace.
     A quantized base keeps its other weights in float32 whatever the plan: not checked."""
+    from bigbatch.memory.lm import dtype_flag, weights_dtype
+
     setup = plan.setup
     if setup.dtype == "auto" or setup.quant:
         return
@@ -642,12 +644,9 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
     for p in model.parameters():
         if p.is_floating_point() and (not setup.lora_r or not p.requires_grad):
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    from bigbatch.memory.lm import dtype_flag, weights_dtype
-
     held = max(counts, key=counts.__getitem__, default=None)
     if held is None or dtype_flag(held) == setup.dtype:
         return
-
     want = weights_dtype(None, setup)  # the plan's own --dtype, as lm reads it
     raise ValueError(
         f"the plan ({described}) has {setup.dtype} weights and this model's are "
