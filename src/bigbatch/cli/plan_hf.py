@@ -211,14 +211,11 @@ def run(args: argparse.Namespace) -> int:
     _save(rows[0], args.save)
     if args.json:
         out: list[dict[str, Any]] = [
-            r.to_dict() | {"fits": True, "trainer": trainer_arguments(r)}
+            r.to_dict() | {"fits": True, "trainer": trainer_arguments(r), "model": _model_fields(r)}
             if isinstance(r, LMPlan)
             else {"fits": False, "why": r}
             for r in rows
         ]
-        for r, o in zip(rows, out, strict=True):
-            if isinstance(r, LMPlan):
-                o["model"] = _model_fields(r)
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
         return 0
     _print(args, rows)
@@ -377,14 +374,10 @@ def _model_fields(plan: Any) -> dict[str, str]:
     line (TRL's ``--dtype``, ``--load_in_4bit``) is to be given. Without building
     ``BitsAndBytesConfig``, which some transformers releases refuse where bitsandbytes is not
     installed (a Mac planning for a card)."""
-    from dataclasses import replace
+    from bigbatch.integrations.hf import quantization_arguments
 
-    from bigbatch.integrations.hf import model_arguments, quantization_arguments
-
-    setup = replace(plan.setup, quant=0)  # the rest of the arguments; the quantization's below
-    kwargs = model_arguments(replace(plan, setup=setup))
-    dtype = str(kwargs["dtype"]).removeprefix("torch.")
-    fields = {"dtype": dtype, "attn_implementation": kwargs["attn_implementation"]}
+    # A plan made here records its weights' dtype (--dtype, or the config's it resolved).
+    fields = {"dtype": plan.weights_dtype, "attn_implementation": plan.setup.attn}
     if quant := quantization_arguments(plan):
         said = ", ".join(
             f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in quant.items()

@@ -664,9 +664,10 @@ def _check_quantized_layers(plan: Any, model: Any, described: str) -> None:
     quantized."""
     from bigbatch.memory.lm import quant_compute_dtype
 
-    setup, dtype = plan.setup, _planned_dtype(plan)
+    setup = plan.setup
     if setup.quant != 4:
         return
+    dtype = _planned_dtype(plan)
     layers = [
         m for m in model.modules() if isinstance(getattr(m, "compute_dtype", None), torch.dtype)
     ]
