@@ -54,9 +54,14 @@ def test_segmentation_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixt
     for run in ("dynunet2d", "dynunet3d"):
         assert (tmp_path / "runs" / run / "history.png").is_file()
         assert len(list((tmp_path / "runs" / run / "masks").iterdir())) == 4
-    # A rerun keeps the finished runs.
+    # A rerun keeps the finished runs; one with another option is refused, never answered with
+    # the earlier runs.
     assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "1"]) == 0
-    assert "is finished already: kept" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("finished earlier (1 epoch(s), best dice") == 2
+    assert main(["demo", "--task", "segmentation", "--out", str(tmp_path), "--epochs", "2"]) == 2
+    refused = capsys.readouterr()
+    assert "different config (epochs: 1 -> 2); choose another --out folder" in refused.err
+    assert "finished earlier" not in refused.out
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from bigbatch.cli import UserError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -35,73 +37,82 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# Each generated-data demo: its runner in bigbatch.train.demo, its default epochs, and how its
+# scores are said.
+_GENERATED = {
+    "brats": (
+        "run_brats_demo",
+        10,
+        "validation Dice per region (mean over cases)",
+        "brats",
+    ),
+    "clouds": (
+        "run_clouds_demo",
+        10,
+        "validation Dice per class with the tuned rules (the competition's: empty vs empty "
+        "scores 1)",
+        "clouds",
+    ),
+    "regression": (
+        "run_regression_demo",
+        4,
+        "validation (mean over the two targets, in their units)",
+        "regression",
+    ),
+    "segmentation": (
+        "run_segmentation_demo",
+        4,
+        "validation Dice",
+        "dynunet2d and dynunet3d (history.png: losses, Dice, Jaccard)",
+    ),
+}
+
+
 def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    code = _run_generated(args) if args.task in _GENERATED else _run_digits(args)
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s")
+    return code
+
+
+def _run_generated(args: argparse.Namespace) -> int:
+    # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
+    from bigbatch.io import FolderBusyError, lock_folder
+    from bigbatch.train import demo
+    from bigbatch.train.config import ConfigError
+
+    runner, epochs, said, runs = _GENERATED[args.task]
+    try:
+        # Two demos into one folder would interleave their files: the second is refused.
+        with lock_folder(args.out, "--out"):
+            scores = getattr(demo, runner)(args.out, epochs=args.epochs or epochs)
+    except (ConfigError, FolderBusyError, NotADirectoryError) as exc:
+        raise UserError(str(exc)) from exc
+    print(
+        f"\n{said}: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+        + f"; run(s) in {args.out / 'runs'}/{runs}"
+    )
+    return 0
+
+
+def _run_digits(args: argparse.Namespace) -> int:
     # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
     from bigbatch.cli import ensemble as ensemble_cli
     from bigbatch.train.demo import write_digits_competition
 
-    t0 = time.perf_counter()
-    if args.task == "brats":
-        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-        from bigbatch.train.demo import run_brats_demo
-
-        dice = run_brats_demo(args.out, epochs=args.epochs or 10)
-        print(
-            "\nvalidation Dice per region (mean over cases): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in dice.items())
-            + f"; run in {args.out / 'runs' / 'brats'}"
-        )
-        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
-        return 0
-    if args.task == "clouds":
-        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-        from bigbatch.train.demo import run_clouds_demo
-
-        dice = run_clouds_demo(args.out, epochs=args.epochs or 10)
-        print(
-            "\nvalidation Dice per class with the tuned rules (the competition's: empty vs "
-            "empty scores 1): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in dice.items())
-            + f"; run in {args.out / 'runs' / 'clouds'}"
-        )
-        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
-        return 0
-    args.epochs = args.epochs or 4
-    if args.task == "regression":
-        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-        from bigbatch.train.demo import run_regression_demo
-
-        scores = run_regression_demo(args.out, epochs=args.epochs)
-        print(
-            "\nvalidation (mean over the two targets, in their units): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
-            + f"; run in {args.out / 'runs' / 'regression'}"
-        )
-        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
-        return 0
-    if args.task == "segmentation":
-        # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
-        from bigbatch.train.demo import run_segmentation_demo
-
-        scores = run_segmentation_demo(args.out, epochs=args.epochs)
-        print(
-            "\nvalidation Dice: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
-            + f"; runs in {args.out / 'runs'}/dynunet2d and dynunet3d (history.png: losses, Dice, Jaccard)"
-        )
-        print(f"demo finished in {time.perf_counter() - t0:.0f} s")
-        return 0
     data = args.out / "data"
     print(
-        f"writing the UCI digits as an image competition under {data}/ (train/, test/, sample_submission.csv)"
+        f"writing the UCI digits as an image competition under {data}/ (train/, test/, "
+        "sample_submission.csv)"
     )
-    experiments = write_digits_competition(data, budget=args.budget, epochs=args.epochs)
+    experiments = write_digits_competition(data, budget=args.budget, epochs=args.epochs or 4)
     print(f"experiments: {experiments}\n")
     code = ensemble_cli.run(
         argparse.Namespace(experiments=experiments, out=args.out / "runs", overrides=[])
     )
     print(
-        f"\nper-member runs (checkpoints, history.csv, history.png, plan.json): {args.out / 'runs'}/<member>/"
+        "\nper-member runs (checkpoints, history.csv, history.png, plan.json): "
+        f"{args.out / 'runs'}/<member>/"
     )
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s")
-    return code
+    return int(code)

@@ -171,11 +171,10 @@ ARCH, WIDTHS = "dynunet", (16, 32, 64)
 
 
 def train_or_keep(cfg: Any, run_dir: Path, log: Any) -> None:
-    """Train ``cfg`` into ``run_dir``; a rerun keeps a finished run and resumes a broken one."""
-    if (run_dir / "done.json").exists():
-        log(f"{run_dir} is finished already: kept")
-    else:
-        train(cfg, run_dir, resume=(run_dir / "last.pt").exists(), log=log)
+    """Train ``cfg`` into ``run_dir``; a rerun keeps a finished run and resumes a broken one,
+    each as ``bigbatch train --resume`` does: a rerun with other options (``--epochs``) is
+    refused in one line, never answered with the earlier run."""
+    train(cfg, run_dir, resume=(run_dir / "config.json").is_file(), log=log)
 
 
 def run_segmentation_demo(out: Path, epochs: int = 3, log: Any = print) -> dict[str, float]:
