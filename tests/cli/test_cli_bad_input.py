@@ -175,6 +175,26 @@ def test_bad_input_is_one_line(name: str, job: Path, capsys: pytest.CaptureFixtu
     assert not (job / "run" / "last.pt").exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--size", "-3"], "--size takes positive integers"),
+        (["--margin", "2"], "margin must be in [0, 1)"),
+        (["--world-size", "2"], "--world-size: for a language model's plan"),
+        (["--arch", "resnet99"], "unknown architecture 'resnet99'"),
+    ],
+)
+def test_a_plan_for_a_card_refused_says_the_error_alone(
+    extra: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The lines about the card (its defaults, its memory) follow the checks: a refused plan
+    # prints the one line that names the fix, nothing that reads as a plan begun.
+    argv = ["plan", "--arch", "resnet10t", "--size", "32", "--batch", "8", "--budget", "t4"]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+
+
 def test_damaged_run_files_on_resume(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _trained_run(job)
     capsys.readouterr()

@@ -451,10 +451,11 @@ def run(args: argparse.Namespace) -> int:
     _refuse_misplaced_benchmark(args)
     if args.hf is not None:
         return plan_hf.run(args)
-    _card_defaults(args)
     plan_hf.refuse_language_flags(args)
+    card_line = _card_defaults(args)
     training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
     if args.config or training:
+        _say(card_line)
         return _plan_training_run(args)
     if args.train_keys:
         raise UserError(
@@ -462,26 +463,13 @@ def run(args: argparse.Namespace) -> int:
             "bigbatch train's key=value plan a training run with data= or task=, or --config)"
         )
     _check_args(args)
-
-    cache = (
-        cache_bytes(args.batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
-    )
-    if cache:
-        print(
-            f"gradient cache for batch {args.batch}: {format_bytes(cache)} held besides each step",
-            file=sys.stderr,  # stdout stays the plan (JSON with --json)
-        )
+    targets = _targets(args)  # an unknown model or size refused before anything is said
     try:
         budget = resolve_budget(args.budget, args.device)
         overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
         card = find_card(args.budget)
         if card is not None:
             overhead = card.context_bytes if overhead is None else overhead
-            print(
-                f"card: {card.name}, {format_bytes(card.total_bytes)} ({card.source}), "
-                f"{card.context_note}",
-                file=sys.stderr,  # stdout stays the plan (JSON with --json)
-            )
         # Refuses a budget too small before any model is built; without --overhead each plan
         # reads it again after its calibration (what those real steps leave, training has too).
         usable_bytes(
@@ -492,12 +480,23 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    _say(card_line)
+    if card is not None:
+        _say(
+            f"card: {card.name}, {format_bytes(card.total_bytes)} ({card.source}), "
+            f"{card.context_note}"
+        )
+    cache = (
+        cache_bytes(args.batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
+    )
+    if cache:
+        _say(f"gradient cache for batch {args.batch}: {format_bytes(cache)} held besides each step")
     notes = _machine_notes(args, budget, card)
     threads = _threads(args)
     if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
         freeze_loaded()
     with torch_threads(threads):
-        plans, curves = _plan_rows(args, _targets(args), budget, overhead, cache, notes)
+        plans, curves = _plan_rows(args, targets, budget, overhead, cache, notes)
     for p in plans:  # what it was planned for, with the defaults (a card's) resolved
         p |= {"threads": threads, "device": args.device, "precision": args.precision}
         p["optimizer"] = args.optimizer
@@ -518,10 +517,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _card_defaults(args: argparse.Namespace) -> None:
+def _say(line: str) -> None:
+    """A line about what the plan is for, on stderr: stdout stays the plan (JSON with --json)."""
+    if line:
+        print(line, file=sys.stderr)
+
+
+def _card_defaults(args: argparse.Namespace) -> str:
     """``--device`` and ``--precision`` where not given: for a card named by ``--budget``,
     CUDA in the precision ``bigbatch train``'s ``precision=auto`` takes on it (bf16, or fp16
-    where the card only emulates bf16), said on stderr; else the CPU in fp32."""
+    where the card only emulates bf16), and the line that says so; else the CPU in fp32."""
     card = find_card(args.budget) if args.budget else None
     filled: list[str] = []
     if card is not None:
@@ -530,8 +535,9 @@ def _card_defaults(args: argparse.Namespace) -> None:
     said = [f"--device {args.device}"] if "device" in filled else []
     if "precision" in filled:
         said.append(f"--precision {args.precision} (precision=auto's there; give another)")
-    if said and card is not None:  # stdout stays the plan (JSON with --json)
-        print(f"planned for the {card.short_name}: {' '.join(said)}", file=sys.stderr)
+    if said and card is not None:
+        return f"planned for the {card.short_name}: {' '.join(said)}"
+    return ""
 
 
 def _for_card(card: Card, device: str | None, precision: str | None) -> tuple[str, str, list[str]]:
