@@ -29,6 +29,16 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "max_position_embeddings": 128,
+}
 PLAN = ["plan", "--arch", "resnet10t", "--batch", "8", "--budget", "1GB"]
 TRAIN = [
     "train",
@@ -142,6 +152,53 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "plan num-classes negative": (
         lambda j: [*PLAN, "--num-classes", "-3"],
         "--num-classes must be >= 1",
+    ),
+    # A flag the plan would not read, even typed at its default value, is refused, not ignored.
+    "plan of a training run with a step flag": (
+        lambda j: ["plan", "data=train", "model=tinymodel:tiny", "--batch", "64"],
+        "--batch: a plan of bigbatch train's run reads its keys, not these flags",
+    ),
+    "plan --hf with an image flag at its default": (
+        lambda j: (
+            (j / "config.json").write_text(json.dumps(TINY_LLAMA)),
+            [
+                "plan",
+                "--hf",
+                "config.json",
+                "--seq-len",
+                "64",
+                "--batch",
+                "8",
+                "--budget",
+                "t4",
+                "--size",
+                "224",
+            ],
+        )[1],
+        "--size: not for a language model's plan (--hf); drop it",
+    ),
+    "plan an image model with a language flag at its default": (
+        lambda j: [*PLAN, "--attn", "sdpa"],
+        "--attn: for a language model's plan; add --hf",
+    ),
+    "plan --hf with a negative LoRA rank": (
+        lambda j: (
+            (j / "config.json").write_text(json.dumps(TINY_LLAMA)),
+            [
+                "plan",
+                "--hf",
+                "config.json",
+                "--seq-len",
+                "64",
+                "--batch",
+                "8",
+                "--budget",
+                "t4",
+                "--lora",
+                "-1",
+            ],
+        )[1],
+        "--lora takes the adapters' rank, >= 1",
     ),
     "csv columns swapped": (
         lambda j: (

@@ -15,6 +15,36 @@ class UserError(Exception):
     """Bad input from the command line: printed as one clear line, without a traceback."""
 
 
+def flags_typed(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
+    """The flags among ``defaults``' that were typed, at any value: their parser's default is
+    None (False for a switch), the value that stands for "not given" until
+    :func:`fill_defaults` replaces it.
+
+    >>> flags_typed(argparse.Namespace(size="224", packing=False), {"size": "224", "packing": 0})
+    ['--size']
+    """
+    return [
+        "--" + dest.replace("_", "-")
+        for dest in defaults
+        if (value := getattr(args, dest, None)) is not None and value is not False  # 0 is typed
+    ]
+
+
+def fill_defaults(args: argparse.Namespace, *defaults: dict[str, Any]) -> None:
+    """Each flag left untyped (None) set to its default, once :func:`flags_typed` has checked
+    the flags.
+
+    >>> args = argparse.Namespace(size=None, margin=0.2)
+    >>> fill_defaults(args, {"size": "224", "margin": 0.1})
+    >>> args.size, args.margin
+    ('224', 0.2)
+    """
+    for table in defaults:
+        for dest, default in table.items():
+            if getattr(args, dest, None) is None:
+                setattr(args, dest, default)
+
+
 def flags_set(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
     """The flags among ``defaults`` that ``args`` sets to something else, as typed.
 

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.cli import UserError, flags_set, freeze_loaded, plan_hf, positive_ints
+from bigbatch.cli import (
+    UserError,
+    fill_defaults,
+    flags_typed,
+    freeze_loaded,
+    plan_hf,
+    positive_ints,
+)
 from bigbatch.device import device_kind, torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, Card, find_card
@@ -66,19 +73,14 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="a Hugging Face causal LM from its config.json alone (a file, its folder, or a hub "
         "name from the cache; online, the config only): with --seq-len, --lora, --qlora ...",
     )
-    p.add_argument(
-        "--size", default="224", help="input size(s) for --arch, comma-separated: 128,224"
-    )
+    p.add_argument("--size", help="input size(s) for --arch, comma-separated: 128,224 (224)")
     p.add_argument(
         "--input-shape",
         help="one sample's shape for --model or a MONAI --arch, e.g. 3,224,224, 512 or 4,128,128,128",
     )
-    p.add_argument(
-        "--widths", default="", help="a MONAI --arch's channels per level, e.g. 16,32,64,128"
-    )
+    p.add_argument("--widths", help="a MONAI --arch's channels per level, e.g. 16,32,64,128")
     p.add_argument(
         "--encoder",
-        default="",
         help="a timm encoder under --arch's segmentation_models_pytorch decoder, e.g. "
         "efficientnet_b0 (as bigbatch train task=segmentation encoder=...)",
     )
@@ -90,17 +92,16 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--input-dtype",
-        default="float32",
         choices=sorted(INPUT_DTYPES),
         help="the inputs' dtype for --model: long for token ids (default float32)",
     )
     p.add_argument(
         "--vocab",
         type=int,
-        default=2,
-        help="with --input-dtype long: token ids are drawn from [0, vocab) (the embedding's size)",
+        help="with --input-dtype long: token ids are drawn from [0, vocab) (the embedding's "
+        "size; default 2)",
     )
-    p.add_argument("--num-classes", type=int, default=1000, help="the head's outputs (--arch)")
+    p.add_argument("--num-classes", type=int, help="the head's outputs (--arch; default 1000)")
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,7 +132,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     precision += "bigbatch train's precision=auto there (bf16, or fp16 before Ampere)"
     p.add_argument("--precision", choices=PRECISIONS, help=precision)
     optimizer = "the optimizer whose state the step holds (8-bit and paged: bitsandbytes')"
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help=optimizer)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help=optimizer + "; default adamw")
     p.add_argument(
         "--cudnn-benchmark",
         action="store_true",
@@ -139,7 +140,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "timm's train.py and fastai set): the algorithms' workspaces and first-step trials",
     )
     p.add_argument(
-        "--margin", type=float, default=0.10, help="safety margin, a fraction of the budget"
+        "--margin", type=float, help="safety margin, a fraction of the budget (default 0.1)"
     )
     p.add_argument(
         "--overhead",
@@ -154,7 +155,6 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        default=0,
         help="torch's CPU threads while calibrating and timing (default: what bigbatch train "
         "takes on this machine; CPU workspaces grow with the threads)",
     )
@@ -173,19 +173,26 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dim",
         type=int,
-        default=0,
         help="plan for gradient caching (bigbatch.coupled): the representation size; the cache "
         "(representations, their gradients, a pairwise loss's batch x batch similarities) is "
         "held besides each micro-batch's step",
     )
     p.add_argument(
-        "--cache-towers", type=int, default=2, help="representations per sample (two views: 2)"
+        "--cache-towers", type=int, help="representations per sample (two views: 2, the default)"
     )
     p.add_argument("--csv", type=Path, help="also write the table as CSV to this file")
     p.add_argument("--plot", type=Path, help="also write a PNG plot of peak vs micro-batch")
 
 
 Row = tuple[str, int | None, Callable[[], nn.Module], tuple[int, ...]]
+
+# Flags every plan reads, with their defaults, filled in once the flags typed are checked (a
+# plan of a training run takes bigbatch train's keys instead, and refuses them typed).
+SHARED_DEFAULTS: dict[str, Any] = {"margin": 0.10, "optimizer": "adamw"}
+# The other flags a model's step is planned with, in bigbatch train's keys for a training run.
+_TRAINING_KEYS = dict.fromkeys(
+    ("arch", "model", "batch", "budget", "device", "precision", "overhead")
+)
 
 
 # The model flags each kind of model reads; set for another kind, they are refused.
@@ -222,10 +229,8 @@ def _model_kind(args: argparse.Namespace) -> str:
         kind = "monai"
     if kind == "model" and not args.input_shape:
         raise UserError("--model needs --input-shape, one sample's shape, e.g. 3,224,224")
-    defaults = {k: plan_hf.IMAGE_ONLY[k] for k in _MODEL_FLAGS if k not in _READ_BY[kind]}
-    unread = flags_set(args, defaults)
-    vocab_set = args.vocab != plan_hf.IMAGE_ONLY["vocab"]
-    if kind == "model" and vocab_set and args.input_dtype not in ("long", "int"):
+    unread = flags_typed(args, {k: None for k in _MODEL_FLAGS if k not in _READ_BY[kind]})
+    if kind == "model" and args.vocab is not None and args.input_dtype not in ("long", "int"):
         unread.append("--vocab (token ids: with --input-dtype long)")
     if unread:
         raise UserError(
@@ -235,9 +240,9 @@ def _model_kind(args: argparse.Namespace) -> str:
     return kind
 
 
-def _targets(args: argparse.Namespace) -> list[Row]:
-    """(name, size, factory, per-sample input shape) for every row to plan."""
-    kind = _model_kind(args)
+def _targets(args: argparse.Namespace, kind: str) -> list[Row]:
+    """(name, size, factory, per-sample input shape) for every row to plan, a ``kind`` of
+    model (:func:`_model_kind`)."""
     if kind == "model":
         factory = load_callable(args.model, "--model")
         return [
@@ -342,7 +347,16 @@ def _spec_maker(
 
 def _plan_training_run(args: argparse.Namespace) -> int:
     """``bigbatch plan task=... data=...``: the plan ``bigbatch train`` would make for these
-    keys (the task's own step on its data's shapes, then its validation), without training."""
+    keys (the task's own step on its data's shapes, then its validation), without training.
+    The step's flags are refused: the keys say all of it."""
+    flags = flags_typed(args, {**SHARED_DEFAULTS, **plan_hf.IMAGE_ONLY, **_TRAINING_KEYS})
+    flags = [f for f in flags if f != "--config"]
+    if flags:
+        raise UserError(
+            f"{', '.join(flags)}: a plan of bigbatch train's run reads its keys, not these flags: "
+            "give them as keys (batch=64 budget=t4 size=224 device=cuda ...; bigbatch train "
+            "--help lists them), or drop the keys to plan a model's step with the flags"
+        )
     from bigbatch.train.config import ConfigError, check_device, load_config
     from bigbatch.train.data import DataError
     from bigbatch.train.planning import plan_for, plan_validation
@@ -450,20 +464,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _refuse_misplaced_benchmark(args)
     if args.hf is not None:
+        fill_defaults(args, SHARED_DEFAULTS)
         return plan_hf.run(args)
     plan_hf.refuse_language_flags(args)
-    card_line = _card_defaults(args)
     training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
     if args.config or training:
-        _say(card_line)
         return _plan_training_run(args)
     if args.train_keys:
         raise UserError(
             f"unrecognized arguments: {' '.join(args.train_keys)} (bigbatch plan takes --flags; "
             "bigbatch train's key=value plan a training run with data= or task=, or --config)"
         )
+    kind = _model_kind(args)  # before the defaults: a flag typed for another model is refused
+    fill_defaults(args, SHARED_DEFAULTS, plan_hf.IMAGE_ONLY)
+    card_line = _card_defaults(args)
     _check_args(args)
-    targets = _targets(args)  # an unknown model or size refused before anything is said
+    targets = _targets(args, kind)  # an unknown model or size refused before anything is said
     try:
         budget = resolve_budget(args.budget, args.device)
         overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None

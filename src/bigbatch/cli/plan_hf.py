@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bigbatch.cli import UserError, flags_set, positive_ints
+from bigbatch.cli import UserError, fill_defaults, flags_typed, positive_ints
 
-# The language-model flags and their defaults: set without --hf, they are refused (and the
-# image flags with it: IMAGE_ONLY), not ignored.
+# The language-model flags and their defaults, filled in once the flags typed are checked:
+# typed without --hf (even at these values) they are refused, and the image flags with --hf
+# (IMAGE_ONLY), not ignored.
 LM_DEFAULTS: dict[str, Any] = {
     "seq_len": "",
     "tokens": None,
@@ -40,6 +41,9 @@ IMAGE_ONLY: dict[str, Any] = {
     "vocab": 2,
     "num_classes": 1000,
     "cache_dim": 0,
+    "cache_towers": 2,
+    "threads": 0,
+    "no_calibrate": False,
     "csv": None,
     "plot": None,
     "fastest": False,
@@ -49,8 +53,8 @@ IMAGE_ONLY: dict[str, Any] = {
 
 
 def refuse_language_flags(args: argparse.Namespace) -> None:
-    """A plan without ``--hf`` refuses the language-model flags (set, they would be ignored)."""
-    language_flags = flags_set(args, LM_DEFAULTS)
+    """A plan without ``--hf`` refuses the language-model flags (typed, they would be ignored)."""
+    language_flags = flags_typed(args, LM_DEFAULTS)
     if language_flags:
         raise UserError(
             f"{', '.join(language_flags)}: for a language model's plan; add --hf NAME_OR_PATH "
@@ -64,7 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("language models (with --hf)")
     g.add_argument(
         "--seq-len",
-        default=LM_DEFAULTS["seq_len"],
         help="tokens a sequence (comma-separated for a table: 512,1024,2048,4096)",
     )
     g.add_argument(
@@ -75,19 +78,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lora",
         type=int,
-        default=LM_DEFAULTS["lora"],
         metavar="R",
         help="LoRA adapters of rank R (peft)",
     )
     g.add_argument(
         "--lora-targets",
-        default=LM_DEFAULTS["lora_targets"],
         help="the layers LoRA adapts, peft's target_modules: all-linear or q_proj,v_proj,...",
     )
     g.add_argument(
         "--lora-dropout",
         type=float,
-        default=LM_DEFAULTS["lora_dropout"],
         help="peft's lora_dropout",
     )
     g.add_argument(
@@ -95,7 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         nargs="?",
         const=4,
-        default=LM_DEFAULTS["qlora"],
         metavar="BITS",
         help="the base in bitsandbytes' 4-bit NF4 (default) or 8-bit; needs --lora",
     )
@@ -111,7 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attn",
-        default=LM_DEFAULTS["attn"],
         help="attention: sdpa, eager or flash_attention_2 (as transformers)",
     )
     g.add_argument(
@@ -121,14 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dtype",
-        default=LM_DEFAULTS["dtype"],
         choices=("auto", "bf16", "fp16", "fp32"),
         help="the weights' dtype (auto: the config's, as from_pretrained loads them; where "
         "a card before Ampere plans in fp16, its bf16 in fp16 under LoRA, else fp32)",
     )
     g.add_argument(
         "--world-size",
-        default=LM_DEFAULTS["world_size"],
         help="ranks (processes, one GPU each), comma-separated for a table: 1,2,4,8",
     )
     g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
@@ -159,12 +155,13 @@ def run(args: argparse.Namespace) -> int:
 
     # A GPU unless said: what a fine-tuner plans for (bf16 where the card computes it).
     args.device = args.device or "cuda"
-    ignored = flags_set(args, IMAGE_ONLY) + (["KEY=VALUE"] if args.train_keys else [])
+    ignored = flags_typed(args, IMAGE_ONLY) + (["KEY=VALUE"] if args.train_keys else [])
     if ignored:
         raise UserError(
-            f"{', '.join(ignored)}: not for a language model's plan (--hf); drop them, or plan "
-            "--arch or --model without --hf"
+            f"{', '.join(ignored)}: not for a language model's plan (--hf); drop "
+            f"{'them' if len(ignored) > 1 else 'it'}, or plan --arch or --model without --hf"
         )
+    fill_defaults(args, LM_DEFAULTS)
     if not args.seq_len:
         raise UserError("--hf needs --seq-len, the tokens a sequence (e.g. 2048)")
     seq_lens = positive_ints(args.seq_len, "--seq-len")
@@ -182,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
         config = load_lm_config(args.hf, trust_remote_code=args.trust_remote_code)
         if said := _precision_for_card(args, card, config, setup):
             setup = _setup(args, seq_lens[0], world_sizes[0])
-            print(said, file=sys.stderr)  # stdout stays the plan (JSON with --json)
         options: dict[str, Any] = {
             "device": args.device,
             "precision": args.precision,
@@ -206,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    # Said once planned: a refused plan prints its error alone. stdout stays the plan.
+    if said:
+        print(said, file=sys.stderr)
     if card is not None:
         print(f"card: {card.name}, {format_bytes(card.total_bytes)}", file=sys.stderr)
     _save(rows[0], args.save)

@@ -321,6 +321,10 @@ def check_setup(
             f"--seq-len {setup.seq_len} is longer than the model's {longest} positions "
             f"(max_position_embeddings): use --seq-len {longest} or less"
         )
+    if setup.lora_r < 0:
+        raise ValueError(f"--lora takes the adapters' rank, >= 1 (e.g. 16), got {setup.lora_r}")
+    if not 0.0 <= setup.lora_dropout < 1.0:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {setup.lora_dropout}")
     if setup.quant and not setup.lora_r:
         raise ValueError(
             "a quantized base cannot be trained itself: add --lora R (QLoRA trains adapters)"
