@@ -102,6 +102,9 @@ def test_the_flags_of_run_folders_are_refused_for_an_experiments_toml(
     err = capsys.readouterr().err
     assert "--tta, --device, --mask-size: for run folders; an experiments TOML says it" in err
     assert not (comp / "out" / "m1").exists()
+    # Typed at its default value, a flag is as ignored: refused all the same.
+    assert main([*argv[:-2], "--tta", "2"]) == 2
+    assert "--tta: for run folders" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -45,19 +45,6 @@ def fill_defaults(args: argparse.Namespace, *defaults: dict[str, Any]) -> None:
                 setattr(args, dest, default)
 
 
-def flags_set(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
-    """The flags among ``defaults`` that ``args`` sets to something else, as typed.
-
-    >>> flags_set(argparse.Namespace(lora=16, packing=False), {"lora": 0, "packing": False})
-    ['--lora']
-    """
-    return [
-        "--" + dest.replace("_", "-")
-        for dest, default in defaults.items()
-        if getattr(args, dest, default) != default
-    ]
-
-
 def positive_ints(text: str, flag: str) -> list[int]:
     """A flag's comma-separated positive integers (``--size 128,224``), or a UserError.
 

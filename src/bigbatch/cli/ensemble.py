@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli import UserError, add_task_options, flags_set, say_device, task_options
+from bigbatch.cli import (
+    UserError,
+    add_task_options,
+    fill_defaults,
+    flags_typed,
+    say_device,
+    task_options,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,13 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tta",
         type=int,
-        default=2,
         help="run folders: test-time passes per image, each a distinct flip: 1 none, 2 + "
-        "horizontal, 3 + vertical, 4 + both",
+        "horizontal (the default), 3 + vertical, 4 + both",
     )
     p.add_argument(
         "--device",
-        default="auto",
         help="run folders: auto (a GPU where there is one, else the CPU), cpu, cuda, cuda:N or "
         "mps; an experiments TOML's members predict on their device=",
     )
@@ -54,7 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--budget",
-        default="",
         help="memory for the forward passes (8GB, a card's name, auto): the batch planned under "
         "it; default: the batch the run planned for its validation (an OOM halves it either way)",
     )
@@ -81,13 +85,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# The flags of run folders and their defaults: an experiments TOML sets these in the file.
+# The flags of run folders and their defaults, filled in once checked: an experiments TOML
+# sets these in the file, and refuses them typed (even at these values).
 _FOLDER_FLAGS = {"images": None, "tta": 2, "device": "auto", "unfinished": False, "budget": ""}
 
 
 def _refuse_folder_flags(args: argparse.Namespace) -> None:
     """An experiments TOML with the flags of run folders: refused (they would be ignored)."""
-    given = flags_set(args, _FOLDER_FLAGS)  # the demo's own namespace has none of them
+    given = flags_typed(args, _FOLDER_FLAGS)  # the demo's own namespace has none of them
     given += [f"--{k.replace('_', '-')}" for k in task_options(args)]
     if given:
         raise UserError(
@@ -112,6 +117,7 @@ def _run_folders(args: argparse.Namespace) -> int:
             f"{not_runs[0]} is not a run folder (no task.json): give the folders bigbatch train "
             "wrote, or an experiments TOML"
         )
+    fill_defaults(args, _FOLDER_FLAGS)
     if args.images is None:
         raise UserError("run folders need --images DIR: the images to predict and average")
     options = task_options(args)
