@@ -139,6 +139,14 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda j: ["verify", "--loss", "mse", "--tokens"],
         "--tokens, --loss describe(s) your model's window: add --model",
     ),
+    "verify --loss at its default without --model": (
+        lambda j: ["verify", "--loss", "cross_entropy"],
+        "--loss describe(s) your model's window: add --model",
+    ),
+    "verify --distributed with --dtype": (
+        lambda j: ["verify", "--distributed", "2", "--dtype", "float32"],
+        "--dtype: --distributed's cases run in float64 on their own data",
+    ),
     "verify --distributed with --model": (
         lambda j: ["verify", "--distributed", "2", "--model", "m:f"],
         "--distributed runs bigbatch's own distributed cases, not --model",

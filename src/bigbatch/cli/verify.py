@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.batching import even_sizes
-from bigbatch.cli import UserError
+from bigbatch.cli import UserError, fill_defaults, flags_typed
 from bigbatch.user_code import call_factory, load_object
 from bigbatch.verify import (
     CaseResult,
@@ -36,19 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="module:factory returning (inputs, targets) for one whole window")
     p.add_argument(
         "--micro",
-        default="",
         help="micro-batch sizes splitting the window, e.g. 16,16,4 (default: 4 near-equal parts)",
     )
     p.add_argument(
         "--loss",
-        default="cross_entropy",
-        help=f"{', '.join(LOSSES)}, or module:function(output, target) -> mean loss",
+        help=f"{', '.join(LOSSES)} (default cross_entropy), or module:function(output, target) "
+        "-> mean loss",
     )
     p.add_argument(
         "--tokens", action="store_true", help="count tokens (targets != -100), not samples"
     )
     p.add_argument(
-        "--dtype", default="float64,float32", help="comma-separated: float64,float32,bfloat16"
+        "--dtype", help="comma-separated: float64,float32,bfloat16 (default float64,float32)"
     )
     p.add_argument(
         "--naive", action="store_true", help="also run the naive loss / N for comparison"
@@ -59,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="the random state both runs start from (dropout's masks, the built-in cases' data)",
+        help="the random state both runs start from (dropout's masks, the built-in cases' "
+        "data); default 0",
     )
     p.add_argument(
         "--distributed",
@@ -167,25 +166,32 @@ def _print_table(results: list[CaseResult]) -> None:
         print(f"\n{', '.join(rows)}: {text}")
 
 
-# Options that only describe a user model: given without --model they would be ignored.
-_MODEL_ONLY = ("micro", "data", "eval", "tokens")
+# Options that only describe a user model: typed without --model they would be ignored.
+_MODEL_ONLY = dict.fromkeys(("micro", "data", "eval", "tokens", "loss"))
+# The options with defaults, filled in once the typed ones are checked (--distributed's cases
+# have their own dtype and data, and compare bigbatch with the naive loss / N always).
+_DEFAULTS = {"micro": "", "loss": "cross_entropy", "dtype": "float64,float32", "seed": 0}
+_NOT_DISTRIBUTED = dict.fromkeys(("dtype", "seed", "naive"))
 
 
 def run(args: argparse.Namespace) -> int:
-    dtypes = _dtypes(args.dtype)
     if args.distributed and args.model:
         raise UserError(
             "--distributed runs bigbatch's own distributed cases, not --model: verify your "
             "model without --distributed, or the distributed cases without --model"
         )
-    if not args.model:
-        given = [f"--{name}" for name in _MODEL_ONLY if getattr(args, name, None)]
-        given += ["--loss"] if args.loss != "cross_entropy" else []
-        if given:
-            raise UserError(
-                f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
-                "(the built-in cases have their own sizes)"
-            )
+    if not args.model and (given := flags_typed(args, _MODEL_ONLY)):
+        raise UserError(
+            f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
+            "(the built-in cases have their own sizes)"
+        )
+    if args.distributed and (given := flags_typed(args, _NOT_DISTRIBUTED)):
+        raise UserError(
+            f"{', '.join(given)}: --distributed's cases run in float64 on their own data, "
+            f"bigbatch beside the naive loss / N: drop {'them' if len(given) > 1 else 'it'}"
+        )
+    fill_defaults(args, _DEFAULTS)
+    dtypes = _dtypes(args.dtype)
     if args.distributed:
         # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.verify.distributed import verify_distributed
