@@ -447,6 +447,50 @@ def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(
     assert not (tmp_path / "bigbatch-sizes.json").exists()  # spent: the run is done
 
 
+def test_a_second_restart_names_both_causes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Under torchrun, out of memory in training (restart 1) and then in evaluation (restart
+    2): the sizes file the second leaves keeps the first's cause, and the relaunch names both."""
+    import json
+
+    import torch.distributed as dist
+
+    import bigbatch.distributed
+
+    monkeypatch.setattr(bigbatch.distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+
+    class Trainer:  # out of memory training over 2 sequences, evaluating over 4
+        def __init__(self, args):  # type: ignore[no-untyped-def]
+            self.args, self.callback_handler = args, SimpleNamespace(callbacks=[])
+
+        def evaluation_loop(self) -> None:
+            if self.args.per_device_eval_batch_size > 4:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        def train(self, resume_from_checkpoint=None):  # type: ignore[no-untyped-def]
+            if self.args.per_device_train_batch_size > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            self.evaluation_loop()
+            return "trained"
+
+    def args() -> SimpleNamespace:
+        return SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                               per_device_eval_batch_size=8, world_size=2,
+                               output_dir=str(tmp_path))  # fmt: skip
+
+    said: list[str] = []
+    for _ in range(2):  # two relaunches by torchrun, each process raising
+        with pytest.raises(torch.OutOfMemoryError):
+            train_with_backoff(Trainer, args(), log=said.append)
+    sizes = json.loads((tmp_path / "bigbatch-sizes.json").read_text())
+    assert (sizes["out_of_memory_at"], sizes["evaluation_out_of_memory_at"]) == (4, 8)
+    assert train_with_backoff(Trainer, args(), log=said.append) == "trained"
+    assert said[-1].startswith(
+        "resuming at 2 x 6 accumulation, the same global batch and evaluation batch 4: a rank "
+        "ran out of memory at micro-batch 4 and evaluation batch 8"
+    ), said[-1]
+
+
 def test_trainer_batch_sizes_keep_the_global_batch() -> None:
     for global_batch, largest, ranks in [(64, 6, 2), (12, 5, 1), (7, 3, 1), (32, 64, 4)]:
         micro, steps = trainer_batch_sizes(global_batch, largest, ranks)

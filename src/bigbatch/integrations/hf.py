@@ -953,6 +953,7 @@ def _hand_over(args: Any, log: Callable[[str], None], *, evaluation: bool = Fals
         "evaluation_out_of_memory_at": _eval_batch(args) if evaluation else None,
     }
     path = _sizes_path(args)
+    sizes |= _earlier_causes(path, args, evaluation=evaluation)
     atomic_write_text(path, json.dumps(sizes) + "\n")
     log(
         f"out of memory {what} on rank {dist.get_rank()} of {world}: the others wait for it "
@@ -961,6 +962,30 @@ def _hand_over(args: Any, log: Callable[[str], None], *, evaluation: bool = Fals
         "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 3 ...` relaunches by "
         "itself)"
     )
+
+
+def _earlier_causes(path: Path, args: Any, *, evaluation: bool) -> dict[str, int]:
+    """What an earlier restart of this run ran out of memory at (the other kind than this one:
+    training's micro-batch where this is evaluation, and the reverse), from the sizes file it
+    left, where ``args`` runs at that file's sizes; so that a second restart names both."""
+    import json
+
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    # The file is this run's where this rank runs at its sizes (it resumed from it).
+    same = ["world_size", "per_device_train_batch_size", "gradient_accumulation_steps"]
+    here = [_ranks(args), args.per_device_train_batch_size, args.gradient_accumulation_steps]
+    if not evaluation:
+        same, here = [*same, "per_device_eval_batch_size"], [*here, _eval_batch(args)]
+    key = "out_of_memory_at" if evaluation else "evaluation_out_of_memory_at"
+    earlier = saved.get(key)
+    if isinstance(earlier, int) and [saved.get(k) for k in same] == here:
+        return {key: earlier}
+    return {}
 
 
 def _resumed_sizes(args: Any, log: Callable[[str], None]) -> tuple[Any, bool]:
