@@ -112,6 +112,7 @@ def test_prediction_runs_where_training_does_by_default() -> None:
     Kaggle notebook's `bigbatch predict RUN IMAGES` does not run its TTA on the CPU."""
     import inspect
 
+    from bigbatch.cli import ensemble as ensemble_cli
     from bigbatch.train.config import TrainConfig
     from bigbatch.train.tasks import PredictRequest
     from bigbatch.train.tasks.classification.predict import predict_files
@@ -120,7 +121,9 @@ def test_prediction_runs_where_training_does_by_default() -> None:
     from bigbatch.train.tasks.segmentation.submit import write_submission
 
     assert parse("predict", "runs/a", "images")[0].device == TrainConfig.device == "auto"
-    assert parse("ensemble", "runs/a", "runs/b")[0].device == "auto"
+    # ensemble's --device is filled in once an experiments TOML has refused it typed.
+    assert parse("ensemble", "runs/a", "runs/b")[0].device is None
+    assert ensemble_cli._FOLDER_FLAGS["device"] == "auto"
     assert PredictRequest(run_dir=Path("runs/a"), inputs=Path("images")).device == "auto"
     for f in (predict_files, predict_values, predict_masks, write_submission):
         assert inspect.signature(f).parameters["device"].default == "auto", f.__module__
