@@ -67,6 +67,23 @@ def _trained_run(job: Path) -> Path:
     return job / "run"
 
 
+def _hf_plan(job: Path, *flags: str) -> list[str]:
+    """``bigbatch plan --hf`` of a tiny Llama config written into ``job``, with ``flags``."""
+    (job / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return [
+        "plan",
+        "--hf",
+        "config.json",
+        "--seq-len",
+        "64",
+        "--batch",
+        "8",
+        "--budget",
+        "t4",
+        *flags,
+    ]
+
+
 def _csv(job: Path, body: bytes) -> None:
     (job / "train.csv").write_bytes(b"file,label\n" + body)
 
@@ -167,22 +184,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "--batch: a plan of bigbatch train's run reads its keys, not these flags",
     ),
     "plan --hf with an image flag at its default": (
-        lambda j: (
-            (j / "config.json").write_text(json.dumps(TINY_LLAMA)),
-            [
-                "plan",
-                "--hf",
-                "config.json",
-                "--seq-len",
-                "64",
-                "--batch",
-                "8",
-                "--budget",
-                "t4",
-                "--size",
-                "224",
-            ],
-        )[1],
+        lambda j: _hf_plan(j, "--size", "224"),
         "--size: not for a language model's plan (--hf); drop it",
     ),
     "plan an image model with a language flag at its default": (
@@ -190,22 +192,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "--attn: for a language model's plan; add --hf",
     ),
     "plan --hf with a negative LoRA rank": (
-        lambda j: (
-            (j / "config.json").write_text(json.dumps(TINY_LLAMA)),
-            [
-                "plan",
-                "--hf",
-                "config.json",
-                "--seq-len",
-                "64",
-                "--batch",
-                "8",
-                "--budget",
-                "t4",
-                "--lora",
-                "-1",
-            ],
-        )[1],
+        lambda j: _hf_plan(j, "--lora", "-1"),
         "--lora takes the adapters' rank, >= 1",
     ),
     "csv columns swapped": (
