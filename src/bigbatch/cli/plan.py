@@ -73,7 +73,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="a Hugging Face causal LM from its config.json alone (a file, its folder, or a hub "
         "name from the cache; online, the config only): with --seq-len, --lora, --qlora ...",
     )
-    p.add_argument("--size", help="input size(s) for --arch, comma-separated: 128,224 (224)")
+    p.add_argument(
+        "--size", help="input size(s) for --arch, comma-separated: 128,224 (default 224)"
+    )
     p.add_argument(
         "--input-shape",
         help="one sample's shape for --model or a MONAI --arch, e.g. 3,224,224, 512 or 4,128,128,128",
