@@ -16,8 +16,8 @@ class UserError(Exception):
 
 
 def flags_typed(args: argparse.Namespace, defaults: dict[str, Any]) -> list[str]:
-    """The flags among ``defaults``' that were typed, at any value: their parser's default is
-    None (False for a switch), the value that stands for "not given" until
+    """The flags among ``defaults``' names that were typed, at any value: their parser's
+    default is None (False for a switch), the value that stands for "not given" until
     :func:`fill_defaults` replaces it.
 
     >>> flags_typed(argparse.Namespace(size="224", packing=False), {"size": "224", "packing": 0})
