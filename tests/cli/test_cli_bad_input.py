@@ -195,6 +195,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda j: _hf_plan(j, "--lora", "-1"),
         "--lora takes the adapters' rank, >= 1",
     ),
+    "plan --hf with a margin above 1": (
+        lambda j: _hf_plan(j, "--margin", "1.5"),
+        "--margin is the fraction of the budget kept back, in [0, 1), got 1.5",
+    ),
     "csv columns swapped": (
         lambda j: (
             _csv(j, b"red,train/red/red_0.png\ngreen,train/green/green_0.png\n"),
@@ -231,7 +235,7 @@ def test_bad_input_is_one_line(name: str, job: Path, capsys: pytest.CaptureFixtu
     ("extra", "match"),
     [
         (["--size", "-3"], "--size takes positive integers"),
-        (["--margin", "2"], "margin must be in [0, 1)"),
+        (["--margin", "2"], "--margin is the fraction of the budget kept back"),
         (["--world-size", "2"], "--world-size: for a language model's plan"),
         (["--arch", "resnet99"], "unknown architecture 'resnet99'"),
     ],

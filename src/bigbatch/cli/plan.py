@@ -465,6 +465,11 @@ def run(args: argparse.Namespace) -> int:
         _print_cards()
         return 0
     _refuse_misplaced_benchmark(args)
+    if args.margin is not None and not 0 <= args.margin < 1:
+        raise UserError(
+            f"--margin is the fraction of the budget kept back, in [0, 1), got {args.margin}: "
+            "e.g. --margin 0.1 (the default) plans for 90% of the budget"
+        )
     if args.hf is not None:
         fill_defaults(args, SHARED_DEFAULTS)
         return plan_hf.run(args)
