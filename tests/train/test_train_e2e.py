@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import bigbatch
+import bigbatch.train.run_dir as run_dir
 import bigbatch.train.stepping as stepping
 from bigbatch.cli.main import main
 from bigbatch.train.config import ConfigError, load_config
@@ -107,6 +108,10 @@ def test_predict_with_tta_and_files(image_folder: Path, tiny_model: str, tmp_pat
             np.testing.assert_array_equal(again.probs, one.probs)
 
 
+def _unread(path: object) -> object:
+    raise AssertionError(f"{path} was read")
+
+
 @pytest.mark.slow
 def test_resume_after_a_kill_gives_the_same_weights(
     image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -146,6 +151,19 @@ def test_resume_after_a_kill_gives_the_same_weights(
                      f"{result.best_metric:.4f}): nothing to resume"]  # fmt: skip
     assert again.history == result.history and again.best_metric == result.best_metric
     assert (tmp_path / "killed" / "train.log").read_text() == resumed_log
+    # The history is in done.json: a finished run's rerun reads no checkpoint (a large model's
+    # takes seconds); a done.json of bigbatch 0.1, without it, is read with last.pt's.
+    done = tmp_path / "killed" / "done.json"
+    summary = json.loads(done.read_text())
+    assert summary["history"] == result.history and summary["epochs"] == 3
+    real_load_state = run_dir.load_state
+    monkeypatch.setattr(run_dir, "load_state", _unread)
+    kept = train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)
+    assert kept.history == result.history
+    monkeypatch.setattr(run_dir, "load_state", real_load_state)
+    done.write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    again = train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)
+    assert again.history == result.history
     (tmp_path / "killed" / "done.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"done.json is not one bigbatch wrote .*: delete"):
         train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)

@@ -449,7 +449,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(str(exc)) from exc
 
 
-def _refuse_misplaced_benchmark(args: argparse.Namespace) -> None:
+def _check_any_plan(args: argparse.Namespace) -> None:
+    """What every plan refuses first, of a model's step, a language model or a training run."""
+    if args.margin is not None and not 0 <= args.margin < 1:
+        raise UserError(
+            f"--margin is the fraction of the budget kept back, in [0, 1), got {args.margin}: "
+            "e.g. --margin 0.1 (the default) plans for 90% of the budget"
+        )
     if args.cudnn_benchmark and (args.hf is not None or args.config or args.train_keys):
         raise UserError(
             "--cudnn-benchmark plans a model's step (--arch, --model); a training run "
@@ -464,12 +470,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list_cards:
         _print_cards()
         return 0
-    _refuse_misplaced_benchmark(args)
-    if args.margin is not None and not 0 <= args.margin < 1:
-        raise UserError(
-            f"--margin is the fraction of the budget kept back, in [0, 1), got {args.margin}: "
-            "e.g. --margin 0.1 (the default) plans for 90% of the budget"
-        )
+    _check_any_plan(args)
     if args.hf is not None:
         fill_defaults(args, SHARED_DEFAULTS)
         return plan_hf.run(args)

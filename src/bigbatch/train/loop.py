@@ -140,7 +140,7 @@ def _loop(run: Run) -> TrainResult:
         if run.data.has_valid:
             run.task.finish(run.scored, run.data.valid_loader, run.where, run.run_dir, run.log)
         summary = {"monitor": run.monitor, "best": run.best, "epochs": len(run.history)}
-        atomic_write_text(run.run_dir / "done.json", json.dumps(summary))
+        atomic_write_text(run.run_dir / "done.json", json.dumps(summary | {"history": run.history}))
         record_measured_peak(run.run_dir, run.where.device, run.log)
         if run.report is not None:
             run.report.finish(report_files(run.run_dir, run.cfg.log_checkpoint))

@@ -30,6 +30,7 @@ __all__ = [
     "RunLog",
     "add_to_plan",
     "check_run_dir",
+    "check_same_config",
     "checkpoint_state",
     "compare_peaks",
     "measured_as",
@@ -104,19 +105,31 @@ def _versions() -> str:
     )
 
 
+def check_same_config(run_dir: Path, cfg: TrainConfig) -> bool:
+    """Whether ``run_dir`` holds a run (its ``config.json``); one of another config than
+    ``cfg`` is refused, naming the keys that differ.
+
+    >>> check_same_config(Path("no/such/run"), TrainConfig(data="x"))
+    False
+    """
+    saved_cfg = run_dir / "config.json"
+    if not saved_cfg.exists():
+        return False
+    old = config_from_json(saved_cfg.read_text(), str(saved_cfg))
+    diff = sorted(k for k, v in cfg.training_keys().items() if old.training_keys().get(k) != v)
+    if diff:
+        raise ConfigError(
+            f"run folder {run_dir} already holds a run with a different config "
+            f"({', '.join(f'{k}: {old.to_dict()[k]!r} -> {cfg.to_dict()[k]!r}' for k in diff[:5])}); "
+            "choose another --out folder, or pass the same config to resume"
+        )
+    return True
+
+
 def check_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
     """The saved state to resume from, or None for a fresh run; refuses to mix two configs."""
-    saved_cfg = run_dir / "config.json"
     state_path = run_dir / "last.pt"
-    if saved_cfg.exists():
-        old = config_from_json(saved_cfg.read_text(), str(saved_cfg))
-        diff = sorted(k for k, v in cfg.training_keys().items() if old.training_keys().get(k) != v)
-        if diff:
-            raise ConfigError(
-                f"run folder {run_dir} already holds a run with a different config "
-                f"({', '.join(f'{k}: {old.to_dict()[k]!r} -> {cfg.to_dict()[k]!r}' for k in diff[:5])}); "
-                "choose another --out folder, or pass the same config to resume"
-            )
+    if check_same_config(run_dir, cfg):
         if not resume and state_path.exists():
             raise ConfigError(
                 f"run folder {run_dir} already holds this run; pass --resume {run_dir} to continue it "

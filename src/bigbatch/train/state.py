@@ -20,7 +20,7 @@ from bigbatch.io import read_json
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
 from bigbatch.train.optim import make_optimizer, phases
-from bigbatch.train.run_dir import check_run_dir, checkpoint_state
+from bigbatch.train.run_dir import check_run_dir, check_same_config, checkpoint_state
 from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Placement, Task
 from bigbatch.train.tasks.device_images import collate_encoded
@@ -99,12 +99,16 @@ def finished_result(
     done = run_dir / "done.json"
     if not done.is_file():
         return None
-    state = check_run_dir(run_dir, cfg, resume=True)  # another config: refused, as ever
     fix = f"delete {done} and resume the run again: its end (validation, done.json) runs again"
     summary = read_json(done, fix)
     if not isinstance(summary, dict) or not {"monitor", "best"} <= summary.keys():
         raise ConfigError(f"{done} is not one bigbatch wrote (no monitor or best): {fix}")
-    history = json.loads(state["history"]) if state is not None else []
+    if "history" in summary:  # a checkpoint of a large model takes seconds to read
+        check_same_config(run_dir, cfg)
+        history = list(summary["history"])
+    else:  # done.json of bigbatch 0.1
+        state = check_run_dir(run_dir, cfg, resume=True)
+        history = json.loads(state["history"]) if state is not None else []
     classes = run_dir / "classes.json"
     monitor, best = str(summary["monitor"]), float(summary["best"])
     said = f"{run_dir} finished earlier ({len(history)} epoch(s), best {monitor} {best:.4f})"
