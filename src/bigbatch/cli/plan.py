@@ -686,7 +686,12 @@ def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> Non
         plan.curve = sorted(
             plan.curve
             + [
-                (b, predict_peak(spec_at(b), calibration=plan.calibration).planning_bytes)
+                (
+                    b,
+                    predict_peak(
+                        spec_at(b).in_window(args.batch), calibration=plan.calibration
+                    ).planning_bytes,
+                )
                 for b in extra
             ]
         )

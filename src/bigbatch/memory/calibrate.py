@@ -12,7 +12,7 @@ sequence matches the calibration's.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -140,6 +140,9 @@ def _measure(spec: StepSpec, stepped: tuple[Any, Any] | None = None) -> tuple[_R
     that creates the optimizer state; ``stepped``: a (model, optimizer) that has taken it, at
     another micro-batch (a workspace is what an op allocates above what it leaves, whatever
     else is alive, so one model serves every size). Returns the run, the model and optimizer."""
+    # A lone step's ops: a held step's trace matches them, its adds into the held gradients
+    # aside (allocating nothing).
+    spec = replace(spec, held_gradients=False)
     device_type = torch.device(spec.device).type
     if stepped is None:
         model, opt, inputs = real_step_setup(spec, 2)

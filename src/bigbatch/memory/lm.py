@@ -964,7 +964,7 @@ def plan_lm(
     with fake_ranks(n) if traced else contextlib.nullcontext():
         # Composed: from the floor's weights, gradients and state, the same at every micro-batch.
         with _refused_in_one_line(config, setup):
-            floor = predict_peak(spec_at(1))
+            floor = predict_peak(spec_at(1).in_window(global_batch // n))
         extra, note = (
             (0, _traced_note(n)) if traced else per_rank_bytes(sizes, floor.parts(), setup)
         )

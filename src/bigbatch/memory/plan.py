@@ -317,6 +317,7 @@ def plan_micro_batch(
         raise ValueError(
             f"the target batch must be a positive number of samples, got {target_batch!r}"
         )
+    spec_at = _held_line(spec_at, target_batch)
     budget_bytes = resolve_budget(budget, device)
     overhead = default_overhead(budget, device) if overhead is None else overhead
     usable = usable_bytes(budget_bytes, overhead, device, margin) - extra_bytes
@@ -342,23 +343,55 @@ def plan_micro_batch(
         raise ValueError(
             f"the target batch {target_batch} is below the smallest micro-batch {smallest}"
         )
-    micro = _choose(peak, smallest, floor, cap, target_batch, usable)
-    if not predictions.confirm(micro):  # a size between traces was not on their line
-        micro = _choose(peak, smallest, floor, cap, target_batch, usable)
+    micro, chosen, curve = _chosen(predictions, smallest, floor, cap, target_batch, usable)
     return Plan(
         micro_batch=micro,
         micro_batches=math.ceil(target_batch / micro),
         target_batch=target_batch,
-        predicted_peak_bytes=peak(micro),
+        predicted_peak_bytes=chosen.planning_bytes,
         budget_bytes=budget_bytes,
         usable_bytes=usable,
         overhead_bytes=overhead,
         floor_bytes=floor,
-        max_micro_batch=max(b for b, p in cache.items() if p.planning_bytes <= usable),
-        prediction=cache[micro],
-        curve=sorted((b, p.planning_bytes) for b, p in cache.items()),
-        predictions=len(cache),
+        max_micro_batch=max([b for b, n in curve.items() if n <= usable] or [smallest]),
+        prediction=chosen,
+        curve=sorted(curve.items()),
+        predictions=len(cache) + len(predictions.alone_cache),
     )
+
+
+def _chosen(
+    predictions: _Predictions, smallest: int, floor: int, cap: int, target: int, usable: int
+) -> tuple[int, MemoryPrediction, dict[int, int]]:
+    """The micro-batch, its prediction, and the planning bytes by micro-batch (the curve)."""
+    peak = predictions.peak
+    # The whole target in one micro-batch holds no gradients from earlier ones: tried first.
+    whole = predictions.alone(target) if cap == target else None
+    if whole is not None and whole.planning_bytes <= usable:
+        micro = target
+    else:
+        micro = _choose(peak, smallest, floor, cap, target, usable)
+        if not predictions.confirm(micro):  # a size between traces was not on their line
+            micro = _choose(peak, smallest, floor, cap, target, usable)
+    if micro == target:
+        chosen = predictions.alone(target)
+    else:
+        peak(micro)  # predicted already, unless balanced past the search's sizes
+        chosen = predictions.cache[micro]
+    curve = {b: p.planning_bytes for b, p in predictions.cache.items() if b < target}
+    if whole is not None:
+        curve[target] = whole.planning_bytes
+    return micro, chosen, curve
+
+
+def _held_line(spec_at: Callable[[int], StepSpec], target_batch: int) -> Callable[[int], StepSpec]:
+    """``spec_at`` as the later micro-batches of a window of ``target_batch`` run it: each
+    holds the gradients summed from the earlier ones (``held_gradients``), one more copy of
+    the trainable weights than a lone step (resnet10t at 64 px, micro-batch 16: 104 MiB
+    measured for one, 122 MiB from the second on). Every size on the line is such a step, the
+    target's too (where it does not fit alone, its held step ends the line the search
+    interpolates on); the target alone is :meth:`_Predictions.alone`."""
+    return lambda b: replace(spec_at(b), held_gradients=target_batch > 1)
 
 
 class _Predictions:
@@ -377,6 +410,7 @@ class _Predictions:
     ) -> None:
         self.spec_at, self.calibration, self.trace = spec_at, calibration, trace
         self.cache: dict[int, MemoryPrediction] = dict(known or {})
+        self.alone_cache: dict[int, MemoryPrediction] = {}  # one micro-batch a window
         self.logs: dict[int, StepLog] = {}
         self.interpolated: set[int] | None = set()  # None: not any more (a confirmation failed)
 
@@ -384,6 +418,19 @@ class _Predictions:
         if b not in self.cache:
             self.cache[b] = self._on_the_line(b) or self._traced(b)
         return self.cache[b].planning_bytes
+
+    def alone(self, b: int) -> MemoryPrediction:
+        """The step at ``b`` as a window's only micro-batch: no gradients held before it."""
+        if b not in self.alone_cache:
+            spec = replace(self.spec_at(b), held_gradients=False)
+            if not self.spec_at(b).held_gradients and b in self.cache:
+                self.alone_cache[b] = self.cache[b]  # a window of one sample: the same step
+            else:
+                prediction, log = trace_step(spec, optimizer_trace=self.trace)
+                if log is not None:  # traced on the CPU: calibrated as the line's steps are
+                    prediction = replay_with_calibration(log, self.calibration)
+                self.alone_cache[b] = prediction
+        return self.alone_cache[b]
 
     def _traced(self, b: int) -> MemoryPrediction:
         prediction, log = trace_step(self.spec_at(b), optimizer_trace=self.trace)
@@ -676,6 +723,7 @@ def plan_under_budget(
     >>> plan_under_budget(spec, 64, "1GB", overhead=0).micro_batch
     64
     """
+    spec_at = _held_line(spec_at, target_batch)
     budget_bytes = resolve_budget(budget, device)
     given = overhead
     overhead = default_overhead(budget, device) if overhead is None else overhead
@@ -751,6 +799,7 @@ def fastest(
     best = max(plan.samples_per_s, key=lambda b: plan.samples_per_s[b])
     if best != plan.micro_batch:
         plan.micro_batch, plan.micro_batches = best, math.ceil(plan.target_batch / best)
-        plan.prediction = predict_peak(spec_at(best), calibration=plan.calibration)
+        spec = spec_at(best).in_window(plan.target_batch)
+        plan.prediction = predict_peak(spec, calibration=plan.calibration)
         plan.predicted_peak_bytes = plan.prediction.planning_bytes
     return plan

@@ -825,11 +825,16 @@ def _predict_on_fake(
         tracker.counting = True
         while inputs:
             x = inputs.pop(0)
-            with tracker.in_phase("forward"):
-                loss = run_step_loss(spec, model, x, device.type)
-            with tracker.in_phase("backward"):
-                loss.backward()
-                del loss
+            if spec.held_gradients and steady:
+                _hold_gradients(tracker, params)
+            # CUDA: the steady step is a window's first micro-batch and its second (``x``
+            # again), which holds the first's gradients in the segments the card gave them.
+            for _ in range(2 if spec.held_gradients and not steady and not inputs else 1):
+                with tracker.in_phase("forward"):
+                    loss = run_step_loss(spec, model, x, device.type)
+                with tracker.in_phase("backward"):
+                    loss.backward()
+                    del loss
             waiting = None  # the real first step's optimizer peak is the one traced above
             for p in params:
                 if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
@@ -861,6 +866,19 @@ def _predict_on_fake(
     if tracker.log is not None and keep is not None:
         keep.append(StepLog(spec, tracker.log, uids, in_batch))
     return prediction
+
+
+def _hold_gradients(tracker: _StorageTracker, params: list[nn.Parameter]) -> None:
+    """The gradients a later micro-batch of a window starts with, summed from the earlier
+    ones; made outside the counted ops, which a calibration matches (a real step makes them in
+    the earlier micro-batches' backward)."""
+    counting, tracker.counting = tracker.counting, False
+    try:
+        with tracker.in_phase("backward"):
+            for p in params:
+                p.grad = torch.zeros_like(p)
+    finally:
+        tracker.counting = counting
 
 
 def _assemble(

@@ -87,9 +87,22 @@ class StepSpec:
     # set_per_process_memory_fraction cap): benchmark trials shrink to fit it, and the cache is
     # released before a request would pass it. None: as much as the step takes.
     memory_limit: int | None = None
+    # A later micro-batch of a window (accumulation): every trainable weight's gradient, summed
+    # from the earlier micro-batches, is alive from its start, and its backward adds into them.
+    held_gradients: bool = False
 
     def with_batch(self, batch_size: int) -> StepSpec:
         return replace(self, batch_size=batch_size)
+
+    def in_window(self, target_batch: int) -> StepSpec:
+        """This step as a window of ``target_batch`` samples runs it: where the micro-batch is
+        smaller, its later micro-batches hold the window's gradients (``held_gradients``).
+
+        >>> spec = StepSpec(lambda: torch.nn.Linear(4, 2), (4,), 8)
+        >>> spec.in_window(32).held_gradients, spec.in_window(8).held_gradients
+        (True, False)
+        """
+        return replace(self, held_gradients=self.batch_size < target_batch)
 
 
 def make_optimizer(
@@ -159,10 +172,12 @@ def batch_bytes(x: Any) -> int:
 def run_training_step(
     model: nn.Module, opt: torch.optim.Optimizer, x: Any, spec: StepSpec, device_type: str
 ) -> None:
-    """One training step, the same for prediction and measurement."""
-    loss = run_step_loss(spec, model, x, device_type)
-    loss.backward()
-    del loss
+    """One training step, the same for prediction and measurement; with ``held_gradients``,
+    a window of two micro-batches (``x`` twice): the second holds the first's gradients."""
+    for _ in range(2 if spec.held_gradients else 1):
+        loss = run_step_loss(spec, model, x, device_type)
+        loss.backward()
+        del loss
     opt.step()
     opt.zero_grad(set_to_none=True)
 

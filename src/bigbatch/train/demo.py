@@ -92,8 +92,8 @@ def demo_budget(arch: str, size: int, batch: int = 128) -> str:
 
 
 def midway_budget(spec: Any, batch: int) -> str:
-    """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` and
-    ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
+    """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` (the second
+    holding the first's gradients) and ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
     never below what the planner's calibration steps up to half the batch need, so the plan is
     calibrated there."""
 
@@ -104,7 +104,7 @@ def midway_budget(spec: Any, batch: int) -> str:
     with torch_threads(training_threads()):
         calibration = calibrate(spec)
         half, full = (
-            predict_peak(spec.with_batch(b), calibration=calibration).peak_bytes
+            predict_peak(spec.with_batch(b).in_window(batch), calibration=calibration).peak_bytes
             for b in (batch // 2, batch)
         )
         # Calibration's real steps run at micro-batch 1, 2 and 4, those below half the batch.

@@ -457,7 +457,9 @@ def _check_fixed(cfg: TrainConfig, plan: Any, spec_at: Callable[[int], StepSpec]
     # The plan predicted the fixed micro-batch already (its cap, tried first), unless a rank's
     # share of the batch under torchrun is smaller.
     needed = dict(plan.curve).get(cfg.micro_batch) or (
-        predict_peak(spec_at(cfg.micro_batch), calibration=plan.calibration).planning_bytes
+        predict_peak(
+            spec_at(cfg.micro_batch).in_window(plan.target_batch), calibration=plan.calibration
+        ).planning_bytes
     )
     if plan.max_micro_batch < cfg.micro_batch:
         raise ConfigError(
