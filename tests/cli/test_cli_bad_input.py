@@ -254,6 +254,7 @@ def test_a_plan_for_a_card_refused_says_the_error_alone(
 def test_damaged_run_files_on_resume(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _trained_run(job)
     capsys.readouterr()
+    (run / "done.json").unlink()  # unfinished: resumed from last.pt (a finished run reads none)
     last = run / "last.pt"
     good = last.read_bytes()
     last.write_bytes(good[: len(good) // 2])  # truncated
