@@ -164,6 +164,9 @@ def test_resume_after_a_kill_gives_the_same_weights(
     done.write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     again = train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)
     assert again.history == result.history
+    done.write_text(json.dumps(summary | {"history": "3 epochs"}))
+    with pytest.raises(ConfigError, match=r"done.json is not one bigbatch wrote \(its history"):
+        train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)
     (tmp_path / "killed" / "done.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"done.json is not one bigbatch wrote .*: delete"):
         train(load_config(overrides=overrides), tmp_path / "killed", resume=True, log=quiet)

@@ -421,23 +421,27 @@ class _Predictions:
 
     def alone(self, b: int) -> MemoryPrediction:
         """The step at ``b`` as a window's only micro-batch: no gradients held before it."""
+        spec = self.spec_at(b)
+        if not spec.held_gradients:  # a target of one sample: the line's own step
+            self.peak(b)
+            return self.cache[b]
         if b not in self.alone_cache:
-            spec = replace(self.spec_at(b), held_gradients=False)
-            if not self.spec_at(b).held_gradients and b in self.cache:
-                self.alone_cache[b] = self.cache[b]  # a window of one sample: the same step
-            else:
-                prediction, log = trace_step(spec, optimizer_trace=self.trace)
-                if log is not None:  # traced on the CPU: calibrated as the line's steps are
-                    prediction = replay_with_calibration(log, self.calibration)
-                self.alone_cache[b] = prediction
+            self.alone_cache[b] = self._predicted(replace(spec, held_gradients=False))[0]
         return self.alone_cache[b]
 
     def _traced(self, b: int) -> MemoryPrediction:
-        prediction, log = trace_step(self.spec_at(b), optimizer_trace=self.trace)
-        if log is None:  # measured, or for a GPU (never calibrated)
-            return prediction
-        self.logs[b] = log
-        return replay_with_calibration(log, self.calibration)
+        prediction, log = self._predicted(self.spec_at(b))
+        if log is not None:
+            self.logs[b] = log
+        return prediction
+
+    def _predicted(self, spec: StepSpec) -> tuple[MemoryPrediction, StepLog | None]:
+        """``spec`` traced, and calibrated from the trace's log where it has one (measured,
+        or for a GPU: never calibrated)."""
+        prediction, log = trace_step(spec, optimizer_trace=self.trace)
+        if log is None:
+            return prediction, None
+        return replay_with_calibration(log, self.calibration), log
 
     def _on_the_line(self, b: int) -> MemoryPrediction | None:
         below = [k for k in self.logs if k < b]

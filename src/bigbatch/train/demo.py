@@ -93,9 +93,9 @@ def demo_budget(arch: str, size: int, batch: int = 128) -> str:
 
 def midway_budget(spec: Any, batch: int) -> str:
     """The budget midway between the calibrated peaks at micro-batch ``batch // 2`` (the second
-    holding the first's gradients) and ``batch``: the planner then chooses 2 x ``batch // 2`` (see :func:`demo_budget`). It is
-    never below what the planner's calibration steps up to half the batch need, so the plan is
-    calibrated there."""
+    holding the first's gradients) and ``batch``: the planner then chooses 2 x ``batch // 2``
+    (see :func:`demo_budget`). It is never below what the planner's calibration steps up to
+    half the batch need, so the plan is calibrated there."""
 
     # Measured with the threads the training run will take (`bigbatch train` gives torch every
     # core here), not this process's: oneDNN's convolution workspaces grow with the threads, and

@@ -103,6 +103,8 @@ def finished_result(
     summary = read_json(done, fix)
     if not isinstance(summary, dict) or not {"monitor", "best"} <= summary.keys():
         raise ConfigError(f"{done} is not one bigbatch wrote (no monitor or best): {fix}")
+    if not isinstance(summary.get("history", []), list):
+        raise ConfigError(f"{done} is not one bigbatch wrote (its history is no list): {fix}")
     if "history" in summary:  # a checkpoint of a large model takes seconds to read
         check_same_config(run_dir, cfg)
         history = list(summary["history"])
