@@ -32,7 +32,7 @@ def test_every_card_says_where_its_figures_come_from_and_names_are_unique() -> N
     assert find_card("8GB") is None and find_card("auto") is None
     # Each its own compute capability: bf16 in hardware from Ampere (8.0), emulated before.
     assert all(c.compute_capability >= (6, 0) for c in CARDS)
-    assert {c.key for c in CARDS if c.emulates_bf16} == {"t4", "p100"}
+    assert {c.key for c in CARDS if c.emulates_bf16} == {"t4", "p100", "v100-16gb", "v100-32gb"}
     assert [find_card(k).short_name for k in ("t4", "rtx4090", "h100")] == [
         "T4",
         "RTX 4090",
@@ -55,8 +55,30 @@ def test_a_card_on_the_cpu_is_refused_with_the_fix() -> None:
 
 def test_train_takes_a_card_and_refuses_a_name_that_is_none() -> None:
     assert load_config(overrides=["data=d", "budget=Kaggle T4"]).budget == "Kaggle T4"
-    with pytest.raises(ConfigError, match="budget='t5'"):
+    with pytest.raises(ConfigError, match=r"budget='t5' is no card's name .*--list-cards"):
         load_config(overrides=["data=d", "budget=t5"])
+
+
+@pytest.mark.parametrize(
+    ("text", "meant"),
+    [("v100", "v100-16gb, v100-32gb"), ("H10", "h100"), ("rtx4080", "rtx3090, rtx4090")],
+)
+def test_a_name_close_to_cards_is_refused_naming_them_in_train_and_plan(
+    text: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A V100 comes with 16 or 32 GB: the plan must not guess which.
+    with pytest.raises(
+        ConfigError, match=rf"budget='{text}' is no card's name .*did you mean {meant}"
+    ):
+        load_config(overrides=["data=d", f"budget={text}"])
+    with pytest.raises(ValueError, match=f"did you mean {meant}"):
+        resolve_budget(text, "cuda")
+    argv = ["plan", "--hf", "gpt2", "--seq-len", "8", "--batch", "2", "--budget", text]
+    assert main(argv) == 2  # before any config is looked for
+    assert f"--budget '{text}' is no card's name" in capsys.readouterr().err
+    # A size with a wrong unit keeps the size's own error.
+    with pytest.raises(ValueError, match="cannot read the memory size '16 GX'"):
+        resolve_budget("16 GX", "cuda")
 
 
 def test_the_command_plans_for_a_card_from_a_cpu_and_lists_the_cards(

@@ -23,7 +23,7 @@ from bigbatch.cli import (
 )
 from bigbatch.device import device_kind, torch_threads, total_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
-from bigbatch.memory.cards import CARDS, Card, find_card
+from bigbatch.memory.cards import CARDS, Card, card_hint, find_card
 from bigbatch.memory.plan import (
     RETURN_FREED_NOTE,
     DoesNotFitError,
@@ -456,6 +456,8 @@ def _check_any_plan(args: argparse.Namespace) -> None:
             f"--margin is the fraction of the budget kept back, in [0, 1), got {args.margin}: "
             "e.g. --margin 0.1 (the default) plans for 90% of the budget"
         )
+    if args.budget is not None and (unknown := card_hint(args.budget)):
+        raise UserError(f"--budget {unknown}")
     if args.cudnn_benchmark and (args.hf is not None or args.config or args.train_keys):
         raise UserError(
             "--cudnn-benchmark plans a model's step (--arch, --model); a training run "

@@ -16,16 +16,18 @@ allocates. A card that also drives a display holds that display's memory too (hu
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
 from bigbatch.device import AMPERE
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES
 
-__all__ = ["CARDS", "Card", "find_card"]
+__all__ = ["CARDS", "Card", "card_hint", "find_card"]
 
 MiB = 2**20
 _MODAL = "nvidia-smi in modal-labs/modal-client#2797, a cloud's GPUs"
+_PUBLIC = "nvidia-smi readings, the same in several public logs"
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,26 @@ CARDS: tuple[Card, ...] = (
     Card(
         "p100",
         "NVIDIA P100 16 GB",
-        16 * 1024 * MiB,
-        "nominal 16 GiB of HBM2 (no reading at hand: check nvidia-smi on the card)",
+        16280 * MiB,
+        _PUBLIC + " (Tesla P100-PCIE-16GB, as Kaggle and Colab lend it)",
         aliases=("kaggle-p100", "tesla-p100"),
         compute_capability=(6, 0),
+    ),
+    Card(
+        "v100-16gb",
+        "NVIDIA V100 16 GB",
+        16160 * MiB,
+        _PUBLIC + " (Tesla V100-SXM2-16GB and V100-PCIE-16GB)",
+        aliases=("v100-16",),
+        compute_capability=(7, 0),
+    ),
+    Card(
+        "v100-32gb",
+        "NVIDIA V100 32 GB",
+        32510 * MiB,
+        _PUBLIC + " (Tesla V100-SXM2-32GB and V100-PCIE-32GB)",
+        aliases=("v100-32",),
+        compute_capability=(7, 0),
     ),
     Card("l4", "NVIDIA L4 24 GB", 23034 * MiB, _MODAL, compute_capability=(8, 9)),
     Card(
@@ -120,8 +138,8 @@ CARDS: tuple[Card, ...] = (
     Card(
         "rtx3060",
         "NVIDIA GeForce RTX 3060 12 GB",
-        12 * 1024 * MiB,
-        "nominal 12 GiB of GDDR6 (no reading at hand: check nvidia-smi on the card)",
+        12288 * MiB,
+        _PUBLIC + " (GeForce RTX 3060, the 12 GB one)",
         aliases=("3060",),
         compute_capability=(8, 6),
     ),
@@ -197,3 +215,25 @@ def find_card(text: str) -> Card | None:
         if wanted in (card.key, *card.aliases):
             return card
     return None
+
+
+def card_hint(text: str) -> str:
+    """The error for a budget that starts with a letter yet names no card: the cards whose
+    names are closest (``v100``: which memory?) and where the list is. Empty for a card's
+    name, ``auto``, and text that starts with a digit, which meant a size
+    (:func:`bigbatch.memory.budget.parse_bytes` says what is wrong with it).
+
+    >>> card_hint("v100")
+    "'v100' is no card's name (nor a size: 8GB, 16GiB, auto): did you mean v100-16gb, v100-32gb? bigbatch plan --list-cards lists them all"
+    """
+    wanted = _normal(str(text))
+    if not wanted or wanted[0].isdigit() or wanted == "auto" or find_card(wanted):
+        return ""
+    names = [n for card in CARDS for n in (card.key, *card.aliases)]
+    close = [n for n in names if n.startswith(wanted)] or difflib.get_close_matches(wanted, names)
+    keys = dict.fromkeys(c.key for c in CARDS for n in close if n in (c.key, *c.aliases))
+    guess = f"did you mean {', '.join(keys)}? " if keys else ""
+    return (
+        f"{str(text).strip()!r} is no card's name (nor a size: 8GB, 16GiB, auto): {guess}"
+        "bigbatch plan --list-cards lists them all"
+    )

@@ -21,7 +21,7 @@ import torch
 from bigbatch.device import device_kind, free_bytes, process_rss, trim_cpu_heap
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.calibrate import calibrate_within
-from bigbatch.memory.cards import find_card
+from bigbatch.memory.cards import card_hint, find_card
 from bigbatch.memory.cuda_runtime import CUDA_CONTEXT_BYTES, measured_context_bytes
 from bigbatch.memory.predict import (
     MemoryPrediction,
@@ -215,6 +215,8 @@ def resolve_budget(budget: str | int, device: str | torch.device) -> int:
                 "(device=cuda), from any machine"
             )
         return card.total_bytes
+    if isinstance(budget, str) and (unknown := card_hint(budget)):
+        raise ValueError(unknown)
     return parse_bytes(budget)
 
 

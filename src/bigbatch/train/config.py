@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.memory.budget import parse_bytes
-from bigbatch.memory.cards import find_card
+from bigbatch.memory.cards import card_hint, find_card
 from bigbatch.train.registry import DEFAULT_TASK, TaskEntry, task_entry, task_names
 
 if sys.version_info >= (3, 11):
@@ -161,15 +161,7 @@ class TrainConfig:
         check_device(self.device, "device")
         self.checkpoint_interval()  # raises on a value it cannot read
 
-        for key, allow_zero in (("budget", False), ("overhead", True)):
-            value = getattr(self, key)
-            if key == "budget" and find_card(value):
-                continue  # a card's name: planned for that card (bigbatch.memory.cards)
-            if value.strip().lower() != "auto":
-                try:
-                    parse_bytes(value, allow_zero=allow_zero)
-                except ValueError as exc:
-                    raise ConfigError(f"{key}={value!r}: {exc}") from exc
+        _check_sizes(self.budget, self.overhead)
         if self.weights and self.pretrained:
             raise ConfigError("weights= and pretrained=true both give starting weights: choose one")
         if self.pretrained and self.model:
@@ -540,6 +532,18 @@ def _apply(
                 else f"; known keys: {', '.join(known)}"
             )
             raise ConfigError(f"unknown key {key!r} in {source(key)}{hint}")
+
+
+def _check_sizes(budget: str, overhead: str) -> None:
+    """budget=: a size, auto or a card's name (bigbatch.memory.cards); overhead=: a size or auto."""
+    if unknown := card_hint(budget):
+        raise ConfigError(f"budget={unknown}")
+    for key, value, allow_zero in (("budget", budget, False), ("overhead", overhead, True)):
+        if value.strip().lower() != "auto" and not (key == "budget" and find_card(value)):
+            try:
+                parse_bytes(value, allow_zero=allow_zero)
+            except ValueError as exc:
+                raise ConfigError(f"{key}={value!r}: {exc}") from exc
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
