@@ -22,6 +22,7 @@ __all__ = [
     "all_reduce_grads",
     "all_reduce_sum",
     "any_rank",
+    "ddp_bucket_bytes",
     "is_ddp",
     "is_distributed",
     "is_fsdp",
@@ -41,6 +42,17 @@ def is_distributed(group: Any = None) -> bool:
 
 def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """What ``DistributedDataParallel`` holds on each rank beside the step, from its
+    construction on: its buckets, a copy of every trainable weight's gradient in the weight's
+    dtype (``gradient_as_bucket_view`` off, its default and how bigbatch train wraps).
+
+    >>> ddp_bucket_bytes(nn.Linear(100, 10))  # (1000 weights + 10 biases) x 4 bytes
+    4040
+    """
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def is_ddp(model: nn.Module | None) -> bool:

@@ -147,6 +147,64 @@ def test_memory_the_card_holds_beside_the_allocator_past_the_plan_lowers_the_lim
     )
 
 
+def test_what_the_window_holds_beside_the_step_is_measured_not_refitted(
+    simulated_peak: dict[str, object], tmp_path: Path
+) -> None:
+    """A coupled loss's cache and DDP's gradient buckets are held for the whole window: the
+    measured peak holds them; the curve (the step's) and the usable memory do not, the plan
+    kept them out. A step measured as predicted, plus them, keeps its micro-batch; read as
+    the step's own peak (held_bytes 0), the same measurement shrinks it."""
+    (tmp_path / "plan.json").write_text(json.dumps({"micro_batch": 64}))
+    held = 1500 * MIB
+    choice = _choice(budget_bytes=11700 * MIB, usable_bytes=8530 * MIB, held_bytes=held)
+    simulated_peak["value"] = (8000 * MIB + held, False)  # as predicted, with what is held
+    lines: list[str] = []
+    backoff = OOMBackoff(micro_batch=64)
+    MemoryCheck(choice, torch.device("cuda"), 256, lines.append, tmp_path).after_window(2, backoff)
+    assert backoff.micro_batch == 64
+    assert lines[-1].endswith("predicted 9.28 GiB, limit 9.79 GiB: micro-batch kept")
+    unheld = OOMBackoff(micro_batch=64)
+    choice = choice._replace(held_bytes=0)
+    MemoryCheck(choice, torch.device("cuda"), 256, print, None).after_window(2, unheld)
+    assert unheld.micro_batch < 64
+    # A CPU process: its overhead and what is held, both out of the budget.
+    simulated_peak["value"] = (500 * MIB + 8000 * MIB + held, True)
+    cpu = OOMBackoff(micro_batch=64)
+    choice = choice._replace(held_bytes=held, budget_bytes=10000 * MIB)
+    MemoryCheck(choice, torch.device("cpu"), 256, print, None).after_window(2, cpu)
+    assert cpu.micro_batch == 64
+
+
+def test_a_ddp_rank_plans_its_share_beside_its_gradient_buckets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun each rank's DDP holds its buckets, a copy of the trainable weights'
+    gradients, from its construction on: the plan keeps them out of the rank's usable memory
+    and plans the rank's share of the window. The buckets are DDP's own (its logging data,
+    on a fake process group)."""
+    from bigbatch.distributed import ddp_bucket_bytes
+    from bigbatch.memory.fsdp import fake_ranks
+    from bigbatch.train.config import load_config
+
+    factory = timm_factory("resnet10t", num_classes=3)
+    model = factory()
+    model.get_classifier().bias.requires_grad_(False)  # a frozen weight has no bucket
+    with fake_ranks(2):
+        logged = nn.parallel.DistributedDataParallel(model)._get_ddp_logging_data()
+    buckets = sum(int(n) for n in str(logged["bucket_sizes"]).split(","))
+    assert buckets == ddp_bucket_bytes(model) and not logged["gradient_as_bucket_view"]
+    cfg = load_config(overrides=["data=x", "arch=resnet10t", "size=32", "batch=16"])
+    monkeypatch.setattr(planning, "_budget", lambda cfg, device: 4000 * MIB)
+    monkeypatch.setattr(planning, "default_overhead", lambda budget, device: 500 * MIB)
+    cuda, lines = torch.device("cuda"), []
+    one = planning.plan_for(cfg, factory, cuda, "fp16", print)
+    two = planning.plan_for(cfg, factory, cuda, "fp16", lines.append, world=2)
+    assert one.held_bytes == 0 and two.held_bytes == ddp_bucket_bytes(factory())
+    assert two.usable_bytes == (one.usable_bytes or 0) - two.held_bytes
+    assert "DDP's gradient buckets hold 18.8 MiB on each rank" in lines[0]
+    assert (one.micro_batch, two.micro_batch) == (16, 8)  # a rank's share of the window
+
+
 def test_under_torchrun_every_rank_refits_from_the_largest_peak(
     simulated_peak: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -209,7 +209,11 @@ def _normal(text: str) -> str:
 
 def find_card(text: str) -> Card | None:
     """The card ``text`` names (its key or an alias, case and spaces aside: ``T4``, ``Kaggle
-    T4``, ``rtx-4090``, ``a100-80gb``), else None."""
+    T4``, ``rtx-4090``, ``a100-80gb``), else None.
+
+    >>> find_card("Kaggle P100").key, find_card("16GB")
+    ('p100', None)
+    """
     wanted = _normal(str(text))
     for card in CARDS:
         if wanted in (card.key, *card.aliases):

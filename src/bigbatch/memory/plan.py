@@ -304,7 +304,8 @@ def plan_micro_batch(
 
     ``spec_at(b)`` returns the :class:`StepSpec` at micro-batch ``b``; ``extra_bytes`` is memory
     held besides each step for the whole window (a gradient cache for a loss that couples the
-    samples, :func:`bigbatch.coupled.cache_bytes`); ``optimizer_trace``, this model's traced
+    samples, :func:`bigbatch.coupled.cache_bytes`; DDP's gradient buckets,
+    :func:`bigbatch.distributed.ddp_bucket_bytes`); ``optimizer_trace``, this model's traced
     optimizer steps (:class:`~bigbatch.memory.predict.OptimizerTrace`); ``known``, predictions
     already made with ``calibration``, by micro-batch (:func:`plan_under_budget`'s floor). Raises
     :class:`DoesNotFitError` (the floor's breakdown, what to try) if micro-batch 1 does not fit.
@@ -325,9 +326,10 @@ def plan_micro_batch(
     usable = usable_bytes(budget_bytes, overhead, device, margin) - extra_bytes
     if usable <= 0:
         raise DoesNotFitError(
-            f"the {format_bytes(extra_bytes)} held across the window (extra_bytes: a gradient "
-            f"cache?) leave nothing of budget {format_bytes(budget_bytes)} for the step; raise "
-            "the budget or shrink the cache (a smaller target batch or representation)",
+            f"the {format_bytes(extra_bytes)} held across the window (extra_bytes: a coupled "
+            f"loss's gradient cache, DDP's gradient buckets) leave nothing of budget "
+            f"{format_bytes(budget_bytes)} for the step; raise the budget, or shrink what is "
+            "held (a smaller target batch or representation, fewer trainable weights)",
             predict_peak(spec_at(1), calibration=calibration),
         )
     predictions = _Predictions(spec_at, calibration, optimizer_trace or OptimizerTrace(), known)
@@ -337,7 +339,7 @@ def plan_micro_batch(
         where = (
             f"budget {format_bytes(budget_bytes)} less {margin:.0%} margin and "
             f"{format_bytes(overhead)} overhead"
-            + (f" and {format_bytes(extra_bytes)} of gradient cache" if extra_bytes else "")
+            + (f" and {format_bytes(extra_bytes)} held across the window" if extra_bytes else "")
         )
         raise _does_not_fit(smallest, cache[smallest], usable, where, spec_at(1))
     cap = min(target_batch, max_micro_batch or target_batch)

@@ -172,9 +172,7 @@ def _setup(
     factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = math.ceil(cfg.batch / world)
-    choice = plan_for(
-        cfg, factory, device, precision, log, target=rank_batch, task=task, measure=True
-    )
+    choice = plan_for(cfg, factory, device, precision, log, task=task, measure=True, world=world)
     choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, log)
     fraction_before = cap_to_budget(cfg, device, choice, log)
     if world > 1:

@@ -4,6 +4,7 @@ second)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from bigbatch.device import (
     total_bytes,
     uses_cudnn_benchmark,
 )
-from bigbatch.distributed import is_distributed, maxima_over_ranks
+from bigbatch.distributed import ddp_bucket_bytes, is_distributed, maxima_over_ranks
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.measure import measure_step_reserved
@@ -66,6 +67,9 @@ class PlanChoice(NamedTuple):
     valid_shape: tuple[int, ...] | None = None  # the input validation was planned for
     planned: bool = False  # the planner chose micro_batch (a fixed one is never grown)
     measured: bool = False  # predicted_peak_bytes is a real step's, measured on the GPU
+    # Held beside each step for the whole window (a coupled loss's cache, DDP's buckets): in
+    # a measured peak, not in the curve's predictions, out of usable_bytes already.
+    held_bytes: int = 0
 
 
 def plan_for(
@@ -78,6 +82,7 @@ def plan_for(
     target: int | None = None,
     task: Task | None = None,
     measure: bool = False,
+    world: int = 1,
 ) -> PlanChoice:
     """The micro-batch (the configured one, or the planner's under the budget), the largest
     the back-off may grow to, and the prediction behind them.
@@ -87,9 +92,12 @@ def plan_for(
     the samples holds the window's outputs and their gradients besides each step
     (``task.window_cache_bytes``): the plan leaves room for them. A task that gives an
     ``example_batch`` is planned on its own ``step``, else on the generic step of its input
-    shape. With ``measure`` (a training run), on a CUDA device with ``budget=auto``, one
+    shape. Over ``world`` > 1 ranks (DDP), a rank's window is its share of the target
+    (``target``, by default) and its gradient buckets are held too
+    (:func:`~bigbatch.distributed.ddp_bucket_bytes`). With ``measure`` (a training run), on a CUDA device with ``budget=auto``, one
     process, no window cache: a real step of the whole target batch is measured on the GPU
     first (:func:`_measured_choice`), and where it fits no prediction is made."""
+    target = target or math.ceil(cfg.batch / world)  # every rank holds its share of a window
     input_shape = task.input_shape() if task is not None else (3, cfg.size, cfg.size)
     spec_at = _spec_maker(cfg, factory, device, precision, task, input_shape)
     explicit_budget = cfg.budget.strip().lower() != "auto"
@@ -98,14 +106,15 @@ def plan_for(
             check_forward(spec_at(min(2, cfg.micro_batch)))
             log(f"micro-batch {cfg.micro_batch} (fixed; set budget= to have it checked)")
             return PlanChoice(cfg.micro_batch, cfg.micro_batch)
-        extra = _window_cache(task, target or cfg.batch, precision, log)
+        extra = _window_cache(task, target, precision, log)
+        extra += _ddp_buckets(factory, world, log)
         if measure and not (extra or explicit_budget or cfg.micro_batch):
-            measured = _measured_choice(cfg, spec_at(target or cfg.batch), device, log)
+            measured = _measured_choice(cfg, spec_at(target), device, log)
             if measured is not None:
                 return measured
         plan = plan_under_budget(
             spec_at,
-            target or cfg.batch,
+            target,
             _budget(cfg, device),
             device=device.type,
             overhead=_given_overhead(cfg),
@@ -139,7 +148,7 @@ def plan_for(
     curve = tuple(plan.curve)
     return PlanChoice(
         micro, top, predicted, plan.overhead_bytes, plan.budget_bytes, plan.usable_bytes, curve
-    )._replace(planned=not cfg.micro_batch)
+    )._replace(planned=not cfg.micro_batch, held_bytes=extra)
 
 
 def plan_validation(
@@ -249,12 +258,13 @@ class MemoryCheck:
         c, whole_process = self.choice, measured[1]
         if whole_process and not c.overhead_bytes:
             return  # overhead=0: the budget is the step's tensors alone, not the process's
-        overhead = (c.overhead_bytes or 0) if whole_process else 0
+        # The curve and the limit are the step's: what the window holds beside it is not.
+        overhead = ((c.overhead_bytes or 0) if whole_process else 0) + c.held_bytes
         # A CPU process holds data and libraries besides the step: only the whole budget is
         # its limit there, and the heap does not give back what a larger step would free. A
         # card's limit is the plan's, less what it holds outside the allocator beyond the plan.
         if whole_process:
-            limit = (c.budget_bytes or 0) - overhead
+            limit = (c.budget_bytes or 0) - overhead  # the held bytes out, as usable_bytes has
         else:
             usable, budget = int(c.usable_bytes or 0), c.budget_bytes or 0
             limit = limit_on_card(usable, budget, c.overhead_bytes or 0, card)
@@ -284,7 +294,7 @@ class MemoryCheck:
     ) -> None:
         c, (peak, whole_process) = self.choice, measured
         what = measured_as(whole_process)
-        predicted = dict(c.curve).get(micro, c.predicted_peak_bytes or 0)
+        predicted = dict(c.curve).get(micro, c.predicted_peak_bytes or 0) + c.held_bytes
         if whole_process:
             predicted += c.overhead_bytes or 0
         action = "kept" if new == micro else f"{micro} -> {new}"
@@ -432,6 +442,15 @@ def _window_cache(task: Task | None, window: int, precision: str, log: Log) -> i
         f"plan: the {task.loss_name} loss couples the samples: {format_bytes(need)} held for "
         f"the window of {window} (its outputs, their gradient, the loss at the whole window)"
     )
+    return need
+
+
+def _ddp_buckets(factory: Callable[[], nn.Module], world: int, log: Log) -> int:
+    """What DDP's buckets hold on each rank (0 on one process)."""
+    if world <= 1:
+        return 0
+    need = ddp_bucket_bytes(factory())
+    log(f"plan: DDP's gradient buckets hold {format_bytes(need)} on each rank beside the step")
     return need
 
 
