@@ -129,7 +129,8 @@ def test_user_model(
     ("args", "message"),
     [
         (["--arch", "resnet19"], "did you mean resnet18"),
-        (["--arch", "resnet10t", "--budget", "eight gigs"], "cannot read the memory size"),
+        (["--arch", "resnet10t", "--budget", "eight gigs"], "nor a size: 8GB, 16GiB, auto"),
+        (["--arch", "resnet10t", "--budget", "8 gigs"], "cannot read the memory size"),
         (
             ["--arch", "resnet10t", "--budget", "1MiB", "--overhead", "0"],
             "does not fit: it needs",
