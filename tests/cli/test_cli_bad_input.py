@@ -236,7 +236,10 @@ def test_bad_input_is_one_line(name: str, job: Path, capsys: pytest.CaptureFixtu
     [
         (["--size", "-3"], "--size takes positive integers"),
         (["--margin", "2"], "--margin is the fraction of the budget kept back"),
-        (["--world-size", "2"], "--world-size: for a language model's plan"),
+        (
+            ["--world-size", "2"],
+            "--world-size plans ranks for a language model (--hf NAME) or a training run",
+        ),
         (["--arch", "resnet99"], "unknown architecture 'resnet99'"),
     ],
 )

@@ -175,7 +175,17 @@ def test_bigbatch_plan_plans_the_tasks_own_run(
     assert main(["plan", *keys, "budget=t4", "--json"]) == 0
     out, err = capsys.readouterr()
     assert "planned as bigbatch train runs on the T4: device=cuda precision=fp16" in err
-    assert json.loads(out.strip().splitlines()[-1])["target_batch"] == 8
+    one = json.loads(out.strip().splitlines()[-1])
+    assert one["target_batch"] == 8 and one["world_size"] == 1 and one["held_bytes"] == 0
+    # Kaggle's two T4s under torchrun: each rank's share of the window, beside DDP's buckets.
+    assert main(["plan", *keys, "budget=t4", "--world-size", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "distributed: 2 ranks x 4 samples per window = target batch 8" in out
+    two = json.loads(out.strip().splitlines()[-1])
+    assert two["world_size"] == 2 and two["held_bytes"] > 0 and two["micro_batch"] == 4
+    assert two["usable_bytes"] == one["usable_bytes"] - two["held_bytes"]
+    assert main(["plan", *keys, "budget=t4", "--world-size", "1,2"]) == 2
+    assert "a training run's plan is for one number of ranks" in capsys.readouterr().err
     if not torch.cuda.is_available():  # a size: which card, and so which precision, is unknown
         assert main(["plan", *keys, "budget=15GB", "device=cuda"]) == 2
         assert "precision=auto on a cuda this machine does not have" in capsys.readouterr().err

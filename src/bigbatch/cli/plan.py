@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -365,6 +366,13 @@ def _plan_training_run(args: argparse.Namespace) -> int:
     from bigbatch.train.runtime import resolve_device, resolve_precision
     from bigbatch.train.tasks import prepare_data, task_for
 
+    worlds = positive_ints(args.world_size or "1", "--world-size")
+    if len(worlds) > 1:
+        raise UserError(
+            f"--world-size {args.world_size}: a training run's plan is for one number of ranks "
+            "(torchrun --nproc-per-node N); plan each apart"
+        )
+    world = worlds[0]
     keys = [k for k in args.train_keys if "=" in k]
     if len(keys) != len(args.train_keys):
         raise UserError(f"{args.train_keys[0]!r}: give bigbatch train's keys as key=value")
@@ -394,12 +402,16 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         task = task_for(cfg)
         _, valid_items = prepare_data(task, lambda line: print(line, file=sys.stderr))
         factory = task.model_factory()
-        choice = plan_for(cfg, factory, device, precision, print, target=cfg.batch, task=task)
+        if world > 1:  # as bigbatch train says it under torchrun
+            split = f"{world} ranks x {math.ceil(cfg.batch / world)} samples per window"
+            print(f"distributed: {split} = target batch {cfg.batch}")
+        choice = plan_for(cfg, factory, device, precision, print, task=task, world=world)
         choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, print)
     except (ConfigError, DataError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     if args.json:
-        print(json.dumps(choice._asdict() | {"task": cfg.task, "target_batch": cfg.batch}))
+        facts = {"task": cfg.task, "target_batch": cfg.batch, "world_size": world}
+        print(json.dumps(choice._asdict() | facts))
     return 0
 
 
@@ -476,9 +488,9 @@ def run(args: argparse.Namespace) -> int:
     if args.hf is not None:
         fill_defaults(args, SHARED_DEFAULTS)
         return plan_hf.run(args)
-    plan_hf.refuse_language_flags(args)
-    training = any(k.startswith(("task=", "data=")) for k in args.train_keys)
-    if args.config or training:
+    training = args.config or any(k.startswith(("task=", "data=")) for k in args.train_keys)
+    plan_hf.refuse_language_flags(args, keep=("--world-size",) if training else ())
+    if training:
         return _plan_training_run(args)
     if args.train_keys:
         raise UserError(
