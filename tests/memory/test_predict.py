@@ -109,8 +109,9 @@ def test_a_later_micro_batch_of_a_window_holds_its_gradients(batch: int) -> None
     assert _err(held.peak_bytes, real) <= 0.005
     weights = sum(p.numel() * 4 for p in mlp().parameters())
     assert held.gradients == weights
-    lone = predict_peak(replace(spec, held_gradients=False)).peak_bytes
-    assert _err(lone, real) > 0.2 and lone == measure_step_peak(replace(spec, held_gradients=False))
+    lone_spec = replace(spec, held_gradients=False)
+    lone = predict_peak(lone_spec).peak_bytes
+    assert _err(lone, real) > 0.2 and _err(lone, measure_step_peak(lone_spec)) <= 0.005
 
 
 def test_breakdown_adds_up_and_names_the_optimizer_state() -> None:
