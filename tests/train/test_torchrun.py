@@ -26,9 +26,11 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
     (tmp_path / "tinymodel.py").write_text(TINY_MODEL)
     args = ["data=data", "model=tinymodel:tiny", "size=16", "batch=12", "micro_batch=4", "epochs=2"]
     args += ["mode=fit", "device=cpu", "num_workers=0", "--out", "run", "--no-progress"]
-    args += ["log=tensorboard"]
+    args += ["log=tensorboard", "budget=1GB", "overhead=0"]
     done = _torchrun(tmp_path, *args)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The fixed micro-batch checked against each rank's share, beside DDP's buckets.
+    assert "plan: DDP's gradient buckets hold" in done.stdout
     assert done.stdout.count("run folder: run") == 1  # rank 0 alone reports
     # ... and alone writes to the trackers: one writer's event files, each epoch once.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
