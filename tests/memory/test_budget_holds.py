@@ -201,7 +201,8 @@ def test_a_ddp_rank_plans_its_share_beside_its_gradient_buckets(
     two = planning.plan_for(cfg, factory, cuda, "fp16", lines.append, world=2)
     assert one.held_bytes == 0 and two.held_bytes == ddp_bucket_bytes(factory())
     assert two.usable_bytes == (one.usable_bytes or 0) - two.held_bytes
-    assert "DDP's gradient buckets hold 18.8 MiB on each rank" in lines[0]
+    assert lines[0] == "distributed: 2 ranks x 8 samples per window = target batch 16"
+    assert "DDP's gradient buckets hold 18.8 MiB on each rank" in lines[1]
     assert (one.micro_batch, two.micro_batch) == (16, 8)  # a rank's share of the window
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -402,9 +401,6 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         task = task_for(cfg)
         _, valid_items = prepare_data(task, lambda line: print(line, file=sys.stderr))
         factory = task.model_factory()
-        if world > 1:  # as bigbatch train says it under torchrun
-            split = f"{world} ranks x {math.ceil(cfg.batch / world)} samples per window"
-            print(f"distributed: {split} = target batch {cfg.batch}")
         choice = plan_for(cfg, factory, device, precision, print, task=task, world=world)
         choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, print)
     except (ConfigError, DataError, ValueError) as exc:

@@ -175,9 +175,6 @@ def _setup(
     choice = plan_for(cfg, factory, device, precision, log, task=task, measure=True, world=world)
     choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, log)
     fraction_before = cap_to_budget(cfg, device, choice, log)
-    if world > 1:
-        split = f"{world} ranks x {rank_batch} samples per window = target batch {cfg.batch}"
-        log(f"distributed: {split}")
     if cfg.mode == "auto":
         log(mode_line(cfg))
     if rank == 0:

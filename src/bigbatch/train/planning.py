@@ -93,11 +93,14 @@ def plan_for(
     (``task.window_cache_bytes``): the plan leaves room for them. A task that gives an
     ``example_batch`` is planned on its own ``step``, else on the generic step of its input
     shape. Over ``world`` > 1 ranks (DDP), a rank's window is its share of the target
-    (``target``, by default) and its gradient buckets are held too
-    (:func:`~bigbatch.distributed.ddp_bucket_bytes`). With ``measure`` (a training run), on a CUDA device with ``budget=auto``, one
-    process, no window cache: a real step of the whole target batch is measured on the GPU
-    first (:func:`_measured_choice`), and where it fits no prediction is made."""
+    (``target``, by default), said first, and its gradient buckets are held too
+    (:func:`~bigbatch.distributed.ddp_bucket_bytes`). With ``measure`` (a training run), on a
+    CUDA device with ``budget=auto``, one process, no window cache: a real step of the whole
+    target batch is measured on the GPU first (:func:`_measured_choice`), and where it fits no
+    prediction is made."""
     target = target or math.ceil(cfg.batch / world)  # every rank holds its share of a window
+    if world > 1:
+        log(f"distributed: {world} ranks x {target} samples per window = target batch {cfg.batch}")
     input_shape = task.input_shape() if task is not None else (3, cfg.size, cfg.size)
     spec_at = _spec_maker(cfg, factory, device, precision, task, input_shape)
     explicit_budget = cfg.budget.strip().lower() != "auto"
@@ -258,20 +261,22 @@ class MemoryCheck:
         c, whole_process = self.choice, measured[1]
         if whole_process and not c.overhead_bytes:
             return  # overhead=0: the budget is the step's tensors alone, not the process's
-        # The curve and the limit are the step's: what the window holds beside it is not.
-        overhead = ((c.overhead_bytes or 0) if whole_process else 0) + c.held_bytes
+        # What the measured peak holds beside the step the curve predicts: a CPU process's
+        # overhead, and what the window holds (a coupled loss's cache, DDP's buckets), which
+        # the plan kept out of the usable memory too.
+        beside_step = ((c.overhead_bytes or 0) if whole_process else 0) + c.held_bytes
         # A CPU process holds data and libraries besides the step: only the whole budget is
         # its limit there, and the heap does not give back what a larger step would free. A
         # card's limit is the plan's, less what it holds outside the allocator beyond the plan.
         if whole_process:
-            limit = (c.budget_bytes or 0) - overhead  # the held bytes out, as usable_bytes has
+            limit = (c.budget_bytes or 0) - beside_step
         else:
             usable, budget = int(c.usable_bytes or 0), c.budget_bytes or 0
             limit = limit_on_card(usable, budget, c.overhead_bytes or 0, card)
         new = refit_micro_batch(
             list(c.curve),
             backoff.micro_batch,
-            peak - overhead,
+            peak - beside_step,
             limit,
             target=self.target,
             top=max(c.max_micro_batch, backoff.micro_batch),
@@ -279,7 +284,12 @@ class MemoryCheck:
             grow=c.planned and not whole_process,
         )
         self._record(
-            optimizer_step, backoff.micro_batch, (peak, whole_process), limit + overhead, new, card
+            optimizer_step,
+            backoff.micro_batch,
+            (peak, whole_process),
+            limit + beside_step,
+            new,
+            card,
         )
         backoff.refit(optimizer_step, new)
 
