@@ -237,8 +237,8 @@ def test_bad_input_is_one_line(name: str, job: Path, capsys: pytest.CaptureFixtu
         (["--size", "-3"], "--size takes positive integers"),
         (["--margin", "2"], "--margin is the fraction of the budget kept back"),
         (
-            ["--world-size", "2"],
-            "--world-size plans ranks for a language model (--hf NAME) or a training run",
+            ["--world-size", "2,4"],
+            "--world-size 2,4: a model's step plan is for one number of ranks",
         ),
         (["--arch", "resnet99"], "unknown architecture 'resnet99'"),
     ],
@@ -301,6 +301,27 @@ def test_a_full_disk_is_one_line(
     monkeypatch.setattr(run_dir, "write_weights", full)
     line = _fails([*TRAIN, "--out", "run"], capsys, "no space left on the device")
     assert "run/last.safetensors" in line and "--resume" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing"),
+    [
+        (["example"], "nnUNet_raw is"),
+        (["plan", "4", "--budget", "t4"], "nnUNet_preprocessed is"),
+        (["train", "4", "3d_fullres", "0"], "nnUNet_preprocessed and nnUNet_results are"),
+        (["predict", "4", "3d_fullres", "-i", "in", "-o", "out"], "nnUNet_results is"),
+    ],
+)
+def test_nnunet_without_its_folders_says_which_first(
+    argv: list[str],
+    missing: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in ("nnUNet_raw", "nnUNet_preprocessed", "nnUNet_results"):
+        monkeypatch.delenv(name, raising=False)
+    line = _fails(["nnunet", *argv], capsys, f"{missing} not set: export nnUNet_raw")
+    assert "setting_up_paths.md" in line
 
 
 def test_train_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,11 +7,13 @@ import json
 import textwrap
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from bigbatch.cli.main import main
+from bigbatch.memory.budget import format_bytes
 
 
 def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,6 +220,44 @@ def test_plan_leaves_room_for_a_gradient_cache(capsys: pytest.CaptureFixture[str
     assert "gradient cache for batch 4096: 392.0 MiB" in captured.err
     assert cached["micro_batch"] < plain["micro_batch"]
     assert plain["usable_bytes"] - cached["usable_bytes"] == 392 * 2**20
+
+
+def test_a_step_plan_over_ranks_holds_each_ranks_share_and_its_buckets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--world-size N: a rank plans its share of the window (torchrun's DDP), with DDP's
+    gradient buckets (a copy of every trainable gradient) held beside each step."""
+    from bigbatch.distributed import ddp_bucket_bytes
+    from bigbatch.segmentation.models import unet2d
+
+    def plan(batch: int, budget: str = "1GB", *extra: str) -> dict[str, Any]:
+        args = ["plan", "--model", "bigbatch.segmentation.models:unet2d", "--input-shape",
+                "3,32,32", "--batch", str(batch), "--budget", budget, "--overhead", "0",
+                "--no-calibrate", "--json", *extra]  # fmt: skip
+        assert main(args) == 0
+        captured = capsys.readouterr()
+        said.append(captured.err)  # what the plan is for, on stderr
+        return dict(json.loads(captured.out))
+
+    said: list[str] = []
+    one = plan(63)
+    two = plan(63, "1GB", "--world-size", "2")
+    buckets = ddp_bucket_bytes(unet2d())
+    assert said[1].splitlines() == [
+        "distributed: 2 ranks x 32 samples per window = target batch 63",
+        f"bigbatch.segmentation.models:unet2d: DDP's gradient buckets hold "
+        f"{format_bytes(buckets)} on each rank",
+    ]
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert (two["target_batch"], two["rank_batch"], two["held_bytes"]) == (63, 32, buckets)
+    assert one["usable_bytes"] - two["usable_bytes"] == buckets
+    # The rank's step is the one-process plan of its share, with that much less room.
+    share = plan(32)
+    assert share["curve"] == two["curve"] and share["micro_batches"] == 1
+    # A budget the share's step fits alone with no room for the buckets: the rank splits it.
+    tight = str(share["predicted_peak_bytes"] + buckets // 2)
+    assert plan(32, tight, "--margin", "0")["micro_batches"] == 1
+    assert plan(63, tight, "--margin", "0", "--world-size", "2")["micro_batches"] == 2
 
 
 def test_a_token_model_is_planned_with_integer_inputs(

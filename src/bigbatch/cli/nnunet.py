@@ -108,7 +108,25 @@ def _add_train_arguments(train: argparse.ArgumentParser) -> None:
     )
 
 
+# The folders each command reads: nnU-Net reads them when first imported, and says each one
+# missing in a paragraph of its own, so they are checked before it is.
+NEEDS = {
+    "example": ("nnUNet_raw",),
+    "plan": ("nnUNet_preprocessed",),
+    "train": ("nnUNet_preprocessed", "nnUNet_results"),
+    "predict": ("nnUNet_results",),
+}
+
+
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    if missing := [v for v in NEEDS.get(args.nnunet_command, ()) if not os.environ.get(v)]:
+        raise UserError(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: export "
+            "nnUNet_raw, nnUNet_preprocessed and nnUNet_results as nnU-Net's documentation "
+            "says (setting_up_paths.md)"
+        )
     # Imported when the command runs: `bigbatch --help` must not load torch or nnU-Net.
     try:
         from bigbatch.integrations import nnunet
@@ -131,11 +149,7 @@ def run(args: argparse.Namespace) -> int:
 def _example(nnunet: Any, args: argparse.Namespace) -> int:
     import os
 
-    raw = os.environ.get("nnUNet_raw")  # noqa: SIM112 - nnU-Net's own name
-    if not raw:
-        raise UserError(
-            "nnUNet_raw is not set: export nnUNet_raw, nnUNet_preprocessed and nnUNet_results first"
-        )
+    raw = os.environ["nnUNet_raw"]  # noqa: SIM112 - nnU-Net's own name, checked by run()
     folder = nnunet.write_example_dataset(raw, args.dataset_id, cases=args.cases)
     print(
         f"{folder}: {args.cases} cases; next: nnUNetv2_plan_and_preprocess -d {args.dataset_id} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from bigbatch.cli import (
     positive_ints,
 )
 from bigbatch.device import device_kind, torch_threads, total_bytes
+from bigbatch.distributed import ddp_bucket_bytes
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, Card, card_hint, find_card
 from bigbatch.memory.plan import (
@@ -347,6 +349,17 @@ def _spec_maker(
     return spec_at
 
 
+def _world_size(args: argparse.Namespace, what: str) -> int:
+    """``--world-size``: one number of ranks (1 where not given); DDP's, under torchrun."""
+    worlds = positive_ints(args.world_size or "1", "--world-size")
+    if len(worlds) > 1:
+        raise UserError(
+            f"--world-size {args.world_size}: {what} is for one number of ranks "
+            "(torchrun --nproc-per-node N); plan each apart"
+        )
+    return worlds[0]
+
+
 def _plan_training_run(args: argparse.Namespace) -> int:
     """``bigbatch plan task=... data=...``: the plan ``bigbatch train`` would make for these
     keys (the task's own step on its data's shapes, then its validation), without training.
@@ -365,13 +378,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
     from bigbatch.train.runtime import resolve_device, resolve_precision
     from bigbatch.train.tasks import prepare_data, task_for
 
-    worlds = positive_ints(args.world_size or "1", "--world-size")
-    if len(worlds) > 1:
-        raise UserError(
-            f"--world-size {args.world_size}: a training run's plan is for one number of ranks "
-            "(torchrun --nproc-per-node N); plan each apart"
-        )
-    world = worlds[0]
+    world = _world_size(args, "a training run's plan")
     keys = [k for k in args.train_keys if "=" in k]
     if len(keys) != len(args.train_keys):
         raise UserError(f"{args.train_keys[0]!r}: give bigbatch train's keys as key=value")
@@ -407,6 +414,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     if args.json:
         facts = {"task": cfg.task, "target_batch": cfg.batch, "world_size": world}
+        facts["rank_batch"] = math.ceil(cfg.batch / world)
         print(json.dumps(choice._asdict() | facts))
     return 0
 
@@ -485,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
         fill_defaults(args, SHARED_DEFAULTS)
         return plan_hf.run(args)
     training = args.config or any(k.startswith(("task=", "data=")) for k in args.train_keys)
-    plan_hf.refuse_language_flags(args, keep=("--world-size",) if training else ())
+    plan_hf.refuse_language_flags(args, keep=("--world-size",))
     if training:
         return _plan_training_run(args)
     if args.train_keys:
@@ -497,7 +505,59 @@ def run(args: argparse.Namespace) -> int:
     fill_defaults(args, SHARED_DEFAULTS, plan_hf.IMAGE_ONLY)
     card_line = _card_defaults(args)
     _check_args(args)
+    world = _world_size(args, "a model's step plan")
+    # Every rank holds its share of each window (DDP): the union over ranks is the target batch.
+    args.rank_batch = math.ceil(args.batch / world)
     targets = _targets(args, kind)  # an unknown model or size refused before anything is said
+    budget, overhead, card = _budget(args)
+    _say(card_line)
+    if world > 1:
+        line = f"{world} ranks x {args.rank_batch} samples per window = target batch {args.batch}"
+        _say(f"distributed: {line}")
+    if card is not None:
+        _say(
+            f"card: {card.name}, {format_bytes(card.total_bytes)} ({card.source}), "
+            f"{card.context_note}"
+        )
+    cache = (
+        cache_bytes(args.rank_batch, args.cache_dim, towers=args.cache_towers)
+        if args.cache_dim
+        else 0
+    )
+    if cache:
+        _say(
+            f"gradient cache for batch {args.rank_batch}: {format_bytes(cache)} held besides "
+            "each step"
+        )
+    notes = _machine_notes(args, budget, card)
+    threads = _threads(args)
+    if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
+        freeze_loaded()
+    with torch_threads(threads):
+        plans, curves = _plan_rows(args, targets, budget, overhead, cache, notes, world)
+    for p in plans:  # what it was planned for, with the defaults (a card's) resolved
+        p |= {"threads": threads, "device": args.device, "precision": args.precision}
+        p |= {"optimizer": args.optimizer, "world_size": world, "target_batch": args.batch}
+    if any(p.get("return_freed_memory") for p in plans):
+        notes.append(RETURN_FREED_NOTE)
+    if args.csv:
+        _write_csv(args.csv, plans)
+    if args.plot:
+        _plot(args.plot, curves, budget)
+    if args.json:
+        for p in plans:  # the prediction's own notes, then the command's
+            p["notes"] = [*(p.get("notes") or []), *notes]
+        print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
+    else:
+        _print(plans, args, budget)
+        for note in notes:
+            print(f"note: {note}")
+    return 0
+
+
+def _budget(args: argparse.Namespace) -> tuple[int, int | None, Card | None]:
+    """The budget in bytes, the overhead (None: read after calibration) and the card
+    ``--budget`` names; a budget too small is refused before any model is built."""
     try:
         budget = resolve_budget(args.budget, args.device)
         overhead = parse_bytes(args.overhead, allow_zero=True) if args.overhead else None
@@ -514,41 +574,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    _say(card_line)
-    if card is not None:
-        _say(
-            f"card: {card.name}, {format_bytes(card.total_bytes)} ({card.source}), "
-            f"{card.context_note}"
-        )
-    cache = (
-        cache_bytes(args.batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
-    )
-    if cache:
-        _say(f"gradient cache for batch {args.batch}: {format_bytes(cache)} held besides each step")
-    notes = _machine_notes(args, budget, card)
-    threads = _threads(args)
-    if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
-        freeze_loaded()
-    with torch_threads(threads):
-        plans, curves = _plan_rows(args, targets, budget, overhead, cache, notes)
-    for p in plans:  # what it was planned for, with the defaults (a card's) resolved
-        p |= {"threads": threads, "device": args.device, "precision": args.precision}
-        p["optimizer"] = args.optimizer
-    if any(p.get("return_freed_memory") for p in plans):
-        notes.append(RETURN_FREED_NOTE)
-    if args.csv:
-        _write_csv(args.csv, plans)
-    if args.plot:
-        _plot(args.plot, curves, budget)
-    if args.json:
-        for p in plans:  # the prediction's own notes, then the command's
-            p["notes"] = [*(p.get("notes") or []), *notes]
-        print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
-    else:
-        _print(plans, args, budget)
-        for note in notes:
-            print(f"note: {note}")
-    return 0
+    return budget, overhead, card
 
 
 def _say(line: str) -> None:
@@ -626,24 +652,30 @@ def _plan_rows(
     overhead: int | None,
     cache: int,
     notes: list[str],
+    world: int,
 ) -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[int, int]], int]]]:
-    """Each row's plan (or why it does not fit, when several rows are planned), and its curve."""
+    """Each row's plan (or why it does not fit, when several rows are planned), and its curve.
+    Over ``world`` > 1 ranks each row's DDP buckets are held beside its steps too."""
     plans: list[dict[str, Any]] = []
     curves: list[tuple[str, list[tuple[int, int]], int]] = []
     for name, size, factory, shape in rows:
         spec_at = _spec_maker(args, factory, shape, name)
 
         label = name if size is None else f"{name} @ {size}"
+        buckets = 0
         try:
+            if world > 1:
+                buckets = ddp_bucket_bytes(factory())
+                _say(f"{label}: DDP's gradient buckets hold {format_bytes(buckets)} on each rank")
             plan = plan_under_budget(
                 spec_at,
-                args.batch,
+                args.rank_batch,
                 budget,
                 device=args.device,
                 overhead=overhead,
                 margin=args.margin,
                 calibrate=not args.no_calibrate,
-                extra_bytes=cache,
+                extra_bytes=cache + buckets,
             )
             if plan.calibration_note:
                 notes.append(f"{label}: {plan.calibration_note}")
@@ -670,7 +702,8 @@ def _plan_rows(
             ) from exc
         plan.arch, plan.size = name, size
         _confirm_and_curve(args, plan, spec_at)
-        row = plan.to_dict() | {"fits": True}
+        row = plan.to_dict() | {"fits": True, "rank_batch": args.rank_batch}
+        row["held_bytes"] = cache + buckets  # beside each step: off usable_bytes
         plans.append(row)
         curves.append((label, plan.curve, plan.usable_bytes))
 
@@ -691,7 +724,9 @@ def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> Non
         seen = {b for b, _ in plan.curve}
         smallest = min(seen)  # 2 where BatchNorm cannot train on one sample
         extra = [
-            2**k for k in range(args.batch.bit_length()) if 2**k not in seen and 2**k > smallest
+            2**k
+            for k in range(args.rank_batch.bit_length())
+            if 2**k not in seen and 2**k > smallest
         ]
         plan.curve = sorted(
             plan.curve
@@ -699,7 +734,7 @@ def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> Non
                 (
                     b,
                     predict_peak(
-                        spec_at(b).in_window(args.batch), calibration=plan.calibration
+                        spec_at(b).in_window(args.rank_batch), calibration=plan.calibration
                     ).planning_bytes,
                 )
                 for b in extra
@@ -781,7 +816,9 @@ def _print_cards() -> None:
 
 def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:
     print(
-        f"budget {format_bytes(budget)} on {args.device}, target batch {args.batch}, "
+        f"budget {format_bytes(budget)} on {args.device}, target batch {args.batch}"
+        + (f" ({args.rank_batch} a rank)" if args.rank_batch != args.batch else "")
+        + ", "
         f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}"
         + (f", {plans[0]['threads']} CPU thread(s)" if plans and plans[0].get("threads") else ""),
     )

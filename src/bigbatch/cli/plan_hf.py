@@ -56,12 +56,6 @@ def refuse_language_flags(args: argparse.Namespace, keep: tuple[str, ...] = ()) 
     """A plan without ``--hf`` refuses the language-model flags (typed, they would be ignored)
     but those in ``keep``."""
     language_flags = [f for f in flags_typed(args, LM_DEFAULTS) if f not in keep]
-    if language_flags == ["--world-size"]:
-        raise UserError(
-            "--world-size plans ranks for a language model (--hf NAME) or a training run "
-            "(bigbatch train's keys: data=DIR budget=t4 --world-size 2); a model's step "
-            "(--arch, --model) is one process's"
-        )
     if language_flags:
         raise UserError(
             f"{', '.join(language_flags)}: for a language model's plan; add --hf NAME_OR_PATH "
@@ -132,8 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--world-size",
-        help="ranks (processes, one GPU each), comma-separated for a table: 1,2,4,8; with "
-        "bigbatch train's keys (data=...), one: the run under torchrun, DDP on each rank",
+        help="ranks (processes, one GPU each), comma-separated for a table: 1,2,4,8; for a "
+        "model's step (--arch, --model) or bigbatch train's keys (data=...), one: the run "
+        "under torchrun, DDP on each rank",
     )
     g.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks (else DDP)")
     g.add_argument(
