@@ -215,3 +215,57 @@ def test_sizes_on_the_line_between_traces_choose_what_tracing_every_size_chooses
     )
     if not quadratic:
         assert with_line < len(traced), (with_line, traced)
+
+
+class FrozenBase(nn.Module):
+    """A large frozen layer under a small trainable head, as LoRA's base and adapters: the
+    weights take most of the memory and the gradients little."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(512, 512).requires_grad_(False)
+        self.head = nn.Linear(512, 4)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.base(x).relu())
+
+
+def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole target alone is at least the next size's step on the held line less its
+    gradients twice: where that does not fit, its trace is not made, and the plan is the one
+    the trace would have made."""
+    from bigbatch.memory import plan as plan_module
+    from bigbatch.memory import predict as predict_module
+
+    def spec(b: int) -> StepSpec:
+        return StepSpec(FrozenBase, (64, 512), b)
+
+    held = [predict_peak(spec(b).in_window(8)) for b in (1, 2)]
+    alone: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(s: StepSpec, *args: object, **kwargs: object) -> object:
+        if not s.held_gradients:
+            alone.append(s.batch_size)
+        return trace(s, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    # Micro-batch 1 fits, 2 does not, and the floor is above half the budget.
+    tight = held[0].peak_bytes + (held[1].peak_bytes - held[0].peak_bytes) // 4
+    ruled_out_below = held[1].planning_bytes - 2 * held[1].gradients
+    assert held[0].planning_bytes <= tight < ruled_out_below < 2 * held[0].planning_bytes
+    plan = plan_micro_batch(spec, 8, tight, overhead=0, margin=0)
+    assert (plan.micro_batch, plan.micro_batches, alone) == (1, 8, [])
+    monkeypatch.setattr(plan_module, "_whole_ruled_out", lambda *args: False)  # the trace made
+    traced = plan_micro_batch(spec, 8, tight, overhead=0, margin=0)
+    assert alone == [8] and traced.micro_batch == 1
+    assert traced.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert predict_peak(spec(8)).planning_bytes > tight  # what ruled it out holds
+    # With room for the next size less its gradients twice, the target alone is traced again.
+    alone.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    assert plan_micro_batch(spec, 8, ruled_out_below, overhead=0, margin=0).micro_batch == 1
+    assert alone == [8]

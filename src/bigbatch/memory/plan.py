@@ -370,7 +370,9 @@ def _chosen(
     """The micro-batch, its prediction, and the planning bytes by micro-batch (the curve)."""
     peak = predictions.peak
     # The whole target in one micro-batch holds no gradients from earlier ones: tried first.
-    whole = predictions.alone(target) if cap == target else None
+    whole = None
+    if cap == target and not _whole_ruled_out(predictions, smallest, floor, target, usable):
+        whole = predictions.alone(target)
     if whole is not None and whole.planning_bytes <= usable:
         micro = target
     else:
@@ -386,6 +388,23 @@ def _chosen(
     if whole is not None:
         curve[target] = whole.planning_bytes
     return micro, chosen, curve
+
+
+def _whole_ruled_out(
+    predictions: _Predictions, smallest: int, floor: int, target: int, usable: int
+) -> bool:
+    """Where the weights take most of the budget (the floor above half of it: a 7-8B language
+    model on a 24 GB card), the held line's next size is traced first, as the affine plan
+    needs it then anyway. The target alone holds no gradients from earlier micro-batches but
+    every other tensor of that smaller step: where that step, less its gradients twice over
+    (the held copy and their accumulation's), does not fit, neither does the target alone,
+    and its trace is not made (the largest step's: 25 s for an 8B model on 2 cores)."""
+    after = smallest + 1
+    if floor <= usable / 2 or target <= after:
+        return False
+    predictions.peak(after)
+    held = predictions.cache[after]
+    return held.planning_bytes - 2 * held.gradients > usable
 
 
 def _held_line(spec_at: Callable[[int], StepSpec], target_batch: int) -> Callable[[int], StepSpec]:
