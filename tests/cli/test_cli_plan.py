@@ -82,6 +82,8 @@ def test_table_csv_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "predicted peak" in table
     rows = csv_path.read_text().splitlines()
     assert rows[0].startswith("arch,size,fits,floor_bytes")
+    assert rows[0].endswith(",target_batch,world_size,rank_batch,held_bytes")
+    assert rows[1].split(",")[-4:] == ["16", "1", "16", "0"]
     assert [tuple(r.split(",")[:2]) for r in rows[1:]] == [
         ("resnet10t", "32"),
         ("resnet10t", "48"),

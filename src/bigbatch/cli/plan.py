@@ -538,6 +538,7 @@ def run(args: argparse.Namespace) -> int:
     for p in plans:  # what it was planned for, with the defaults (a card's) resolved
         p |= {"threads": threads, "device": args.device, "precision": args.precision}
         p |= {"optimizer": args.optimizer, "world_size": world, "target_batch": args.batch}
+        p["rank_batch"] = args.rank_batch
     if any(p.get("return_freed_memory") for p in plans):
         notes.append(RETURN_FREED_NOTE)
     if args.csv:
@@ -702,7 +703,7 @@ def _plan_rows(
             ) from exc
         plan.arch, plan.size = name, size
         _confirm_and_curve(args, plan, spec_at)
-        row = plan.to_dict() | {"fits": True, "rank_batch": args.rank_batch}
+        row = plan.to_dict() | {"fits": True}
         row["held_bytes"] = cache + buckets  # beside each step: off usable_bytes
         plans.append(row)
         curves.append((label, plan.curve, plan.usable_bytes))
@@ -753,6 +754,11 @@ COLUMNS = [
     "predicted_peak_bytes",
     "budget_bytes",
     "confirmed_peak_bytes",
+    # Under torchrun (--world-size): micro_batch x micro_batches make a rank's share.
+    "target_batch",
+    "world_size",
+    "rank_batch",
+    "held_bytes",
 ]
 
 
