@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -221,26 +222,28 @@ class FrozenBase(nn.Module):
     """A large frozen layer under a small trainable head, as LoRA's base and adapters: the
     weights take most of the memory and the gradients little."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 512) -> None:
         super().__init__()
-        self.base = nn.Linear(512, 512).requires_grad_(False)
-        self.head = nn.Linear(512, 4)
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.head = nn.Linear(width, 4)
 
     def forward(self, x: Any) -> Any:
         return self.head(self.base(x).relu())
 
 
+@pytest.mark.parametrize(("device", "width"), [("cpu", 512), ("cuda", 2048)])
 def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_out(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, device: str, width: int
 ) -> None:
     """The whole target alone is at least the next size's step on the held line less its
     gradients twice: where that does not fit, its trace is not made, and the plan is the one
-    the trace would have made."""
+    the trace would have made (a CUDA plan too, made on this CPU: the allocator's model)."""
     from bigbatch.memory import plan as plan_module
     from bigbatch.memory import predict as predict_module
 
     def spec(b: int) -> StepSpec:
-        return StepSpec(FrozenBase, (64, 512), b)
+        # On CUDA the workspaces (128 MiB) and 2 MiB segments ask for larger steps.
+        return StepSpec(functools.partial(FrozenBase, width), (64, width), b, device=device)
 
     held = [predict_peak(spec(b).in_window(8)) for b in (1, 2)]
     alone: list[int] = []
@@ -253,13 +256,13 @@ def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_ou
 
     monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
     # Micro-batch 1 fits, 2 does not, and the floor is above half the budget.
-    tight = held[0].peak_bytes + (held[1].peak_bytes - held[0].peak_bytes) // 4
+    tight = held[0].planning_bytes + (held[1].planning_bytes - held[0].planning_bytes) // 4
     ruled_out_below = held[1].planning_bytes - 2 * held[1].gradients
     assert held[0].planning_bytes <= tight < ruled_out_below < 2 * held[0].planning_bytes
-    plan = plan_micro_batch(spec, 8, tight, overhead=0, margin=0)
+    plan = plan_micro_batch(spec, 8, tight, device=device, overhead=0, margin=0)
     assert (plan.micro_batch, plan.micro_batches, alone) == (1, 8, [])
     monkeypatch.setattr(plan_module, "_whole_ruled_out", lambda *args: False)  # the trace made
-    traced = plan_micro_batch(spec, 8, tight, overhead=0, margin=0)
+    traced = plan_micro_batch(spec, 8, tight, device=device, overhead=0, margin=0)
     assert alone == [8] and traced.micro_batch == 1
     assert traced.predicted_peak_bytes == plan.predicted_peak_bytes
     assert predict_peak(spec(8)).planning_bytes > tight  # what ruled it out holds
@@ -267,5 +270,5 @@ def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_ou
     alone.clear()
     monkeypatch.undo()
     monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
-    assert plan_micro_batch(spec, 8, ruled_out_below, overhead=0, margin=0).micro_batch == 1
+    plan_micro_batch(spec, 8, ruled_out_below, device=device, overhead=0, margin=0)
     assert alone == [8]

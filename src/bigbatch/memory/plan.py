@@ -396,8 +396,9 @@ def _whole_ruled_out(
     """Where the weights take most of the budget (the floor above half of it: a 7-8B language
     model on a 24 GB card), the held line's next size is traced first, as the affine plan
     needs it then anyway. The target alone holds no gradients from earlier micro-batches but
-    every other tensor of that smaller step: where that step, less its gradients twice over
-    (the held copy and their accumulation's), does not fit, neither does the target alone,
+    every other tensor of that smaller step: where that step, less the gradients at its peak
+    twice over (the held copy and their accumulation's; none where a CUDA window's peak is in
+    its first micro-batch, a lone step itself), does not fit, neither does the target alone,
     and its trace is not made (the largest step's: 25 s for an 8B model on 2 cores)."""
     after = smallest + 1
     if floor <= usable / 2 or target <= after:
