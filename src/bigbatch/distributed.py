@@ -29,6 +29,8 @@ __all__ = [
     "max_over_ranks",
     "maxima_over_ranks",
     "maybe_no_sync",
+    "rank_share",
+    "share_line",
     "syncs_gradients",
     "window_totals",
     "world_size",
@@ -53,6 +55,26 @@ def ddp_bucket_bytes(model: nn.Module) -> int:
     4040
     """
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def rank_share(batch: int, world: int) -> int:
+    """The samples each of ``world`` ranks holds of a window of ``batch``: its share, rounded up
+    (DistributedSampler pads the ranks to the same length), what each rank plans for.
+
+    >>> rank_share(63, 2)
+    32
+    """
+    return math.ceil(batch / world)
+
+
+def share_line(batch: int, world: int) -> str:
+    """What ``bigbatch train`` under torchrun and ``bigbatch plan --world-size`` say first.
+
+    >>> share_line(64, 2)
+    'distributed: 2 ranks x 32 samples per window = target batch 64'
+    """
+    share = f"{world} ranks x {rank_share(batch, world)} samples per window"
+    return f"distributed: {share} = target batch {batch}"
 
 
 def is_ddp(model: nn.Module | None) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,10 @@ from bigbatch.cli import (
     positive_ints,
 )
 from bigbatch.device import device_kind, torch_threads, total_bytes
-from bigbatch.distributed import ddp_bucket_bytes
+from bigbatch.distributed import ddp_bucket_bytes, rank_share, share_line
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.cards import CARDS, Card, card_hint, find_card
+from bigbatch.memory.meta import build_on_meta
 from bigbatch.memory.plan import (
     RETURN_FREED_NOTE,
     DoesNotFitError,
@@ -414,7 +414,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     if args.json:
         facts = {"task": cfg.task, "target_batch": cfg.batch, "world_size": world}
-        facts["rank_batch"] = math.ceil(cfg.batch / world)
+        facts["rank_batch"] = rank_share(cfg.batch, world)
         print(json.dumps(choice._asdict() | facts))
     return 0
 
@@ -507,13 +507,12 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     world = _world_size(args, "a model's step plan")
     # Every rank holds its share of each window (DDP): the union over ranks is the target batch.
-    args.rank_batch = math.ceil(args.batch / world)
+    args.rank_batch = rank_share(args.batch, world)
     targets = _targets(args, kind)  # an unknown model or size refused before anything is said
     budget, overhead, card = _budget(args)
     _say(card_line)
     if world > 1:
-        line = f"{world} ranks x {args.rank_batch} samples per window = target batch {args.batch}"
-        _say(f"distributed: {line}")
+        _say(share_line(args.batch, world))
     if card is not None:
         _say(
             f"card: {card.name}, {format_bytes(card.total_bytes)} ({card.source}), "
@@ -666,7 +665,7 @@ def _plan_rows(
         buckets = 0
         try:
             if world > 1:
-                buckets = ddp_bucket_bytes(factory())
+                buckets = ddp_bucket_bytes(build_on_meta(factory))
                 _say(f"{label}: DDP's gradient buckets hold {format_bytes(buckets)} on each rank")
             plan = plan_under_budget(
                 spec_at,

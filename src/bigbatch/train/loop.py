@@ -27,6 +27,7 @@ from bigbatch.device import (
     uncap_cuda_allocator,
     uses_cudnn_benchmark,
 )
+from bigbatch.distributed import rank_share
 from bigbatch.io import BackgroundWriter, FolderBusyError, atomic_write_text, lock_folder
 from bigbatch.train.checkpoint import save_state
 from bigbatch.train.config import ConfigError, TrainConfig
@@ -171,7 +172,7 @@ def _setup(
     train_items, valid_items = prepare_data(task, log, data)
     factory = task.model_factory()
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
-    rank_batch = math.ceil(cfg.batch / world)
+    rank_batch = rank_share(cfg.batch, world)
     choice = plan_for(cfg, factory, device, precision, log, task=task, measure=True, world=world)
     choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, log)
     fraction_before = cap_to_budget(cfg, device, choice, log)

@@ -4,7 +4,6 @@ second)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,10 +23,17 @@ from bigbatch.device import (
     total_bytes,
     uses_cudnn_benchmark,
 )
-from bigbatch.distributed import ddp_bucket_bytes, is_distributed, maxima_over_ranks
+from bigbatch.distributed import (
+    ddp_bucket_bytes,
+    is_distributed,
+    maxima_over_ranks,
+    rank_share,
+    share_line,
+)
 from bigbatch.memory.budget import format_bytes, parse_bytes
 from bigbatch.memory.evaluate import STATE_COPIES, plan_evaluation_batch, predict_evaluation_peak
 from bigbatch.memory.measure import measure_step_reserved
+from bigbatch.memory.meta import build_on_meta
 from bigbatch.memory.oom import is_oom
 from bigbatch.memory.plan import (
     DoesNotFitError,
@@ -98,9 +104,9 @@ def plan_for(
     CUDA device with ``budget=auto``, one process, no window cache: a real step of the whole
     target batch is measured on the GPU first (:func:`_measured_choice`), and where it fits no
     prediction is made."""
-    target = target or math.ceil(cfg.batch / world)  # every rank holds its share of a window
+    target = target or rank_share(cfg.batch, world)  # every rank holds its share of a window
     if world > 1:
-        log(f"distributed: {world} ranks x {target} samples per window = target batch {cfg.batch}")
+        log(share_line(cfg.batch, world))
     input_shape = task.input_shape() if task is not None else (3, cfg.size, cfg.size)
     spec_at = _spec_maker(cfg, factory, device, precision, task, input_shape)
     explicit_budget = cfg.budget.strip().lower() != "auto"
@@ -459,7 +465,7 @@ def _ddp_buckets(factory: Callable[[], nn.Module], world: int, log: Log) -> int:
     """What DDP's buckets hold on each rank (0 on one process)."""
     if world <= 1:
         return 0
-    need = ddp_bucket_bytes(factory())
+    need = ddp_bucket_bytes(build_on_meta(factory))  # the shapes alone: nothing allocated
     log(f"plan: DDP's gradient buckets hold {format_bytes(need)} on each rank beside the step")
     return need
 
