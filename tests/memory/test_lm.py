@@ -33,7 +33,7 @@ from bigbatch.memory.lm import (  # noqa: E402
 from bigbatch.memory.measure import measure_peak, measure_step_peak  # noqa: E402
 from bigbatch.memory.meta import build_on_meta  # noqa: E402
 from bigbatch.memory.plan import DoesNotFitError  # noqa: E402
-from bigbatch.memory.predict import predict_peak  # noqa: E402
+from bigbatch.memory.predict import live_peak, predict_peak  # noqa: E402
 from bigbatch.memory.step import make_inputs, run_step_loss  # noqa: E402
 
 # The shapes of the public configs (written in the repository: no download).
@@ -672,6 +672,35 @@ def test_an_fsdp2_rank_gathers_and_reduces_on_streams_of_its_own(monkeypatch) ->
     ]
     one_stream = simulate([e for e in traced[-1] if e[0] != "stream"])
     assert prediction.reserved_bytes > one_stream.reserved_bytes
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        LMSetup(seq_len=32, lora_r=4, gradient_checkpointing=True),
+        LMSetup(seq_len=32, lora_r=4, quant=4),
+        LMSetup(seq_len=32, world_size=2, fsdp=True),
+    ],
+    ids=["lora-ckpt", "qlora", "fsdp2-rank"],
+)
+def test_a_later_micro_batch_alone_bounds_the_cuda_trace_from_below(setup: LMSetup) -> None:
+    """A window's later micro-batch traced alone (live_peak: the optimizer's first step on zero
+    gradients, one forward and backward with the gradients held) has the full CUDA trace's
+    live peak exactly, and so stays under what the allocator reserves: a bound that rules a
+    size out (at a third of the trace) and never one that fits. An FSDP2 rank is not bounded:
+    its held gradients are its reduce-scatter's shards."""
+    sharded = setup.fsdp
+    spec = lm_spec_at(tiny(), setup, device="cuda", precision="bf16", sharded=sharded)(2)
+    spec = spec.in_window(8)
+    if sharded:  # a rank's held gradients are FSDP2's reduce-scatter shards: not bounded
+        with fake_ranks(2):
+            assert live_peak(spec) is None
+        return
+    bound, full = live_peak(spec), predict_peak(spec)
+    assert bound is not None and bound.peak_bytes == full.peak_bytes
+    assert bound.gradients == full.gradients and bound.reserved_bytes == 0
+    assert bound.planning_bytes <= full.planning_bytes
+    assert live_peak(replace(spec, device="cpu")) is None  # a CPU trace is that step already
 
 
 def test_the_gpu_side_builds_bitsandbytes_own_layers_with_the_same_adapters() -> None:

@@ -272,3 +272,47 @@ def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_ou
     monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
     plan_micro_batch(spec, 8, ruled_out_below, device=device, overhead=0, margin=0)
     assert alone == [8]
+
+
+def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
+    """On CUDA, where the floor's step with its activations once more does not fit, the next
+    size is bounded from below first (live_peak: its later micro-batch alone, a third of the
+    trace): over the budget, it is ruled out without its trace (nor the whole target's), and
+    the plan is the one the traces make; where the bound fits, the size is traced as before."""
+    from bigbatch.memory import plan as plan_module
+    from bigbatch.memory import predict as predict_module
+    from bigbatch.memory.predict import live_peak
+
+    def spec(b: int) -> StepSpec:
+        # 64 MiB of activations a sample: the live tensors outgrow CUDA's 128 MiB of handles.
+        return StepSpec(functools.partial(FrozenBase, 2048), (8192, 2048), b, device="cuda")
+
+    floor = predict_peak(spec(1).in_window(8))
+    bound = live_peak(spec(2).in_window(8))
+    assert bound is not None
+    usable = (floor.planning_bytes + bound.planning_bytes) // 2
+    assert floor.planning_bytes + floor.activations > usable > floor.planning_bytes
+    full: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(s: StepSpec, *args: object, live_only: bool = False) -> object:
+        if not live_only:
+            full.append(s.batch_size)
+        return trace(s, *args, live_only=live_only)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(predict_module, "_predict_on_fake", counting)
+        plan = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
+        assert (plan.micro_batch, full) == (1, [1])
+        full.clear()
+        mp.setattr(plan_module._Predictions, "beyond", lambda *args: None)  # traced instead
+        traced = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
+        assert full == [1, 2] and traced.micro_batch == 1
+        assert predict_peak(spec(2).in_window(8)).planning_bytes > usable  # what it ruled out
+    assert traced.predicted_peak_bytes == plan.predicted_peak_bytes
+    # Room for the bound: the size is traced, and the plan is the traces' as before.
+    with pytest.MonkeyPatch.context() as mp:
+        full.clear()
+        mp.setattr(predict_module, "_predict_on_fake", counting)
+        plan_micro_batch(spec, 8, bound.planning_bytes, device="cuda", overhead=0, margin=0)
+        assert full[:2] == [1, 2]

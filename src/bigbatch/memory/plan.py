@@ -28,6 +28,7 @@ from bigbatch.memory.predict import (
     OptimizerTrace,
     StepLog,
     interpolate_log,
+    live_peak,
     predict_peak,
     replay_with_calibration,
     trace_step,
@@ -360,7 +361,7 @@ def plan_micro_batch(
         max_micro_batch=max([b for b, n in curve.items() if n <= usable] or [smallest]),
         prediction=chosen,
         curve=sorted(curve.items()),
-        predictions=len(cache) + len(predictions.alone_cache),
+        predictions=len(cache) + len(predictions.alone_cache) + len(predictions.over),
     )
 
 
@@ -403,8 +404,10 @@ def _whole_ruled_out(
     after = smallest + 1
     if floor <= usable / 2 or target <= after:
         return False
-    predictions.peak(after)
-    held = predictions.cache[after]
+    held = predictions.beyond(after, usable)
+    if held is None:
+        predictions.peak(after)
+        held = predictions.cache[after]
     return held.planning_bytes - 2 * held.gradients > usable
 
 
@@ -437,8 +440,13 @@ class _Predictions:
         self.alone_cache: dict[int, MemoryPrediction] = {}  # one micro-batch a window
         self.logs: dict[int, StepLog] = {}
         self.interpolated: set[int] | None = set()  # None: not any more (a confirmation failed)
+        self.over: dict[int, MemoryPrediction] = {}  # sizes a lower bound ruled out
 
     def peak(self, b: int) -> int:
+        """``b``'s planning bytes; where a lower bound ruled ``b`` out (:meth:`beyond`), that
+        bound, which is only ever compared with the usable memory."""
+        if b in self.over:
+            return self.over[b].planning_bytes
         if b not in self.cache:
             self.cache[b] = self._on_the_line(b) or self._traced(b)
         return self.cache[b].planning_bytes
@@ -452,6 +460,20 @@ class _Predictions:
         if b not in self.alone_cache:
             self.alone_cache[b] = self._predicted(replace(spec, held_gradients=False))[0]
         return self.alone_cache[b]
+
+    def beyond(self, b: int, usable: int) -> MemoryPrediction | None:
+        """CUDA: ``b``'s :func:`~bigbatch.memory.predict.live_peak` (a third of a trace), where
+        it is above ``usable``: the size does not fit and its trace is not made. Tried where
+        the floor's step with its activations once more does not fit (micro-batch 2 of a 7-8B
+        model on a 24 GB card); None otherwise (trace it)."""
+        floor = self.cache.get(b - 1)
+        if b in self.cache or floor is None or floor.planning_bytes + floor.activations <= usable:
+            return None  # likely to fit: the bound would be a third of a trace more
+        bound = live_peak(self.spec_at(b))
+        if bound is None or bound.planning_bytes <= usable:
+            return None
+        self.over[b] = bound
+        return bound
 
     def _traced(self, b: int) -> MemoryPrediction:
         prediction, log = self._predicted(self.spec_at(b))

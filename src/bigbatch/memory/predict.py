@@ -770,6 +770,7 @@ def _predict_on_fake(
     calibration: Any,
     optimizer_trace: OptimizerTrace | None = None,
     keep: list[StepLog] | None = None,
+    live_only: bool = False,
 ) -> MemoryPrediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -783,8 +784,9 @@ def _predict_on_fake(
     state_uids: set[int] = set()
     # CPU: the optimizer's first step (which creates its state) runs on zero gradients, then one
     # steady step is traced; a GRU step is ~6k fake ops, so this halves the time. CUDA
-    # traces both real steps: the allocator model needs the first step's segments.
-    steady = target.type != "cuda"
+    # traces both real steps: the allocator model needs the first step's segments
+    # (``live_only``: it does not, see live_peak).
+    steady = target.type != "cuda" or live_only
     trace = optimizer_trace if steady and optimizer_trace and optimizer_trace.fits(spec) else None
     replayed_state: int | None = None  # the live entry standing for the replayed state
     if trace is not None and not trace.on_meta:
@@ -821,7 +823,8 @@ def _predict_on_fake(
                 if trace is not None:
                     trace.first = first
             del waiting
-            waiting = torch.empty(max(0, in_batch - made), dtype=torch.uint8, device=device)
+            ahead = 0 if live_only else max(0, in_batch - made)
+            waiting = torch.empty(ahead, dtype=torch.uint8, device=device)
         tracker.counting = True
         while inputs:
             x = inputs.pop(0)
@@ -983,6 +986,36 @@ def peak_bound(log: StepLog, batch_size: int) -> tuple[int, int]:
             peak = max(peak, total + above + workspace)
             most_working = max(most_working, working + above + workspace)
     return peak + waiting, most_working + waiting
+
+
+def live_peak(spec: StepSpec) -> MemoryPrediction | None:
+    """A lower bound on a CUDA step's :attr:`~MemoryPrediction.planning_bytes` at a third of
+    its trace's cost: the tensors alive at the peak of a window's later micro-batch, traced
+    alone (the optimizer's first step on zero gradients, then one forward and backward with
+    the gradients held), where the full trace runs the first step's micro-batch and the
+    window's two. It has every tensor those have at each moment of that micro-batch, and the
+    allocator reserves at least what is alive; the cache beyond it is not modelled
+    (``reserved_bytes`` 0). A planner rules a size out with it (a 7-8B model's second
+    micro-batch on a 24 GB card) without the full trace. None on other devices, whose trace
+    is that one step already (:func:`predict_peak`), and for a rank on a process group (an
+    FSDP2 rank's gradients are its reduce-scatter's shards, which held copies made here are
+    not: 1 KiB over the trace for a small model).
+
+    >>> spec = StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4, device="cuda")
+    >>> live_peak(spec).planning_bytes <= predict_peak(spec).planning_bytes
+    True
+    >>> live_peak(StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4)) is None
+    True
+    """
+    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if torch.device(spec.device).type != "cuda" or ranks:
+        return None
+    if spec.batch_size < 1 or spec.precision not in PRECISIONS:
+        return predict_peak(spec)  # its error
+    p = _predict_on_fake(spec, None, live_only=True)
+    return replace(
+        p, reserved_bytes=0, allocated_bytes=0, benchmark_trial_bytes=0, library_workspace_bytes=0
+    )
 
 
 def trace_step(
