@@ -1,9 +1,11 @@
 """How long `bigbatch plan --hf` takes for 7-8B models from the command line, imports included:
 a Llama-3-8B- and a Qwen2.5-7B-shaped config (benchmarks/gpu_matrix.py's HF_CONFIGS, written to
 a folder: no download), LoRA r=16 on a 24 GB card and QLoRA 4-bit on a 16 GB one, each in a
-fresh process, against the minute a plan of such a model aims for.
+fresh process, against the minute a plan of such a model aims for. With --against-trace, each
+plan again with micro-batch 2 traced in full rather than bounded from below first
+(bigbatch.memory.predict.live_peak), in the same run: the same plan, and the ratio of the times.
 
-    python benchmarks/plan_lm_time.py [--rounds 1] [--json]
+    python benchmarks/plan_lm_time.py [--rounds 1] [--against-trace] [--json]
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_matrix import HF_CONFIGS
 
 TARGET_S = 60.0
+# The command with the planner's lower bound switched off: every size it asks for is traced.
+TRACED = (
+    "import sys; import bigbatch.memory.plan as plan; "
+    "plan._Predictions.beyond = lambda *args: None; "
+    "from bigbatch.cli.main import console; sys.argv[0] = 'bigbatch'; console()"
+)
 CASES = [
     ("llama3-8b", "LoRA r=16, 2048 tokens, 24 GB", ["--lora", "16", "--seq-len", "2048",
                                                     "--budget", "rtx4090"]),
@@ -32,6 +40,7 @@ CASES = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--against-trace", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = []
@@ -40,28 +49,41 @@ def main() -> None:
             folder = Path(tmp) / name
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps(HF_CONFIGS[name]))
-            argv = [sys.executable, "-m", "bigbatch", "plan", "--hf", str(folder), "--batch",
-                    "16", "--gradient-checkpointing", "--json", *flags]  # fmt: skip
-            times, plan = [], {}
-            for _ in range(args.rounds):
-                start = time.perf_counter()
-                done = subprocess.run(argv, check=True, capture_output=True, text=True)
-                times.append(time.perf_counter() - start)
-                plan = json.loads(done.stdout)
-            seconds = statistics.median(times)
-            results.append({
+            argv = ["plan", "--hf", str(folder), "--batch", "16", "--gradient-checkpointing",
+                    "--json", *flags]  # fmt: skip
+            seconds, plan = _timed([sys.executable, "-m", "bigbatch", *argv], args.rounds)
+            row = {
                 "model": name, "setup": what, "seconds": round(seconds, 1),
                 "ratio_to_target": round(seconds / TARGET_S, 2),
                 "micro_batch": plan["micro_batch"], "accumulation": plan["accumulation"],
                 "peak_gib": round(plan["peak_bytes_per_rank"] / 2**30, 2),
-            })  # fmt: skip
+            }  # fmt: skip
+            if args.against_trace:
+                traced, same = _timed([sys.executable, "-c", TRACED, *argv], args.rounds)
+                row |= {"traced_seconds": round(traced, 1),
+                        "ratio_to_traced": round(seconds / traced, 2),
+                        "same_plan": same == plan}  # fmt: skip
+            results.append(row)
     if args.json:
         print(json.dumps(results, indent=1))
         return
     for r in results:
+        traced = (f"; traced in full {r['traced_seconds']} s ({r['ratio_to_traced']:.2f}x, "
+                  f"same plan: {r['same_plan']})" if "traced_seconds" in r else "")  # fmt: skip
         print(f"{r['model']:<11} {r['setup']:<38} {r['seconds']:>6.1f} s  "
               f"({r['ratio_to_target']:.2f} of {TARGET_S:.0f} s)  micro-batch {r['micro_batch']} "
-              f"x {r['accumulation']}, peak {r['peak_gib']} GiB")  # fmt: skip
+              f"x {r['accumulation']}, peak {r['peak_gib']} GiB{traced}")  # fmt: skip
+
+
+def _timed(argv: list[str], rounds: int) -> tuple[float, dict]:  # type: ignore[type-arg]
+    """The median time of ``rounds`` runs of ``argv``, and the plan (JSON) the last printed."""
+    times, plan = [], {}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        done = subprocess.run(argv, check=True, capture_output=True, text=True)
+        times.append(time.perf_counter() - start)
+        plan = json.loads(done.stdout)
+    return statistics.median(times), plan
 
 
 if __name__ == "__main__":
