@@ -236,6 +236,14 @@ def test_an_op_fake_tensors_cannot_run_falls_back_to_measured_steps() -> None:
         assert abs(pred.peak_bytes - real) / real <= 0.10, (b, pred.peak_bytes, real)
 
 
+def test_no_lower_bound_where_fake_tensors_cannot_run_the_step() -> None:
+    """live_peak bounds a traced CUDA step; a step fake tensors cannot run is measured, not
+    traced, and has none: the planner then predicts it (its fallback) instead."""
+    from bigbatch.memory.predict import live_peak
+
+    assert live_peak(StepSpec(_NonzeroInForward, (64,), 8, device="cuda").in_window(16)) is None
+
+
 def test_lazy_modules_are_refused_with_the_fix() -> None:
     def lazy() -> nn.Module:
         return nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 10))

@@ -997,9 +997,9 @@ def live_peak(spec: StepSpec) -> MemoryPrediction | None:
     allocator reserves at least what is alive; the cache beyond it is not modelled
     (``reserved_bytes`` 0). A planner rules a size out with it (a 7-8B model's second
     micro-batch on a 24 GB card) without the full trace. None on other devices, whose trace
-    is that one step already (:func:`predict_peak`), and for a rank on a process group (an
+    is that one step already (:func:`predict_peak`), for a rank on a process group (an
     FSDP2 rank's gradients are its reduce-scatter's shards, which held copies made here are
-    not: 1 KiB over the trace for a small model).
+    not: 1 KiB over the trace for a small model), and for a model fake tensors cannot run.
 
     >>> spec = StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4, device="cuda")
     >>> live_peak(spec).planning_bytes <= predict_peak(spec).planning_bytes
@@ -1012,7 +1012,12 @@ def live_peak(spec: StepSpec) -> MemoryPrediction | None:
         return None
     if spec.batch_size < 1 or spec.precision not in PRECISIONS:
         return predict_peak(spec)  # its error
-    p = _predict_on_fake(spec, None, live_only=True)
+    try:
+        p = _predict_on_fake(spec, None, live_only=True)
+    except Exception as exc:
+        if unfakeable_op(exc) is None:
+            raise
+        return None  # measured instead (predict_peak): no trace to bound
     return replace(
         p, reserved_bytes=0, allocated_bytes=0, benchmark_trial_bytes=0, library_workspace_bytes=0
     )
