@@ -134,7 +134,8 @@ def test_plan_time_benchmark_json() -> None:
     out = _run("benchmarks/plan_time.py", "--models", "resnet10t:32", "--rounds", "1", "--json")
     result = json.loads(out[out.index("{") :])
     assert set(result) == {"imports", "resnet10t@32"}
-    assert result["resnet10t@32"]["seconds"] > result["imports"]["seconds"] > 0
+    # Both are wall times of separate processes: under load either can be the longer one.
+    assert result["resnet10t@32"]["seconds"] > 0 and result["imports"]["seconds"] > 0
 
 
 @pytest.mark.slow
