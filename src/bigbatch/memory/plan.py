@@ -395,8 +395,9 @@ def _whole_ruled_out(
     predictions: _Predictions, smallest: int, floor: int, target: int, usable: int
 ) -> bool:
     """Where the weights take most of the budget (the floor above half of it: a 7-8B language
-    model on a 24 GB card), the held line's next size is traced first, as the affine plan
-    needs it then anyway. The target alone holds no gradients from earlier micro-batches but
+    model on a 24 GB card), the held line's next size is predicted first, as the affine plan
+    needs it then anyway: bounded from below where that rules it out (:meth:`_Predictions.beyond`),
+    else traced. The target alone holds no gradients from earlier micro-batches but
     every other tensor of that smaller step: where that step, less the gradients at its peak
     twice over (the held copy and their accumulation's; none where a CUDA window's peak is in
     its first micro-batch, a lone step itself), does not fit, neither does the target alone,
