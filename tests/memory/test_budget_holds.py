@@ -344,6 +344,16 @@ def test_evaluation_batch_is_the_largest_that_fits() -> None:
     assert "over the budget even at 1" in over.summary()
     lumpy = plan_evaluation_batch(lambda b: 100 + 10 * b + (400 if b > 30 else 0), 64, 500, (1,))
     assert lumpy.batch == 30  # not on one line: searched
+    traced: list[int] = []
+
+    def language_model(b: int) -> int:  # weights held, a batch's logits past the budget soon
+        traced.append(b)
+        return 15_000 + 2_000 * b
+
+    assert plan_evaluation_batch(language_model, 16, 20_000, (1024,)).batch == 2
+    assert traced == [1, 2, 3]  # the line through 1 and 2 confirmed: 16 and 9 never traced
+    concave = plan_evaluation_batch(lambda b: 100 + int(100 * b**0.5), 64, 800, (1,))
+    assert concave.batch == 49  # past the line's guess (5): the rest searched
 
 
 class _Toy(Task):
