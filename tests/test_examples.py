@@ -101,6 +101,7 @@ def test_train_throughput_benchmark_json() -> None:
     assert all(v > 0 for v in result["fraction_of_loaderless"].values())
 
 
+@pytest.mark.slow
 def test_checkpoint_stall_benchmark_json() -> None:
     out = _run("benchmarks/checkpoint_stall.py", "--arch", "resnet10t", "--rounds", "1", "--json")
     result = json.loads(out[out.index("{") :])

@@ -84,6 +84,7 @@ def test_a_second_run_that_day_never_writes_over_a_finished_one(
     assert gpu_evidence.results_dir(info, dry_run=False).name == first.name + "-run3"
 
 
+@pytest.mark.slow
 def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,6 +172,7 @@ def test_the_cudnn_sweep_ends_itself_inside_its_time_box(
     assert json.loads(out.read_text())["signatures_done"] == 2 and now[0] == 120.0
 
 
+@pytest.mark.slow
 def test_a_plan_made_beforehand_is_the_plan_made_in_the_run(tmp_path: Path) -> None:
     """trainer_budget's plan, saved by the planner process gpu_evidence starts and loaded by
     its run, is the plan the run would make; a planner's error is said, and the run plans."""
@@ -187,6 +189,7 @@ def test_a_plan_made_beforehand_is_the_plan_made_in_the_run(tmp_path: Path) -> N
     assert source == "planned here (plan.json: RuntimeError: no memory)"
 
 
+@pytest.mark.slow
 def test_the_summary_is_rebuilt_from_a_folders_part_files(tmp_path: Path) -> None:
     """A follow-up call reruns a part into a finished run's folder; ``--summarize`` rebuilds
     the summary from the part files as they are then (the fourth H100 session's: its first
@@ -215,6 +218,7 @@ def test_the_summary_is_rebuilt_from_a_folders_part_files(tmp_path: Path) -> Non
     assert done.returncode == 2 and "summary.json not found" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_nnunet_rows_need_nnunets_losses_and_networks_not_its_whole_closure() -> None:
     """A GPU machine's image lacks nnU-Net's dependencies (SimpleITK, pandas, scikit-image,
     blosc2 ...; the trainer's imports): the matrix's nnU-Net rows are built and predicted with

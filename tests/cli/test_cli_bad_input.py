@@ -562,6 +562,7 @@ def test_the_sweep_of_issue_43_over_classification(
     _fails(["predict", "run", "test"], capsys, "classes.json is missing or damaged")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the peak resident memory is read on Linux")
 def test_a_run_records_its_measured_peak_beside_the_predicted(
     job: Path, capsys: pytest.CaptureFixture[str]

@@ -100,6 +100,7 @@ def test_brats_demo_command_line(
     assert "wt 0.900, tc 0.800, et 0.700" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_clouds_demo_from_csv_to_submission(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,6 +16,7 @@ from bigbatch.cli.main import main
 from bigbatch.memory.budget import format_bytes
 
 
+@pytest.mark.slow
 def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     args = [
         "plan",
@@ -48,6 +49,7 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_a_card_named_by_the_budget_is_planned_as_train_runs_on_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -224,6 +226,7 @@ def test_plan_leaves_room_for_a_gradient_cache(capsys: pytest.CaptureFixture[str
     assert plain["usable_bytes"] - cached["usable_bytes"] == 392 * 2**20
 
 
+@pytest.mark.slow
 def test_a_step_plan_over_ranks_holds_each_ranks_share_and_its_buckets(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -95,6 +95,7 @@ def test_the_command_exits_like_the_interpreter_without_its_teardown(tmp_path) -
     assert (tmp_path / "pool").read_text() == "done"
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     """`bigbatch plan --list-cards | head -1`: the pipe closes under the command."""
     import subprocess

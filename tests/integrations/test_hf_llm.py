@@ -197,6 +197,7 @@ def test_backoff_after_out_of_memory_keeps_the_update(tmp_path) -> None:  # type
     assert budget.measured_bytes is not None and budget.measured_bytes > 0  # the CPU's peak RSS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("measured", "card", "sizes"),
     [(700, None, (6, 2)), (2100, None, (3, 4)), (1400, (2500, 900), (3, 4))],
@@ -350,6 +351,7 @@ def test_backoff_reraises_what_is_not_out_of_memory(tmp_path) -> None:  # type: 
         train_with_backoff(make, SimpleNamespace(output_dir=str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_out_of_memory_while_evaluating_halves_the_evaluation_batch_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An OOM raised inside Trainer's evaluation loop (Trainer's default of 8 sequences a
     forward pass, say) is retried from the last checkpoint at half the evaluation batch, the
@@ -499,6 +501,7 @@ def test_trainer_batch_sizes_keep_the_global_batch() -> None:
         trainer_batch_sizes(30, 4, 4)
 
 
+@pytest.mark.slow
 def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A plan saved where it was made (``bigbatch plan --hf ... --save``) and loaded where the
     model trains is the plan: it sets Trainer's sizes as the plan itself does, and a run under
@@ -567,6 +570,7 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     check_plan_matches(fp16_plan, tiny_lora().half(), "cpu")  # peft's float32 adapters aside
 
 
+@pytest.mark.slow
 def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``from_pretrained(..., **model_arguments(plan))`` and ``lora_config(plan.setup)`` build
     the fine-tune a (saved, loaded) QLoRA plan traced: bitsandbytes' 4-bit layers computing in
@@ -618,6 +622,7 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
         model_arguments(older)
 
 
+@pytest.mark.slow
 def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refused(
     tmp_path,
 ) -> None:  # type: ignore[no-untyped-def]

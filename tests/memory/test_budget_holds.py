@@ -175,6 +175,7 @@ def test_what_the_window_holds_beside_the_step_is_measured_not_refitted(
     assert cpu.micro_batch == 64
 
 
+@pytest.mark.slow
 def test_a_ddp_rank_plans_its_share_beside_its_gradient_buckets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -458,6 +459,7 @@ def test_validation_backs_off_on_oom_with_the_same_metrics() -> None:
     assert tight.training  # put back in train mode
 
 
+@pytest.mark.slow
 def test_the_evaluation_back_off_stops_at_one_sample() -> None:
     def never(x: torch.Tensor) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -472,6 +474,7 @@ def test_the_evaluation_back_off_stops_at_one_sample() -> None:
         )
 
 
+@pytest.mark.slow
 def test_sliding_window_validation_backs_off_to_one_patch_then_gathers_on_the_cpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -582,6 +585,7 @@ def test_predict_plans_its_own_batch_under_a_budget(monkeypatch: pytest.MonkeyPa
 # -- plan from a measured step on a GPU ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_on_a_gpu_a_measured_step_that_fits_is_the_plan_and_else_the_prediction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -81,6 +81,7 @@ def test_a_name_close_to_cards_is_refused_naming_them_in_train_and_plan(
         resolve_budget("16 GX", "cuda")
 
 
+@pytest.mark.slow
 def test_the_command_plans_for_a_card_from_a_cpu_and_lists_the_cards(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -129,6 +129,7 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
         plan_lm(config, LMSetup(seq_len=16, world_size=2), 7, "1GB", device="cpu")
 
 
+@pytest.mark.slow
 def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) -> None:
     """LMPlan.load reads back what LMPlan.save wrote and refuses, in one line with the fix, a
     file that is not a plan (a model's config, a file cut short), one a newer bigbatch wrote
@@ -171,6 +172,7 @@ def test_an_uneven_last_micro_batch_is_said() -> None:
     )
 
 
+@pytest.mark.slow
 def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> None:  # type: ignore[no-untyped-def]
     """A mixture of experts in float32 (grouped_mm takes 16-bit weights only, on the card as in
     the trace), an attention a model lacks, a config transformers cannot build; the one line
@@ -204,6 +206,7 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
         plan_lm(unset, LMSetup(seq_len=16), 2, "8GB")
 
 
+@pytest.mark.slow
 def test_a_vision_language_model_is_planned_from_its_text_config(tmp_path: Path) -> None:
     """Gemma 3 from 4B up (and Mistral 3, Llama 4) are vision-language models whose config keeps
     the vocabulary and positions in ``text_config``: a text fine-tune is planned with the
@@ -227,6 +230,7 @@ def test_a_vision_language_model_is_planned_from_its_text_config(tmp_path: Path)
         plan_lm(config, LMSetup(seq_len=512), 4, "2GB", device="cpu", overhead=0)
 
 
+@pytest.mark.slow
 def test_a_model_with_its_own_code_is_planned_only_when_trusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -325,6 +329,7 @@ def test_quantized_storage_is_bitsandbytes_own() -> None:
         assert mine == real == quantized_bytes(300, 200, bits=4, nested=nested)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setup",
     [
@@ -345,6 +350,7 @@ def test_cpu_peak_predicted_as_measured(setup: LMSetup, optimizer: str) -> None:
     assert abs(predicted - measured) / measured <= 0.01, (predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("setup", "micro_batch"),
     [
@@ -453,6 +459,7 @@ def test_seven_and_eight_billion_parameter_plans(
     assert not [n for n in plan["notes"] if "has no bfloat16 units" in n]  # fp16 on a T4
 
 
+@pytest.mark.slow
 def test_a_qlora_plan_names_the_model_to_load_where_bitsandbytes_is_missing(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
@@ -500,6 +507,7 @@ def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attenti
         plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "t4")
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_card_without_bfloat16_units_takes_fp16_unless_told(
     tmp_path: Path, capsys
 ) -> None:  # type: ignore[no-untyped-def]
@@ -543,12 +551,14 @@ def test_a_plan_for_a_card_without_bfloat16_units_takes_fp16_unless_told(
         plan_lm(tiny(), LMSetup(seq_len=16, dtype="fp16"), 2, "t4", precision="fp16")
 
 
+@pytest.mark.slow
 def test_bf16_eight_billion_lora_does_not_fit_sixteen_gigabytes(tmp_path: Path) -> None:
     config = load_lm_config(write_config(tmp_path / "m", LLAMA3_8B))
     with pytest.raises(DoesNotFitError, match=r"does not fit even at micro-batch 1.*--qlora"):
         plan_lm(config, LMSetup(seq_len=512, lora_r=16, gradient_checkpointing=True), 8, "t4")
 
 
+@pytest.mark.slow
 def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     config = tiny()
     one = plan_lm(config, LMSetup(seq_len=64), 8, "2GB", device="cpu", overhead=0)
@@ -591,6 +601,7 @@ def fsdp_config() -> transformers.LlamaConfig:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setup",
     [
@@ -634,6 +645,7 @@ def test_an_fsdp2_rank_is_traced_as_it_runs(setup: LMSetup, monkeypatch) -> None
         assert (floor.peak_bytes + extra) / measured > 1.1, (floor.peak_bytes + extra, measured)
 
 
+@pytest.mark.slow
 def test_an_fsdp2_rank_gathers_and_reduces_on_streams_of_its_own(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """On a GPU, FSDP2 allocates each all-gather's output on its copy-in stream and each
     reduce-scatter's output (the rank's sharded gradients, kept until they are zeroed) on its
@@ -674,6 +686,7 @@ def test_an_fsdp2_rank_gathers_and_reduces_on_streams_of_its_own(monkeypatch) ->
     assert prediction.reserved_bytes > one_stream.reserved_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setup",
     [

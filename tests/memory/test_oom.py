@@ -276,6 +276,7 @@ def test_real_limit_a_few_mib_above_a_clean_start_lands_there(
         assert float((got[name] - p).abs().max()) <= 1e-4 * float(update) + 1e-7, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc are Linux's")
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (CPU)")
 def test_a_broken_onednn_kernel_builder_is_named_not_halved_to_1() -> None:
@@ -380,6 +381,7 @@ def _bn_run(micro_batch: int, *, restore: bool) -> nn.Module:
     return model
 
 
+@pytest.mark.slow
 def test_an_oom_after_the_forward_leaves_batchnorm_statistics_as_a_run_without_it() -> None:
     """Seen on an H200 (tests/gpu): the weights after a real OOM equalled a run without one,
     BatchNorm's running mean did not. The window's buffers are put back before the retry."""

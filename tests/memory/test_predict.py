@@ -97,6 +97,7 @@ def test_first_step_with_the_next_batch_waiting_is_predicted() -> None:
     assert _err(pred - 64 * 3 * 32 * 32 * 4, real) > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [32, 256])
 def test_a_later_micro_batch_of_a_window_holds_its_gradients(batch: int) -> None:
     """From a window's second micro-batch on, the gradients summed so far are alive through

@@ -61,6 +61,7 @@ def test_a_user_step_is_predicted_within_2_percent_at_1024_tokens() -> None:
         assert abs(predicted - measured) <= 0.02 * measured, (b, predicted, measured)
 
 
+@pytest.mark.slow
 def test_bigbatch_plan_takes_a_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "lmstep.py").write_text(Path(__file__).read_text())  # TinyLM and lm_step
     sys.path.insert(0, str(tmp_path))

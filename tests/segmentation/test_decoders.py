@@ -76,6 +76,7 @@ def test_bad_networks_are_refused_with_the_fix(
         build_seg_model(cfg, 3, 2, dims)
 
 
+@pytest.mark.slow
 def test_bigbatch_plan_takes_an_smp_decoder_on_an_encoder(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

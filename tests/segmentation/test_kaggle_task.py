@@ -362,6 +362,7 @@ def test_options_that_need_rle_data_are_checked(tmp_path: Path) -> None:
         task.prepare(lambda _: None)
 
 
+@pytest.mark.slow
 def test_exclusive_classes_in_the_severstal_layout_train_and_submit(tmp_path: Path) -> None:
     """ImageId,ClassId rows for non-empty masks only; classes that never share a pixel train as
     a softmax with the background, and the submission keeps the layout."""

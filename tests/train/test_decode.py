@@ -269,6 +269,7 @@ def test_auto_goes_back_to_the_workers_where_the_gpu_epoch_was_slower(
     np.testing.assert_allclose(runs["auto"], runs["cpu"], rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_auto_measures_the_first_epoch_then_trains_on_the_device(
     tmp_path: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -204,6 +204,7 @@ def test_progress_lines_when_the_output_is_not_a_terminal(
     assert progress and progress[0].startswith("epoch 1/2 (all): window 1/2")
 
 
+@pytest.mark.slow
 def test_mode_auto_fits_random_weights_and_fine_tunes_given_weights(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:

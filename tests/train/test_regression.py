@@ -154,6 +154,7 @@ def test_train_predict_and_ensemble_write_the_csvs_layout(
     assert any(abs(float(r[1]) - first[r[0]]) > 0 for r in averaged[1:])  # two runs, averaged
 
 
+@pytest.mark.slow
 def test_bigbatch_plan_plans_the_tasks_own_run(
     tmp_path: Path, tiny_model: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

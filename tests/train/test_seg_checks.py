@@ -266,6 +266,7 @@ def test_nifti_resampled_to_spacing_predicts_in_the_inputs_geometry(tmp_path: Pa
     assert info["dims"] == 3
 
 
+@pytest.mark.slow
 def test_a_batch_loss_trains_through_gradient_caching(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -83,6 +83,7 @@ def wandb_history(records: list[Any], key: str) -> list[tuple[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_tracker_gets_the_history_and_the_plan(image_folder: Path, tiny_model: str, tmp_path: Path) -> None:  # fmt: skip
     run = tmp_path / "run"
     lines: list[str] = []
