@@ -122,8 +122,8 @@ def plan_evaluation_batch(
     if largest == 1 or peak(2) > usable:
         return planned(1)
     # A forward's activations grow about linearly with the batch, so the line through 1 and 2
-    # lands at or next to the answer, and sizes far past the budget are never traced (the
-    # costliest: an 8B model's forward at 16 sequences of 2048 tokens, about 3 s on 2 cores).
+    # lands at or next to the answer, and a size far past the budget is not traced first (the
+    # costliest: a 7B model's forward at 16 sequences of 1024 tokens, about 3 s on 2 cores).
     guess = min(max(_reaches(peak, usable), 2), largest)
     if peak(guess) > usable:
         return planned(largest_fitting(peak, 2, guess, usable))
@@ -135,6 +135,6 @@ def plan_evaluation_batch(
 
 
 def _reaches(peak: Callable[[int], int], usable: int) -> int:
-    """Where the line through the peaks at 1 and 2 reaches ``usable``."""
+    """The largest size at or under ``usable`` on the line through the peaks at 1 and 2."""
     growth = peak(2) - peak(1)
     return 2 if growth <= 0 else 1 + (usable - peak(1)) // growth
