@@ -205,6 +205,9 @@ def test_a_ddp_rank_plans_its_share_beside_its_gradient_buckets(
     assert lines[0] == "distributed: 2 ranks x 8 samples per window = target batch 16"
     assert "DDP's gradient buckets hold 18.8 MiB on each rank" in lines[1]
     assert (one.micro_batch, two.micro_batch) == (16, 8)  # a rank's share of the window
+    said: list[str] = []  # a window given is the rank's own: no share of cfg.batch is said
+    three = planning.plan_for(cfg, factory, cuda, "fp16", said.append, target=4, world=2)
+    assert three.micro_batch == 4 and not [s for s in said if s.startswith("distributed:")]
 
 
 def test_under_torchrun_every_rank_refits_from_the_largest_peak(

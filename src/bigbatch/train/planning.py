@@ -98,15 +98,15 @@ def plan_for(
     the samples holds the window's outputs and their gradients besides each step
     (``task.window_cache_bytes``): the plan leaves room for them. A task that gives an
     ``example_batch`` is planned on its own ``step``, else on the generic step of its input
-    shape. Over ``world`` > 1 ranks (DDP), a rank's window is its share of the target
-    (``target``, by default), said first, and its gradient buckets are held too
+    shape. ``target`` is a rank's window: by default, over ``world`` > 1 ranks (DDP), its
+    share of ``cfg.batch``, said first. Over ranks its gradient buckets are held too
     (:func:`~bigbatch.distributed.ddp_bucket_bytes`). With ``measure`` (a training run), on a
     CUDA device with ``budget=auto``, one process, no window cache: a real step of the whole
     target batch is measured on the GPU first (:func:`_measured_choice`), and where it fits no
     prediction is made."""
-    target = target or rank_share(cfg.batch, world)  # every rank holds its share of a window
-    if world > 1:
+    if target is None and world > 1:
         log(share_line(cfg.batch, world))
+    target = rank_share(cfg.batch, world) if target is None else target  # each rank's share
     input_shape = task.input_shape() if task is not None else (3, cfg.size, cfg.size)
     spec_at = _spec_maker(cfg, factory, device, precision, task, input_shape)
     explicit_budget = cfg.budget.strip().lower() != "auto"
