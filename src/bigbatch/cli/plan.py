@@ -507,7 +507,7 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     world = _world_size(args, "a model's step plan")
     # Every rank holds its share of each window (DDP): the union over ranks is the target batch.
-    args.rank_batch = rank_share(args.batch, world)
+    rank_batch = rank_share(args.batch, world)
     targets = _targets(args, kind)  # an unknown model or size refused before anything is said
     budget, overhead, card = _budget(args)
     _say(card_line)
@@ -519,15 +519,10 @@ def run(args: argparse.Namespace) -> int:
             f"{card.context_note}"
         )
     cache = (
-        cache_bytes(args.rank_batch, args.cache_dim, towers=args.cache_towers)
-        if args.cache_dim
-        else 0
+        cache_bytes(rank_batch, args.cache_dim, towers=args.cache_towers) if args.cache_dim else 0
     )
     if cache:
-        _say(
-            f"gradient cache for batch {args.rank_batch}: {format_bytes(cache)} held besides "
-            "each step"
-        )
+        _say(f"gradient cache for batch {rank_batch}: {format_bytes(cache)} held besides each step")
     notes = _machine_notes(args, budget, card)
     threads = _threads(args)
     if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
@@ -537,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
     for p in plans:  # what it was planned for, with the defaults (a card's) resolved
         p |= {"threads": threads, "device": args.device, "precision": args.precision}
         p |= {"optimizer": args.optimizer, "world_size": world, "target_batch": args.batch}
-        p["rank_batch"] = args.rank_batch
+        p["rank_batch"] = rank_batch
     if any(p.get("return_freed_memory") for p in plans):
         notes.append(RETURN_FREED_NOTE)
     if args.csv:
@@ -549,7 +544,7 @@ def run(args: argparse.Namespace) -> int:
             p["notes"] = [*(p.get("notes") or []), *notes]
         print(json.dumps(plans[0] if len(plans) == 1 else plans, indent=1))
     else:
-        _print(plans, args, budget)
+        _print(plans, args, budget, rank_batch)
         for note in notes:
             print(f"note: {note}")
     return 0
@@ -658,6 +653,7 @@ def _plan_rows(
     Over ``world`` > 1 ranks each row's DDP buckets are held beside its steps too."""
     plans: list[dict[str, Any]] = []
     curves: list[tuple[str, list[tuple[int, int]], int]] = []
+    rank_batch = rank_share(args.batch, world)
     for name, size, factory, shape in rows:
         spec_at = _spec_maker(args, factory, shape, name)
 
@@ -669,7 +665,7 @@ def _plan_rows(
                 _say(f"{label}: DDP's gradient buckets hold {format_bytes(buckets)} on each rank")
             plan = plan_under_budget(
                 spec_at,
-                args.rank_batch,
+                rank_batch,
                 budget,
                 device=args.device,
                 overhead=overhead,
@@ -701,7 +697,7 @@ def _plan_rows(
                 f"{label}: building or running the model failed: {type(exc).__name__}: {exc}"
             ) from exc
         plan.arch, plan.size = name, size
-        _confirm_and_curve(args, plan, spec_at)
+        _confirm_and_curve(args, plan, spec_at, rank_batch)
         row = plan.to_dict() | {"fits": True}
         row["held_bytes"] = cache + buckets  # beside each step: off usable_bytes
         plans.append(row)
@@ -710,9 +706,9 @@ def _plan_rows(
     return plans, curves
 
 
-def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> None:
+def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any, rank_batch: int) -> None:
     """--confirm: the chosen micro-batch measured; --plot: a smooth curve (the powers of two the
-    search did not visit, predicted the same way)."""
+    search did not visit, predicted the same way, each in a window of ``rank_batch``)."""
     if args.fastest:
         fastest(plan, spec_at)
     if args.confirm:
@@ -724,9 +720,7 @@ def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> Non
         seen = {b for b, _ in plan.curve}
         smallest = min(seen)  # 2 where BatchNorm cannot train on one sample
         extra = [
-            2**k
-            for k in range(args.rank_batch.bit_length())
-            if 2**k not in seen and 2**k > smallest
+            2**k for k in range(rank_batch.bit_length()) if 2**k not in seen and 2**k > smallest
         ]
         plan.curve = sorted(
             plan.curve
@@ -734,7 +728,7 @@ def _confirm_and_curve(args: argparse.Namespace, plan: Any, spec_at: Any) -> Non
                 (
                     b,
                     predict_peak(
-                        spec_at(b).in_window(args.rank_batch), calibration=plan.calibration
+                        spec_at(b).in_window(rank_batch), calibration=plan.calibration
                     ).planning_bytes,
                 )
                 for b in extra
@@ -819,10 +813,12 @@ def _print_cards() -> None:
         print(f"  {c.key}: {c.source}")
 
 
-def _print(plans: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> None:
+def _print(
+    plans: list[dict[str, Any]], args: argparse.Namespace, budget: int, rank_batch: int
+) -> None:
     print(
         f"budget {format_bytes(budget)} on {args.device}, target batch {args.batch}"
-        + (f" ({args.rank_batch} a rank)" if args.rank_batch != args.batch else "")
+        + (f" ({rank_batch} a rank)" if rank_batch != args.batch else "")
         + ", "
         f"{args.precision}, {args.optimizer}, margin {args.margin:.0%}"
         + (f", {plans[0]['threads']} CPU thread(s)" if plans and plans[0].get("threads") else ""),
