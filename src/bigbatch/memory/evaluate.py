@@ -79,7 +79,12 @@ def predict_evaluation_peak(
 
 @dataclass(frozen=True)
 class EvaluationPlan:
-    """Evaluation's batch, its predicted peak, and the shape it was planned for."""
+    """Evaluation's batch, its predicted peak, and the shape it was planned for
+    (:func:`plan_evaluation_batch` makes one).
+
+    >>> EvaluationPlan(8, 900 * 2**20, 1000 * 2**20, (3, 32, 32), True).summary()
+    'validation batch 8 (inputs of 3x32x32): predicted peak 900.0 MiB of 1000.0 MiB usable'
+    """
 
     batch: int
     predicted_peak_bytes: int
