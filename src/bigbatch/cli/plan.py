@@ -528,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     if args.own_process:  # reading the overhead loaded torch._dynamo and sympy
         freeze_loaded()
     with torch_threads(threads):
-        plans, curves = _plan_rows(args, targets, budget, overhead, cache, notes, world)
+        plans, curves = _plan_rows(args, targets, budget, overhead, cache, notes, world, rank_batch)
     for p in plans:  # what it was planned for, with the defaults (a card's) resolved
         p |= {"threads": threads, "device": args.device, "precision": args.precision}
         p |= {"optimizer": args.optimizer, "world_size": world, "target_batch": args.batch}
@@ -648,12 +648,13 @@ def _plan_rows(
     cache: int,
     notes: list[str],
     world: int,
+    rank_batch: int,
 ) -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[int, int]], int]]]:
-    """Each row's plan (or why it does not fit, when several rows are planned), and its curve.
-    Over ``world`` > 1 ranks each row's DDP buckets are held beside its steps too."""
+    """Each row's plan for a window of ``rank_batch`` (or why it does not fit, when several rows
+    are planned), and its curve. Over ``world`` > 1 ranks each row's DDP buckets are held beside
+    its steps too."""
     plans: list[dict[str, Any]] = []
     curves: list[tuple[str, list[tuple[int, int]], int]] = []
-    rank_batch = rank_share(args.batch, world)
     for name, size, factory, shape in rows:
         spec_at = _spec_maker(args, factory, shape, name)
 
