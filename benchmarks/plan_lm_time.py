@@ -4,8 +4,11 @@ a folder: no download), LoRA r=16 on a 24 GB card and QLoRA 4-bit on a 16 GB one
 fresh process, against the minute a plan of such a model aims for. With --against-trace, each
 plan again with micro-batch 2 traced in full rather than bounded from below first
 (bigbatch.memory.predict.live_peak), in the same run: the same plan, and the ratio of the times.
+With --bound, in one process, the Llama plan's lower bound on micro-batch 2 as the planner makes
+it (its trace stopped once past the usable memory and the held gradients twice over) beside
+the same bound traced to the end of its step, alternately, ``--rounds`` times each.
 
-    python benchmarks/plan_lm_time.py [--rounds 1] [--against-trace] [--json]
+    python benchmarks/plan_lm_time.py [--rounds 1] [--against-trace] [--bound] [--json]
 """
 
 from __future__ import annotations
@@ -41,8 +44,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--against-trace", action="store_true")
+    parser.add_argument("--bound", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.bound:
+        bounds = bound_times(args.rounds)
+        print(json.dumps(bounds, indent=1) if args.json else
+              f"micro-batch 2's bound: stopped {bounds['stopped_seconds']} s "
+              f"({bounds['stopped_gib']} GiB), whole step {bounds['whole_seconds']} s "
+              f"({bounds['whole_gib']} GiB): {bounds['ratio']:.2f}x the time")  # fmt: skip
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, what, flags in CASES:
@@ -73,6 +84,45 @@ def main() -> None:
         print(f"{r['model']:<11} {r['setup']:<38} {r['seconds']:>6.1f} s  "
               f"({r['ratio_to_target']:.2f} of {TARGET_S:.0f} s)  micro-batch {r['micro_batch']} "
               f"x {r['accumulation']}, peak {r['peak_gib']} GiB{traced}")  # fmt: skip
+
+
+def bound_times(rounds: int) -> dict[str, float]:
+    """The median seconds of the Llama-3-8B LoRA plan's bound on micro-batch 2 (24 GB card,
+    2048 tokens), stopped as the planner stops it and traced whole, and the two bounds."""
+    import logging
+
+    from bigbatch.cli.plan_hf import _quiet_libraries
+    from bigbatch.memory.lm import LMSetup, lm_spec_at, load_lm_config
+    from bigbatch.memory.plan import default_overhead, resolve_budget, usable_bytes
+    from bigbatch.memory.predict import live_peak, predict_peak
+
+    _quiet_libraries()
+    logging.disable(logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(HF_CONFIGS["llama3-8b"]))
+        config = load_lm_config(tmp)
+    setup = LMSetup(seq_len=2048, lora_r=16, gradient_checkpointing=True)
+    spec_at = lm_spec_at(config, setup, device="cuda", precision="bf16")
+    usable = usable_bytes(
+        resolve_budget("rtx4090", "cuda"), default_overhead("rtx4090", "cuda"), "cuda"
+    )
+    floor = predict_peak(spec_at(1).in_window(16))
+    stop_above = usable + 2 * floor.gradients  # what the planner passes (plan._Predictions)
+    times: dict[str, list[float]] = {"stopped": [], "whole": []}
+    peaks = {}
+    for _ in range(rounds):
+        for name, stop in (("stopped", stop_above), ("whole", None)):
+            start = time.perf_counter()
+            bound = live_peak(spec_at(2).in_window(16), stop_above=stop)
+            times[name].append(time.perf_counter() - start)
+            assert bound is not None
+            peaks[name] = round(bound.peak_bytes / 2**30, 2)
+    stopped, whole = (statistics.median(times[k]) for k in ("stopped", "whole"))
+    return {
+        "stopped_seconds": round(stopped, 1), "whole_seconds": round(whole, 1),
+        "ratio": round(stopped / whole, 2), "stopped_gib": peaks["stopped"],
+        "whole_gib": peaks["whole"], "stop_above_gib": round(stop_above / 2**30, 2),
+    }  # fmt: skip
 
 
 def _timed(argv: list[str], rounds: int) -> tuple[float, dict]:  # type: ignore[type-arg]

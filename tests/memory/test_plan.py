@@ -295,10 +295,10 @@ def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
     full: list[int] = []
     trace = predict_module._predict_on_fake
 
-    def counting(s: StepSpec, *args: object, live_only: bool = False) -> object:
+    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
         if not live_only:
             full.append(s.batch_size)
-        return trace(s, *args, live_only=live_only)  # type: ignore[arg-type]
+        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(predict_module, "_predict_on_fake", counting)

@@ -245,6 +245,30 @@ def test_no_lower_bound_where_fake_tensors_cannot_run_the_step() -> None:
     assert live_peak(StepSpec(_NonzeroInForward, (64,), 8, device="cuda").in_window(16)) is None
 
 
+def test_a_lower_bound_stops_tracing_once_it_passes_what_it_is_compared_with() -> None:
+    """live_peak(stop_above=...) stops at the first op whose peak passes the figure: below
+    it, the step traced so far (here the forward: its backward never runs); at or over the
+    whole step's bound, the whole step and the same bound as without it."""
+    from bigbatch.memory.predict import live_peak
+
+    backward_calls: list[int] = []
+
+    def model() -> nn.Module:
+        net = nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 8))
+        net[2].register_full_backward_hook(lambda *args: backward_calls.append(1))
+        return net
+
+    spec = StepSpec(model, (64,), 8, device="cuda").in_window(16)
+    whole = live_peak(spec)
+    assert whole is not None and backward_calls == [1]
+    backward_calls.clear()
+    early = live_peak(spec, stop_above=0)
+    assert early is not None and backward_calls == []
+    assert 0 < early.peak_bytes <= whole.peak_bytes
+    same = live_peak(spec, stop_above=whole.peak_bytes)
+    assert same is not None and replace(same, seconds=0.0) == replace(whole, seconds=0.0)
+
+
 def test_lazy_modules_are_refused_with_the_fix() -> None:
     def lazy() -> nn.Module:
         return nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 10))

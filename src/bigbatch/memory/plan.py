@@ -470,7 +470,9 @@ class _Predictions:
         floor = self.cache.get(b - 1)
         if b in self.cache or floor is None or floor.planning_bytes + floor.activations <= usable:
             return None  # likely to fit: the bound would be a third of a trace more
-        bound = live_peak(self.spec_at(b))
+        # Traced only until it passes what _whole_ruled_out compares it with: the usable
+        # memory and the held gradients twice over (they do not grow with the micro-batch).
+        bound = live_peak(self.spec_at(b), stop_above=usable + 2 * floor.gradients)
         if bound is None or bound.planning_bytes <= usable:
             return None
         self.over[b] = bound

@@ -232,6 +232,10 @@ def _issued_by_autograd_engine() -> bool:
     return False
 
 
+class _BoundReached(Exception):
+    """A tracker's peak passed its ``stop_above``: the lower bound being traced is settled."""
+
+
 class _StorageTracker(TorchDispatchMode):
     """Live tensor storages by creation phase, with the peak and who was alive at it."""
 
@@ -268,6 +272,8 @@ class _StorageTracker(TorchDispatchMode):
         self.recording_base = 0
         # What moved the peak, in order, for :func:`replay_with_calibration` (CPU, uncalibrated).
         self.log: list[tuple[Any, ...]] | None = None
+        # A lower bound's trace (live_peak) past this peak stops: the rest cannot lower it.
+        self.stop_above: int | None = None
 
     def uid_of(self, t: torch.Tensor) -> int | None:
         st = local_shard(t).untyped_storage()
@@ -456,6 +462,8 @@ class _StorageTracker(TorchDispatchMode):
             self.events += self.cuda.after(str(func), args, out)
         if counted:
             self.op_index += 1
+            if self.stop_above is not None and self.peak_bytes > self.stop_above:
+                raise _BoundReached
         return out
 
     def skip_calibrated_ops(self) -> None:
@@ -771,6 +779,7 @@ def _predict_on_fake(
     optimizer_trace: OptimizerTrace | None = None,
     keep: list[StepLog] | None = None,
     live_only: bool = False,
+    stop_above: int | None = None,
 ) -> MemoryPrediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -778,6 +787,7 @@ def _predict_on_fake(
     target = torch.device(spec.device)
     model = build_on_meta(spec.model)
     device, tracker, rules = tracing_for(target, calibration, spec.batch_size, spec.cudnn_benchmark)
+    tracker.stop_above = stop_above
     if target.type != "cuda" and keep is not None and calibration is None:
         tracker.log = []
     grads_uids: set[int] = set()
@@ -826,42 +836,46 @@ def _predict_on_fake(
             ahead = 0 if live_only else max(0, in_batch - made)
             waiting = torch.empty(ahead, dtype=torch.uint8, device=device)
         tracker.counting = True
-        while inputs:
-            x = inputs.pop(0)
-            if spec.held_gradients and steady:
-                _hold_gradients(tracker, params)
-            # CUDA: the steady step is a window's first micro-batch and its second (``x``
-            # again), which holds the first's gradients in the segments the card gave them.
-            for _ in range(2 if spec.held_gradients and not steady and not inputs else 1):
-                with tracker.in_phase("forward"):
-                    loss = run_step_loss(spec, model, x, device.type)
-                with tracker.in_phase("backward"):
-                    loss.backward()
-                    del loss
-            waiting = None  # the real first step's optimizer peak is the one traced above
-            for p in params:
-                if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
-                    grads_uids.add(uid)
-            if trace is not None and trace.unchecked:
-                trace.unchecked = False
-                if any(p.grad is None for p in params):  # a weight the loss does not reach
-                    trace.steady = None
-            # Calibration measures no optimizer step: past its ops, the step matches none, so
-            # one recording serves every prediction, calibrated or not.
-            tracker.skip_calibrated_ops()
-            if trace is not None and trace.steady is not None:
-                _replay_steady_step(tracker, trace.steady)
-            else:
-                if replayed_state is not None:  # the state must exist for a real step
-                    _materialize_state(tracker, params, opt, replayed_state)
-                steady_step = _steady_step(tracker, opt, record=trace is not None)
-                if trace is not None:
-                    trace.steady = steady_step
-            for v in optimizer_state_tensors(opt):
-                if (uid := tracker.uid_of(v)) is not None:
-                    state_uids.add(uid)
-            opt.zero_grad(set_to_none=True)
-            del x  # a training loop's batch lives until its optimizer step is done
+        try:
+            while inputs:
+                x = inputs.pop(0)
+                if spec.held_gradients and steady:
+                    _hold_gradients(tracker, params)
+                # CUDA: the steady step is a window's first micro-batch and its second (``x``
+                # again), which holds the first's gradients in the segments the card gave them.
+                for _ in range(2 if spec.held_gradients and not steady and not inputs else 1):
+                    with tracker.in_phase("forward"):
+                        loss = run_step_loss(spec, model, x, device.type)
+                    with tracker.in_phase("backward"):
+                        loss.backward()
+                        del loss
+                waiting = None  # the real first step's optimizer peak is the one traced above
+                for p in params:
+                    if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
+                        grads_uids.add(uid)
+                if trace is not None and trace.unchecked:
+                    trace.unchecked = False
+                    if any(p.grad is None for p in params):  # a weight the loss does not reach
+                        trace.steady = None
+                # Calibration measures no optimizer step: past its ops, the step matches none, so
+                # one recording serves every prediction, calibrated or not.
+                tracker.skip_calibrated_ops()
+                if trace is not None and trace.steady is not None:
+                    _replay_steady_step(tracker, trace.steady)
+                else:
+                    if replayed_state is not None:  # the state must exist for a real step
+                        _materialize_state(tracker, params, opt, replayed_state)
+                    steady_step = _steady_step(tracker, opt, record=trace is not None)
+                    if trace is not None:
+                        trace.steady = steady_step
+                for v in optimizer_state_tensors(opt):
+                    if (uid := tracker.uid_of(v)) is not None:
+                        state_uids.add(uid)
+                opt.zero_grad(set_to_none=True)
+                del x  # a training loop's batch lives until its optimizer step is done
+        except _BoundReached:  # live_peak's bound has passed what it is compared with
+            held = (tracker.uid_of(p.grad) for p in params if p.grad is not None)
+            grads_uids |= {uid for uid in held if uid is not None}
     del model, opt
     # FSDP2's unsharded weights (storages it resizes) count as weights, as its shards do.
     uids = (param_uids | tracker.resized_uids, grads_uids, state_uids)
@@ -988,7 +1002,7 @@ def peak_bound(log: StepLog, batch_size: int) -> tuple[int, int]:
     return peak + waiting, most_working + waiting
 
 
-def live_peak(spec: StepSpec) -> MemoryPrediction | None:
+def live_peak(spec: StepSpec, *, stop_above: int | None = None) -> MemoryPrediction | None:
     """A lower bound on a CUDA step's :attr:`~MemoryPrediction.planning_bytes` at a third of
     its trace's cost: the tensors alive at the peak of a window's later micro-batch, traced
     alone (the optimizer's first step on zero gradients, then one forward and backward with
@@ -1001,8 +1015,16 @@ def live_peak(spec: StepSpec) -> MemoryPrediction | None:
     FSDP2 rank's gradients are its reduce-scatter's shards, which held copies made here are
     not: 1 KiB over the trace for a small model), and for a model fake tensors cannot run.
 
+    With ``stop_above``, the trace stops at the first op whose peak passes it: the bound is
+    then just over ``stop_above`` (the peak so far; the rest of the step could only raise it),
+    and that is all a planner comparing it with the memory it has needs to know (the 8B
+    model's micro-batch 2 passes its card's memory by the end of its forward, a third of the
+    ops).
+
     >>> spec = StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4, device="cuda")
     >>> live_peak(spec).planning_bytes <= predict_peak(spec).planning_bytes
+    True
+    >>> live_peak(spec, stop_above=1).peak_bytes <= live_peak(spec).peak_bytes
     True
     >>> live_peak(StepSpec(lambda: torch.nn.Linear(64, 8), (64,), 4)) is None
     True
@@ -1013,7 +1035,7 @@ def live_peak(spec: StepSpec) -> MemoryPrediction | None:
     if spec.batch_size < 1 or spec.precision not in PRECISIONS:
         return predict_peak(spec)  # its error
     try:
-        p = _predict_on_fake(spec, None, live_only=True)
+        p = _predict_on_fake(spec, None, live_only=True, stop_above=stop_above)
     except Exception as exc:
         if unfakeable_op(exc) is None:
             raise
