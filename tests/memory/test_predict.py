@@ -245,26 +245,38 @@ def test_no_lower_bound_where_fake_tensors_cannot_run_the_step() -> None:
     assert live_peak(StepSpec(_NonzeroInForward, (64,), 8, device="cuda").in_window(16)) is None
 
 
+class _WideBackward(nn.Module):
+    """A softmax over 4096 copies of each feature: its backward's gradient beside the saved
+    output is the step's peak. ``backward_began`` records each backward's start."""
+
+    def __init__(self, backward_began: list[int]) -> None:
+        super().__init__()
+        self.lin, self.backward_began = nn.Linear(64, 64), backward_began
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        wide = h[..., None].expand(*h.shape, 4096).softmax(-1)
+        wide.register_hook(lambda grad: self.backward_began.append(1))
+        return wide.sum(-1)
+
+
 def test_a_lower_bound_stops_tracing_once_it_passes_what_it_is_compared_with() -> None:
-    """live_peak(stop_above=...) stops at the first op whose peak passes the figure: below
-    it, the step traced so far (here the forward: its backward never runs); at or over the
-    whole step's bound, the whole step and the same bound as without it."""
+    """live_peak(stop_above=...) stops at the first op whose peak passes the figure, in the
+    forward or inside autograd's backward: the peak so far, a bound still; at the whole
+    step's bound, the whole step and the same bound as without it."""
     from bigbatch.memory.predict import live_peak
 
-    backward_calls: list[int] = []
-
-    def model() -> nn.Module:
-        net = nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 8))
-        net[2].register_full_backward_hook(lambda *args: backward_calls.append(1))
-        return net
-
-    spec = StepSpec(model, (64,), 8, device="cuda").in_window(16)
+    began: list[int] = []
+    spec = StepSpec(lambda: _WideBackward(began), (64,), 8, device="cuda", optimizer="sgd")
+    spec = spec.in_window(16)
     whole = live_peak(spec)
-    assert whole is not None and backward_calls == [1]
-    backward_calls.clear()
-    early = live_peak(spec, stop_above=0)
-    assert early is not None and backward_calls == []
-    assert 0 < early.peak_bytes <= whole.peak_bytes
+    assert whole is not None and began == [1]
+    began.clear()
+    early = live_peak(spec, stop_above=0)  # at the forward's first op
+    assert early is not None and began == []
+    assert 0 < early.peak_bytes < whole.peak_bytes
+    inside = live_peak(spec, stop_above=whole.peak_bytes - 1)  # at the backward's peak
+    assert inside is not None and began == [1] and inside.peak_bytes == whole.peak_bytes
     same = live_peak(spec, stop_above=whole.peak_bytes)
     assert same is not None and replace(same, seconds=0.0) == replace(whole, seconds=0.0)
 
