@@ -377,6 +377,17 @@ def test_sdpa_masks_are_those_of_the_real_step(
     assert abs(unknown.peak_bytes - measured) / measured > 0.1, (unknown.peak_bytes, measured)
 
 
+def test_building_the_adapters_warns_about_nothing_the_user_can_change() -> None:
+    """peft reads transformers' renamed checkpointing property when it wraps the planner's
+    stand-in model: a FutureWarning a Python user of plan_lm could do nothing about."""
+    import warnings
+
+    spec = lm_spec_at(tiny(), LMSetup(seq_len=8, lora_r=4, gradient_checkpointing=True))(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        build_on_meta(spec.model)
+
+
 def test_peft_adapters_and_the_four_bit_base_are_counted() -> None:
     model = build_on_meta(lm_spec_at(tiny(), LMSetup(seq_len=8, lora_r=4, quant=4))(1).model)
     sizes = model_sizes(model)

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -393,7 +394,11 @@ def _apply_lora(model: nn.Module, setup: LMSetup) -> nn.Module:
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, lora_config(setup))
+        with warnings.catch_warnings():
+            # peft reads transformers' renamed `is_gradient_checkpointing`: a FutureWarning
+            # about the planner's own stand-in model, nothing the user can act on.
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            return get_peft_model(model, lora_config(setup))
     except ValueError as exc:
         if "not found in the base model" not in str(exc) and "target module" not in str(exc):
             raise
