@@ -62,7 +62,7 @@ def predict_evaluation_peak(
             param_uids.add(tracker.uid_of(t))  # type: ignore[arg-type]
         state = [torch.empty_like(p) for p in model.parameters() for _ in range(copies)]
         state += [torch.empty(held_bytes, dtype=torch.uint8, device=device)] if held_bytes else []
-        state_uids = {tracker.uid_of(t) for t in state}  # type: ignore[misc]
+        state_uids = tracker.uids_of(state)
         x = make_inputs(spec, device)
         tracker.counting = True
         with torch.no_grad(), tracker.in_phase("forward"):

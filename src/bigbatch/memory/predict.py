@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import Any
@@ -281,6 +281,11 @@ class _StorageTracker(TorchDispatchMode):
             if ref() is st:
                 return uid
         return None
+
+    def uids_of(self, tensors: Iterable[torch.Tensor | None]) -> set[int]:
+        """The uids of those of ``tensors`` that are tracked (None for a missing gradient)."""
+        found = (self.uid_of(t) for t in tensors if t is not None)
+        return {uid for uid in found if uid is not None}
 
     def track(self, t: torch.Tensor, real_bytes: int = 0) -> None:
         if self.uid_of(t) is not None:
@@ -850,9 +855,7 @@ def _predict_on_fake(
                         loss.backward()
                         del loss
                 waiting = None  # the real first step's optimizer peak is the one traced above
-                for p in params:
-                    if p.grad is not None and (uid := tracker.uid_of(p.grad)) is not None:
-                        grads_uids.add(uid)
+                grads_uids |= tracker.uids_of(p.grad for p in params)
                 if trace is not None and trace.unchecked:
                     trace.unchecked = False
                     if any(p.grad is None for p in params):  # a weight the loss does not reach
@@ -868,14 +871,11 @@ def _predict_on_fake(
                     steady_step = _steady_step(tracker, opt, record=trace is not None)
                     if trace is not None:
                         trace.steady = steady_step
-                for v in optimizer_state_tensors(opt):
-                    if (uid := tracker.uid_of(v)) is not None:
-                        state_uids.add(uid)
+                state_uids |= tracker.uids_of(optimizer_state_tensors(opt))
                 opt.zero_grad(set_to_none=True)
                 del x  # a training loop's batch lives until its optimizer step is done
         except _BoundReached:  # live_peak's bound has passed what it is compared with
-            held = (tracker.uid_of(p.grad) for p in params if p.grad is not None)
-            grads_uids |= {uid for uid in held if uid is not None}
+            grads_uids |= tracker.uids_of(p.grad for p in params)
     del model, opt
     # FSDP2's unsharded weights (storages it resizes) count as weights, as its shards do.
     uids = (param_uids | tracker.resized_uids, grads_uids, state_uids)
