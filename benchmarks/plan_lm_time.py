@@ -90,16 +90,12 @@ def bound_times(rounds: int) -> dict[str, float]:
     """The median seconds of the Llama-3-8B LoRA plan's bound on micro-batch 2 (24 GB card,
     2048 tokens), stopped as the planner stops it and traced whole, and the two bounds."""
     import logging
-    import warnings
 
     from bigbatch.memory.lm import LMSetup, lm_spec_at, load_lm_config
     from bigbatch.memory.plan import default_overhead, resolve_budget, usable_bytes
     from bigbatch.memory.predict import live_peak, predict_peak
 
-    # As `bigbatch plan` does: bitsandbytes' CPU kernels (never run here), peft calling
-    # transformers' renamed checkpointing methods.
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    logging.disable(logging.WARNING)  # as `bigbatch plan` does: bitsandbytes' CPU kernels
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(HF_CONFIGS["llama3-8b"]))
         config = load_lm_config(tmp)

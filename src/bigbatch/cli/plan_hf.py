@@ -296,12 +296,11 @@ def _save(plan: Any, path: Path | None) -> None:
 
 def _quiet_libraries() -> None:
     """What libraries say on the way that is no news to a planner: bitsandbytes' CPU kernels
-    (never run here), transformers' renamed checkpointing methods (peft calls the old ones)."""
+    (never run here). (peft's use of transformers' renamed checkpointing property is quieted
+    where the planner wraps its model, for Python users too: bigbatch.memory.lm.)"""
     import logging
-    import warnings
 
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
 def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
