@@ -100,3 +100,21 @@ def cached_contrastive(rank: int, world: int, port: int, out: str) -> None:
     cached_backward(acc, lambda b: (model(b[0]), model(b[1])), info_nce, batches, gather=True)
     acc.step()
     _save(rank, out, "cached", model)
+
+
+def port_taken_once(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 fails as a port another program took would, on the first run only; it records
+    each port it was given."""
+    if rank == 0:
+        ports = Path(out) / "ports.txt"
+        first = not ports.exists()
+        with ports.open("a") as f:
+            f.write(f"{port}\n")
+        if first:
+            raise RuntimeError("The server socket has failed to listen: Address already in use")
+
+
+def fails(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 fails with an error that is not about ports."""
+    if rank == 1:
+        raise ValueError("not a port problem")

@@ -3,6 +3,7 @@ big batch over all ranks' data; plain DDP with loss / N is the negative control.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.verify.distributed import run_distributed, verify_distributed
-from distributed_scenarios import net, oom_on_one_rank, rank_data, sgd, uneven_data
+from distributed_scenarios import (
+    fails,
+    net,
+    oom_on_one_rank,
+    port_taken_once,
+    rank_data,
+    sgd,
+    uneven_data,
+)
 
 TOL64 = 1e-12
 
@@ -72,6 +81,22 @@ def _rel(params: list[torch.Tensor], model: torch.nn.Module) -> float:
         float((p - q.detach()).abs().max() / q.detach().abs().max())
         for p, q in zip(params, model.parameters(), strict=True)
     )
+
+
+def test_a_taken_port_is_retried_and_failed_workers_leave_no_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port taken between finding and binding it is retried on another; any other failure is
+    raised; either way the files torch's workers write their tracebacks to are removed."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where torch puts those files
+    run_distributed(port_taken_once, 2, str(tmp_path))
+    ports = (tmp_path / "ports.txt").read_text().split()
+    assert len(ports) == 2  # the second run, on a port found again, went through
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="not a port problem"):
+        run_distributed(fails, 2, str(tmp_path))
+    assert list(temp.iterdir()) == []
 
 
 def test_oom_on_one_rank_shrinks_every_rank_without_deadlock(tmp_path: Path) -> None:

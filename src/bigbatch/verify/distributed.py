@@ -55,13 +55,21 @@ def run_distributed(fn: Callable[..., None], world_size: int, *args: Any) -> Non
     import torch.multiprocessing as mp
 
     for attempt in range(3):
+        processes = mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False
+        )
         try:
-            mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+            while not processes.join():
+                pass
             return
         except mp.ProcessRaisedException as exc:
             # The free port can be taken between finding it and binding it: try another.
             if "Address already in use" not in str(exc) or attempt == 2:
                 raise
+        finally:
+            # torch leaves the file a failed worker wrote its traceback to in the temp folder.
+            for path in processes.error_files:
+                Path(path).unlink(missing_ok=True)
 
 
 def _entry(
