@@ -92,7 +92,12 @@ def bound_times(rounds: int) -> dict[str, float]:
     import logging
 
     from bigbatch.memory.lm import LMSetup, lm_spec_at, load_lm_config
-    from bigbatch.memory.plan import default_overhead, resolve_budget, usable_bytes
+    from bigbatch.memory.plan import (
+        default_overhead,
+        resolve_budget,
+        stop_tracing_above,
+        usable_bytes,
+    )
     from bigbatch.memory.predict import live_peak, predict_peak
 
     logging.disable(logging.WARNING)  # as `bigbatch plan` does: bitsandbytes' CPU kernels
@@ -105,7 +110,7 @@ def bound_times(rounds: int) -> dict[str, float]:
         resolve_budget("rtx4090", "cuda"), default_overhead("rtx4090", "cuda"), "cuda"
     )
     floor = predict_peak(spec_at(1).in_window(16))
-    stop_above = usable + 2 * floor.gradients  # what the planner passes (plan._Predictions)
+    stop_above = stop_tracing_above(usable, floor)  # as the planner stops it
     times: dict[str, list[float]] = {"stopped": [], "whole": []}
     peaks = {}
     for _ in range(rounds):

@@ -412,6 +412,13 @@ def _whole_ruled_out(
     return held.planning_bytes - 2 * held.gradients > usable
 
 
+def stop_tracing_above(usable: int, floor: MemoryPrediction) -> int:
+    """Where :meth:`_Predictions.beyond` stops tracing a bound: once past what
+    :func:`_whole_ruled_out` compares it with, the usable memory and the held gradients twice
+    over (those of ``floor``, the size below: they do not grow with the micro-batch)."""
+    return usable + 2 * floor.gradients
+
+
 def _held_line(spec_at: Callable[[int], StepSpec], target_batch: int) -> Callable[[int], StepSpec]:
     """``spec_at`` as the later micro-batches of a window of ``target_batch`` run it: each
     holds the gradients summed from the earlier ones (``held_gradients``), one more copy of
@@ -470,9 +477,7 @@ class _Predictions:
         floor = self.cache.get(b - 1)
         if b in self.cache or floor is None or floor.planning_bytes + floor.activations <= usable:
             return None  # likely to fit: the bound would be a third of a trace more
-        # Traced only until it passes what _whole_ruled_out compares it with: the usable
-        # memory and the held gradients twice over (they do not grow with the micro-batch).
-        bound = live_peak(self.spec_at(b), stop_above=usable + 2 * floor.gradients)
+        bound = live_peak(self.spec_at(b), stop_above=stop_tracing_above(usable, floor))
         if bound is None or bound.planning_bytes <= usable:
             return None
         self.over[b] = bound
