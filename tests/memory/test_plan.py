@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -249,10 +250,10 @@ def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_ou
     alone: list[int] = []
     trace = predict_module._predict_on_fake
 
-    def counting(s: StepSpec, *args: object, **kwargs: object) -> object:
-        if not s.held_gradients:
+    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
+        if not s.held_gradients and not live_only:  # the whole step's traces, not its bound
             alone.append(s.batch_size)
-        return trace(s, *args, **kwargs)  # type: ignore[arg-type]
+        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
     # Micro-batch 1 fits, 2 does not, and the floor is above half the budget.
@@ -316,3 +317,75 @@ def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
         mp.setattr(predict_module, "_predict_on_fake", counting)
         plan_micro_batch(spec, 8, bound.planning_bytes, device="cuda", overhead=0, margin=0)
         assert full[:2] == [1, 2]
+
+
+def test_a_cuda_target_its_live_tensors_rule_out_alone_is_not_traced() -> None:
+    """Where the floor's step with the target's activations does not fit, the whole target as
+    a window's only micro-batch is bounded from below first (its live tensors, traced until
+    they pass the usable memory): over it, the target is not traced, and the plan is the one
+    its trace makes."""
+    from bigbatch.memory import plan as plan_module
+    from bigbatch.memory import predict as predict_module
+    from bigbatch.memory.predict import live_peak
+
+    def spec(b: int) -> StepSpec:
+        # 64 MiB of activations a sample; the floor below half the budget (no held-line rule).
+        return StepSpec(functools.partial(FrozenBase, 2048), (8192, 2048), b, device="cuda")
+
+    usable = predict_peak(spec(4).in_window(8)).planning_bytes  # 4 fits, the whole 8 not
+    alone_spec = replace(spec(8).in_window(8), held_gradients=False)
+    bound = live_peak(alone_spec, stop_above=usable)
+    assert bound is not None and bound.planning_bytes > usable
+    assert predict_peak(alone_spec).planning_bytes > usable  # what the bound rules out holds
+    alone: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
+        if not s.held_gradients and not live_only:
+            alone.append(s.batch_size)
+        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(predict_module, "_predict_on_fake", counting)
+        plan = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
+        assert (plan.micro_batch, alone) == (4, [])
+        mp.setattr(
+            plan_module._Predictions, "whole", lambda self, b, *args: self.alone(b)
+        )  # traced instead
+        traced = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
+        assert alone == [8]
+    assert (traced.micro_batch, traced.predicted_peak_bytes) == (4, plan.predicted_peak_bytes)
+    assert dict(plan.curve) == {b: n for b, n in traced.curve if b < 8}  # the target's bound
+    assert plan.predictions == traced.predictions  # a bound for a trace
+
+
+def test_a_cuda_size_one_step_fewer_would_take_is_bounded_before_it_is_traced() -> None:
+    """Past the chosen micro-batch, the size one step fewer would take is only compared with
+    the budget: where the chosen step grown to it does not fit, it is bounded from below
+    first, and over the budget, not traced; the plan is the one its trace makes."""
+    from bigbatch.memory import plan as plan_module
+    from bigbatch.memory import predict as predict_module
+
+    def spec(b: int) -> StepSpec:
+        # The floor above half the budget: the line through micro-batches 1 and 2 chooses 2.
+        return StepSpec(functools.partial(FrozenBase, 2048), (8192, 2048), b, device="cuda")
+
+    usable = predict_peak(spec(2).in_window(16)).planning_bytes
+    full: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
+        if not live_only:
+            full.append(s.batch_size)
+        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(predict_module, "_predict_on_fake", counting)
+        plan = plan_micro_batch(spec, 16, usable, device="cuda", overhead=0, margin=0)
+        assert (plan.micro_batch, full) == (2, [1, 2])
+        full.clear()
+        mp.setattr(plan_module._Predictions, "bounded", lambda self, b, usable: self.peak(b))
+        traced = plan_micro_batch(spec, 16, usable, device="cuda", overhead=0, margin=0)
+        assert full == [1, 2, 3]  # 3 traced, and over the budget
+    assert (traced.micro_batch, traced.predicted_peak_bytes) == (2, plan.predicted_peak_bytes)
+    assert dict(traced.curve)[3] > usable
