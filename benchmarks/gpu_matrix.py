@@ -159,6 +159,12 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 28, "num_key_value_heads": 4,
                    "max_position_embeddings": 32768, "rope_theta": 1000000.0,
                    "tie_word_embeddings": False, "dtype": "bfloat16"},
+    # Planned from the CPU only (benchmarks/plan_lm_time.py --large): no GPU row trains it.
+    "llama3-70b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+                   "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8,
+                   "max_position_embeddings": 8192, "rope_theta": 500000.0,
+                   "tie_word_embeddings": False, "dtype": "bfloat16"},
     "tiny": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
              "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1, "max_position_embeddings": 256, "dtype": "float32"},

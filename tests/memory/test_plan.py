@@ -148,17 +148,9 @@ def test_a_plan_traces_its_floor_once_and_never_micro_batch_4_for_the_calibratio
     """The floor is traced uncalibrated, bounds the calibration's step at 4 (not traced), and is
     replayed calibrated: the plan equals the one whose every prediction was traced."""
     from bigbatch.memory import plan as plan_module
-    from bigbatch.memory import predict as predict_module
 
     budget = 40 * 2**20
-    sizes: list[int] = []
-    trace = predict_module._predict_on_fake
-
-    def counting(spec: StepSpec, *args: object, **kwargs: object) -> object:
-        sizes.append(spec.batch_size)
-        return trace(spec, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    sizes = whole_traces(monkeypatch)
     plan = plan_module.plan_under_budget(spec_at, 256, budget, overhead=0)
     assert sizes.count(1) == 1 and 4 not in sizes, sizes
     traced = plan_micro_batch(spec_at, 256, budget, overhead=0, calibration=plan.calibration)
@@ -182,20 +174,13 @@ def test_sizes_on_the_line_between_traces_choose_what_tracing_every_size_chooses
     from test_predict import BatchBySimilarity
 
     from bigbatch.memory import plan as plan_module
-    from bigbatch.memory import predict as predict_module
 
     def spec(b: int) -> StepSpec:
         return StepSpec(BatchBySimilarity, (64,), b) if quadratic else spec_at(b)
 
     usable_at = 37 if quadratic else 45  # a budget where the line through 1 and 256 is off
     budget = int((predict_peak(spec(usable_at)).peak_bytes + 1) / 0.9) + 1
-    traced: list[int] = []
-    trace = predict_module._predict_on_fake
-
-    def counting(s: StepSpec, *args: object, **kwargs: object) -> object:
-        traced.append(s.batch_size)
-        return trace(s, *args, **kwargs)  # type: ignore[arg-type]
-
+    traced = whole_traces(monkeypatch)
     confirmed: list[bool] = []
     confirm = plan_module._Predictions.confirm
 
@@ -203,7 +188,6 @@ def test_sizes_on_the_line_between_traces_choose_what_tracing_every_size_chooses
         confirmed.append(confirm(self, b))
         return confirmed[-1]
 
-    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
     monkeypatch.setattr(plan_module._Predictions, "confirm", recording)
     plan = plan_micro_batch(spec, 256, budget, overhead=0)
     assert confirmed == [not quadratic]  # the line held, or was caught where it did not
@@ -232,6 +216,23 @@ class FrozenBase(nn.Module):
         return self.head(self.base(x).relu())
 
 
+def whole_traces(mp: pytest.MonkeyPatch, *, alone: bool = False) -> list[int]:
+    """The micro-batches of the whole steps traced from here on (not live_peak's bounds;
+    with ``alone``, only those of a window's only micro-batch)."""
+    from bigbatch.memory import predict as predict_module
+
+    traced: list[int] = []
+    trace = predict_module._predict_on_fake
+
+    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
+        if not live_only and not (alone and s.held_gradients):
+            traced.append(s.batch_size)
+        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
+
+    mp.setattr(predict_module, "_predict_on_fake", counting)
+    return traced
+
+
 @pytest.mark.parametrize(("device", "width"), [("cpu", 512), ("cuda", 2048)])
 def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_out(
     monkeypatch: pytest.MonkeyPatch, device: str, width: int
@@ -240,22 +241,13 @@ def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_ou
     gradients twice: where that does not fit, its trace is not made, and the plan is the one
     the trace would have made (a CUDA plan too, made on this CPU: the allocator's model)."""
     from bigbatch.memory import plan as plan_module
-    from bigbatch.memory import predict as predict_module
 
     def spec(b: int) -> StepSpec:
         # On CUDA the workspaces (128 MiB) and 2 MiB segments ask for larger steps.
         return StepSpec(functools.partial(FrozenBase, width), (64, width), b, device=device)
 
     held = [predict_peak(spec(b).in_window(8)) for b in (1, 2)]
-    alone: list[int] = []
-    trace = predict_module._predict_on_fake
-
-    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
-        if not s.held_gradients and not live_only:  # the whole step's traces, not its bound
-            alone.append(s.batch_size)
-        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    alone = whole_traces(monkeypatch, alone=True)
     # Micro-batch 1 fits, 2 does not, and the floor is above half the budget.
     tight = held[0].planning_bytes + (held[1].planning_bytes - held[0].planning_bytes) // 4
     ruled_out_below = held[1].planning_bytes - 2 * held[1].gradients
@@ -268,9 +260,8 @@ def test_where_the_weights_dominate_the_whole_target_is_not_traced_when_ruled_ou
     assert traced.predicted_peak_bytes == plan.predicted_peak_bytes
     assert predict_peak(spec(8)).planning_bytes > tight  # what ruled it out holds
     # With room for the next size less its gradients twice, the target alone is traced again.
-    alone.clear()
     monkeypatch.undo()
-    monkeypatch.setattr(predict_module, "_predict_on_fake", counting)
+    alone = whole_traces(monkeypatch, alone=True)
     plan_micro_batch(spec, 8, ruled_out_below, device=device, overhead=0, margin=0)
     assert alone == [8]
 
@@ -281,7 +272,6 @@ def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
     trace): over the budget, it is ruled out without its trace (nor the whole target's), and
     the plan is the one the traces make; where the bound fits, the size is traced as before."""
     from bigbatch.memory import plan as plan_module
-    from bigbatch.memory import predict as predict_module
     from bigbatch.memory.predict import live_peak
 
     def spec(b: int) -> StepSpec:
@@ -293,16 +283,8 @@ def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
     assert bound is not None
     usable = (floor.planning_bytes + bound.planning_bytes) // 2
     assert floor.planning_bytes + floor.activations > usable > floor.planning_bytes
-    full: list[int] = []
-    trace = predict_module._predict_on_fake
-
-    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
-        if not live_only:
-            full.append(s.batch_size)
-        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(predict_module, "_predict_on_fake", counting)
+        full = whole_traces(mp)
         plan = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
         assert (plan.micro_batch, full) == (1, [1])
         full.clear()
@@ -313,8 +295,7 @@ def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
     assert traced.predicted_peak_bytes == plan.predicted_peak_bytes
     # Room for the bound: the size is traced, and the plan is the traces' as before.
     with pytest.MonkeyPatch.context() as mp:
-        full.clear()
-        mp.setattr(predict_module, "_predict_on_fake", counting)
+        full = whole_traces(mp)
         plan_micro_batch(spec, 8, bound.planning_bytes, device="cuda", overhead=0, margin=0)
         assert full[:2] == [1, 2]
 
@@ -325,7 +306,6 @@ def test_a_cuda_target_its_live_tensors_rule_out_alone_is_not_traced() -> None:
     they pass the usable memory): over it, the target is not traced, and the plan is the one
     its trace makes."""
     from bigbatch.memory import plan as plan_module
-    from bigbatch.memory import predict as predict_module
     from bigbatch.memory.predict import live_peak
 
     def spec(b: int) -> StepSpec:
@@ -337,16 +317,8 @@ def test_a_cuda_target_its_live_tensors_rule_out_alone_is_not_traced() -> None:
     bound = live_peak(alone_spec, stop_above=usable)
     assert bound is not None and bound.planning_bytes > usable
     assert predict_peak(alone_spec).planning_bytes > usable  # what the bound rules out holds
-    alone: list[int] = []
-    trace = predict_module._predict_on_fake
-
-    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
-        if not s.held_gradients and not live_only:
-            alone.append(s.batch_size)
-        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(predict_module, "_predict_on_fake", counting)
+        alone = whole_traces(mp, alone=True)
         plan = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
         assert (plan.micro_batch, alone) == (4, [])
         mp.setattr(
@@ -364,23 +336,14 @@ def test_a_cuda_size_one_step_fewer_would_take_is_bounded_before_it_is_traced() 
     the budget: where the chosen step grown to it does not fit, it is bounded from below
     first, and over the budget, not traced; the plan is the one its trace makes."""
     from bigbatch.memory import plan as plan_module
-    from bigbatch.memory import predict as predict_module
 
     def spec(b: int) -> StepSpec:
         # The floor above half the budget: the line through micro-batches 1 and 2 chooses 2.
         return StepSpec(functools.partial(FrozenBase, 2048), (8192, 2048), b, device="cuda")
 
     usable = predict_peak(spec(2).in_window(16)).planning_bytes
-    full: list[int] = []
-    trace = predict_module._predict_on_fake
-
-    def counting(s: StepSpec, *args: object, live_only: bool = False, **kw: Any) -> object:
-        if not live_only:
-            full.append(s.batch_size)
-        return trace(s, *args, live_only=live_only, **kw)  # type: ignore[arg-type]
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(predict_module, "_predict_on_fake", counting)
+        full = whole_traces(mp)
         plan = plan_micro_batch(spec, 16, usable, device="cuda", overhead=0, margin=0)
         assert (plan.micro_batch, full) == (2, [1, 2])
         full.clear()
