@@ -301,34 +301,44 @@ def test_a_cuda_size_its_live_tensors_rule_out_is_not_traced() -> None:
 
 
 def test_a_cuda_target_its_live_tensors_rule_out_alone_is_not_traced() -> None:
-    """Where the floor's step with the target's activations does not fit, the whole target as
-    a window's only micro-batch is bounded from below first (its live tensors, traced until
+    """Where the line through two traced sizes says the whole target's live tensors would not
+    fit, the target as a window's only micro-batch is bounded from below first (traced until
     they pass the usable memory): over it, the target is not traced, and the plan is the one
-    its trace makes."""
+    its trace makes. With one traced size there is no line: traced, as before."""
     from bigbatch.memory import plan as plan_module
     from bigbatch.memory.predict import live_peak
 
     def spec(b: int) -> StepSpec:
-        # 64 MiB of activations a sample; the floor below half the budget (no held-line rule).
+        # 64 MiB of activations a sample; the floor above half the budget, so micro-batch 2
+        # is traced before the whole target is tried.
         return StepSpec(functools.partial(FrozenBase, 2048), (8192, 2048), b, device="cuda")
 
-    usable = predict_peak(spec(4).in_window(8)).planning_bytes  # 4 fits, the whole 8 not
-    alone_spec = replace(spec(8).in_window(8), held_gradients=False)
+    usable = predict_peak(spec(2).in_window(16)).planning_bytes  # 2 fits, the whole 16 not
+    alone_spec = replace(spec(16).in_window(16), held_gradients=False)
     bound = live_peak(alone_spec, stop_above=usable)
     assert bound is not None and bound.planning_bytes > usable
     assert predict_peak(alone_spec).planning_bytes > usable  # what the bound rules out holds
     with pytest.MonkeyPatch.context() as mp:
         alone = whole_traces(mp, alone=True)
-        plan = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
-        assert (plan.micro_batch, alone) == (4, [])
+        plan = plan_micro_batch(spec, 16, usable, device="cuda", overhead=0, margin=0)
+        assert (plan.micro_batch, alone) == (2, [])
         mp.setattr(
             plan_module._Predictions, "whole", lambda self, b, *args: self.alone(b)
         )  # traced instead
-        traced = plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0)
-        assert alone == [8]
-    assert (traced.micro_batch, traced.predicted_peak_bytes) == (4, plan.predicted_peak_bytes)
-    assert dict(plan.curve) == {b: n for b, n in traced.curve if b < 8}  # the target's bound
+        traced = plan_micro_batch(spec, 16, usable, device="cuda", overhead=0, margin=0)
+        assert alone == [16]
+    assert (traced.micro_batch, traced.predicted_peak_bytes) == (2, plan.predicted_peak_bytes)
+    assert dict(plan.curve) == {b: n for b, n in traced.curve if b < 16}  # the target's bound
     assert plan.predictions == traced.predictions  # a bound for a trace
+    # An image model's floor is under half the budget: the whole target is tried on the floor
+    # alone, no line yet, and traced.
+    usable = predict_peak(spec(4).in_window(8)).planning_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        alone = whole_traces(mp, alone=True)
+        assert (
+            plan_micro_batch(spec, 8, usable, device="cuda", overhead=0, margin=0).micro_batch == 4
+        )
+        assert alone == [8]
 
 
 def test_a_cuda_size_one_step_fewer_would_take_is_bounded_before_it_is_traced() -> None:

@@ -475,15 +475,15 @@ class _Predictions:
 
     def whole(self, b: int, smallest: int, usable: int) -> MemoryPrediction | None:
         """``b`` as a window's only micro-batch (:meth:`alone`), or None where a lower bound
-        shows it does not fit: on CUDA, where the smallest step grown to ``b`` (:func:`_grown`,
-        less the gradients it holds) does not fit, ``b``'s live tensors are traced first, until
-        they pass ``usable`` (:func:`~bigbatch.memory.predict.live_peak`, stopped: 16 sequences
+        shows it does not fit: on CUDA, where the line through two sizes already traced says
+        its live tensors would not fit (:func:`_likely_live`, less the gradients they hold),
+        they are traced first, until they pass ``usable`` (:func:`~bigbatch.memory.predict.live_peak`, stopped: 16 sequences
         of a 70B model's QLoRA on an 80 GB card pass it in their forward, where the whole
         step's trace runs two forwards and backwards); traced whole otherwise."""
+        likely = _likely_live(self.cache, b) if len(self.cache) > 1 else None
         floor = self.cache[smallest]
-        likely = _grown(floor, smallest, b) - 2 * floor.gradients  # none held before it
-        if b in self.alone_cache or likely <= usable:
-            return self.alone(b)
+        if b in self.alone_cache or likely is None or likely - 2 * floor.gradients <= usable:
+            return self.alone(b)  # likely to fit, or no line to say: traced
         bound = live_peak(replace(self.spec_at(b), held_gradients=False), stop_above=usable)
         if bound is None or bound.planning_bytes <= usable:
             return self.alone(b)
@@ -500,18 +500,14 @@ class _Predictions:
     def beyond(self, b: int, usable: int) -> MemoryPrediction | None:
         """CUDA: ``b``'s :func:`~bigbatch.memory.predict.live_peak` (a third of a trace), where
         it is above ``usable``: the size does not fit and its trace is not made. Tried where
-        the step of the largest size predicted below ``b``, grown to ``b`` (:func:`_grown`),
-        does not fit (micro-batch 2 of a 7-8B model on a 24 GB card); None otherwise (trace
-        it)."""
+        the sizes predicted below ``b`` say its live tensors would not fit (:func:`_likely_live`:
+        micro-batch 2 of a 7-8B model on a 24 GB card); None otherwise (trace it)."""
         if b in self.over:
             return self.over[b]
-        below = [k for k in self.cache if k < b]
-        if b in self.cache or not below:
-            return None
-        k = max(below)
-        floor = self.cache[k]
-        if _grown(floor, k, b) <= usable:
+        likely = _likely_live(self.cache, b)
+        if b in self.cache or likely is None or likely <= usable:
             return None  # likely to fit: the bound would be a third of a trace more
+        floor = self.cache[max(k for k in self.cache if k < b)]
         bound = live_peak(self.spec_at(b), stop_above=stop_tracing_above(usable, floor))
         if bound is None or bound.planning_bytes <= usable:
             return None
@@ -559,14 +555,25 @@ class _Predictions:
         return False
 
 
-def _grown(p: MemoryPrediction, k: int, b: int) -> int:
-    """The live tensors of ``p``, the step at micro-batch ``k`` (and the handles outside the
-    allocator), with what grows with the micro-batch, its activations and temporaries, grown
-    to ``b``: what ``b``'s lower bound (:func:`~bigbatch.memory.predict.live_peak`) is likely
-    to be, worth tracing only where that does not fit. Not the reserved memory: a 70B model's
-    QLoRA at micro-batch 3 on an 80 GB card reserves 76.6 GiB of 71.3 usable, and its live
-    tensors take 69.8, which rule nothing out."""
-    return p.peak_bytes + p.cuda_handle_bytes + (p.activations + p.temporaries) * (b - k) // k
+def _likely_live(cache: dict[int, MemoryPrediction], b: int) -> int | None:
+    """What ``b``'s lower bound (:func:`~bigbatch.memory.predict.live_peak`: the live tensors,
+    and the handles outside the allocator) is likely to be, from the sizes predicted below it:
+    on the line through the live tensors of the two largest. Not their reserved memory: a 70B
+    model's QLoRA at micro-batch 3 on an 80 GB card reserves 76.6 GiB of 71.3 usable, and its
+    live tensors take 69.8, which rule nothing out. With one size, whose slope is unknown, its
+    step with its activations once more per micro-batch: the 8B model's second on a 24 GB
+    card (its live tensors alone with their activations grown miss the logits, which grow too;
+    with the temporaries grown, a CNN's kernel workspaces, which do not). None below the
+    first. A bound is worth tracing only where this does not fit."""
+    below = sorted(k for k in cache if k < b)
+    if not below:
+        return None
+    k, p = below[-1], cache[below[-1]]
+    if len(below) == 1:
+        return p.planning_bytes + p.activations * (b - k) // k
+    j, q = below[-2], cache[below[-2]]
+    live, before = p.peak_bytes + p.cuda_handle_bytes, q.peak_bytes + q.cuda_handle_bytes
+    return live + (live - before) * (b - k) // (k - j)
 
 
 def _same(a: MemoryPrediction, b: MemoryPrediction) -> bool:
