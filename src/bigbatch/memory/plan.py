@@ -477,10 +477,13 @@ class _Predictions:
         """``b`` as a window's only micro-batch (:meth:`alone`), or None where a lower bound
         shows it does not fit: on CUDA, where the line through two sizes already traced says
         its live tensors would not fit (:func:`_likely_live`, less the gradients they hold),
-        they are traced first, until they pass ``usable`` (:func:`~bigbatch.memory.predict.live_peak`, stopped: 16 sequences
-        of a 70B model's QLoRA on an 80 GB card pass it in their forward, where the whole
-        step's trace runs two forwards and backwards); traced whole otherwise."""
-        likely = _likely_live(self.cache, b) if len(self.cache) > 1 else None
+        they are traced first, until they pass ``usable``
+        (:func:`~bigbatch.memory.predict.live_peak`, stopped: 16 sequences of a 70B model's
+        QLoRA on an 80 GB card pass it in their forward, where the whole step's trace runs
+        two forwards and backwards); traced whole otherwise, and where no line is traced yet
+        (the floor alone: one size's growth is a guess, :func:`_likely_live`)."""
+        line = len([k for k in self.cache if k < b]) > 1
+        likely = _likely_live(self.cache, b) if line else None
         floor = self.cache[smallest]
         if b in self.alone_cache or likely is None or likely - 2 * floor.gradients <= usable:
             return self.alone(b)  # likely to fit, or no line to say: traced
