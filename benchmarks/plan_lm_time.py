@@ -2,12 +2,13 @@
 a Llama-3-8B- and a Qwen2.5-7B-shaped config (benchmarks/gpu_matrix.py's HF_CONFIGS, written to
 a folder: no download), LoRA r=16 on a 24 GB card and QLoRA 4-bit on a 16 GB one, each in a
 fresh process, against the minute a plan of such a model aims for. With --against-trace, each
-plan again with micro-batch 2 traced in full rather than bounded from below first
+plan again with every size traced in full rather than bounded from below first
 (bigbatch.memory.predict.live_peak), in the same run: the same plan, and the ratio of the times.
 With --large, a Llama-3-70B-shaped QLoRA plan on an 80 GB card too (two to three minutes a
-round on 2 cores; no target). With --bound, in one process, the Llama plan's lower bound on micro-batch 2 as the planner makes
-it (its trace stopped once past the usable memory and the held gradients twice over) beside
-the same bound traced to the end of its step, alternately, ``--rounds`` times each.
+round on 2 cores; no target). With --bound, in one process, the Llama plan's lower bound on
+micro-batch 2 as the planner makes it (its trace stopped once past the usable memory and the
+held gradients twice over) beside the same bound traced to the end of its step, alternately,
+``--rounds`` times each.
 
     python benchmarks/plan_lm_time.py [--rounds 1] [--against-trace] [--large] [--bound] [--json]
 """

@@ -482,10 +482,10 @@ class _Predictions:
         QLoRA on an 80 GB card pass it in their forward, where the whole step's trace runs
         two forwards and backwards); traced whole otherwise, and where no line is traced yet
         (the floor alone: one size's growth is a guess, :func:`_likely_live`)."""
-        line = len([k for k in self.cache if k < b]) > 1
-        likely = _likely_live(self.cache, b) if line else None
-        floor = self.cache[smallest]
-        if b in self.alone_cache or likely is None or likely - 2 * floor.gradients <= usable:
+        if b in self.alone_cache:
+            return self.alone_cache[b]
+        likely = _likely_live(self.cache, b, line_only=True)
+        if likely is None or likely - 2 * self.cache[smallest].gradients <= usable:
             return self.alone(b)  # likely to fit, or no line to say: traced
         bound = live_peak(replace(self.spec_at(b), held_gradients=False), stop_above=usable)
         if bound is None or bound.planning_bytes <= usable:
@@ -507,8 +507,10 @@ class _Predictions:
         micro-batch 2 of a 7-8B model on a 24 GB card); None otherwise (trace it)."""
         if b in self.over:
             return self.over[b]
+        if b in self.cache:
+            return None
         likely = _likely_live(self.cache, b)
-        if b in self.cache or likely is None or likely <= usable:
+        if likely is None or likely <= usable:
             return None  # likely to fit: the bound would be a third of a trace more
         floor = self.cache[max(k for k in self.cache if k < b)]
         bound = live_peak(self.spec_at(b), stop_above=stop_tracing_above(usable, floor))
@@ -558,7 +560,9 @@ class _Predictions:
         return False
 
 
-def _likely_live(cache: dict[int, MemoryPrediction], b: int) -> int | None:
+def _likely_live(
+    cache: dict[int, MemoryPrediction], b: int, *, line_only: bool = False
+) -> int | None:
     """What ``b``'s lower bound (:func:`~bigbatch.memory.predict.live_peak`: the live tensors,
     and the handles outside the allocator) is likely to be, from the sizes predicted below it:
     on the line through the live tensors of the two largest. Not their reserved memory: a 70B
@@ -567,9 +571,10 @@ def _likely_live(cache: dict[int, MemoryPrediction], b: int) -> int | None:
     step with its activations once more per micro-batch: the 8B model's second on a 24 GB
     card (its live tensors alone with their activations grown miss the logits, which grow too;
     with the temporaries grown, a CNN's kernel workspaces, which do not). None below the
-    first. A bound is worth tracing only where this does not fit."""
+    first (below the second with ``line_only``). A bound is worth tracing only where this
+    does not fit."""
     below = sorted(k for k in cache if k < b)
-    if not below:
+    if len(below) < (2 if line_only else 1):
         return None
     k, p = below[-1], cache[below[-1]]
     if len(below) == 1:
