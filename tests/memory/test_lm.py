@@ -562,6 +562,30 @@ def test_a_plan_for_a_card_without_bfloat16_units_takes_fp16_unless_told(
         plan_lm(tiny(), LMSetup(seq_len=16, dtype="fp16"), 2, "t4", precision="fp16")
 
 
+def test_a_config_naming_no_dtype_is_planned_in_float32_and_the_plan_says_so() -> None:
+    """transformers' default configs and hand-written ones often name no dtype: the weights are
+    planned in float32, as from_pretrained loads them, twice a 16-bit checkpoint's bytes; the
+    plan says so, and a LoRA base that does not fit is first told to try 16 bits."""
+
+    def plan(config: object, setup: LMSetup, budget: str = "2GB") -> LMPlan:
+        return plan_lm(config, setup, 2, budget, device="cpu", precision="fp32", overhead=0)
+
+    plain = plan(tiny(), LMSetup(seq_len=16, lora_r=4))
+    assert plain.weights_dtype == "float32"
+    assert [n for n in plain.notes if "names no dtype" in n] == [
+        "the config names no dtype: the weights are planned in float32 (as from_pretrained "
+        "loads them without one); plan a 16-bit checkpoint with --dtype bf16 or --dtype fp16"
+    ]
+    for named in (plan(tiny(dtype="bfloat16"), LMSetup(seq_len=16, lora_r=4)),
+                  plan(tiny(), LMSetup(seq_len=16, lora_r=4, dtype="fp32"))):  # fmt: skip
+        assert not [n for n in named.notes if "names no dtype" in n]
+    fix = r"\. Try --gradient-checkpointing, --dtype bf16 or fp16 \(the frozen base is float32 now\), --qlora"
+    with pytest.raises(DoesNotFitError, match=fix):
+        plan(tiny(), LMSetup(seq_len=16, lora_r=4), "64KB")
+    with pytest.raises(DoesNotFitError, match=r"\. Try --gradient-checkpointing, --qlora"):
+        plan(tiny(dtype="bfloat16"), LMSetup(seq_len=16, lora_r=4), "64KB")
+
+
 @pytest.mark.slow
 def test_bf16_eight_billion_lora_does_not_fit_sixteen_gigabytes(tmp_path: Path) -> None:
     config = load_lm_config(write_config(tmp_path / "m", LLAMA3_8B))

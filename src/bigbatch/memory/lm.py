@@ -272,12 +272,17 @@ def weights_dtype(config: Any, setup: LMSetup) -> torch.dtype:
     """The weights' dtype: ``setup.dtype``, or with ``auto`` the config's (float32 if none)."""
     if setup.dtype != "auto":
         return _DTYPES[setup.dtype]
+    return _config_dtype(config) or torch.float32
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the config names for its weights, or None."""
     # transformers 5 says dtype (torch_dtype, its old name, warns when read)
     key = "dtype" if "dtype" in config.to_dict() or hasattr(config, "dtype") else "torch_dtype"
     dtype = getattr(config, key, None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def dtype_flag(dtype: torch.dtype | None) -> str:
@@ -954,6 +959,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
+    dtype_notes = _dtype_notes(config, setup)  # before building: transformers sets its dtype
     card = _card_for(budget, setup)
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
@@ -1002,7 +1008,9 @@ def plan_lm(
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
         vocab=int(_text_config(config).vocab_size),
-        notes=_plan_notes(note, setup, device) + _bf16_notes(card, config, setup, precision),
+        notes=_plan_notes(note, setup, device)
+        + _bf16_notes(card, config, setup, precision)
+        + dtype_notes,
         source=str(getattr(config, "_name_or_path", "") or ""),
         evaluation=evaluated,
         weights_dtype=str(weights_dtype(config, setup)).removeprefix("torch."),
@@ -1115,6 +1123,18 @@ def _bf16_notes(card: Card | None, config: Any, setup: LMSetup, precision: str) 
     ]
 
 
+def _dtype_notes(config: Any, setup: LMSetup) -> list[str]:
+    """Where the config names no dtype and the plan takes the config's: the weights were
+    planned in float32, twice a 16-bit checkpoint's bytes (transformers' default configs, and
+    a config written by hand, often name none)."""
+    if setup.dtype != "auto" or _config_dtype(config) is not None:
+        return []
+    return [
+        "the config names no dtype: the weights are planned in float32 (as from_pretrained "
+        "loads them without one); plan a 16-bit checkpoint with --dtype bf16 or --dtype fp16"
+    ]
+
+
 _FLASH_NOTE = "flash_attention_2 traced as SDPA's flash kernel (the same memory)"
 # NCCL's communicators take device memory of their own, outside PyTorch's allocator: by the
 # node's topology, hundreds of MiB a rank and more (NVIDIA/nccl#864, #964), which no trace on
@@ -1134,7 +1154,7 @@ def _does_not_fit(
         f"predicted {format_bytes(floor.planning_bytes + extra)} a rank of "
         f"{format_bytes(usable)} usable (budget {format_bytes(budget_bytes)} less "
         f"{margin:.0%} margin and {format_bytes(overhead)} overhead; {floor.breakdown()}). Try "
-        + _what_to_try(setup)
+        + _what_to_try(setup, weights_dtype(config, setup))
     )
 
 
@@ -1154,13 +1174,15 @@ def _sizes_and_paged_state(spec: StepSpec, setup: LMSetup) -> tuple[ModelSizes, 
     return sizes, paged // setup.world_size if setup.fsdp else paged
 
 
-def _what_to_try(setup: LMSetup) -> str:
+def _what_to_try(setup: LMSetup, weights: torch.dtype) -> str:
     tries = []
     if not setup.gradient_checkpointing:
         tries.append("--gradient-checkpointing")
     if not setup.lora_r:
         tries.append("--lora 16")
     elif not setup.quant:
+        if weights == torch.float32:  # a frozen base needs no float32 copy
+            tries.append("--dtype bf16 or fp16 (the frozen base is float32 now)")
         tries.append("--qlora")
     tries.append(f"a shorter --seq-len than {setup.seq_len}")
     if not setup.fsdp:
