@@ -959,8 +959,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
-    dtype_notes = _dtype_notes(config, setup)  # before building: transformers sets its dtype
-    card = _card_for(budget, setup)
+    notes = _setup_notes(config, setup, budget, precision)
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
     n, fsdp = setup.world_size, setup.fsdp and setup.world_size > 1
@@ -1008,9 +1007,7 @@ def plan_lm(
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
         vocab=int(_text_config(config).vocab_size),
-        notes=_plan_notes(note, setup, device)
-        + _bf16_notes(card, config, setup, precision)
-        + dtype_notes,
+        notes=_plan_notes(note, setup, device) + notes,
         source=str(getattr(config, "_name_or_path", "") or ""),
         evaluation=evaluated,
         weights_dtype=str(weights_dtype(config, setup)).removeprefix("torch."),
@@ -1107,6 +1104,13 @@ def _check_fp16_weights(config: Any, setup: LMSetup, precision: str) -> None:
             "float16 gradients (Trainer stops at its first step): plan with --dtype fp32 "
             "(float32 weights under fp16 autocast), or with --lora R"
         )
+
+
+def _setup_notes(config: Any, setup: LMSetup, budget: str | int, precision: str) -> list[str]:
+    """What the plan says of the card and the weights' dtype; taken before a model is built
+    from ``config`` (transformers then sets the config's dtype to the one it built)."""
+    card = _card_for(budget, setup)
+    return _bf16_notes(card, config, setup, precision) + _dtype_notes(config, setup)
 
 
 def _bf16_notes(card: Card | None, config: Any, setup: LMSetup, precision: str) -> list[str]:
