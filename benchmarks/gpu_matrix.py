@@ -159,6 +159,11 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 28, "num_key_value_heads": 4,
                    "max_position_embeddings": 32768, "rope_theta": 1000000.0,
                    "tie_word_embeddings": False, "dtype": "bfloat16"},
+    "mistral-7b": {"model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096,
+                   "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                   "sliding_window": None, "tie_word_embeddings": False, "dtype": "bfloat16"},
     # Planned from the CPU only (benchmarks/plan_lm_time.py --large): no GPU row trains it.
     "llama3-70b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
                    "intermediate_size": 28672, "num_hidden_layers": 80,

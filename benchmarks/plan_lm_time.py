@@ -1,9 +1,11 @@
 """How long `bigbatch plan --hf` takes for 7-8B models from the command line, imports included:
-a Llama-3-8B- and a Qwen2.5-7B-shaped config (benchmarks/gpu_matrix.py's HF_CONFIGS, written to
-a folder: no download), LoRA r=16 on a 24 GB card and QLoRA 4-bit on a 16 GB one, each in a
-fresh process, against the minute a plan of such a model aims for. With --against-trace, each
-plan again with every size traced in full rather than bounded from below first
-(bigbatch.memory.predict.live_peak), in the same run: the same plan, and the ratio of the times.
+a Llama-3-8B-, a Mistral-7B- and a Qwen2.5-7B-shaped config (benchmarks/gpu_matrix.py's
+HF_CONFIGS, written to a folder: no download), LoRA r=16 on a 24 GB card and QLoRA 4-bit on a
+16 GB one, each in a fresh process, against the minute a plan of such a model aims for. With
+--against-trace, each plan again with every size traced in full rather than bounded from below
+first (bigbatch.memory.predict.live_peak), in the same run: the same plan, and the ratio of the
+times. With --against-depth, each plan again with every trace made at the model's own depth
+rather than from its 5-layer model's (bigbatch.memory.stack), likewise.
 With --large, a Llama-3-70B-shaped QLoRA plan on an 80 GB card too (two to three minutes a
 round on 2 cores; no target). With --bound, in one process, the Llama plan's lower bound on
 micro-batch 2 as the planner makes it (its trace stopped once past the usable memory and the
@@ -35,9 +37,16 @@ TRACED = (
     "plan._Predictions.whole = lambda self, b, *args: self.alone(b); "
     "from bigbatch.cli.main import console; sys.argv[0] = 'bigbatch'; console()"
 )
+# The command with every trace made at the model's own depth (no layer stack).
+FULL_DEPTH = (
+    "import sys; import bigbatch.memory.lm as lm; lm._layer_stack = lambda *args: None; "
+    "from bigbatch.cli.main import console; sys.argv[0] = 'bigbatch'; console()"
+)
 CASES = [
     ("llama3-8b", "LoRA r=16, 2048 tokens, 24 GB", ["--lora", "16", "--seq-len", "2048",
                                                     "--budget", "rtx4090"]),
+    ("mistral-7b", "LoRA r=16, 1024 tokens, 24 GB", ["--lora", "16", "--seq-len", "1024",
+                                                     "--budget", "rtx4090"]),
     ("qwen2.5-7b", "QLoRA 4-bit r=16, 1024 tokens, 16 GB", ["--lora", "16", "--qlora",
                                                              "--seq-len", "1024", "--budget", "t4"]),
 ]  # fmt: skip
@@ -49,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--against-trace", action="store_true")
+    parser.add_argument("--against-depth", action="store_true")
     parser.add_argument("--large", action="store_true")
     parser.add_argument("--bound", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -80,6 +90,11 @@ def main() -> None:
                 row |= {"traced_seconds": round(traced, 1),
                         "ratio_to_traced": round(seconds / traced, 2),
                         "same_plan": same == plan}  # fmt: skip
+            if args.against_depth:
+                deep, same = _timed([sys.executable, "-c", FULL_DEPTH, *argv], args.rounds)
+                row |= {"full_depth_seconds": round(deep, 1),
+                        "ratio_to_full_depth": round(seconds / deep, 2),
+                        "same_plan_at_full_depth": same == plan}  # fmt: skip
             results.append(row)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -87,6 +102,9 @@ def main() -> None:
     for r in results:
         traced = (f"; traced in full {r['traced_seconds']} s ({r['ratio_to_traced']:.2f}x, "
                   f"same plan: {r['same_plan']})" if "traced_seconds" in r else "")  # fmt: skip
+        traced += (f"; at full depth {r['full_depth_seconds']} s "
+                   f"({r['ratio_to_full_depth']:.2f}x, same plan: "
+                   f"{r['same_plan_at_full_depth']})" if "full_depth_seconds" in r else "")  # fmt: skip
         target = ("" if r["ratio_to_target"] is None else
                   f"  ({r['ratio_to_target']:.2f} of {TARGET_S:.0f} s)")  # fmt: skip
         print(f"{r['model']:<11} {r['setup']:<38} {r['seconds']:>6.1f} s{target}  "

@@ -23,6 +23,7 @@ of the weights, gradients and optimizer state and adds its gather buffers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ from bigbatch.memory.plan import (
     usable_bytes,
 )
 from bigbatch.memory.predict import MemoryPrediction, predict_peak
+from bigbatch.memory.stack import LayerStack
 from bigbatch.memory.step import StepSpec
 
 __all__ = [
@@ -560,8 +562,6 @@ def lm_spec_at(
         labels = ids.masked_fill(mask == 0, -100)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
-    name = f"{config.model_type} {setup.describe()}"
-
     def spec_at(b: int) -> StepSpec:
         return StepSpec(
             factory,
@@ -572,12 +572,34 @@ def lm_spec_at(
             device=device,
             input_dtype=torch.long,
             vocab=vocab,
-            name=name,
+            name=f"{config.model_type} {setup.describe()}",
             step=_lm_step,
             batch=batch,
+            layers=stack,
         )
 
+    stack = None if sharded else _layer_stack(config, setup, real_bitsandbytes)
     return spec_at
+
+
+def _layer_stack(config: Any, setup: LMSetup, real_bitsandbytes: bool) -> LayerStack | None:
+    """The model's decoder layers, and the model with fewer of them (a CUDA trace is made
+    from a shallow one's: bigbatch.memory.stack); one for all the sizes of a plan, which
+    checks the extrapolation once for them all."""
+    count = getattr(_text_config(config), "num_hidden_layers", None)
+    if not isinstance(count, int):
+        return None
+
+    def at_depth(n: int) -> Callable[[], nn.Module]:
+        shallow = copy.deepcopy(config)
+        text = _text_config(shallow)
+        text.num_hidden_layers = n
+        kinds = getattr(text, "layer_types", None)  # one per layer (differing: not alike)
+        if isinstance(kinds, list):
+            text.layer_types = kinds[:n]
+        return lm_factory(shallow, setup, real_bitsandbytes=real_bitsandbytes)
+
+    return LayerStack(count, at_depth, _decoder_layers)
 
 
 @dataclass(frozen=True)

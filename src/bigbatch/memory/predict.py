@@ -39,6 +39,14 @@ from bigbatch.memory.fake_branches import real_branches
 from bigbatch.memory.fsdp import StreamNumbers, local_shard, storage_resizes
 from bigbatch.memory.measure import measure_step_peak
 from bigbatch.memory.meta import build_on_meta, to_empty_shared, unfakeable_op
+from bigbatch.memory.stack import (
+    SHALLOW,
+    LayerStack,
+    Recorded,
+    StackJournal,
+    extrapolate,
+    same_events,
+)
 from bigbatch.memory.step import (
     PRECISIONS,
     StepSpec,
@@ -274,6 +282,8 @@ class _StorageTracker(TorchDispatchMode):
         self.log: list[tuple[Any, ...]] | None = None
         # A lower bound's trace (live_peak) past this peak stops: the rest cannot lower it.
         self.stop_above: int | None = None
+        # A shallow model's trace to extrapolate (bigbatch.memory.stack): each event's layer.
+        self.journal: StackJournal | None = None
 
     def uid_of(self, t: torch.Tensor) -> int | None:
         st = local_shard(t).untyped_storage()
@@ -298,6 +308,8 @@ class _StorageTracker(TorchDispatchMode):
         self._add_live(uid, n)
 
     def _add_live(self, uid: int, n: int) -> None:
+        if self.journal is not None:
+            self.journal.made(uid, n, self.phase, self.observing)
         self.live[uid] = (n, self.phase)
         self.live_bytes += n
         if self.events is not None:
@@ -436,6 +448,7 @@ class _StorageTracker(TorchDispatchMode):
         if self.cuda is not None and self.events is not None:
             self._follow_stream()
             self.events += self.cuda.before(str(func), self.phase)
+        first_new = self._next_uid
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         counted = self.counting
@@ -459,6 +472,8 @@ class _StorageTracker(TorchDispatchMode):
                 made.append((uid, local_shard(t).untyped_storage().nbytes()))
         if counted and self.log is not None:
             self.log.append(("op", str(func), tuple(made)))
+        if self.journal is not None:
+            self.journal.after_op(func, args, kwargs, out, self._uid_from(first_new), self.uid_of)
         if matched is not None:
             # The kernel's scratch memory was alive together with its outputs.
             self._observe(self.calibration.workspace(matched, self.batch_size))
@@ -470,6 +485,15 @@ class _StorageTracker(TorchDispatchMode):
             if self.stop_above is not None and self.peak_bytes > self.stop_above:
                 raise _BoundReached
         return out
+
+    def _uid_from(self, first: int) -> Any:
+        """The uid of a tensor tracked since uid ``first`` was next, else None."""
+
+        def new(t: torch.Tensor) -> int | None:
+            uid = self.uid_of(t)
+            return uid if uid is not None and uid >= first else None
+
+        return new
 
     def skip_calibrated_ops(self) -> None:
         """The calibrated ops are used up (where the backward's last ones went unmatched, the
@@ -505,10 +529,14 @@ class _StorageTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
         previous, self.phase = self.phase, phase
+        if self.journal is not None:
+            self.journal.layer = None  # a phase starts outside the layers
         try:
             yield
         finally:
             self.phase = previous
+            if self.journal is not None:
+                self.journal.layer = None
 
     @contextlib.contextmanager
     def optimizer_phase(self, record: bool) -> Iterator[list[tuple[int, int]] | None]:
@@ -553,12 +581,61 @@ def _fake_or_measured(
     keep: list[StepLog] | None,
 ) -> MemoryPrediction:
     try:
-        return _predict_on_fake(spec, calibration, optimizer_trace, keep)
+        stacked = _stacked(spec) if calibration is None else None
+        return stacked or _predict_on_fake(spec, calibration, optimizer_trace, keep)
     except Exception as exc:
         op = unfakeable_op(exc)
         if op is None:
             raise
     return _measured_fallback(spec, op)
+
+
+def _stacked(spec: StepSpec) -> MemoryPrediction | None:
+    """A CUDA trace of a deep model's step made from its 5-layer model's trace
+    (bigbatch.memory.stack), where that, extrapolated to 6 layers, made a 6-layer trace's
+    events for micro-batches of this kind (of one sample, or several); None where it did not,
+    where the layers differ, and where it does not apply (not CUDA, FSDP2's ranks, a shallow
+    model)."""
+    stack = spec.layers
+    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if stack is None or ranks or torch.device(spec.device).type != "cuda":
+        return None
+    if not stack.worth_it() or not stack.alike(build_on_meta(spec.model)):
+        return None
+    t0 = time.perf_counter()
+    shallow = _recorded(spec, stack, SHALLOW)
+    several = spec.batch_size > 1
+    if several not in stack.checked:
+        deeper = extrapolate(shallow, SHALLOW + 1)
+        stack.checked[several] = deeper is not None and same_events(
+            deeper, _recorded(spec, stack, SHALLOW + 1)
+        )
+    deep = extrapolate(shallow, stack.count) if stack.checked[several] else None
+    return None if deep is None else _replayed(deep, spec, t0)
+
+
+def _recorded(spec: StepSpec, stack: LayerStack, depth: int) -> Recorded:
+    """The CUDA trace of ``spec``'s model built with ``depth`` layers, with each event's layer."""
+    record: list[Recorded] = []
+    _predict_on_fake(replace(spec, model=stack.at_depth(depth)), None, record=record)
+    return record[0]
+
+
+def _replayed(rec: Recorded, spec: StepSpec, t0: float) -> MemoryPrediction:
+    """The prediction a trace that made ``rec``'s events makes: its live tensors' peak (the
+    tensors that move it, at each allocation), and the allocator's."""
+    tracker = _StorageTracker()
+    tracker.events, tracker.cuda = rec.events, rec.libraries
+    for op, key, _ in rec.events:
+        if op == "malloc" and key in rec.made:
+            size, phase, observing = rec.made[key]
+            tracker.live[key] = (size, phase)
+            tracker.live_bytes += size
+            if observing:
+                tracker._observe(0)
+        elif op == "free" and key in tracker.live:
+            tracker.live_bytes -= tracker.live.pop(key)[0]
+    return _assemble(tracker, rec.uids, spec, "cuda", t0)
 
 
 def check_forward(spec: StepSpec) -> None:
@@ -785,6 +862,7 @@ def _predict_on_fake(
     keep: list[StepLog] | None = None,
     live_only: bool = False,
     stop_above: int | None = None,
+    record: list[Recorded] | None = None,
 ) -> MemoryPrediction:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -795,6 +873,9 @@ def _predict_on_fake(
     tracker.stop_above = stop_above
     if target.type != "cuda" and keep is not None and calibration is None:
         tracker.log = []
+    if record is not None and tracker.events is not None:
+        tracker.journal = StackJournal(lambda: tracker.phase)
+        tracker.events = tracker.journal.events(tracker.events)
     grads_uids: set[int] = set()
     state_uids: set[int] = set()
     # CPU: the optimizer's first step (which creates its state) runs on zero gradients, then one
@@ -817,6 +898,9 @@ def _predict_on_fake(
             uid = tracker.uid_of(t)
             if uid is not None:
                 param_uids.add(uid)
+        if tracker.journal is not None and spec.layers is not None:
+            tracker.journal.label_layers(spec.layers.modules(model), tracker.uid_of)
+            tracker.journal.hook(spec.layers.modules(model))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(
             spec.optimizer, params, foreach=True if target.type == "cuda" else None
@@ -876,6 +960,9 @@ def _predict_on_fake(
                 del x  # a training loop's batch lives until its optimizer step is done
         except _BoundReached:  # live_peak's bound has passed what it is compared with
             grads_uids |= tracker.uids_of(p.grad for p in params)
+    if record is not None and tracker.journal is not None and tracker.events is not None:
+        kinds = (param_uids, grads_uids, state_uids)
+        record.append(tracker.journal.recorded(tracker.events, kinds, tracker.cuda))
     del model, opt
     # FSDP2's unsharded weights (storages it resizes) count as weights, as its shards do.
     uids = (param_uids | tracker.resized_uids, grads_uids, state_uids)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.device import autocast_for
+from bigbatch.memory.stack import LayerStack
 
 __all__ = [
     "OPTIMIZERS",
@@ -59,7 +60,8 @@ class StepSpec:
     the forward pass and returns the loss, with your wrapper, inputs and loss (a Hugging Face
     model called with ``labels=``, frozen weights, activation checkpointing). Without them, the
     batch is random ``input_shape`` samples and the loss a cross-entropy of ``[B, C]`` outputs
-    (else a mean square).
+    (else a mean square). A model of repeated blocks (a decoder's layers) is traced for CUDA
+    from a 5-layer model's trace with ``layers`` (:class:`~bigbatch.memory.stack.LayerStack`).
 
     >>> def lm_step(model, ids):
     ...     return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
@@ -90,6 +92,9 @@ class StepSpec:
     # A later micro-batch of a window (accumulation): every trainable weight's gradient, summed
     # from the earlier micro-batches, is alive from its start, and its backward adds into them.
     held_gradients: bool = False
+    # A model whose layers repeat (a decoder's): a CUDA trace is made from a shallow model's,
+    # where that reproduces a deeper one's (bigbatch.memory.stack).
+    layers: LayerStack | None = None
 
     def with_batch(self, batch_size: int) -> StepSpec:
         return replace(self, batch_size=batch_size)
