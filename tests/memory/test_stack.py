@@ -36,26 +36,28 @@ def decoder(layers: int = 10) -> transformers.LlamaConfig:
 
 
 @pytest.mark.parametrize(
-    ("setup", "sizes"),
+    ("setup", "steps"),
     [
-        (LMSetup(seq_len=32, lora_r=4, gradient_checkpointing=True), (1, 3)),
-        (LMSetup(seq_len=32), (2,)),
-        (LMSetup(seq_len=32, lora_r=4, quant=4, gradient_checkpointing=True, packing=True), (2,)),
+        (LMSetup(seq_len=32, lora_r=4, gradient_checkpointing=True), ((1, 8), (3, 8))),
+        (LMSetup(seq_len=32), ((2, 2),)),
+        (LMSetup(seq_len=32, lora_r=4, quant=4, gradient_checkpointing=True, packing=True),
+         ((2, 8),)),
     ],
     ids=["lora-checkpointed", "full", "qlora-packed"],
-)
+)  # fmt: skip
 def test_a_deep_decoder_is_traced_from_a_shallow_one_to_the_byte(
-    setup: LMSetup, sizes: tuple[int, ...]
+    setup: LMSetup, steps: tuple[tuple[int, int], ...]
 ) -> None:
     """Its 10 layers from 5: LoRA with activation checkpointing (a micro-batch of one sequence,
-    and of several, with an attention mask), a full fine-tune (every layer's weights in the
-    optimizer's multi-tensor ops), QLoRA's 4-bit base on packed sequences: each the full trace's
-    prediction, every field."""
+    and of several, with an attention mask), a full fine-tune's lone step (every layer's weights
+    in the optimizer's multi-tensor ops), QLoRA's 4-bit base on packed sequences: each the full
+    trace's prediction, every field."""
     spec_at = lm_spec_at(decoder(), setup)
-    for b in sizes:
-        spec = spec_at(b).in_window(8)
+    for b, window in steps:
+        spec = spec_at(b).in_window(window)
         assert same(predict_peak(spec), full_trace(spec))
-        assert spec.layers is not None and spec.layers.checked[b > 1]  # extrapolated
+        kind = (b > 1, b < window)
+        assert spec.layers is not None and spec.layers.checked[kind]  # extrapolated
 
 
 class Block(nn.Module):
@@ -89,7 +91,7 @@ def test_any_stack_of_blocks_and_only_one_whose_blocks_are_alike() -> None:
     from five alike blocks anyway (told they are alike) its peak would be missed."""
     stack = LayerStack(12, lambda n: lambda: blocks(n), of_blocks)
     spec = spec_of(stack)
-    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {True: True}
+    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {(True, False): True}
 
     odd = LayerStack(12, lambda n: lambda: blocks(n, 8 if n > 8 else None), of_blocks)
     spec = spec_of(odd, wide_at=8)
@@ -105,7 +107,7 @@ def test_a_shallow_trace_that_does_not_make_the_deeper_ones_events_is_not_used()
     """
     stack = LayerStack(12, lambda n: lambda: blocks(n, 3 if n == 6 else None), of_blocks)
     spec = spec_of(stack)
-    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {True: False}
+    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {(True, False): False}
 
 
 def test_a_shallow_model_or_another_device_is_traced_as_it_is() -> None:

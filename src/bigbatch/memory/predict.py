@@ -593,24 +593,28 @@ def _fake_or_measured(
 def _stacked(spec: StepSpec) -> MemoryPrediction | None:
     """A CUDA trace of a deep model's step made from its 5-layer model's trace
     (bigbatch.memory.stack), where that, extrapolated to 6 layers, made a 6-layer trace's
-    events for micro-batches of this kind (of one sample, or several); None where it did not,
-    where the layers differ, and where it does not apply (not CUDA, FSDP2's ranks, a shallow
-    model)."""
+    events for steps of this kind (micro-batches of one sample or several; a lone step or a
+    window's); None where it did not, where the layers differ, and where it does not apply
+    (not CUDA, FSDP2's ranks, a shallow model)."""
     stack = spec.layers
     ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if stack is None or ranks or torch.device(spec.device).type != "cuda":
+    # The autograd engine's running node tells the backward's layers apart (torch >= 2.1).
+    followed = hasattr(torch._C, "_current_autograd_node")
+    if stack is None or ranks or torch.device(spec.device).type != "cuda" or not followed:
         return None
-    if not stack.worth_it() or not stack.alike(build_on_meta(spec.model)):
+    if not stack.worth_it() or not stack.alike(lambda: build_on_meta(spec.model)):
         return None
     t0 = time.perf_counter()
+    kind = (spec.batch_size > 1, spec.held_gradients)
+    if stack.checked.get(kind) is False:
+        return None
     shallow = _recorded(spec, stack, SHALLOW)
-    several = spec.batch_size > 1
-    if several not in stack.checked:
+    if kind not in stack.checked:
         deeper = extrapolate(shallow, SHALLOW + 1)
-        stack.checked[several] = deeper is not None and same_events(
+        stack.checked[kind] = deeper is not None and same_events(
             deeper, _recorded(spec, stack, SHALLOW + 1)
         )
-    deep = extrapolate(shallow, stack.count) if stack.checked[several] else None
+    deep = extrapolate(shallow, stack.count) if stack.checked[kind] else None
     return None if deep is None else _replayed(deep, spec, t0)
 
 

@@ -40,8 +40,9 @@ class LayerStack:
     """A model whose layers repeat (a decoder's): how many it has, the model built with another
     number, and which of a built model's modules the layers are. A CUDA trace of a
     :class:`~bigbatch.memory.step.StepSpec` that has one is made from a 5-layer model's trace
-    where that was checked against a 6-layer one (``checked``, per micro-batch of one sample
-    or several: a batch of several sequences has an attention mask).
+    where that was checked against a 6-layer one (``checked``, per kind of step: a micro-batch
+    of one sample or several, as a batch of several sequences has an attention mask; a lone
+    step or a window's later micro-batch).
 
     >>> make = lambda n: (lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)]))
     >>> stack = LayerStack(12, make, lambda model: list(model))
@@ -52,20 +53,20 @@ class LayerStack:
     count: int
     at_depth: Callable[[int], Callable[[], nn.Module]]
     modules: Callable[[nn.Module], list[nn.Module]]
-    checked: dict[bool, bool] = field(default_factory=dict)
+    checked: dict[tuple[bool, bool], bool] = field(default_factory=dict)
     uniform: bool | None = None  # whether the layers are alike (:meth:`alike`), once asked
 
     def worth_it(self) -> bool:
         """Deep enough that two shallow traces cost less than one full one."""
         return self.count >= 2 * SHALLOW
 
-    def alike(self, model: nn.Module) -> bool:
-        """Whether ``model``'s layers (the deep one's) are copies of one another: the same
-        modules, weights and attention windows. A layer unlike its neighbours past the sixth
-        (a sliding-window pattern, dense layers before experts) would escape the 6-layer check.
-        """
+    def alike(self, build: Callable[[], nn.Module]) -> bool:
+        """Whether the deep model's layers (``build()``'s, asked once) are copies of one another:
+        the same modules, weights and attention windows. A layer unlike its neighbours past the
+        sixth (a sliding-window pattern, dense layers before experts) would escape the 6-layer
+        check."""
         if self.uniform is None:
-            layers = self.modules(model)
+            layers = self.modules(build())
             self.uniform = len(layers) == self.count and len({_signature(m) for m in layers}) == 1
         return self.uniform
 
