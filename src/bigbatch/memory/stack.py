@@ -33,6 +33,7 @@ __all__ = ["LayerStack"]
 SHALLOW = 5  # layers traced: a first, a last, and a middle one whose neighbours are middle too
 _TEMPLATE = 2  # the middle layer repeated
 _UID_OPS = ("malloc", "free")
+_KEYED_OPS = ("malloc", "free", "trial")  # cuDNN's benchmark trials have keys too
 
 
 @dataclass(eq=False)
@@ -290,7 +291,7 @@ def extrapolate(rec: Recorded, depth: int) -> Recorded | None:
     def key_in(op: str, key: Any, at: int | None, run: int | None) -> Any:
         """``key``, referred to by an event of traced layer ``run`` emitted as layer ``at``."""
         if op not in _UID_OPS or not (isinstance(key, int) and key in ordinal):
-            return ("copy", at, key) if run == t and op in _UID_OPS else key
+            return ("copy", at, key) if run == t and op in _KEYED_OPS else key
         layer, n = ordinal[key]
         if layer in (None, 0, k - 1) or at is None or run is None:
             return key  # the rest of the step's, or the first or last layer's: one of each
@@ -370,11 +371,11 @@ def same_events(a: Recorded, b: Recorded) -> bool:
         names: dict[Any, int] = {}
         out: list[tuple[str, Any, int]] = []
         for op, key, nbytes in rec.events:
-            if op in _UID_OPS and (op == "malloc" or key in names):
+            if op in _KEYED_OPS and (op != "free" or key in names):
                 names.setdefault(key, len(names))
                 out.append((op, names[key], nbytes))
             else:
-                out.append((op, key if op not in _UID_OPS else "?", nbytes))
+                out.append((op, key if op not in _KEYED_OPS else "?", nbytes))
         made = [(names[k], v) for k, v in rec.made.items() if k in names]
         kinds = [{names[k] for k in uids if k in names} for uids in rec.uids]
         return out, sorted(made), kinds
