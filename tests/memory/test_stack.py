@@ -3,6 +3,7 @@ prediction, to the byte, as the full trace, and never made where it would not be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -103,11 +104,18 @@ def test_any_stack_of_blocks_and_only_one_whose_blocks_are_alike() -> None:
 
 def test_a_shallow_trace_that_does_not_make_the_deeper_ones_events_is_not_used() -> None:
     """The 6-layer model's trace is the check: where the 5-layer one, extrapolated, does not
-    make its events (here its fourth block is wider), every size of that kind is traced in full.
-    """
+    make its events (here its fourth block is wider), every size of that kind is traced in full;
+    so too where the shallow model cannot be built."""
     stack = LayerStack(12, lambda n: lambda: blocks(n, 3 if n == 6 else None), of_blocks)
     spec = spec_of(stack)
     assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {(True, False): False}
+
+    def unbuildable(n: int) -> Callable[[], nn.Module]:  # a config that cannot be cut down
+        raise ValueError(f"no model of {n} layers")
+
+    broken = LayerStack(12, unbuildable, of_blocks)
+    spec = spec_of(broken)
+    assert same(predict_peak(spec), full_trace(spec)) and broken.checked == {(True, False): False}
 
 
 def test_a_shallow_model_or_another_device_is_traced_as_it_is() -> None:

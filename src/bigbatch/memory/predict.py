@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import sys
@@ -59,6 +60,8 @@ from bigbatch.memory.step import (
 )
 
 __all__ = ["MemoryPrediction", "predict_peak"]
+
+log = logging.getLogger("bigbatch")
 
 
 @dataclass
@@ -608,12 +611,18 @@ def _stacked(spec: StepSpec) -> MemoryPrediction | None:
     kind = (spec.batch_size > 1, spec.held_gradients)
     if stack.checked.get(kind) is False:
         return None
-    shallow = _recorded(spec, stack, SHALLOW)
-    if kind not in stack.checked:
-        deeper = extrapolate(shallow, SHALLOW + 1)
-        stack.checked[kind] = deeper is not None and same_events(
-            deeper, _recorded(spec, stack, SHALLOW + 1)
-        )
+    try:
+        shallow = _recorded(spec, stack, SHALLOW)
+        if kind not in stack.checked:
+            deeper = extrapolate(shallow, SHALLOW + 1)
+            stack.checked[kind] = deeper is not None and same_events(
+                deeper, _recorded(spec, stack, SHALLOW + 1)
+            )
+    except Exception as exc:  # a shortcut only: the full trace is made, and says what fails
+        why = f"{type(exc).__name__}: {exc}"
+        log.info("%s traced at full depth: its shallow model's trace failed (%s)", spec.name, why)
+        stack.checked[kind] = False
+        return None
     deep = extrapolate(shallow, stack.count) if stack.checked[kind] else None
     return None if deep is None else _replayed(deep, spec, t0)
 
