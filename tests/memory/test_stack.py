@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 import transformers
 
+from bigbatch.memory.evaluate import predict_evaluation_peak
 from bigbatch.memory.lm import LMSetup, lm_spec_at
 from bigbatch.memory.predict import MemoryPrediction, predict_peak
 from bigbatch.memory.stack import LayerStack
@@ -57,8 +58,16 @@ def test_a_deep_decoder_is_traced_from_a_shallow_one_to_the_byte(
     for b, window in steps:
         spec = spec_at(b).in_window(window)
         assert same(predict_peak(spec), full_trace(spec))
-        kind = (b > 1, b < window)
+        kind = (False, b > 1, b < window)
         assert spec.layers is not None and spec.layers.checked[kind]  # extrapolated
+
+
+def test_evaluations_forward_is_extrapolated_too() -> None:
+    """Evaluation's forward pass (no gradients, the optimizer's state alive) at 3 sequences."""
+    spec = lm_spec_at(decoder(), LMSetup(seq_len=32, lora_r=4))(3)
+    full = predict_evaluation_peak(replace(spec, layers=None))
+    assert same(predict_evaluation_peak(spec), full)
+    assert spec.layers is not None and spec.layers.checked == {(True, True, False): True}
 
 
 class Block(nn.Module):
@@ -92,7 +101,9 @@ def test_any_stack_of_blocks_and_only_one_whose_blocks_are_alike() -> None:
     from five alike blocks anyway (told they are alike) its peak would be missed."""
     stack = LayerStack(12, lambda n: lambda: blocks(n), of_blocks)
     spec = spec_of(stack)
-    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {(True, False): True}
+    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {
+        (False, True, False): True
+    }
 
     odd = LayerStack(12, lambda n: lambda: blocks(n, 8 if n > 8 else None), of_blocks)
     spec = spec_of(odd, wide_at=8)
@@ -108,14 +119,18 @@ def test_a_shallow_trace_that_does_not_make_the_deeper_ones_events_is_not_used()
     so too where the shallow model cannot be built."""
     stack = LayerStack(12, lambda n: lambda: blocks(n, 3 if n == 6 else None), of_blocks)
     spec = spec_of(stack)
-    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {(True, False): False}
+    assert same(predict_peak(spec), full_trace(spec)) and stack.checked == {
+        (False, True, False): False
+    }
 
     def unbuildable(n: int) -> Callable[[], nn.Module]:  # a config that cannot be cut down
         raise ValueError(f"no model of {n} layers")
 
     broken = LayerStack(12, unbuildable, of_blocks)
     spec = spec_of(broken)
-    assert same(predict_peak(spec), full_trace(spec)) and broken.checked == {(True, False): False}
+    assert same(predict_peak(spec), full_trace(spec)) and broken.checked == {
+        (False, True, False): False
+    }
 
 
 def test_a_shallow_model_or_another_device_is_traced_as_it_is() -> None:

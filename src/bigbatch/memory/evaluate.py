@@ -22,7 +22,15 @@ from bigbatch.memory.fake_branches import real_branches
 from bigbatch.memory.fsdp import storage_resizes
 from bigbatch.memory.meta import build_on_meta, to_empty_shared
 from bigbatch.memory.plan import largest_fitting
-from bigbatch.memory.predict import MemoryPrediction, _assemble, tracing_for
+from bigbatch.memory.predict import (
+    MemoryPrediction,
+    _assemble,
+    _follow_layers,
+    _stacked,
+    _start_journal,
+    tracing_for,
+)
+from bigbatch.memory.stack import Recorded
 from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss
 
 __all__ = ["STATE_COPIES", "EvaluationPlan", "plan_evaluation_batch", "predict_evaluation_peak"]
@@ -45,13 +53,23 @@ def predict_evaluation_peak(
     >>> p.parameters, p.gradients, p.optimizer_state
     (4198400, 0, 0)
     """
+    copies = STATE_COPIES.get(spec.optimizer, 2) if state_copies is None else state_copies
+    trace = functools.partial(_evaluation_trace, copies=copies, held_bytes=held_bytes)
+    return _stacked(spec, trace) or trace(spec)
+
+
+def _evaluation_trace(
+    spec: StepSpec, record: list[Recorded] | None = None, *, copies: int, held_bytes: int
+) -> MemoryPrediction:
+    """:func:`predict_evaluation_peak`'s trace at the model's own depth (``record``: its
+    events with their layers, for bigbatch.memory.stack)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     t0 = time.perf_counter()
     target = torch.device(spec.device)
-    copies = STATE_COPIES.get(spec.optimizer, 2) if state_copies is None else state_copies
     model = build_on_meta(spec.model)
     device, tracker, rules = tracing_for(target, cudnn_benchmark=spec.cudnn_benchmark)
+    _start_journal(tracker, record)
     param_uids: set[int] = set()
     state_uids: set[int] = set()
     resizes = storage_resizes(tracker.resized)  # FSDP2 frees each layer's gathered weights
@@ -60,6 +78,7 @@ def predict_evaluation_peak(
         for t in [*model.parameters(), *model.buffers()]:
             tracker.track(t)
             param_uids.add(tracker.uid_of(t))  # type: ignore[arg-type]
+        _follow_layers(tracker, spec, model)
         state = [torch.empty_like(p) for p in model.parameters() for _ in range(copies)]
         state += [torch.empty(held_bytes, dtype=torch.uint8, device=device)] if held_bytes else []
         state_uids = tracker.uids_of(state)
@@ -67,6 +86,9 @@ def predict_evaluation_peak(
         tracker.counting = True
         with torch.no_grad(), tracker.in_phase("forward"):
             loss = run_step_loss(spec, model, x, device.type)
+        if record is not None and tracker.journal is not None and tracker.events is not None:
+            kinds: tuple[set[int], set[int], set[int]] = (param_uids, set(), state_uids)
+            record.append(tracker.journal.recorded(tracker.events, kinds, tracker.cuda))
         del loss, x, state, model
     # FSDP2's unsharded weights (storages it resizes) count as weights, as its shards do.
     uids: tuple[set[int], set[int], set[int]] = (

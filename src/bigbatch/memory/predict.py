@@ -20,7 +20,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import Any
@@ -593,12 +593,15 @@ def _fake_or_measured(
     return _measured_fallback(spec, op)
 
 
-def _stacked(spec: StepSpec) -> MemoryPrediction | None:
+def _stacked(
+    spec: StepSpec, trace: Callable[[StepSpec, list[Recorded]], Any] | None = None
+) -> MemoryPrediction | None:
     """A CUDA trace of a deep model's step made from its 5-layer model's trace
     (bigbatch.memory.stack), where that, extrapolated to 6 layers, made a 6-layer trace's
     events for steps of this kind (micro-batches of one sample or several; a lone step or a
-    window's); None where it did not, where the layers differ, and where it does not apply
-    (not CUDA, FSDP2's ranks, a shallow model)."""
+    window's; ``trace``'s, evaluation's forward, or training's); None where it did not, where
+    the layers differ, and where it does not apply (not CUDA, FSDP2's ranks, a shallow
+    model)."""
     stack = spec.layers
     ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
     # The autograd engine's running node tells the backward's layers apart (torch >= 2.1).
@@ -608,15 +611,15 @@ def _stacked(spec: StepSpec) -> MemoryPrediction | None:
     if not stack.worth_it() or not stack.alike(lambda: build_on_meta(spec.model)):
         return None
     t0 = time.perf_counter()
-    kind = (spec.batch_size > 1, spec.held_gradients)
+    kind = (trace is not None, spec.batch_size > 1, spec.held_gradients)
     if stack.checked.get(kind) is False:
         return None
     try:
-        shallow = _recorded(spec, stack, SHALLOW)
+        shallow = _recorded(spec, stack, SHALLOW, trace)
         if kind not in stack.checked:
             deeper = extrapolate(shallow, SHALLOW + 1)
             stack.checked[kind] = deeper is not None and same_events(
-                deeper, _recorded(spec, stack, SHALLOW + 1)
+                deeper, _recorded(spec, stack, SHALLOW + 1, trace)
             )
     except Exception as exc:  # a shortcut only: the full trace is made, and says what fails
         why = f"{type(exc).__name__}: {exc}"
@@ -627,11 +630,36 @@ def _stacked(spec: StepSpec) -> MemoryPrediction | None:
     return None if deep is None else _replayed(deep, spec, t0)
 
 
-def _recorded(spec: StepSpec, stack: LayerStack, depth: int) -> Recorded:
-    """The CUDA trace of ``spec``'s model built with ``depth`` layers, with each event's layer."""
+def _recorded(
+    spec: StepSpec,
+    stack: LayerStack,
+    depth: int,
+    trace: Callable[[StepSpec, list[Recorded]], Any] | None,
+) -> Recorded:
+    """The CUDA trace of ``spec``'s model built with ``depth`` layers (a training step's, or
+    ``trace``'s), with each event's layer."""
     record: list[Recorded] = []
-    _predict_on_fake(replace(spec, model=stack.at_depth(depth)), None, record=record)
+    shallow = replace(spec, model=stack.at_depth(depth))
+    if trace is None:
+        _predict_on_fake(shallow, None, record=record)
+    else:
+        trace(shallow, record)
     return record[0]
+
+
+def _start_journal(tracker: _StorageTracker, record: list[Recorded] | None) -> None:
+    """A CUDA trace whose events are to be ``record``-ed with their layers keeps a journal."""
+    if record is not None and tracker.events is not None:
+        journal = tracker.journal = StackJournal(lambda: tracker.phase)
+        tracker.events = journal.events(tracker.events)
+
+
+def _follow_layers(tracker: _StorageTracker, spec: StepSpec, model: nn.Module) -> None:
+    """The journal's layers: the built model's (with their weights made), followed by hooks."""
+    if tracker.journal is not None and spec.layers is not None:
+        layers = spec.layers.modules(model)
+        tracker.journal.label_layers(layers, tracker.uid_of)
+        tracker.journal.hook(layers)
 
 
 def _replayed(rec: Recorded, spec: StepSpec, t0: float) -> MemoryPrediction:
@@ -886,9 +914,7 @@ def _predict_on_fake(
     tracker.stop_above = stop_above
     if target.type != "cuda" and keep is not None and calibration is None:
         tracker.log = []
-    if record is not None and tracker.events is not None:
-        tracker.journal = StackJournal(lambda: tracker.phase)
-        tracker.events = tracker.journal.events(tracker.events)
+    _start_journal(tracker, record)
     grads_uids: set[int] = set()
     state_uids: set[int] = set()
     # CPU: the optimizer's first step (which creates its state) runs on zero gradients, then one
@@ -911,9 +937,7 @@ def _predict_on_fake(
             uid = tracker.uid_of(t)
             if uid is not None:
                 param_uids.add(uid)
-        if tracker.journal is not None and spec.layers is not None:
-            tracker.journal.label_layers(spec.layers.modules(model), tracker.uid_of)
-            tracker.journal.hook(spec.layers.modules(model))
+        _follow_layers(tracker, spec, model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(
             spec.optimizer, params, foreach=True if target.type == "cuda" else None

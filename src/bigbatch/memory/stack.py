@@ -41,9 +41,9 @@ class LayerStack:
     """A model whose layers repeat (a decoder's): how many it has, the model built with another
     number, and which of a built model's modules the layers are. A CUDA trace of a
     :class:`~bigbatch.memory.step.StepSpec` that has one is made from a 5-layer model's trace
-    where that was checked against a 6-layer one (``checked``, per kind of step: a micro-batch
-    of one sample or several, as a batch of several sequences has an attention mask; a lone
-    step or a window's later micro-batch).
+    where that was checked against a 6-layer one (``checked``, per kind of step: evaluation's
+    forward or training's; a micro-batch of one sample or several, as a batch of several
+    sequences has an attention mask; a lone step or a window's later micro-batch).
 
     >>> make = lambda n: (lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)]))
     >>> stack = LayerStack(12, make, lambda model: list(model))
@@ -54,7 +54,7 @@ class LayerStack:
     count: int
     at_depth: Callable[[int], Callable[[], nn.Module]]
     modules: Callable[[nn.Module], list[nn.Module]]
-    checked: dict[tuple[bool, bool], bool] = field(default_factory=dict)
+    checked: dict[tuple[bool, ...], bool] = field(default_factory=dict)
     uniform: bool | None = None  # whether the layers are alike (:meth:`alike`), once asked
 
     def worth_it(self) -> bool:
