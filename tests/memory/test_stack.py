@@ -37,6 +37,7 @@ def decoder(layers: int = 10) -> transformers.LlamaConfig:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("setup", "steps"),
     [
@@ -62,6 +63,7 @@ def test_a_deep_decoder_is_traced_from_a_shallow_one_to_the_byte(
         assert spec.layers is not None and spec.layers.checked[kind]  # extrapolated
 
 
+@pytest.mark.slow
 def test_evaluations_forward_is_extrapolated_too() -> None:
     """Evaluation's forward pass (no gradients, the optimizer's state alive) at 3 sequences."""
     spec = lm_spec_at(decoder(), LMSetup(seq_len=32, lora_r=4))(3)
