@@ -570,8 +570,10 @@ def test_a_config_naming_no_dtype_is_planned_in_float32_and_the_plan_says_so() -
     def plan(config: object, setup: LMSetup, budget: str = "2GB") -> LMPlan:
         return plan_lm(config, setup, 2, budget, device="cpu", precision="fp32", overhead=0)
 
-    plain = plan(tiny(), LMSetup(seq_len=16, lora_r=4))
+    config = tiny()
+    plain = plan(config, LMSetup(seq_len=16, lora_r=4))
     assert plain.weights_dtype == "float32"
+    assert config.dtype is None and config.use_cache  # the user's config is left as it was
     assert [n for n in plain.notes if "names no dtype" in n] == [
         "the config names no dtype: the weights are planned in float32 (as from_pretrained "
         "loads them without one); plan a 16-bit checkpoint with --dtype bf16 or --dtype fp16"

@@ -444,8 +444,13 @@ def lm_factory(
         # (the output and a float32 log-sum-exp a head and token), which the trace runs.
         attn = "sdpa" if setup.attn == "flash_attention_2" else setup.attn
         try:
+            # A copy: transformers sets the config's dtype and the step its use_cache, and the
+            # caller's config (one they may load a model with next) keeps its own.
             model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attn, trust_remote_code=_remote(config)
+                copy.deepcopy(config),
+                dtype=dtype,
+                attn_implementation=attn,
+                trust_remote_code=_remote(config),
             )
         except (TypeError, AttributeError, KeyError, IndexError) as exc:
             # A model's code reads values its config class leaves unset (ministral's head_dim):
@@ -1129,8 +1134,7 @@ def _check_fp16_weights(config: Any, setup: LMSetup, precision: str) -> None:
 
 
 def _setup_notes(config: Any, setup: LMSetup, budget: str | int, precision: str) -> list[str]:
-    """What the plan says of the card and the weights' dtype; taken before a model is built
-    from ``config`` (transformers then sets the config's dtype to the one it built)."""
+    """What the plan says of the card and the weights' dtype."""
     card = _card_for(budget, setup)
     return _bf16_notes(card, config, setup, precision) + _dtype_notes(config, setup)
 
