@@ -58,7 +58,8 @@ class LayerStack:
     uniform: bool | None = None  # whether the layers are alike (:meth:`alike`), once asked
 
     def worth_it(self) -> bool:
-        """Deep enough that two shallow traces cost less than one full one."""
+        """Deep enough that a 5-layer trace is at most half a full one: the check's 5- and
+        6-layer traces, once a plan, cost about a full trace, and the sizes after repay it."""
         return self.count >= 2 * SHALLOW
 
     def alike(self, build: Callable[[], nn.Module]) -> bool:
