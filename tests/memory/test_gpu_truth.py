@@ -391,3 +391,23 @@ def test_the_reduction_kernels_staging_is_the_traces_to_the_byte(batch: int) -> 
         )
         assert semaphores == 4 * outputs // 128
         assert (staging, semaphores) in pairs, (outputs, staging)
+
+
+def test_an_optimizers_step_counts_take_no_cuda_memory() -> None:
+    """torch's AdamW (neither capturable nor fused) keeps each weight's step count in host
+    memory: a recorded resnet18 step makes fewer 4-byte CUDA blocks than the model has weights
+    (each its own count), and a predicted step's optimizer state is the two moments alone, not
+    a 512-byte block a weight beside them."""
+    from bigbatch.memory.predict import predict_peak
+    from bigbatch.memory.step import StepSpec
+
+    truth = load(H100 + "resnet18-128-b8-fp16-adamw")
+    steps = truth["events"][truth["event_marks"]["steps_begin"] :]
+    four_bytes = sum(1 for action, _, size, _ in steps if action == "alloc" and size == 4)
+    assert four_bytes < 62  # resnet18's weights and biases, one step count each
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
+
+    p = predict_peak(StepSpec(model, (64,), 4, device="cuda", optimizer="adamw"))
+    assert p.optimizer_state == 2 * p.parameters, (p.optimizer_state, p.parameters)

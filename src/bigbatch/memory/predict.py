@@ -437,6 +437,17 @@ class _StorageTracker(TorchDispatchMode):
             self.log.append(("add", uid, size, phase, False))
         return uid
 
+    def replayed_malloc(self, uid: int, size: int, phase: str, observed: bool) -> None:
+        """A tensor a trace made, made again as that trace made it (for a replay of its log
+        or its events): live, and seen at the peak where the trace saw it."""
+        self.live[uid] = (size, phase)
+        self.live_bytes += size
+        if observed:
+            self._observe(0)
+
+    def replayed_free(self, uid: int) -> None:
+        self.live_bytes -= self.live.pop(uid)[0]
+
     def remove_synthetic(self, uid: int) -> None:
         size, _ = self.live.pop(uid)
         self.live_bytes -= size
@@ -466,6 +477,8 @@ class _StorageTracker(TorchDispatchMode):
         if steal is not None:  # the sum is the old buffer's storage
             self._hold(out.untyped_storage(), steal)
             tensors, real = [], ()
+        elif self._on_host(func):
+            tensors, real = [], ()
         for t, n in zip(tensors, real, strict=True):
             # Where a fake kernel under-reports an output (an empty workspace), the real size.
             before = self._next_uid
@@ -488,6 +501,17 @@ class _StorageTracker(TorchDispatchMode):
             if self.stop_above is not None and self.peak_bytes > self.stop_above:
                 raise _BoundReached
         return out
+
+    def _on_host(self, func: Any) -> bool:
+        """Whether an op's output lives in host memory on a card though this trace's do not.
+
+        torch's optimizers (neither capturable nor fused) make their step counts from Python
+        numbers (``torch.tensor(0.0)``, no device), and the constants that step them, in host
+        memory: on a card, none takes a CUDA block (an 8B model's LoRA adapters would take 448
+        of them)."""
+        return func is torch.ops.aten.lift_fresh.default and (
+            self.cuda is not None and self.phase == "optimizer"
+        )
 
     def _uid_from(self, first: int) -> Any:
         """The uid of a tensor tracked since uid ``first`` was next, else None."""
@@ -669,13 +693,9 @@ def _replayed(rec: Recorded, spec: StepSpec, t0: float) -> MemoryPrediction:
     tracker.events, tracker.cuda = rec.events, rec.libraries
     for op, key, _ in rec.events:
         if op == "malloc" and key in rec.made:
-            size, phase, observing = rec.made[key]
-            tracker.live[key] = (size, phase)
-            tracker.live_bytes += size
-            if observing:
-                tracker._observe(0)
+            tracker.replayed_malloc(key, *rec.made[key])
         elif op == "free" and key in tracker.live:
-            tracker.live_bytes -= tracker.live.pop(key)[0]
+            tracker.replayed_free(key)
     return _assemble(tracker, rec.uids, spec, "cuda", t0)
 
 
@@ -1200,14 +1220,9 @@ def replay_with_calibration(log: StepLog, calibration: Any) -> MemoryPrediction:
     for event in log.events:
         kind = event[0]
         if kind == "add":
-            _, uid, size, phase, observed = event
-            tracker.live[uid] = (size, phase)
-            tracker.live_bytes += size
-            if observed:
-                tracker._observe(0)
+            tracker.replayed_malloc(*event[1:])
         elif kind == "free":
-            size, _ = tracker.live.pop(event[1])
-            tracker.live_bytes -= size
+            tracker.replayed_free(event[1])
         elif kind == "op":
             _, name, made = event
             matched = tracker._match(name) if tracker.aligned else None
