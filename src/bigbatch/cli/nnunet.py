@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             "nnUNet_raw, nnUNet_preprocessed and nnUNet_results as nnU-Net's documentation "
             "says (setting_up_paths.md)"
         )
+    _refuse_bad_flags(args)
     # Imported when the command runs: `bigbatch --help` must not load torch or nnU-Net.
     try:
         from bigbatch.integrations import nnunet
@@ -146,22 +147,14 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
 
 
-def _example(nnunet: Any, args: argparse.Namespace) -> int:
-    import os
-
-    raw = os.environ["nnUNet_raw"]  # noqa: SIM112 - nnU-Net's own name, checked by run()
-    folder = nnunet.write_example_dataset(raw, args.dataset_id, cases=args.cases)
-    print(
-        f"{folder}: {args.cases} cases; next: nnUNetv2_plan_and_preprocess -d {args.dataset_id} "
-        f"-c 3d_fullres, then bigbatch nnunet train {args.dataset_id} 3d_fullres 0 --device cpu "
-        "--epochs 1 --iterations-per-epoch 5"
-    )
-    return 0
-
-
-def _train(nnunet: Any, args: argparse.Namespace) -> int:
-    import torch
-
+def _refuse_bad_flags(args: argparse.Namespace) -> None:
+    """The flags' own mistakes, refused before nnU-Net and torch load (seconds)."""
+    if args.nnunet_command == "predict":
+        wrong = [f for f in args.folds if f != "all" and not f.isdigit()]
+        if wrong:
+            raise UserError(f"--folds takes fold numbers (0 1 2 3 4) or all, got {wrong[0]!r}")
+    if args.nnunet_command != "train":
+        return
     if args.continue_training and args.pretrained_weights:
         raise UserError("--c continues a training; --pretrained-weights starts one: choose one")
     training_only = [
@@ -190,6 +183,24 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
     ):
         if value < 0:
             raise UserError(f"{flag} must be >= 1 (0: nnU-Net's default), got {value}")
+
+
+def _example(nnunet: Any, args: argparse.Namespace) -> int:
+    import os
+
+    raw = os.environ["nnUNet_raw"]  # noqa: SIM112 - nnU-Net's own name, checked by run()
+    folder = nnunet.write_example_dataset(raw, args.dataset_id, cases=args.cases)
+    print(
+        f"{folder}: {args.cases} cases; next: nnUNetv2_plan_and_preprocess -d {args.dataset_id} "
+        f"-c 3d_fullres, then bigbatch nnunet train {args.dataset_id} 3d_fullres 0 --device cpu "
+        "--epochs 1 --iterations-per-epoch 5"
+    )
+    return 0
+
+
+def _train(nnunet: Any, args: argparse.Namespace) -> int:
+    import torch
+
     from bigbatch.trackers import check_trackers, parse_trackers
 
     check_trackers(parse_trackers(args.log))  # a missing library: said before any work
@@ -218,9 +229,6 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
 
 
 def _predict(nnunet: Any, args: argparse.Namespace) -> int:
-    wrong = [f for f in args.folds if f != "all" and not f.isdigit()]
-    if wrong:
-        raise UserError(f"--folds takes fold numbers (0 1 2 3 4) or all, got {wrong[0]!r}")
     folds = tuple(f if f == "all" else int(f) for f in args.folds)
     out = nnunet.predict_folds(
         args.dataset,
