@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -393,11 +393,15 @@ def test_the_reduction_kernels_staging_is_the_traces_to_the_byte(batch: int) -> 
         assert (staging, semaphores) in pairs, (outputs, staging)
 
 
-def test_an_optimizers_step_counts_take_no_cuda_memory() -> None:
-    """torch's AdamW (neither capturable nor fused) keeps each weight's step count in host
-    memory: a recorded resnet18 step makes fewer 4-byte CUDA blocks than the model has weights
-    (each its own count), and a predicted step's optimizer state is the two moments alone, not
-    a 512-byte block a weight beside them."""
+@pytest.mark.parametrize(
+    ("optimizer", "copies"), [("adamw", 2), ("adagrad", 1), ("rmsprop", 1), ("sgd_momentum", 1)]
+)
+def test_an_optimizers_step_counts_take_no_cuda_memory(optimizer: str, copies: int) -> None:
+    """torch's optimizers (neither capturable nor fused) keep each weight's step count in host
+    memory: a recorded resnet18 AdamW step makes fewer 4-byte CUDA blocks than the model has
+    weights (each its own count), and a predicted step's optimizer state is its per-weight
+    tensors alone (Adam's two moments, Adagrad's sums, RMSprop's square averages), not a
+    512-byte block a weight beside them; on a CPU the counts are the CPU's memory."""
     from bigbatch.memory.predict import predict_peak
     from bigbatch.memory.step import StepSpec
 
@@ -409,5 +413,9 @@ def test_an_optimizers_step_counts_take_no_cuda_memory() -> None:
     def model() -> torch.nn.Module:
         return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
 
-    p = predict_peak(StepSpec(model, (64,), 4, device="cuda", optimizer="adamw"))
-    assert p.optimizer_state == 2 * p.parameters, (p.optimizer_state, p.parameters)
+    spec = StepSpec(model, (64,), 4, device="cuda", optimizer=optimizer)
+    p = predict_peak(spec)
+    assert p.optimizer_state == copies * p.parameters, (p.optimizer_state, p.parameters)
+    on_cpu = predict_peak(replace(spec, device="cpu"))
+    counts = 0 if optimizer == "sgd_momentum" else 16 * 4  # a float32 count a weight
+    assert on_cpu.optimizer_state == copies * on_cpu.parameters + counts

@@ -477,7 +477,7 @@ class _StorageTracker(TorchDispatchMode):
         if steal is not None:  # the sum is the old buffer's storage
             self._hold(out.untyped_storage(), steal)
             tensors, real = [], ()
-        elif self._on_host(func):
+        elif self._on_host(func, args):
             tensors, real = [], ()
         for t, n in zip(tensors, real, strict=True):
             # Where a fake kernel under-reports an output (an empty workspace), the real size.
@@ -502,16 +502,18 @@ class _StorageTracker(TorchDispatchMode):
                 raise _BoundReached
         return out
 
-    def _on_host(self, func: Any) -> bool:
+    def _on_host(self, func: Any, args: Any) -> bool:
         """Whether an op's output lives in host memory on a card though this trace's do not.
 
-        torch's optimizers (neither capturable nor fused) make their step counts from Python
-        numbers (``torch.tensor(0.0)``, no device), and the constants that step them, in host
-        memory: on a card, none takes a CUDA block (an 8B model's LoRA adapters would take 448
-        of them)."""
-        return func is torch.ops.aten.lift_fresh.default and (
-            self.cuda is not None and self.phase == "optimizer"
-        )
+        torch's optimizers (neither capturable nor fused) make their step counts, and the
+        constants that step them, without a device: from Python numbers (``torch.tensor(0.0)``:
+        Adam, AdamW, Adagrad) or as 0-dim zeros (RMSprop), which are the only 0-dim tensors
+        they make. On a card these stay in host memory and take no CUDA block (an 8B model's
+        LoRA adapters would take 448 of them)."""
+        if self.cuda is None or self.phase != "optimizer":
+            return False
+        lifted = func is torch.ops.aten.lift_fresh.default
+        return lifted or (func is torch.ops.aten.zeros.default and list(args[0]) == [])
 
     def _uid_from(self, first: int) -> Any:
         """The uid of a tensor tracked since uid ``first`` was next, else None."""
@@ -959,9 +961,10 @@ def _predict_on_fake(
                 param_uids.add(uid)
         _follow_layers(tracker, spec, model)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(
-            spec.optimizer, params, foreach=True if target.type == "cuda" else None
-        )
+        with tracker.in_phase("optimizer"):  # Adagrad makes its state, step counts too, here
+            opt = make_optimizer(
+                spec.optimizer, params, foreach=True if target.type == "cuda" else None
+            )
         # Inputs exist before the step, as a DataLoader's batch would (and as measured).
         inputs = [make_inputs(spec, device) for _ in range(1 if steady else 2)]
         waiting, in_batch = None, 0
