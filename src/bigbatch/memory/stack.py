@@ -205,8 +205,8 @@ class StackJournal:
     ) -> None:
         """Label what an op made outside the layers by what it read: a multi-tensor (foreach)
         op's i-th output by its i-th input, another op's by its inputs where they are all of one
-        layer; in the optimizer step, one reading none (RMSprop's step count) by the last op that did,
-        so each weight's state stays with its layer."""
+        layer; in the optimizer step, one reading none by the last op that did, so each weight's
+        state stays with its layer."""
         if self.running() is not None:
             return
 
