@@ -336,6 +336,12 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
         # with bitsandbytes' own layers and optimizers, predicted with the planner's stand-ins.
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "size": 1024, "batch": 4,
          "precision": "bf16", "optimizer": "adamw"},
+        # Where the optimizer step is the peak, torch's multi-tensor AdamW and its fused one
+        # (Trainer's default from torch 2.8: step counts on the card, no update temporaries).
+        {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "size": 256, "batch": 2,
+         "precision": "bf16", "optimizer": "adamw"},
+        {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "size": 256, "batch": 2,
+         "precision": "bf16", "optimizer": "adamw_fused"},
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "ckpt": True,
          "size": 4096, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True,

@@ -6,7 +6,8 @@ just after CUDA's initialisation, the peaks, the device memory in use at each st
     python benchmarks/record_trace.py --dry-run ROW out.json.gz   # no GPU: the CPU step's peak
 
 The loop is the one a user writes: ``torch.autocast("cuda", dtype)``, ``GradScaler`` for fp16,
-torch's default (foreach) optimizer, ``zero_grad(set_to_none=True)``, two steps; cuDNN's
+torch's default (foreach) optimizer (``adamw_fused``: the fused AdamW),
+``zero_grad(set_to_none=True)``, two steps; cuDNN's
 benchmark mode as the row says (off by default: such rows repeat to the MiB), the
 allocator capped at ``cap_mib`` where the row has one, and the model under ``torch.compile``
 where the row says ``compile``.
@@ -209,7 +210,7 @@ def _record_cuda(row: dict[str, Any]) -> dict[str, Any]:
         "events": events,
         "loop": "recorded by benchmarks/record_trace.py from just after CUDA init: a cuBLAS "
         "warm-up matmul and a cuDNN conv (freed), the model, inputs, optimizer, then 2 steps; "
-        "torch.autocast(cuda, dtype); GradScaler for fp16; foreach optimizer; "
+        "torch.autocast(cuda, dtype); GradScaler for fp16; foreach optimizer (adamw_fused: fused); "
         "zero_grad(set_to_none=True)",
     }
 

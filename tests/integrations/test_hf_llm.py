@@ -631,13 +631,26 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
     8-bit AdamW where the plan has torch's, an optimizer bigbatch does not plan, float32
     compute where the plan has autocast's bf16 (twice the activations) and the reverse. Each
     is refused in one line naming the fix, by with_plan and by MemoryBudget when training
-    begins (arguments built without with_plan); trainer_arguments names the plan's."""
+    begins (arguments built without with_plan); trainer_arguments names the plan's. A plan
+    traced with the fused AdamW holds for it alone: the multi-tensor one's update makes
+    temporaries as large as the adapters that the fused one does not."""
     plan = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                    precision="bf16", overhead=0)  # fmt: skip
     assert trainer_arguments(plan) == {
         "per_device_train_batch_size": N, "gradient_accumulation_steps": 1,
         "per_device_eval_batch_size": N, "bf16": True, "fp16": False, "optim": "adamw_torch",
     }  # fmt: skip
+    fused = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
+                    precision="bf16", optimizer="adamw_fused", overhead=0)  # fmt: skip
+    assert trainer_arguments(fused)["optim"] == "adamw_torch_fused"
+    foreach = SimpleNamespace(world_size=1, optim="adamw_torch", bf16=True, fp16=False,
+                              per_device_train_batch_size=1, gradient_accumulation_steps=1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"traces the adamw_fused optimizer and these arguments "
+                       r"train with optim='adamw_torch': set optim='adamw_torch_fused', or plan "
+                       r"with --optimizer adamw$"):  # fmt: skip
+        with_plan(foreach, fused)
+    trainers_default = SimpleNamespace(**{**vars(foreach), "optim": "adamw_torch_fused"})
+    assert with_plan(trainers_default, fused).per_device_train_batch_size == N
     model = tiny_lora().float()
     for settings in [{"bf16": True}, {"fp16": True}, {"bf16": True, "optim": "adamw_torch"}]:
         args = SimpleNamespace(world_size=1, optim="adamw_torch_fused", bf16=False, fp16=False,

@@ -419,3 +419,24 @@ def test_an_optimizers_step_counts_take_no_cuda_memory(optimizer: str, copies: i
     on_cpu = predict_peak(replace(spec, device="cpu"))
     counts = 0 if optimizer == "sgd_momentum" else 16 * 4  # a float32 count a weight
     assert on_cpu.optimizer_state == copies * on_cpu.parameters + counts
+
+
+def test_a_fused_adamw_keeps_its_step_counts_on_the_card_and_makes_no_temporaries() -> None:
+    """torch's fused AdamW (Trainer's default from torch 2.8) keeps each weight's step count
+    on the card (a 512-byte block each, not host memory) and updates the weights in one
+    kernel, in place: where the optimizer step is the peak, the multi-tensor AdamW's
+    temporaries (as large as the weights) are what the fused one spares. On a CPU its
+    counts are float32, as the multi-tensor one's."""
+    from bigbatch.memory.predict import predict_peak
+    from bigbatch.memory.step import StepSpec
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
+
+    spec = StepSpec(model, (64,), 4, device="cuda", optimizer="adamw_fused")
+    fused, foreach = predict_peak(spec), predict_peak(replace(spec, optimizer="adamw"))
+    assert fused.optimizer_state == 2 * fused.parameters + 16 * 512
+    assert foreach.temporaries > fused.parameters > 50 * fused.temporaries
+    assert foreach.peak_bytes - fused.peak_bytes > 0.9 * fused.parameters
+    on_cpu = predict_peak(replace(spec, device="cpu"))
+    assert on_cpu.optimizer_state == 2 * on_cpu.parameters + 16 * 4

@@ -172,6 +172,23 @@ def test_an_uneven_last_micro_batch_is_said() -> None:
     )
 
 
+def test_trainers_fused_adamw_is_planned_by_name(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--optimizer adamw_fused``: torch's fused AdamW, Trainer's default from torch 2.8, is
+    planned as itself (no update temporaries: a lower peak than the multi-tensor AdamW's for
+    a full fine-tune) and named to Trainer as ``adamw_torch_fused``."""
+    # Wide enough that the weights, not the step's workspaces, decide the peak.
+    wide = {**tiny().to_dict(), "hidden_size": 512, "intermediate_size": 2048}
+    folder = write_config(tmp_path / "m", wide)
+    args = ["plan", "--hf", str(folder), "--seq-len", "16", "--batch", "4", "--budget", "l4"]
+    peaks = {}
+    for optimizer in ("adamw", "adamw_fused"):
+        assert main([*args, "--optimizer", optimizer, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        peaks[optimizer] = plan["peak_bytes_per_rank"]
+    assert plan["trainer"]["optim"] == "adamw_torch_fused"
+    assert peaks["adamw_fused"] < peaks["adamw"]
+
+
 @pytest.mark.slow
 def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> None:  # type: ignore[no-untyped-def]
     """A mixture of experts in float32 (grouped_mm takes 16-bit weights only, on the card as in

@@ -39,23 +39,25 @@ def decoder(layers: int = 10) -> transformers.LlamaConfig:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("setup", "steps"),
+    ("setup", "steps", "optimizer"),
     [
-        (LMSetup(seq_len=32, lora_r=4, gradient_checkpointing=True), ((1, 8), (3, 8))),
-        (LMSetup(seq_len=32), ((2, 2),)),
+        (LMSetup(seq_len=32, lora_r=4, gradient_checkpointing=True), ((1, 8), (3, 8)), "adamw"),
+        (LMSetup(seq_len=32), ((2, 2),), "adamw"),
+        (LMSetup(seq_len=32), ((2, 2),), "adamw_fused"),
         (LMSetup(seq_len=32, lora_r=4, quant=4, gradient_checkpointing=True, packing=True),
-         ((2, 8),)),
+         ((2, 8),), "adamw"),
     ],
-    ids=["lora-checkpointed", "full", "qlora-packed"],
+    ids=["lora-checkpointed", "full", "full-fused", "qlora-packed"],
 )  # fmt: skip
 def test_a_deep_decoder_is_traced_from_a_shallow_one_to_the_byte(
-    setup: LMSetup, steps: tuple[tuple[int, int], ...]
+    setup: LMSetup, steps: tuple[tuple[int, int], ...], optimizer: str
 ) -> None:
     """Its 10 layers from 5: LoRA with activation checkpointing (a micro-batch of one sequence,
     and of several, with an attention mask), a full fine-tune's lone step (every layer's weights
-    in the optimizer's multi-tensor ops), QLoRA's 4-bit base on packed sequences: each the full
-    trace's prediction, every field."""
-    spec_at = lm_spec_at(decoder(), setup)
+    in the optimizer's multi-tensor ops, or in the fused AdamW's one kernel, whose step counts
+    are on the card), QLoRA's 4-bit base on packed sequences: each the full trace's
+    prediction, every field."""
+    spec_at = lm_spec_at(decoder(), setup, optimizer=optimizer)
     for b, window in steps:
         spec = spec_at(b).in_window(window)
         assert same(predict_peak(spec), full_trace(spec))

@@ -135,8 +135,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     precision = "autocast's dtype; default fp32 (bf16 with --hf); for a card named by --budget, "
     precision += "bigbatch train's precision=auto there (bf16, or fp16 before Ampere)"
     p.add_argument("--precision", choices=PRECISIONS, help=precision)
-    optimizer = "the optimizer whose state the step holds (8-bit and paged: bitsandbytes')"
-    p.add_argument("--optimizer", choices=OPTIMIZERS, help=optimizer + "; default adamw")
+    optimizer = "the optimizer whose state the step holds (adamw_fused: torch's fused AdamW, "
+    optimizer += "Trainer's default from torch 2.8; 8-bit and paged: bitsandbytes'); default adamw"
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help=optimizer)
     p.add_argument(
         "--cudnn-benchmark",
         action="store_true",

@@ -167,7 +167,7 @@ def trainer_batch_sizes(
 # (bigbatch.memory.step.make_optimizer's names); the first of each is the one to name.
 _TRAINER_OPTIMIZERS = {
     "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
+    "adamw_torch_fused": "adamw_fused",
     "adamw_8bit": "adamw_8bit",
     "adamw_bnb_8bit": "adamw_8bit",
     "paged_adamw_8bit": "paged_adamw_8bit",
@@ -237,6 +237,11 @@ def _checkpointing_argument(plan: Any, args: Any = None) -> dict[str, Any]:
             args, "gradient_checkpointing_kwargs", None
         ) or {"use_reentrant": False}
     return said
+
+
+# A plan traced with the multi-tensor AdamW holds for the fused one too: the same state, and
+# no update temporaries (its step counts, 512-byte blocks each on the card, are what it adds).
+_ALSO_HOLDS_FOR = {"adamw": ("adamw_fused",)}
 
 
 def _trainer_optim(optimizer: str) -> str | None:
@@ -377,7 +382,9 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     optim = getattr(args, "optim", None)
     optim = str(getattr(optim, "value", optim))  # Trainer's is an enum of its names
     want = _trainer_optim(traced.optimizer)
-    if optim != "None" and _TRAINER_OPTIMIZERS.get(optim) != traced.optimizer:
+    ran = _TRAINER_OPTIMIZERS.get(optim)
+    holds = ran == traced.optimizer or ran in _ALSO_HOLDS_FOR.get(traced.optimizer, ())
+    if optim != "None" and not holds:
         fix = f"set optim={want!r}" if want else "plan with an optimizer Trainer has"
         if optim in _TRAINER_OPTIMIZERS:
             fix += f", or plan with --optimizer {_TRAINER_OPTIMIZERS[optim]}"

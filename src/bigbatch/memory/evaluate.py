@@ -36,7 +36,15 @@ from bigbatch.memory.step import StepSpec, make_inputs, run_step_loss
 __all__ = ["STATE_COPIES", "EvaluationPlan", "plan_evaluation_batch", "predict_evaluation_peak"]
 
 # Tensors the size of the weights an optimizer keeps between steps, alive while evaluating.
-STATE_COPIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1}
+STATE_COPIES = {
+    "adamw": 2,
+    "adamw_fused": 2,
+    "adam": 2,
+    "sgd": 0,
+    "sgd_momentum": 1,
+    "rmsprop": 1,
+    "adagrad": 1,
+}
 
 
 def predict_evaluation_peak(

@@ -271,7 +271,7 @@ def _suggestions(spec: StepSpec) -> str:
     tips = []
     if spec.precision == "fp32":
         tips.append("precision bf16 (halves activations)")
-    if spec.optimizer.lower() in ("adamw", "adam"):
+    if spec.optimizer.lower() in ("adamw", "adamw_fused", "adam"):
         # bigbatch train and bigbatch plan both take it (train's sgd has momentum: one copy).
         tips.append(
             "SGD (optimizer=sgd in bigbatch train, --optimizer sgd in bigbatch plan: one state "

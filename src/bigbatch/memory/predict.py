@@ -263,6 +263,8 @@ class _StorageTracker(TorchDispatchMode):
         self.aligned = calibration is not None
         self.peak_workspace = 0
         self.phase = "setup"
+        # torch's optimizers keep their step counts in host memory, but for the fused ones.
+        self.host_step_counts = True
         self.live: dict[int, tuple[int, str]] = {}  # uid -> (bytes, phase)
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -509,8 +511,8 @@ class _StorageTracker(TorchDispatchMode):
         constants that step them, without a device: from Python numbers (``torch.tensor(0.0)``:
         Adam, AdamW, Adagrad) or as 0-dim zeros (RMSprop), which are the only 0-dim tensors
         they make. On a card these stay in host memory and take no CUDA block (an 8B model's
-        LoRA adapters would take 448 of them)."""
-        if self.cuda is None or self.phase != "optimizer":
+        LoRA adapters would take 448 of them). A fused optimizer's are on the card."""
+        if self.cuda is None or self.phase != "optimizer" or not self.host_step_counts:
             return False
         lifted = func is torch.ops.aten.lift_fresh.default
         return lifted or (func is torch.ops.aten.zeros.default and list(args[0]) == [])
@@ -851,7 +853,8 @@ def _optimizer_on_meta(model: nn.Module, optimizer: str, trace: OptimizerTrace) 
     tensors' dispatch: efficientnet_b0 with AdamW takes 0.6 s here against 1.3 s in a fake
     trace. The steady step is recorded with every trainable weight holding a gradient; where
     the backward leaves one without, the fake trace records the step instead
-    (``unchecked``)."""
+    (``unchecked``), as it records all of a fused optimizer's (torch's fused kernels take no
+    meta tensors)."""
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         tracker = _StorageTracker()
@@ -961,6 +964,7 @@ def _predict_on_fake(
                 param_uids.add(uid)
         _follow_layers(tracker, spec, model)
         params = [p for p in model.parameters() if p.requires_grad]
+        tracker.host_step_counts = spec.optimizer != "adamw_fused"
         with tracker.in_phase("optimizer"):  # Adagrad makes its state, step counts too, here
             opt = make_optimizer(
                 spec.optimizer, params, foreach=True if target.type == "cuda" else None

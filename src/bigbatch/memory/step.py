@@ -35,6 +35,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 # bitsandbytes' AdamW variants (8-bit, paged) are traced as stand-ins: bigbatch.memory.bnb.
 OPTIMIZERS = (
     "adamw",
+    "adamw_fused",
     "adam",
     "sgd",
     "sgd_momentum",
@@ -113,10 +114,18 @@ class StepSpec:
 def make_optimizer(
     name: str, params: Any, lr: float = 1e-3, foreach: bool | None = None
 ) -> torch.optim.Optimizer:
-    """The optimizers the planner knows, by name (their state is what differs)."""
+    """The optimizers the planner knows, by name (their state is what differs).
+    ``adamw_fused`` is torch's fused AdamW (Trainer's default from torch 2.8): one kernel
+    updates every weight in place, with no temporaries, so ``foreach`` does not apply.
+
+    >>> make_optimizer("adamw_fused", [torch.nn.Parameter(torch.zeros(2))]).defaults["fused"]
+    True
+    """
     name = name.lower()
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, foreach=foreach)
     if name == "sgd":
