@@ -110,6 +110,8 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
         plan_lm(config, LMSetup(seq_len=512), 8, "1GB", device="cpu")
     with pytest.raises(ValueError, match=r"matches no linear layer.*q_proj"):
         plan_lm(config, LMSetup(seq_len=16, lora_r=4, lora_targets="qkv"), 8, "1GB", device="cpu")
+    with pytest.raises(ValueError, match=r"^--lora-targets names no module: give comma"):
+        plan_lm(config, LMSetup(seq_len=16, lora_r=4, lora_targets=" , "), 8, "1GB", device="cpu")
     with pytest.raises(ValueError, match="add --lora R"):
         plan_lm(config, LMSetup(seq_len=16, quant=4), 8, "1GB", device="cpu")
     # The adapters' settings without adapters: not a full fine-tune planned in silence.

@@ -331,6 +331,11 @@ def check_setup(
         )
     if setup.lora_r < 0:
         raise ValueError(f"--lora takes the adapters' rank, >= 1 (e.g. 16), got {setup.lora_r}")
+    if setup.lora_r and not setup.lora_targets.replace(",", "").strip():
+        raise ValueError(
+            "--lora-targets names no module: give comma-separated names (q_proj,v_proj), or "
+            "all-linear (the default)"
+        )
     if not 0.0 <= setup.lora_dropout < 1.0:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {setup.lora_dropout}")
     if setup.quant and not setup.lora_r:
