@@ -421,7 +421,9 @@ def test_an_optimizers_step_counts_take_no_cuda_memory(optimizer: str, copies: i
     assert on_cpu.optimizer_state == copies * on_cpu.parameters + counts
 
 
-def test_a_fused_adamw_keeps_its_step_counts_on_the_card_and_makes_no_temporaries() -> None:
+def test_a_fused_adamw_keeps_its_step_counts_on_the_card_and_makes_no_temporaries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """torch's fused AdamW (Trainer's default from torch 2.8) keeps each weight's step count
     on the card (a 512-byte block each, not host memory) and updates the weights in one
     kernel, in place: where the optimizer step is the peak, the multi-tensor AdamW's
@@ -440,3 +442,13 @@ def test_a_fused_adamw_keeps_its_step_counts_on_the_card_and_makes_no_temporarie
     assert foreach.peak_bytes - fused.peak_bytes > 0.9 * fused.parameters
     on_cpu = predict_peak(replace(spec, device="cpu"))
     assert on_cpu.optimizer_state == 2 * on_cpu.parameters + 16 * 4
+    # Where torch has no fused kernel for the weights' device (the CPU, before torch 2.4, whose
+    # AdamW refuses them when built): one line naming the fix.
+    from bigbatch.memory.step import make_optimizer
+
+    def refuses(params: Any, **kwargs: Any) -> None:
+        raise RuntimeError("`fused=True` requires all the params to be floating point Tensors")
+
+    monkeypatch.setattr(torch.optim, "AdamW", refuses)
+    with pytest.raises(ValueError, match=r"fused AdamW cannot step .*--optimizer adamw \("):
+        make_optimizer("adamw_fused", [torch.nn.Parameter(torch.zeros(2))])

@@ -964,7 +964,7 @@ def _predict_on_fake(
                 param_uids.add(uid)
         _follow_layers(tracker, spec, model)
         params = [p for p in model.parameters() if p.requires_grad]
-        tracker.host_step_counts = spec.optimizer != "adamw_fused"
+        tracker.host_step_counts = spec.optimizer.lower() != "adamw_fused"
         with tracker.in_phase("optimizer"):  # Adagrad makes its state, step counts too, here
             opt = make_optimizer(
                 spec.optimizer, params, foreach=True if target.type == "cuda" else None

@@ -125,7 +125,14 @@ def make_optimizer(
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
     if name == "adamw_fused":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
+        try:
+            return torch.optim.AdamW(params, lr=lr, fused=True)
+        except RuntimeError as exc:  # a device torch has no fused kernel for (the CPU < 2.4)
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"torch {torch.__version__}'s fused AdamW cannot step these weights ({why}): "
+                "plan with --optimizer adamw (optimizer='adamw')"
+            ) from None
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, foreach=foreach)
     if name == "sgd":
