@@ -164,7 +164,8 @@ def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) 
 
 
 def test_an_uneven_last_micro_batch_is_said() -> None:
-    """20 sequences at micro-batch 7 are 7, 7 and 6: the summary says so, not 7 x 3 alone."""
+    """20 sequences at micro-batch 7 are 7, 7 and 6: the summary and a table's row say so, not
+    7 x 3 alone."""
     plan = plan_lm(tiny(), LMSetup(seq_len=16), 8, "1GB", device="cpu", overhead=0)
     assert "micro-batch 8 x 1 accumulation;" in plan.summary()
     one = replace(plan.plan, micro_batch=7, micro_batches=3, target_batch=20)
@@ -172,6 +173,9 @@ def test_an_uneven_last_micro_batch_is_said() -> None:
     assert "20 sequences of 16 tokens a step = micro-batch 7 x 3 accumulation (the last 6);" in (
         uneven.summary()
     )
+    from bigbatch.cli.plan_hf import _split  # a table's cell (--seq-len 512,1024)
+
+    assert (_split(plan), _split(uneven)) == ("8 x 1", "7 x 3, last 6")
 
 
 def test_trainers_fused_adamw_is_planned_by_name(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

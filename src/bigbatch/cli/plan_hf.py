@@ -350,7 +350,7 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         return
     setup = f"{_setup(args, 1, 1).describe(table=True)}, precision {args.precision}"
     print(f"{args.hf}: {setup}; global batch {args.batch} sequences, budget {args.budget} per rank")
-    header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>14} {'peak / rank':>12}  parts"
+    header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>15} {'peak / rank':>12}  parts"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -363,11 +363,18 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3]
             if v > 0
         )
-        split = f"{r.micro_batch} x {r.accumulation}"
         print(
-            f"{r.setup.seq_len:>7} {r.setup.world_size:>5} {split:>14} "
+            f"{r.setup.seq_len:>7} {r.setup.world_size:>5} {_split(r):>15} "
             f"{format_bytes(r.peak_bytes):>12}  {top}"
         )
+
+
+def _split(plan: Any) -> str:
+    """A table's micro-batch x accumulation, with the last micro-batch where it is smaller
+    (8 sequences a rank at micro-batch 3: "3 x 3, last 2", not 9)."""
+    last = plan.plan.target_batch - plan.micro_batch * (plan.accumulation - 1)
+    split = f"{plan.micro_batch} x {plan.accumulation}"
+    return split + (f", last {last}" if last != plan.micro_batch else "")
 
 
 def _model_fields(plan: Any) -> dict[str, str]:
