@@ -164,6 +164,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda j: ["verify", "--distributed", "2", "--dtype", "float32"],
         "--dtype: --distributed's cases run in float64 on their own data",
     ),
+    "verify --distributed 0": (  # refused, not the non-distributed cases run instead
+        lambda j: ["verify", "--distributed", "0"],
+        "hold data for 2 ranks: use --distributed 2",
+    ),
     "verify --distributed with --model": (
         lambda j: ["verify", "--distributed", "2", "--model", "m:f"],
         "--distributed runs bigbatch's own distributed cases, not --model",

@@ -175,7 +175,8 @@ _NOT_DISTRIBUTED = dict.fromkeys(("dtype", "seed", "naive"))
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.distributed and args.model:
+    distributed = args.distributed is not None  # --distributed 0 is refused, not ignored
+    if distributed and args.model:
         raise UserError(
             "--distributed runs bigbatch's own distributed cases, not --model: verify your "
             "model without --distributed, or the distributed cases without --model"
@@ -185,14 +186,14 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
             "(the built-in cases have their own sizes)"
         )
-    if args.distributed and (given := flags_typed(args, _NOT_DISTRIBUTED)):
+    if distributed and (given := flags_typed(args, _NOT_DISTRIBUTED)):
         raise UserError(
             f"{', '.join(given)}: --distributed's cases run in float64 on their own data, "
             f"bigbatch beside the naive loss / N: drop {'them' if len(given) > 1 else 'it'}"
         )
     fill_defaults(args, _DEFAULTS)
     dtypes = _dtypes(args.dtype)
-    if args.distributed:
+    if distributed:
         # Imported when the command runs: `bigbatch --help` must not load torch and the libraries.
         from bigbatch.verify.distributed import verify_distributed
 
