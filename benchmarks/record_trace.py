@@ -7,9 +7,8 @@ just after CUDA's initialisation, the peaks, the device memory in use at each st
 
 The loop is the one a user writes: ``torch.autocast("cuda", dtype)``, ``GradScaler`` for fp16,
 torch's default (foreach) optimizer (``adamw_fused``: the fused AdamW),
-``zero_grad(set_to_none=True)``, two steps; cuDNN's
-benchmark mode as the row says (off by default: such rows repeat to the MiB), the
-allocator capped at ``cap_mib`` where the row has one, and the model under ``torch.compile``
+``zero_grad(set_to_none=True)``, two steps; cuDNN's benchmark mode as the row says (off by
+default: such rows repeat to the MiB), the allocator capped at ``cap_mib`` where the row has one, and the model under ``torch.compile``
 where the row says ``compile``.
 """
 

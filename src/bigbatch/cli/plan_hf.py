@@ -372,7 +372,7 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
 def _split(plan: Any) -> str:
     """A table's micro-batch x accumulation, with the last micro-batch where it is smaller
     (8 sequences a rank at micro-batch 3: "3 x 3, last 2", not 9)."""
-    last = plan.plan.target_batch - plan.micro_batch * (plan.accumulation - 1)
+    last = plan.plan.last_micro_batch
     split = f"{plan.micro_batch} x {plan.accumulation}"
     return split + (f", last {last}" if last != plan.micro_batch else "")
 

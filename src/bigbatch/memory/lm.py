@@ -910,7 +910,7 @@ class LMPlan:
         parts = ", ".join(
             f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.parts().items() if v > 0
         )
-        last = self.plan.target_batch - self.micro_batch * (self.accumulation - 1)
+        last = self.plan.last_micro_batch
         text = (
             f"{self.global_batch} sequences of {s.seq_len} tokens a step = micro-batch "
             f"{self.micro_batch} x {self.accumulation} accumulation"

@@ -100,6 +100,19 @@ class Plan:
     samples_per_s: dict[int, float] = field(default_factory=dict)
 
     @property
+    def last_micro_batch(self) -> int:
+        """The size of an optimizer step's last micro-batch: smaller than :attr:`micro_batch`
+        where that does not divide the target (20 at micro-batch 7: 7, 7 and 6).
+
+        >>> import torch
+        >>> spec = lambda b: StepSpec(lambda: torch.nn.Linear(4, 2), (4,), b)
+        >>> plan = plan_micro_batch(spec, 20, "1GB", overhead=0)
+        >>> replace(plan, micro_batch=7, micro_batches=3).last_micro_batch
+        6
+        """
+        return self.target_batch - self.micro_batch * (self.micro_batches - 1)
+
+    @property
     def heap_growth_bytes(self) -> int:
         """CPU: how far glibc's default heap may take the process past the predicted peak
         (:data:`CPU_HEAP_GROWTH` x the step's working set); 0 on a GPU."""
@@ -153,7 +166,7 @@ class Plan:
         }
 
     def summary(self) -> str:
-        last = self.target_batch - self.micro_batch * (self.micro_batches - 1)
+        last = self.last_micro_batch
         # Said in words: "2 x 64" read as micro-batch x accumulation by some, the other way
         # by others.
         split = f"{self.micro_batches} micro-batch(es) of {self.micro_batch}" + (

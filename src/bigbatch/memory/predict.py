@@ -964,11 +964,11 @@ def _predict_on_fake(
                 param_uids.add(uid)
         _follow_layers(tracker, spec, model)
         params = [p for p in model.parameters() if p.requires_grad]
-        tracker.host_step_counts = spec.optimizer.lower() != "adamw_fused"
         with tracker.in_phase("optimizer"):  # Adagrad makes its state, step counts too, here
             opt = make_optimizer(
                 spec.optimizer, params, foreach=True if target.type == "cuda" else None
             )
+        tracker.host_step_counts = not opt.defaults.get("fused")
         # Inputs exist before the step, as a DataLoader's batch would (and as measured).
         inputs = [make_inputs(spec, device) for _ in range(1 if steady else 2)]
         waiting, in_batch = None, 0
