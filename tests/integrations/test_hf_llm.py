@@ -638,7 +638,8 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
                    precision="bf16", overhead=0)  # fmt: skip
     assert trainer_arguments(plan) == {
         "per_device_train_batch_size": N, "gradient_accumulation_steps": 1,
-        "per_device_eval_batch_size": N, "bf16": True, "fp16": False, "optim": "adamw_torch",
+        "per_device_eval_batch_size": N, "bf16": True, "fp16": False,
+        "optim": "adamw_torch_fused",  # Trainer's default, which the adamw plan holds for
     }  # fmt: skip
     fused = plan_lm(tiny_config(), LMSetup(seq_len=SEQ, lora_r=4), N, "1GB", device="cpu",
                     precision="bf16", optimizer="adamw_fused", overhead=0)  # fmt: skip
@@ -660,9 +661,9 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
         check_plan_matches(plan, model, "cpu", args)
     for settings, why in [
         ({"bf16": True, "optim": "adamw_8bit"}, "traces the adamw optimizer and these arguments "
-         "train with optim='adamw_8bit': set optim='adamw_torch', or plan with --optimizer "
+         "train with optim='adamw_8bit': set optim='adamw_torch_fused', or plan with --optimizer "
          "adamw_8bit"),
-        ({"bf16": True, "optim": "adafactor"}, "optim='adafactor': set optim='adamw_torch' "
+        ({"bf16": True, "optim": "adafactor"}, "optim='adafactor': set optim='adamw_torch_fused' "
          r"\(bigbatch plans adamw_torch, "),
         ({}, "computes in bf16 and these arguments in fp32: set bf16=True \\(fp16=True on a "
          "card without bfloat16 units\\), or plan with --precision fp32"),

@@ -468,7 +468,7 @@ def test_seven_and_eight_billion_parameter_plans(
         "per_device_eval_batch_size": plan["eval_batch"],
         "bf16": card != "t4",
         "fp16": card == "t4",
-        "optim": "adamw_torch",
+        "optim": "adamw_torch_fused",  # Trainer's default: the adamw plan holds for it
         "activation_checkpointing": True,  # the plan counts on it
     }  # fmt: skip  (a T4 has no bfloat16 units: fp16 there)
     # The model as the plan traced it: the 4-bit layers compute in the T4's fp16 weights' dtype.

@@ -182,9 +182,10 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     """The fields of ``TrainingArguments`` (TRL's ``SFTConfig``) that ``plan`` (an
     :class:`~bigbatch.memory.lm.LMPlan`) holds for: :func:`with_plan`'s micro-batch,
     accumulation and evaluation batch (at most the micro-batch where not planned), the
-    precision it traced (``bf16``, ``fp16``), its optimizer as Trainer names it (``optim``;
-    None for one Trainer has no name for) and, where it counts on checkpointing (without
-    FSDP2, whose checkpointing is accelerate's ``fsdp_config``'s),
+    precision it traced (``bf16``, ``fp16``), its optimizer as Trainer names it (``optim``:
+    Trainer's default where the plan holds for it, as an ``adamw`` plan does for the fused
+    AdamW of transformers 5; None for one Trainer has no name for) and, where it counts on
+    checkpointing (without FSDP2, whose checkpointing is accelerate's ``fsdp_config``'s),
     ``activation_checkpointing=True`` (``gradient_checkpointing`` before transformers 5).
 
     >>> import transformers
@@ -194,7 +195,7 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     >>> plan = plan_lm(cfg, LMSetup(seq_len=32, lora_r=4), 8, "64MB", device="cpu",
     ...                precision="fp32", overhead=0)
     >>> trainer_arguments(plan)
-    {'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 1, 'per_device_eval_batch_size': 8, 'bf16': False, 'fp16': False, 'optim': 'adamw_torch'}
+    {'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 1, 'per_device_eval_batch_size': 8, 'bf16': False, 'fp16': False, 'optim': 'adamw_torch_fused'}
     """
     micro, steps = trainer_batch_sizes(
         plan.global_batch, plan.plan.max_micro_batch, plan.setup.world_size
@@ -245,8 +246,28 @@ _ALSO_HOLDS_FOR = {"adamw": ("adamw_fused",)}
 
 
 def _trainer_optim(optimizer: str) -> str | None:
-    """Trainer's name for a plan's optimizer (None: Trainer has none for it)."""
-    return next((k for k, v in _TRAINER_OPTIMIZERS.items() if v == optimizer), None)
+    """Trainer's name for a plan's optimizer (None: Trainer has none for it): Trainer's own
+    default where the plan holds for it (an ``adamw`` plan and transformers' fused AdamW, its
+    default from torch 2.8: naming the multi-tensor one would slow the user's run for
+    nothing), else the first that runs the plan's optimizer."""
+    holds = (optimizer, *_ALSO_HOLDS_FOR.get(optimizer, ()))
+    names = [k for k, v in _TRAINER_OPTIMIZERS.items() if v in holds]
+    default = _trainers_default_optim()
+    if default in names:
+        return default
+    return next((k for k in names if _TRAINER_OPTIMIZERS[k] == optimizer), None)
+
+
+def _trainers_default_optim() -> str | None:
+    """``TrainingArguments.optim``'s default in the transformers installed (None without
+    one)."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    field = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}.get("optim")
+    default = getattr(field, "default", None)
+    return None if default is None else str(getattr(default, "value", default))
 
 
 def with_plan(args: Any, plan: Any) -> Any:
