@@ -40,6 +40,17 @@ def test_a_switch_with_a_value_that_is_not_a_truth_value_names_the_fix(capsys) -
     assert "fastest=true or fastest=false" in capsys.readouterr().err
 
 
+def test_a_value_starting_with_a_dash_reaches_its_own_check(capsys) -> None:  # type: ignore[no-untyped-def]
+    """argparse takes ``-5GB`` after ``--budget`` for a flag and says only "expected one
+    argument": the value goes to the budget's own check, which says what is wrong with it."""
+    args, _ = parse("plan", "--arch", "resnet18", "--margin", "-0.5", "--budget", "-5GB")
+    assert (args.budget, args.margin) == ("-5GB", -0.5)
+    assert main(["plan", "--arch", "resnet18", "--batch", "8", "--budget", "-5GB"]) == 2
+    assert "a memory size must be positive, got '-5GB'" in capsys.readouterr().err
+    switch, _ = parse("plan", "--arch", "resnet18", "--fastest", "--budget", "1GB")
+    assert switch.fastest is True and switch.budget == "1GB"  # a flag is still a flag
+
+
 def test_quiet_and_verbose_set_bigbatchs_log_level() -> None:
     log = logging.getLogger("bigbatch")
     level, handlers, propagate = log.level, list(log.handlers), log.propagate

@@ -116,6 +116,15 @@ def one_style(
             if flag in options:
                 out += [flag, value]
                 continue
+        action = options.get(word)
+        if action is not None and action.nargs is None and i < len(words):
+            following = words[i]
+            if following.startswith("-") and following not in options:
+                # argparse takes a value such as '-5GB' for a flag and says only "expected one
+                # argument": passed on as the flag's value, its own check says what is wrong.
+                out.append(f"{word}={following}")
+                i += 1
+                continue
         out.append(word)
     return out
 

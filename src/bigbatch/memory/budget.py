@@ -35,7 +35,7 @@ def parse_bytes(text: str | int | float, *, allow_zero: bool = False) -> int:
         if text < 0 or (text == 0 and not allow_zero):
             raise ValueError(f"a memory size must be positive, got {text}")
         return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ValueError(
