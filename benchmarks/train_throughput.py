@@ -138,8 +138,8 @@ def hand_loop(
     data: Path, work: Workload, dev: Device = CPU, out: Path | None = None
 ) -> tuple[float, list[float]]:
     """The loop a practitioner writes: timm model, AdamW, OneCycle, `loss / N` accumulation;
-    on a GPU with persistent pinned workers, channels_last, cuDNN's benchmark mode, autocast
-    and GradScaler. With ``out``, the checkpoints such a loop saves after each epoch's
+    on a GPU with persistent pinned workers, channels_last, cuDNN's benchmark mode, autocast,
+    GradScaler and torch's fused AdamW (Trainer's default, and bigbatch train's on a card). With ``out``, the checkpoints such a loop saves after each epoch's
     validation, as bigbatch's run does its own: ``best.pt`` (the weights, where the validation
     loss improved) and ``last.pt`` (weights, optimizer and schedule), with torch.save."""
     import timm
@@ -166,7 +166,9 @@ def hand_loop(
     fmt = torch.channels_last if dev.gpu else torch.contiguous_format
     model = model.to(dev.name, memory_format=fmt)
     steps = epochs * -(-len(train_ds) // batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.01, fused=True if dev.gpu else None
+    )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps)
     accum = -(-batch // micro)
     dtype, scaler = amp_for(dev)
@@ -337,15 +339,24 @@ def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | No
 
 
 def loaderless_images_per_s(
-    arch: str, size: int, micro: int, dev: Device, steps: int, *, warmup: int = 3
+    arch: str,
+    size: int,
+    micro: int,
+    dev: Device,
+    steps: int,
+    *,
+    warmup: int = 3,
+    fused: bool | None = None,
 ) -> float:
     """The step alone, its batch already on the device (channels_last and autocast on a GPU, as
-    both loops): the images per second no loader can beat, that each loop is a fraction of."""
+    both loops): the images per second no loader can beat, that each loop is a fraction of.
+    ``fused``: torch's fused AdamW (default: on a GPU, as both loops) or the multi-tensor one."""
     import timm
 
     fmt = torch.channels_last if dev.gpu else torch.contiguous_format
     model = timm.create_model(arch, num_classes=10).to(dev.name, memory_format=fmt)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fused = dev.gpu if fused is None else fused
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True if fused else None)
     dtype, scaler = amp_for(dev)
     x = torch.randn(micro, 3, size, size, device=dev.name).to(memory_format=fmt)
     y = torch.randint(0, 10, (micro,), device=dev.name)

@@ -158,6 +158,46 @@ def test_the_training_code_reads_the_kind_not_the_name(monkeypatch: pytest.Monke
     assert memory_format == torch.channels_last
 
 
+def test_train_runs_the_fused_adamw_where_the_kind_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bigbatch train's AdamW is torch's fused one on a card (the kind's ``fused_adamw``) and
+    is planned as it: simulated here on a CPU whose kind says so (torch's fused kernels run on
+    the CPU from 2.4); tests/gpu steps it on a card, through fp16's GradScaler. Its update is
+    the multi-tensor one's, to float32's round-off."""
+    from dataclasses import replace
+
+    from bigbatch import Accumulator
+    from bigbatch.train.config import TrainConfig
+    from bigbatch.train.optim import make_optimizer, plan_optimizer
+
+    assert device.device_kind("cuda").fused_adamw and not device.device_kind("cpu").fused_adamw
+    cfg = TrainConfig(data="x")
+
+    def stepped() -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        opt, _ = make_optimizer(cfg, model, "all", 10)
+        acc = Accumulator(opt, micro_batches=2)
+        for n in (5, 3):
+            x, y = torch.randn(n, 8), torch.randint(0, 3, (n,))
+            acc.backward(torch.nn.functional.cross_entropy(model(x), y), count=n)
+        acc.step()
+        return opt, [p.detach().clone() for p in model.parameters()]
+
+    foreach, reference = stepped()
+    assert not foreach.defaults["fused"] and plan_optimizer("adamw", "cpu") == "adamw"
+    kinds = dict(device.DEVICE_KINDS)
+    kinds["cpu"] = replace(kinds["cpu"], fused_adamw=True)
+    monkeypatch.setattr(device, "DEVICE_KINDS", kinds)
+    fused, weights = stepped()
+    assert fused.defaults["fused"] and plan_optimizer("adamw", "cpu") == "adamw_fused"
+    assert plan_optimizer("sgd", "cpu") == "sgd_momentum"
+    eps = torch.finfo(torch.float32).eps
+    for w, r in zip(weights, reference, strict=True):
+        torch.testing.assert_close(w, r, rtol=0, atol=8 * eps * float(r.abs().max()))
+
+
 def test_counts_without_float64_are_summed_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 

@@ -90,12 +90,16 @@ class DeviceKind:
     channels_last: bool  # convolutions run faster NHWC (tensor cores): the default there
     per_rank_device: bool  # under torchrun each rank takes its own (LOCAL_RANK)
     decodes_jpeg: bool  # torchvision decodes JPEGs on it (CUDA's nvJPEG)
+    # bigbatch train's AdamW runs torch's fused kernel there: one launch a step and no update
+    # temporaries, where the multi-tensor one launches several per group of weights (what
+    # Trainer runs by default from torch 2.8). Elsewhere torch's own default.
+    fused_adamw: bool
 
 
 DEVICE_KINDS = {
-    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False, False),
-    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True, True),
-    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False, False),
+    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False, False, False),
+    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True, True, True),
+    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False, False, False),
 }
 
 

@@ -343,7 +343,7 @@ HELP: dict[str, str] = {
     "micro_batch": "0: the planner chooses under budget; else fixed (checked against an explicit budget)",
     "device": "auto, cpu, cuda, cuda:N or mps",
     "precision": "auto (bf16 or fp16 on CUDA, fp32 elsewhere), fp32, bf16, fp16",
-    "optimizer": "adamw, or sgd (momentum 0.9: one state copy instead of two)",
+    "optimizer": "adamw (fused on a CUDA card), or sgd (momentum 0.9: one state copy instead of two)",
     "mode": "fine_tune: the head alone for freeze_epochs, then all; fit: all; auto: fine_tune with weights= or pretrained, else fit",
     "epochs": "epochs (after the head-only ones of fine_tune)",
     "freeze_epochs": "head-only epochs of fine_tune",

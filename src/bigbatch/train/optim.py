@@ -7,13 +7,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigbatch.device import device_kind
 from bigbatch.train.config import TrainConfig
 
-__all__ = ["PLAN_OPTIMIZER", "head_parameters", "make_optimizer", "mode_line", "phases"]
+__all__ = ["head_parameters", "make_optimizer", "mode_line", "phases", "plan_optimizer"]
 
 
-# The planner's name for each training optimizer (their state is what differs).
-PLAN_OPTIMIZER = {"adamw": "adamw", "sgd": "sgd_momentum"}
+def plan_optimizer(name: str, device: str | torch.device) -> str:
+    """The planner's name for the training optimizer ``name`` as :func:`make_optimizer` makes
+    it on ``device``: SGD has momentum; AdamW is the fused one where the device's kind runs it
+    (a card: no update temporaries, its step counts on the card).
+
+    >>> [plan_optimizer(*o) for o in (("adamw", "cuda:0"), ("adamw", "cpu"), ("sgd", "cuda"))]
+    ['adamw_fused', 'adamw', 'sgd_momentum']
+    """
+    if name == "sgd":
+        return "sgd_momentum"
+    return "adamw_fused" if device_kind(device).fused_adamw else "adamw"
 
 
 def head_parameters(model: nn.Module) -> set[int]:
@@ -43,7 +53,10 @@ def make_optimizer(
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay)
     else:
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        fused = bool(params) and device_kind(params[0].device).fused_adamw
+        opt = torch.optim.AdamW(
+            params, lr=lr, weight_decay=cfg.weight_decay, fused=True if fused else None
+        )
     sched: Any
     if cfg.schedule == "one_cycle":
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, steps))

@@ -48,7 +48,7 @@ from bigbatch.memory.plan import (
 from bigbatch.memory.predict import check_forward, predict_peak
 from bigbatch.memory.step import Precision, StepSpec
 from bigbatch.train.config import ConfigError, TrainConfig
-from bigbatch.train.optim import PLAN_OPTIMIZER
+from bigbatch.train.optim import plan_optimizer
 from bigbatch.train.run_dir import add_to_plan, measured_as
 from bigbatch.train.tasks import Placement, Task
 
@@ -181,7 +181,7 @@ def plan_validation(
     cap = (shape.largest if shape else None) or max(unplanned, cfg.batch)
     if shape is None or choice.usable_bytes is None:
         return choice._replace(valid_batch=min(cap, unplanned))
-    optimizer, held = PLAN_OPTIMIZER[cfg.optimizer], shape.held_bytes
+    optimizer, held = plan_optimizer(cfg.optimizer, device), shape.held_bytes
     copies = STATE_COPIES[optimizer] + (1 if cfg.ema else 0)
 
     def peak_at(b: int) -> int:
@@ -362,7 +362,7 @@ def _spec_maker(
             factory,
             input_shape,
             b,
-            PLAN_OPTIMIZER[cfg.optimizer],
+            plan_optimizer(cfg.optimizer, device),
             cast(Precision, precision),
             device.type,
             step=step,

@@ -30,7 +30,7 @@ from bigbatch.memory.step import StepSpec
 from bigbatch.models import UnknownArchitectureError, resolve_arch
 from bigbatch.train.config import ConfigError, TrainConfig, load_config, read_toml
 from bigbatch.train.data import DataError, images_to_predict
-from bigbatch.train.optim import PLAN_OPTIMIZER
+from bigbatch.train.optim import plan_optimizer
 from bigbatch.train.runtime import resolve_device
 from bigbatch.train.tasks.classification.data import ImageItems
 from bigbatch.train.tasks.classification.metrics import METRICS, ClassificationMetrics
@@ -305,7 +305,9 @@ def _scan_and_check(
         try:
             chans = scans[key][0].format.channels
             factory = build_model(c, len(scans[key][0].classes), chans)
-            predict_peak(StepSpec(factory, (chans, c.size, c.size), 2, PLAN_OPTIMIZER[c.optimizer]))
+            predict_peak(
+                StepSpec(factory, (chans, c.size, c.size), 2, plan_optimizer(c.optimizer, "cpu"))
+            )
         except (RuntimeError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"member {m.name}: {c.model_name} cannot train at size {c.size}: "
