@@ -6,7 +6,11 @@ fake process group (collectives that move no data), against `bigbatch plan --hf`
 traced on that fake group (`bigbatch.memory.fsdp`) and, the older way, one process's trace with
 the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`).
 
-    python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--json]
+    python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--qlora] [--json]
+
+Each rank is prepared as Trainer's accelerate prepares it (``shard_as_trainer``); with
+``--qlora`` the base's 4-bit weights (the planner's stand-ins, pure torch) stay whole on each
+rank, as accelerate leaves them.
 
 gloo's all-gather and reduce-scatter each take a staging buffer of the collective's size from
 the CPU allocator (8 MiB for 8 MiB collectives, measured), which NCCL on a GPU does not take from
@@ -41,7 +45,13 @@ def config(layers: int, hidden: int, vocab: int) -> Any:
 def setup_of(args: argparse.Namespace, ranks: int) -> Any:
     from bigbatch.memory.lm import LMSetup
 
-    return LMSetup(seq_len=args.seq_len, lora_r=args.lora, world_size=ranks, fsdp=ranks > 1)
+    return LMSetup(
+        seq_len=args.seq_len,
+        lora_r=args.lora or (16 if args.qlora else 0),
+        quant=4 if args.qlora else 0,
+        world_size=ranks,
+        fsdp=ranks > 1,
+    )
 
 
 def rank_spec(args: argparse.Namespace) -> Any:
@@ -91,6 +101,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: a full fine-tune)")
+    p.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit base (r=16 unless --lora)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:
@@ -101,7 +112,7 @@ def main() -> int:
     result = {
         "workload": f"Llama {args.layers} layers x {args.hidden}, vocab {args.vocab}, "
         f"{args.seq_len} tokens, micro-batch {args.micro_batch}, "
-        f"{f'LoRA r={args.lora}' if args.lora else 'full fine-tune'}, AdamW, fp32, "
+        f"{setup_of(args, args.ranks).describe().split(',')[0]}, AdamW, fp32, "
         f"FSDP2 over {args.ranks} CPU ranks",
         "gloo_per_rank_bytes": [m["peak_bytes"] for m in measured],
         "fake_group_bytes": here["fake_group"],

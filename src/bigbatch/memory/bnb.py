@@ -38,6 +38,7 @@ from torch import nn
 __all__ = [
     "BNB_OPTIMIZERS",
     "BnbAdamW",
+    "Params4bit",
     "QuantizedLinear",
     "paged_state_bytes",
     "quantize_linears",
@@ -117,6 +118,16 @@ class _Int8Matmul(torch.autograd.Function):
         return grad.reshape(x.shape), None, None
 
 
+class Params4bit(nn.Parameter):
+    """A stand-in's packed 4-bit weight, under the name of bitsandbytes' class: the libraries
+    around a QLoRA model recognise its weights by that name (accelerate's FSDP2 preparation
+    leaves them whole on each rank, and keeps the other weights' dtype).
+
+    >>> QuantizedLinear(8, 4).weight.__class__.__name__
+    'Params4bit'
+    """
+
+
 class QuantizedLinear(nn.Linear):
     """A frozen linear layer in bitsandbytes' 4- or 8-bit storage (see the module's docstring).
     An ``nn.Linear`` to peft, so LoRA adapters wrap it as they wrap ``Linear4bit``.
@@ -144,9 +155,9 @@ class QuantizedLinear(nn.Linear):
         storage = (n + 1) // 2 if bits == 4 else n
         shape = (storage, 1) if bits == 4 else (out_features, in_features)
         dtype = torch.uint8 if bits == 4 else torch.int8
-        self.weight = nn.Parameter(
-            torch.empty(shape, dtype=dtype, device=device), requires_grad=False
-        )
+        weight = torch.empty(shape, dtype=dtype, device=device)
+        kind = Params4bit if bits == 4 else nn.Parameter
+        self.weight = kind(weight, requires_grad=False)
         blocks = math.ceil(n / _BLOCK_4BIT)
         if bits == 8:
             stats = [torch.empty(out_features, dtype=torch.float32, device=device)]

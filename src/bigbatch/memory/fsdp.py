@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-__all__ = ["StreamNumbers", "fake_ranks", "local_shard", "shard_decoder_layers", "storage_resizes"]
+__all__ = [
+    "StreamNumbers",
+    "fake_ranks",
+    "local_shard",
+    "shard_as_trainer",
+    "shard_decoder_layers",
+    "storage_resizes",
+    "trainer_sharding",
+]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +79,11 @@ def shard_decoder_layers(
     process group's ranks: ``cpu`` for a trace (it runs on CPU-placed fake tensors whatever the
     target), the device for a real step (FSDP2 moves the weights there).
 
+    Weights that are not floating point (a QLoRA base's packed 4-bit weights in bitsandbytes'
+    default uint8 storage, LLM.int8's int8 ones) are left out of the sharding, whole on each
+    rank, as accelerate leaves them (FSDP2 cannot shard them: their quantization state would
+    be lost).
+
     >>> with fake_ranks(2):
     ...     m = shard_decoder_layers(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [])
     ...     tuple(m[0].weight.to_local().shape)
@@ -79,10 +94,76 @@ def shard_decoder_layers(
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    whole = {p for p in model.parameters() if not p.is_floating_point()}
+    kwargs: dict[str, Any] = {"ignored_params": whole} if whole else {}
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return model
+
+
+def trainer_sharding() -> bool:
+    """Whether accelerate's FSDP2 preparation, what Trainer runs, is installed here (else a
+    plan shards as :func:`shard_decoder_layers` does).
+
+    >>> isinstance(trainer_sharding(), bool)
+    True
+    """
+    try:
+        from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: F401
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def shard_as_trainer(
+    model: nn.Module, layers: list[nn.Module], device_type: str = "cpu", precision: str = "fp32"
+) -> nn.Module:
+    """``model`` under FSDP2 as Trainer runs it: accelerate's own preparation
+    (``fsdp2_prepare_model``: FSDP version 2, transformer-layer wrapping on the classes of
+    ``layers``, the input embedding and the head in units of their own) on a mesh of
+    ``device_type`` over the process group's ranks, at Trainer's ``precision``: with ``bf16``
+    or ``fp16``, accelerate's mixed-precision policy (weights gathered, gradients reduced and
+    outputs cast in that dtype) and the weights that train upcast to float32 masters (not
+    beside a quantized base). Raises what accelerate raises where its preparation cannot run
+    here (:func:`trainer_sharding` says whether it is installed).
+
+    >>> with fake_ranks(2):
+    ...     m = shard_as_trainer(nn.Sequential(nn.Linear(4, 4)).bfloat16(), [], "cpu", "bf16")
+    ...     m[0].weight.dtype, tuple(m[0].weight.to_local().shape)
+    (torch.float32, (2, 4))
+    """
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mixed = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "no")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # accelerate's notes on the plugin's settings
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=sorted({type(m).__name__ for m in layers}),
+            reshard_after_forward=True,
+            cpu_ram_efficient_loading=False,
+            state_dict_type="SHARDED_STATE_DICT",
+        )
+        if mixed != "no":
+            plugin.set_mixed_precision(mixed)
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+        # What fsdp2_prepare_model reads of an Accelerator. Not the main process: its log
+        # lines need accelerate's global state, which planning must not start.
+        accelerator = SimpleNamespace(
+            state=SimpleNamespace(fsdp_plugin=plugin),
+            mixed_precision=mixed,
+            is_main_process=False,
+            device=torch.device(device_type),
+            torch_device_mesh=mesh,
+            parallelism_config=SimpleNamespace(fsdp_dim_names=("fsdp",)),
+        )
+        return cast(nn.Module, fsdp2_prepare_model(accelerator, model))
 
 
 class StreamNumbers:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import os
@@ -42,9 +43,19 @@ from bigbatch.io import atomic_write_text
 from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cards import Card, find_card
-from bigbatch.memory.evaluate import EvaluationPlan, plan_evaluation_batch, predict_evaluation_peak
+from bigbatch.memory.evaluate import (
+    STATE_COPIES,
+    EvaluationPlan,
+    plan_evaluation_batch,
+    predict_evaluation_peak,
+)
 from bigbatch.memory.fake_branches import known_values
-from bigbatch.memory.fsdp import fake_ranks, shard_decoder_layers
+from bigbatch.memory.fsdp import (
+    fake_ranks,
+    shard_as_trainer,
+    shard_decoder_layers,
+    trainer_sharding,
+)
 from bigbatch.memory.meta import build_on_meta
 from bigbatch.memory.plan import (
     DEFAULT_MARGIN,
@@ -374,11 +385,27 @@ def check_setup(
         raise ValueError(f"--attn must be one of {', '.join(ATTENTIONS)}, got {setup.attn!r}")
     if setup.fsdp and setup.world_size < 2:
         raise ValueError("--fsdp shards over ranks: give --world-size 2 or more")
-    if setup.quant and setup.fsdp:
+    if setup.quant == 8 and setup.fsdp:
         raise ValueError(
-            "--qlora with --fsdp is not modelled (bitsandbytes' quant_storage sharding): plan "
-            "QLoRA on one card or with DDP"
+            "--qlora 8 with --fsdp: FSDP2 shards LLM.int8's weights as any other and loses "
+            "their scales (accelerate leaves only 4-bit ones whole): plan --qlora 4, or 8-bit "
+            "with DDP (no --fsdp)"
         )
+    if setup.quant and setup.fsdp and not _fsdp_leaves_out_params():
+        raise ValueError(
+            f"--qlora with --fsdp needs torch 2.7 or later (this is {torch.__version__}): "
+            "FSDP2 leaves the quantized weights whole on each rank through fully_shard's "
+            "ignored_params, as accelerate does; pip install -U torch, or plan with DDP"
+        )
+
+
+def _fsdp_leaves_out_params() -> bool:
+    """Whether this torch's ``fully_shard`` takes ``ignored_params`` (from 2.7)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return False
+    return "ignored_params" in inspect.signature(fully_shard).parameters
 
 
 def lora_config(setup: LMSetup) -> Any:
@@ -510,6 +537,34 @@ def _lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
+def _sharded(
+    unsharded: Callable[[], nn.Module], device: str, precision: str
+) -> Callable[[], nn.Module]:
+    """``unsharded``'s model under FSDP2 as Trainer runs it (accelerate's preparation), else
+    as torch's ``fully_shard`` on each decoder layer and the root."""
+
+    def factory() -> nn.Module:
+        model = unsharded()
+        # On the meta device it is traced (on the CPU); else a real step on the target.
+        on_meta = any(p.is_meta for p in model.parameters())
+        where = "cpu" if on_meta else torch.device(device).type
+        if trainer_sharding():
+            try:
+                return shard_as_trainer(model, _decoder_layers(model), where, precision)
+            except (AttributeError, TypeError, ValueError, KeyError) as exc:
+                warnings.warn(
+                    f"accelerate's FSDP2 preparation did not run here ({type(exc).__name__}): "
+                    "the ranks are planned as torch's fully_shard on each decoder layer and "
+                    "the root, with the weights' own dtype",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                model = unsharded()  # afresh: the preparation may have sharded a part
+        return shard_decoder_layers(model, _decoder_layers(model), where)
+
+    return factory
+
+
 def lm_spec_at(
     config: Any,
     setup: LMSetup,
@@ -521,9 +576,10 @@ def lm_spec_at(
     sharded: bool = False,
 ) -> Callable[[int], StepSpec]:
     """``spec_at(b)``: one rank's training step at micro-batch ``b`` sequences, for the planner.
-    ``sharded``: the model under FSDP2 (``fully_shard`` on each decoder layer and the root) over
-    the ranks of the process group, which :func:`~bigbatch.memory.fsdp.fake_ranks` makes for a
-    trace.
+    ``sharded``: the model under FSDP2 over the ranks of the process group, which
+    :func:`~bigbatch.memory.fsdp.fake_ranks` makes for a trace: as Trainer runs it, through
+    accelerate's own preparation (:func:`~bigbatch.memory.fsdp.shard_as_trainer`), else torch's
+    ``fully_shard`` on each decoder layer and the root.
 
     Padded micro-batches are ``[b, seq_len]``, the longest sequence's length (the micro-batch
     that decides the peak), with one pad token (a micro-batch of several sequences has some:
@@ -541,14 +597,7 @@ def lm_spec_at(
     length = setup.seq_len
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
     if sharded:
-        unsharded = factory
-
-        def factory() -> nn.Module:
-            model = unsharded()
-            # On the meta device it is traced (on the CPU); else a real step on the target.
-            on_meta = any(p.is_meta for p in model.parameters())
-            where = "cpu" if on_meta else torch.device(device).type
-            return shard_decoder_layers(model, _decoder_layers(model), where)
+        factory = _sharded(factory, device, precision)
 
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
         # The values transformers' masks branch on are kept for the trace (known_values).
@@ -630,6 +679,13 @@ class ModelSizes:
     root: int  # outside the decoder layers (embeddings, the head, the final norm)
     parameter_count: int
     trainable_count: int
+    # Not floating point (a quantized base's packed weights): FSDP2 leaves them whole on each
+    # rank (bigbatch.memory.fsdp.shard_decoder_layers), all of them and the largest layer's.
+    unsharded: int = 0
+    layer_unsharded: int = 0
+    # The weights that train in a 16-bit dtype: FSDP2 under Trainer's mixed precision keeps
+    # float32 masters of them (accelerate), with float32 gradients and optimizer state.
+    trainable_half: int = 0
 
 
 def _nbytes(params: Any) -> int:
@@ -664,6 +720,12 @@ def model_sizes(model: nn.Module) -> ModelSizes:
             if isinstance(m, QuantizedLinear)
         ),
         trainable_count=sum(p.numel() for p in trainable),
+        unsharded=_nbytes(p for p in params if not p.is_floating_point()),
+        trainable_half=_nbytes(p for p in trainable if p.element_size() == 2),
+        layer_unsharded=max(
+            (_nbytes(p for p in b.parameters() if not p.is_floating_point()) for b in blocks),
+            default=0,
+        ),
     )
 
 
@@ -676,7 +738,12 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def per_rank_bytes(
-    sizes: ModelSizes, peak_parts: dict[str, int], setup: LMSetup
+    sizes: ModelSizes,
+    peak_parts: dict[str, int],
+    setup: LMSetup,
+    *,
+    mixed_precision: bool = False,
+    state_copies: int = 2,
 ) -> tuple[int, str]:
     """What one rank holds beyond (negative: below) the one-process trace's peak, and a note:
     DDP's ranks, and FSDP2's where a rank cannot be traced (a process group exists already).
@@ -688,7 +755,10 @@ def per_rank_bytes(
     the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
     the peak, and adds the root module's weights (gathered for the whole forward and backward),
     the current and the prefetched layer's unsharded weights, and the current layer's
-    unsharded gradients with their reduce-scatter copy.
+    unsharded gradients with their reduce-scatter copy. Under ``mixed_precision`` (Trainer's
+    bf16 or fp16, through accelerate) a rank's shards of 16-bit weights that train are float32
+    masters, their gradients and ``state_copies`` of optimizer state float32 too; a quantized
+    base's packed weights stay whole on each rank.
 
     >>> sizes = ModelSizes(1000, 1000, 0, 100, 100, 200, 500, 500)
     >>> per_rank_bytes(sizes, {"parameters": 1000, "gradients": 1000, "optimizer_state": 2000},
@@ -704,15 +774,30 @@ def per_rank_bytes(
             "each rank"
         )
     resident = peak_parts.get("parameters", 0) + peak_parts.get("gradients", 0)
-    resident += peak_parts.get("optimizer_state", 0)
+    resident += peak_parts.get("optimizer_state", 0) - sizes.unsharded
     saved = resident - resident // n
-    gathered = sizes.root + 2 * sizes.layer + 2 * sizes.layer_trainable
+    layer = sizes.layer - sizes.layer_unsharded  # what a layer's all-gather brings
+    gathered = sizes.root + 2 * layer + 2 * sizes.layer_trainable
+    masters = 0
+    if mixed_precision and not setup.quant:  # accelerate upcasts them, but beside 4-bit ones
+        masters = sizes.trainable_half * (2 + state_copies) // n
     note = (
         f"FSDP2 over {n} ranks, composed onto one process's trace: 1/{n} of the weights, "
         f"gradients and optimizer state, plus {format_bytes(gathered)} of gather buffers (the "
         "root's weights, two layers unsharded, a layer's gradients for the reduce-scatter)"
+        + (
+            f"; the quantized weights ({format_bytes(sizes.unsharded)}) whole on each rank"
+            if sizes.unsharded
+            else ""
+        )
+        + (
+            f"; float32 masters of the weights that train, with their gradients and optimizer "
+            f"state ({format_bytes(masters)} more)"
+            if masters
+            else ""
+        )
     )
-    return gathered - saved, note
+    return gathered - saved + masters, note
 
 
 @dataclass
@@ -1007,9 +1092,7 @@ def plan_lm(
         # Composed: from the floor's weights, gradients and state, the same at every micro-batch.
         with _refused_in_one_line(config, setup):
             floor = predict_peak(spec_at(1).in_window(global_batch // n))
-        extra, note = (
-            (0, _traced_note(n)) if traced else per_rank_bytes(sizes, floor.parts(), setup)
-        )
+        extra, note = _beyond_the_trace(traced, sizes, floor.parts(), setup, precision, optimizer)
         try:
             plan = plan_micro_batch(
                 spec_at,
@@ -1193,11 +1276,50 @@ def _does_not_fit(
     )
 
 
-def _traced_note(ranks: int) -> str:
+def _beyond_the_trace(
+    traced: bool,
+    sizes: ModelSizes,
+    parts: dict[str, int],
+    setup: LMSetup,
+    precision: str,
+    optimizer: str,
+) -> tuple[int, str]:
+    """What a rank holds beyond the trace, and the note: nothing for a traced FSDP2 rank, else
+    :func:`per_rank_bytes`'s composition."""
+    if traced:
+        return 0, _traced_note(setup, sizes, precision)
+    return per_rank_bytes(
+        sizes,
+        parts,
+        setup,
+        mixed_precision=precision in ("bf16", "fp16"),
+        state_copies=STATE_COPIES.get(optimizer, 2),
+    )
+
+
+def _traced_note(setup: LMSetup, sizes: ModelSizes, precision: str) -> str:
+    how = (
+        "prepared as accelerate prepares it for Trainer"
+        if trainer_sharding()
+        else "each decoder layer and the root under fully_shard (accelerate is not installed)"
+    )
+    whole = (
+        f"; the quantized weights ({format_bytes(sizes.unsharded)}) whole on each rank, as "
+        "accelerate leaves bitsandbytes' default uint8 storage out of the sharding"
+        if sizes.unsharded
+        else ""
+    )
+    masters = (
+        f"; float32 masters of the weights that train, gathered in {precision} (accelerate's "
+        "mixed precision)"
+        if trainer_sharding() and precision != "fp32" and sizes.trainable_half and not setup.quant
+        else ""
+    )
     return (
-        f"FSDP2 over {ranks} ranks, traced as one rank on a fake process group: its shards of "
-        "the weights, gradients and optimizer state, each layer's all-gather and reduce-scatter "
-        "buffers while they live, on FSDP2's own CUDA streams"
+        f"FSDP2 over {setup.world_size} ranks, traced as one rank on a fake process group, "
+        f"{how}: its shards of the weights, gradients and optimizer state, each unit's "
+        f"all-gather and reduce-scatter buffers while they live, on FSDP2's own CUDA streams"
+        f"{whole}{masters}"
     )
 
 
