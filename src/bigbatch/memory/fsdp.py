@@ -80,9 +80,8 @@ def shard_decoder_layers(
     target), the device for a real step (FSDP2 moves the weights there).
 
     Weights that are not floating point (a QLoRA base's packed 4-bit weights in bitsandbytes'
-    default uint8 storage, LLM.int8's int8 ones) are left out of the sharding, whole on each
-    rank, as accelerate leaves them (FSDP2 cannot shard them: their quantization state would
-    be lost).
+    default uint8 storage) are left out of the sharding, whole on each rank, as accelerate
+    leaves them (sharded, their quantization state would be lost).
 
     >>> with fake_ranks(2):
     ...     m = shard_decoder_layers(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [])

@@ -680,7 +680,7 @@ class ModelSizes:
     parameter_count: int
     trainable_count: int
     # Not floating point (a quantized base's packed weights): FSDP2 leaves them whole on each
-    # rank (bigbatch.memory.fsdp.shard_decoder_layers), all of them and the largest layer's.
+    # rank, as accelerate does (bigbatch.memory.fsdp); all of them, and the largest layer's.
     unsharded: int = 0
     layer_unsharded: int = 0
     # The weights that train in a 16-bit dtype: FSDP2 under Trainer's mixed precision keeps
@@ -774,7 +774,8 @@ def per_rank_bytes(
             "each rank"
         )
     resident = peak_parts.get("parameters", 0) + peak_parts.get("gradients", 0)
-    resident += peak_parts.get("optimizer_state", 0) - sizes.unsharded
+    resident += peak_parts.get("optimizer_state", 0)
+    resident -= sizes.unsharded  # a quantized base's packed weights: whole on each rank
     saved = resident - resident // n
     layer = sizes.layer - sizes.layer_unsharded  # what a layer's all-gather brings
     gathered = sizes.root + 2 * layer + 2 * sizes.layer_trainable
@@ -1312,7 +1313,10 @@ def _traced_note(setup: LMSetup, sizes: ModelSizes, precision: str) -> str:
     masters = (
         f"; float32 masters of the weights that train, gathered in {precision} (accelerate's "
         "mixed precision)"
-        if trainer_sharding() and precision != "fp32" and sizes.trainable_half and not setup.quant
+        if trainer_sharding()
+        and precision in ("bf16", "fp16")
+        and sizes.trainable_half
+        and not setup.quant
         else ""
     )
     return (
