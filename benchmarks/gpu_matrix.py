@@ -358,6 +358,9 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "batch": 4, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True, "ranks": 4,
          "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
+        # QLoRA under FSDP2: the 4-bit weights whole on each rank, as accelerate leaves them.
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "quant": 4, "ckpt": True,
+         "ranks": 4, "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         # cuDNN's benchmark mode (trials whose workspaces depend on the free memory): the seed
         # workload at b16 / b32 / b64 (its b16 recorded before skipped its first optimizer
         # step), and under allocator caps of several sizes (``cap_mib``: set_per_process_

@@ -758,8 +758,11 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
     )
     # A torch whose fully_shard cannot leave them out (before 2.7): refused with the fix.
     monkeypatch.setattr(lm_module, "_fsdp_leaves_out_params", lambda: False)
-    with pytest.raises(ValueError, match="--qlora with --fsdp needs torch 2.7 or later"):
+    with pytest.raises(ValueError, match=r"--qlora with --fsdp needs torch 2\.7 or later"):
         plan_lm(config, qlora, 8, "1GB", device="cpu", precision="bf16", overhead=0)
+    # An 8-bit base: FSDP2 would shard its int8 weights, losing their scales.
+    with pytest.raises(ValueError, match=r"--qlora 8 with --fsdp: .* plan --qlora 4, or 8-bit"):
+        plan_lm(config, replace(qlora, quant=8), 8, "1GB", device="cpu", overhead=0)
     assert fsdp.trainer_sharding()
 
 

@@ -550,7 +550,7 @@ def _sharded(
         where = "cpu" if on_meta else torch.device(device).type
         if trainer_sharding():
             try:
-                return shard_as_trainer(model, _decoder_layers(model), where, precision)
+                return shard_as_trainer(model, _wrapped_layers(model), where, precision)
             except (AttributeError, TypeError, ValueError, KeyError) as exc:
                 warnings.warn(
                     f"accelerate's FSDP2 preparation did not run here ({type(exc).__name__}): "
@@ -727,6 +727,14 @@ def model_sizes(model: nn.Module) -> ModelSizes:
             default=0,
         ),
     )
+
+
+def _wrapped_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules Trainer's FSDP2 makes units of: those of the classes the model says not to
+    split (transformers' ``_no_split_modules``, accelerate's default; a vision tower's layers
+    too), else the decoder layers."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names] or _decoder_layers(model)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
