@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -620,6 +621,28 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
     older = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4), weights_dtype="")
     with pytest.raises(ValueError, match=r"does not record the weights' dtype .*: plan again"):
         model_arguments(older)
+
+
+def test_arguments_that_shard_otherwise_than_the_plan_are_refused() -> None:
+    """An FSDP2 plan's ranks hold a shard each: arguments without FSDP (DDP) would hold the
+    whole model on each rank and run out of memory; FSDP where the plan has DDP's copies, or
+    FSDP's version 1, is not what it traced. Each is refused in one line naming the fix."""
+
+    def plan(**setup: Any) -> SimpleNamespace:
+        return SimpleNamespace(global_batch=8, setup=LMSetup(SEQ, world_size=2, **setup),
+                               plan=SimpleNamespace(max_micro_batch=4))  # fmt: skip
+
+    base = {"world_size": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
+    with pytest.raises(ValueError, match=r"whole on each rank \(DDP\): set fsdp='full_shard aut"):
+        with_plan(SimpleNamespace(**base), plan(fsdp=True))
+    sharded = SimpleNamespace(**base, fsdp="full_shard auto_wrap")
+    assert with_plan(sharded, plan(fsdp=True)).per_device_train_batch_size == 4
+    assert with_plan(SimpleNamespace(**base), plan()).per_device_train_batch_size == 4
+    with pytest.raises(ValueError, match=r"plan with --fsdp, or leave fsdp unset$"):
+        with_plan(SimpleNamespace(**base, fsdp=["full_shard", "auto_wrap"]), plan())
+    version_1 = SimpleNamespace(**base, fsdp="full_shard", fsdp_config={"version": 1})
+    with pytest.raises(ValueError, match=r"run FSDP version 1: set fsdp_config=\{'version': 2\}"):
+        with_plan(version_1, plan(fsdp=True))
 
 
 @pytest.mark.slow

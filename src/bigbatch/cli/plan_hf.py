@@ -339,7 +339,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         said = trainer_arguments(first).items()  # None: not planned (FSDP2's evaluation)
         fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         said_by = (
-            "with_plan sets the sizes and checkpointing, refuses another precision or optimizer"
+            "with_plan sets the sizes and checkpointing, refuses another precision, optimizer or "
+            "sharding"
         )
         print(f"Trainer or TRL ({said_by}): {fields}")
         model = _model_fields(first)

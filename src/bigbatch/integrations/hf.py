@@ -209,6 +209,8 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
         "fp16": traced.precision == "fp16",
         "optim": _trainer_optim(traced.optimizer),
     }
+    if plan.setup.fsdp and plan.setup.world_size > 1:
+        said["fsdp"] = "full_shard auto_wrap"  # FSDP2: transformers 5's default version
     return said | _checkpointing_argument(plan)
 
 
@@ -277,7 +279,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone;
     where the plan has none, at most the micro-batch), and Trainer's activation checkpointing
     on where the plan counts on it (:func:`trainer_arguments` names the flag).
-    Refuses arguments for another number of ranks than the plan's, TRL's arguments that
+    Refuses arguments for another number of ranks than the plan's or that shard otherwise
+    (DDP where it planned FSDP2's shards, FSDP where it planned DDP), TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
     micro-batch would not hold them), and arguments that compute in another precision or
     train with another optimizer than the plan traced (:func:`trainer_arguments` names
@@ -396,6 +399,7 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     """Refuse ``args`` that compute in another precision, or train with another optimizer,
     than the plan traced, or (with ``eval_batch``) evaluate more sequences a pass than it
     planned (a plan without its prediction, as tests build one, is let be)."""
+    _check_sharding(plan, args)
     traced = getattr(getattr(plan, "plan", None), "prediction", None)
     if traced is None:
         return
@@ -430,6 +434,41 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
         )
     if eval_batch:
         _check_eval_batch(plan, args, described)
+
+
+_SHARDING = {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"}
+
+
+def _check_sharding(plan: Any, args: Any) -> None:
+    """Refuse arguments over several ranks that shard otherwise than the plan: DDP where it
+    planned FSDP2's shards (each rank would hold the whole model), FSDP where it planned DDP's
+    copies, or FSDP version 1 where it traced FSDP2."""
+    setup = plan.setup
+    if setup.world_size <= 1:
+        return
+    fsdp = getattr(args, "fsdp", None) or []
+    options = {
+        str(getattr(o, "value", o)) for o in (fsdp.split() if isinstance(fsdp, str) else fsdp)
+    }
+    shards = bool(options & _SHARDING)
+    version = int((getattr(args, "fsdp_config", None) or {}).get("version", 2))
+    ranks = setup.world_size
+    if setup.fsdp and not shards:
+        raise ValueError(
+            f"the plan shards the model over {ranks} ranks with FSDP2 and these arguments "
+            "hold it whole on each rank (DDP): set fsdp='full_shard auto_wrap' (FSDP2, "
+            "transformers 5's default version), or plan without --fsdp"
+        )
+    if shards and not setup.fsdp:
+        raise ValueError(
+            f"the plan is for DDP over {ranks} ranks (the model whole on each) and these "
+            "arguments shard it with FSDP: plan with --fsdp, or leave fsdp unset"
+        )
+    if shards and version != 2:
+        raise ValueError(
+            f"the plan traced FSDP2 and these arguments run FSDP version {version}: set "
+            "fsdp_config={'version': 2}"
+        )
 
 
 def _check_eval_batch(plan: Any, args: Any, described: str) -> None:
