@@ -625,18 +625,26 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
 
 def test_arguments_that_shard_otherwise_than_the_plan_are_refused() -> None:
     """An FSDP2 plan's ranks hold a shard each: arguments without FSDP (DDP) would hold the
-    whole model on each rank and run out of memory; FSDP where the plan has DDP's copies, or
-    FSDP's version 1, is not what it traced. Each is refused in one line naming the fix."""
+    whole model on each rank and run out of memory; FSDP where the plan has DDP's copies,
+    FSDP's version 1, or weights kept gathered after each forward, is not what it traced.
+    Each is refused in one line naming the fix."""
 
     def plan(**setup: Any) -> SimpleNamespace:
         return SimpleNamespace(global_batch=8, setup=LMSetup(SEQ, world_size=2, **setup),
                                plan=SimpleNamespace(max_micro_batch=4))  # fmt: skip
 
     base = {"world_size": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
-    with pytest.raises(ValueError, match=r"whole on each rank \(DDP\): set fsdp='full_shard aut"):
+    with pytest.raises(ValueError, match=r"whole on each rank \(DDP\): set fsdp=True \(FSDP2"):
         with_plan(SimpleNamespace(**base), plan(fsdp=True))
-    sharded = SimpleNamespace(**base, fsdp="full_shard auto_wrap")
-    assert with_plan(sharded, plan(fsdp=True)).per_device_train_batch_size == 4
+    for fsdp in (True, "full_shard auto_wrap"):  # transformers 5's, and the older options
+        sharded = SimpleNamespace(**base, fsdp=fsdp)
+        assert with_plan(sharded, plan(fsdp=True)).per_device_train_batch_size == 4
+    for kept in (
+        {"fsdp": "shard_grad_op"},
+        {"fsdp": True, "fsdp_config": {"reshard_after_forward": False}},
+    ):
+        with pytest.raises(ValueError, match=r"set fsdp_config=\{'reshard_after_forward': True\}$"):
+            with_plan(SimpleNamespace(**base, **kept), plan(fsdp=True))
     assert with_plan(SimpleNamespace(**base), plan()).per_device_train_batch_size == 4
     with pytest.raises(ValueError, match=r"plan with --fsdp, or leave fsdp unset$"):
         with_plan(SimpleNamespace(**base, fsdp=["full_shard", "auto_wrap"]), plan())

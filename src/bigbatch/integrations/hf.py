@@ -210,7 +210,7 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
         "optim": _trainer_optim(traced.optimizer),
     }
     if plan.setup.fsdp and plan.setup.world_size > 1:
-        said["fsdp"] = "full_shard auto_wrap"  # FSDP2: transformers 5's default version
+        said["fsdp"] = True  # FSDP2: transformers 5's default version
     return said | _checkpointing_argument(plan)
 
 
@@ -280,7 +280,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     where the plan has none, at most the micro-batch), and Trainer's activation checkpointing
     on where the plan counts on it (:func:`trainer_arguments` names the flag).
     Refuses arguments for another number of ranks than the plan's or that shard otherwise
-    (DDP where it planned FSDP2's shards, FSDP where it planned DDP), TRL's arguments that
+    (DDP where it planned FSDP2's shards, FSDP where it planned DDP, weights kept gathered
+    after each forward), TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
     micro-batch would not hold them), and arguments that compute in another precision or
     train with another optimizer than the plan traced (:func:`trainer_arguments` names
@@ -396,9 +397,10 @@ def _described(plan: Any) -> str:
 
 
 def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
-    """Refuse ``args`` that compute in another precision, or train with another optimizer,
-    than the plan traced, or (with ``eval_batch``) evaluate more sequences a pass than it
-    planned (a plan without its prediction, as tests build one, is let be)."""
+    """Refuse ``args`` that shard otherwise, compute in another precision, or train with
+    another optimizer, than the plan traced, or (with ``eval_batch``) evaluate more sequences
+    a pass than it planned (but the sharding, a plan without its prediction, as tests build
+    one, is let be)."""
     _check_sharding(plan, args)
     traced = getattr(getattr(plan, "plan", None), "prediction", None)
     if traced is None:
@@ -442,22 +444,28 @@ _SHARDING = {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"
 def _check_sharding(plan: Any, args: Any) -> None:
     """Refuse arguments over several ranks that shard otherwise than the plan: DDP where it
     planned FSDP2's shards (each rank would hold the whole model), FSDP where it planned DDP's
-    copies, or FSDP version 1 where it traced FSDP2."""
+    copies, FSDP's version 1, or weights kept gathered after each forward (``shard_grad_op``,
+    ``reshard_after_forward=False``) where it traced them freed."""
     setup = plan.setup
     if setup.world_size <= 1:
         return
-    fsdp = getattr(args, "fsdp", None) or []
-    options = {
-        str(getattr(o, "value", o)) for o in (fsdp.split() if isinstance(fsdp, str) else fsdp)
-    }
+    fsdp = getattr(args, "fsdp", None)  # True (transformers 5), or the older options
+    if isinstance(fsdp, bool) or fsdp is None:
+        options = {"full_shard"} if fsdp else set()
+    elif isinstance(fsdp, str):
+        options = set(fsdp.split())
+    else:
+        options = {str(getattr(o, "value", o)) for o in fsdp}
     shards = bool(options & _SHARDING)
-    version = int((getattr(args, "fsdp_config", None) or {}).get("version", 2))
+    config = getattr(args, "fsdp_config", None) or {}
+    version = int(config.get("version", 2))
+    reshards = str(config.get("reshard_after_forward", "shard_grad_op" not in options))
     ranks = setup.world_size
     if setup.fsdp and not shards:
         raise ValueError(
             f"the plan shards the model over {ranks} ranks with FSDP2 and these arguments "
-            "hold it whole on each rank (DDP): set fsdp='full_shard auto_wrap' (FSDP2, "
-            "transformers 5's default version), or plan without --fsdp"
+            "hold it whole on each rank (DDP): set fsdp=True (FSDP2, transformers 5's "
+            "default version), or plan without --fsdp"
         )
     if shards and not setup.fsdp:
         raise ValueError(
@@ -468,6 +476,12 @@ def _check_sharding(plan: Any, args: Any) -> None:
         raise ValueError(
             f"the plan traced FSDP2 and these arguments run FSDP version {version}: set "
             "fsdp_config={'version': 2}"
+        )
+    if shards and reshards.lower() not in ("true", "1"):
+        raise ValueError(
+            "the plan traced FSDP2 freeing each unit's gathered weights after its forward and "
+            "these arguments keep them (reshard_after_forward=False, shard_grad_op): set "
+            "fsdp_config={'reshard_after_forward': True}"
         )
 
 
