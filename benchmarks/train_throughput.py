@@ -139,9 +139,10 @@ def hand_loop(
 ) -> tuple[float, list[float]]:
     """The loop a practitioner writes: timm model, AdamW, OneCycle, `loss / N` accumulation;
     on a GPU with persistent pinned workers, channels_last, cuDNN's benchmark mode, autocast,
-    GradScaler and torch's fused AdamW (Trainer's default, and bigbatch train's on a card). With ``out``, the checkpoints such a loop saves after each epoch's
-    validation, as bigbatch's run does its own: ``best.pt`` (the weights, where the validation
-    loss improved) and ``last.pt`` (weights, optimizer and schedule), with torch.save."""
+    GradScaler and torch's fused AdamW (Trainer's default, and bigbatch train's on a card).
+    With ``out``, the checkpoints such a loop saves after each epoch's validation, as
+    bigbatch's run does its own: ``best.pt`` (the weights, where the validation loss improved)
+    and ``last.pt`` (weights, optimizer and schedule), with torch.save."""
     import timm
 
     arch, size, batch, micro, epochs = work

@@ -722,6 +722,7 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
     from bigbatch.memory import fsdp
     from bigbatch.memory.budget import format_bytes
 
+    assert fsdp.trainer_sharding()  # accelerate is installed: its preparation is what runs
     config = fsdp_config()
     full = LMSetup(seq_len=64, world_size=2, fsdp=True, dtype="bf16")
     spec = lm_spec_at(config, full, device="cpu", precision="bf16", sharded=True)(2)
@@ -763,7 +764,6 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
     # An 8-bit base: FSDP2 would shard its int8 weights, losing their scales.
     with pytest.raises(ValueError, match=r"--qlora 8 with --fsdp: .* plan --qlora 4, or 8-bit"):
         plan_lm(config, replace(qlora, quant=8), 8, "1GB", device="cpu", overhead=0)
-    assert fsdp.trainer_sharding()
 
 
 @pytest.mark.slow

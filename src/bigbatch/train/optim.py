@@ -53,7 +53,8 @@ def make_optimizer(
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay)
     else:
-        fused = bool(params) and device_kind(params[0].device).fused_adamw
+        # Fused exactly where the plan traces it so (one decision: plan_optimizer's).
+        fused = bool(params) and plan_optimizer("adamw", params[0].device) == "adamw_fused"
         opt = torch.optim.AdamW(
             params, lr=lr, weight_decay=cfg.weight_decay, fused=True if fused else None
         )
