@@ -216,10 +216,13 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
     )  # fmt: skip
-    if not transformers.Gemma2PreTrainedModel._supports_sdpa:  # transformers 5.23's
+    sdpa = transformers.Gemma2PreTrainedModel._supports_sdpa  # False in transformers 5.23
+    if not sdpa:
         with pytest.raises(ValueError, match=r"has no SDPA attention .* --attn eager"):
-            plan_lm(gemma2, LMSetup(seq_len=16), 2, "8GB")
-    assert plan_lm(gemma2, LMSetup(seq_len=16, attn="eager"), 2, "8GB").micro_batch == 2
+            plan_lm(gemma2, LMSetup(seq_len=16, attn="sdpa"), 2, "8GB")
+    # Unnamed, the attention is from_pretrained's choice: what the run loads without one.
+    chosen = plan_lm(gemma2, LMSetup(seq_len=16), 2, "8GB")
+    assert chosen.setup.attn == ("sdpa" if sdpa else "eager") and chosen.micro_batch == 2
     broken = tiny(pad_token_id=9999)  # past the 512 embeddings
     with pytest.raises(ValueError, match=r"cannot build .* \(Padding_idx .*\): check its values"):
         plan_lm(broken, LMSetup(seq_len=16), 2, "8GB")

@@ -23,7 +23,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "qlora": 0,
     "no_double_quant": False,
     "gradient_checkpointing": False,
-    "attn": "sdpa",
+    "attn": "auto",
     "packing": False,
     "dtype": "auto",
     "world_size": "1",
@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attn",
-        help="attention: sdpa, eager or flash_attention_2 (as transformers)",
+        help="attention: auto (as from_pretrained chooses: sdpa where the model has it, else "
+        "eager), sdpa, eager or flash_attention_2",
     )
     g.add_argument(
         "--packing",
@@ -349,7 +350,9 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         fields += "".join(f", {k}={v}" for k, v in model.items())
         print(f"The model (from_pretrained(..., **model_arguments(plan)) loads it so): {fields}")
         return
-    setup = f"{_setup(args, 1, 1).describe(table=True)}, precision {args.precision}"
+    # A planned row's setup names the attention chosen for the model (the flags' may say auto).
+    described = first.setup if first is not None else _setup(args, 1, 1)
+    setup = f"{described.describe(table=True)}, precision {args.precision}"
     print(f"{args.hf}: {setup}; global batch {args.batch} sequences, budget {args.budget} per rank")
     header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>15} {'peak / rank':>12}  parts"
     print(header)

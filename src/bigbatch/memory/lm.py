@@ -84,9 +84,10 @@ __all__ = [
     "per_rank_bytes",
     "plan_lm",
     "quant_compute_dtype",
+    "with_chosen_attention",
 ]
 
-ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -111,7 +112,7 @@ class LMSetup:
     quant: int = 0  # 0, 4 or 8 bits for the base's linear layers (bitsandbytes)
     double_quant: bool = True
     gradient_checkpointing: bool = False
-    attn: str = "sdpa"
+    attn: str = "auto"  # auto: as from_pretrained chooses (SDPA where the model has it, else eager)
     packing: bool = False
     dtype: str = "auto"  # the weights': auto, bf16, fp16, fp32
     world_size: int = 1
@@ -135,7 +136,7 @@ class LMSetup:
         parts = [kind, *length, "packed" if self.packing else "padded"]
         if self.gradient_checkpointing:
             parts.append("gradient checkpointing")
-        if self.attn != "sdpa":
+        if self.attn not in ("auto", "sdpa"):
             parts.append(self.attn)
         if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
             parts.append(f"{self.dtype} weights")
@@ -474,7 +475,7 @@ def lm_factory(
         dtype = weights_dtype(config, setup)
         # flash_attention_2 needs its package and a GPU; its memory is SDPA's flash kernel's
         # (the output and a float32 log-sum-exp a head and token), which the trace runs.
-        attn = "sdpa" if setup.attn == "flash_attention_2" else setup.attn
+        attn = {"flash_attention_2": "sdpa", "auto": None}.get(setup.attn, setup.attn)
         try:
             # A copy: transformers sets the config's dtype and the step its use_cache, and the
             # caller's config (one they may load a model with next) keeps its own.
@@ -1085,6 +1086,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
+    setup = with_chosen_attention(config, setup)
     notes = _setup_notes(config, setup, budget, precision)
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
@@ -1136,6 +1138,35 @@ def plan_lm(
         evaluation=evaluated,
         weights_dtype=str(weights_dtype(config, setup)).removeprefix("torch."),
     )
+
+
+def with_chosen_attention(config: Any, setup: LMSetup) -> LMSetup:
+    """``setup`` with the attention ``from_pretrained`` would choose for ``config``'s model in
+    place of ``auto`` (SDPA where the model has it, else eager, as transformers decides), so
+    that a plan names what it was traced with and what the run should load.
+
+    >>> import transformers
+    >>> cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, head_dim=16,
+    ...                                 num_hidden_layers=1, num_attention_heads=4,
+    ...                                 num_key_value_heads=2, vocab_size=100)
+    >>> with_chosen_attention(cfg, LMSetup(seq_len=16)).attn  # no SDPA in transformers 5.23
+    'eager'
+    """
+    if setup.attn != "auto":
+        return setup
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            # Built as from_pretrained builds it without attn_implementation; transformers
+            # records its choice in the model's config.
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), trust_remote_code=_remote(config)
+            )
+    except Exception:  # the planner's own build says what is wrong, in one line
+        return replace(setup, attn="sdpa")
+    chosen = str(getattr(model.config, "_attn_implementation", None) or "sdpa")
+    return replace(setup, attn=chosen if chosen in ATTENTIONS else "sdpa")
 
 
 def _plan_evaluation(spec_at: Callable[[int], StepSpec], plan: Plan, largest: int) -> Any:
@@ -1374,6 +1405,7 @@ def plan_table(
     choosing one: their evaluation is left unplanned (plan the row chosen with
     :func:`plan_lm`)."""
     rows: list[LMPlan | str] = []
+    setup = with_chosen_attention(config, setup)  # once, not a model build a row
     for length in seq_lens:
         for ranks in world_sizes:
             row = replace(setup, seq_len=length, world_size=ranks, fsdp=setup.fsdp and ranks > 1)
