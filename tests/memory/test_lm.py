@@ -856,6 +856,42 @@ def test_the_gpu_side_builds_bitsandbytes_own_layers_with_the_same_adapters() ->
     assert dtypes == {torch.float32}
 
 
+def test_gpt2s_conv1d_layers_are_quantized_as_transformers_quantizes_them() -> None:
+    """GPT-2's projections are transformers' ``Conv1D`` (weight ``[in, out]``), which its
+    bitsandbytes integration quantizes as it does ``nn.Linear``: the planner's stand-ins and
+    the GPU side's real layers replace the same modules, at the same shapes. Before, they
+    stayed in float32 and a QLoRA plan of GPT-2 counted its base unquantized."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
+    setup = LMSetup(seq_len=8, lora_r=4, quant=4)
+
+    def names(model: torch.nn.Module, kind: type) -> dict[str, tuple[int, int]]:
+        return {
+            n.removeprefix("base_model.model.").removesuffix(".base_layer"): (
+                m.in_features,
+                m.out_features,
+            )
+            for n, m in model.named_modules()
+            if isinstance(m, kind)
+        }
+
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(cfg)
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True)
+    replace_with_bnb_linear(theirs, modules_to_not_convert=["lm_head"], quantization_config=config)
+    planned = build_on_meta(lm_spec_at(cfg, setup)(1).model)
+    real = lm_spec_at(cfg, setup, real_bitsandbytes=True)(1).model()
+    expected = names(theirs, bnb.nn.Linear4bit)
+    assert len(expected) == 8 and expected["transformer.h.0.attn.c_attn"] == (64, 192)
+    assert names(planned, QuantizedLinear) == expected
+    assert names(real, bnb.nn.Linear4bit) == expected
+    full = model_sizes(build_on_meta(lm_spec_at(cfg, replace(setup, quant=0))(1).model))
+    assert model_sizes(planned).parameters < full.parameters
+    assert model_sizes(planned).parameter_count == full.parameter_count
+
+
 def test_eight_bit_adamw_state_is_bitsandbytes_own() -> None:
     bnb = pytest.importorskip("bitsandbytes")
     from bigbatch.memory.bnb import BnbAdamW

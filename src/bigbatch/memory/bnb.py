@@ -206,9 +206,10 @@ def quantize_linears(
     skip: tuple[str, ...] = (),
     real: bool = False,
 ) -> int:
-    """Replace ``model``'s ``nn.Linear`` layers (all but those whose name ends in one of
-    ``skip``: transformers keeps the output head unquantized) by :class:`QuantizedLinear`, as
-    ``from_pretrained(quantization_config=BitsAndBytesConfig(...))`` does. Returns how many.
+    """Replace ``model``'s ``nn.Linear`` layers, and GPT-2's ``Conv1D`` ones (all but those
+    whose name ends in one of ``skip``: transformers keeps the output head unquantized), by
+    :class:`QuantizedLinear`, as ``from_pretrained(quantization_config=BitsAndBytesConfig(...))``
+    does. Returns how many.
     ``real``: bitsandbytes' own ``Linear4bit`` / ``Linear8bitLt`` instead (they quantize when
     moved to a GPU), for a real step on one (the GPU evidence records those).
 
@@ -220,15 +221,15 @@ def quantize_linears(
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if type(child) is not nn.Linear or any(full.endswith(s) for s in skip):
+            shape = _linear_shape(child)
+            if shape is None or any(full.endswith(s) for s in skip):
                 continue
             new: nn.Module
             if real:
                 new = _bitsandbytes_linear(child, bits, nested, compute_dtype)
             else:
                 new = QuantizedLinear(
-                    child.in_features,
-                    child.out_features,
+                    *shape,
                     bits=bits,
                     nested=nested,
                     bias=child.bias is not None,
@@ -240,37 +241,52 @@ def quantize_linears(
     return replaced
 
 
+def _linear_shape(layer: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a layer transformers' bitsandbytes quantizes: an
+    ``nn.Linear`` itself (not a subclass: peft's and bitsandbytes' own are left alone), or
+    transformers' ``Conv1D`` (GPT-2's), whose weight is stored ``[in, out]``; else None."""
+    if type(layer) is nn.Linear:
+        return layer.in_features, layer.out_features
+    if type(layer).__name__ == "Conv1D" and type(layer).__module__.startswith("transformers."):
+        weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
 def _bitsandbytes_linear(
-    linear: nn.Linear, bits: int, nested: bool, compute_dtype: torch.dtype
+    linear: nn.Module, bits: int, nested: bool, compute_dtype: torch.dtype
 ) -> nn.Module:
     import bitsandbytes as bnb
 
-    bias = linear.bias is not None
+    shape = _linear_shape(linear)
+    if shape is None:
+        raise TypeError(f"not a linear layer: {type(linear).__name__}")
+    stored: torch.Tensor = linear.weight.data  # type: ignore[assignment]
+    weight = stored if type(linear) is nn.Linear else stored.t()
+    linear_bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
+    bias = linear_bias is not None
     layer: nn.Module
     if bits == 4:
         layer = bnb.nn.Linear4bit(
-            linear.in_features,
-            linear.out_features,
+            *shape,
             bias=bias,
             compute_dtype=compute_dtype,
             compress_statistics=nested,
             quant_type="nf4",
         )
         layer.weight = bnb.nn.Params4bit(
-            linear.weight.data.to(compute_dtype),
+            weight.to(compute_dtype),
             requires_grad=False,
             compress_statistics=nested,
             quant_type="nf4",
         )
     else:
-        layer = bnb.nn.Linear8bitLt(
-            linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False
-        )
+        layer = bnb.nn.Linear8bitLt(*shape, bias=bias, has_fp16_weights=False)
         layer.weight = bnb.nn.Int8Params(
-            linear.weight.data.to(torch.float16), requires_grad=False, has_fp16_weights=False
+            weight.to(torch.float16), requires_grad=False, has_fp16_weights=False
         )
-    if bias:
-        layer.bias = nn.Parameter(linear.bias.data.to(compute_dtype), requires_grad=False)
+    if linear_bias is not None:
+        layer.bias = nn.Parameter(linear_bias.data.to(compute_dtype), requires_grad=False)
     return layer
 
 
