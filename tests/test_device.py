@@ -198,6 +198,44 @@ def test_train_runs_the_fused_adamw_where_the_kind_says_so(
         torch.testing.assert_close(w, r, rtol=0, atol=8 * eps * float(r.abs().max()))
 
 
+def test_a_resumed_run_keeps_the_optimizer_kernel_it_planned() -> None:
+    """A checkpoint's optimizer groups carry the kernel of the run that saved it (a CPU run's
+    multi-tensor AdamW resumed on a card, or a run from before bigbatch trained fused): torch's
+    load_state_dict restores that one, and the resumed run keeps its own, the one its plan
+    traced; its update continues the saved run's to float32's round-off."""
+    import copy
+
+    from bigbatch.train.optim import load_optimizer_state
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64))
+
+    def step(opt: torch.optim.Optimizer, seed: int) -> None:
+        w.grad = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+        opt.step()
+
+    saving = torch.optim.AdamW([w], lr=0.1, foreach=True)
+    step(saving, 1)
+    saved, start = copy.deepcopy(saving.state_dict()), w.detach().clone()
+    step(saving, 2)
+    reference = w.detach().clone()
+    plain = torch.optim.AdamW([w], lr=0.1, fused=True)
+    plain.load_state_dict(copy.deepcopy(saved))
+    assert not plain.param_groups[0]["fused"]  # the control: the saving run's kernel
+    resumed = torch.optim.AdamW([w], lr=0.1, fused=True)
+    load_optimizer_state(resumed, saved)
+    group = resumed.param_groups[0]
+    assert group["fused"] and not group["foreach"]
+    assert resumed.state[w]["step"].dtype == torch.float32
+    with torch.no_grad():
+        w.copy_(start)
+    step(resumed, 2)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(
+        w.detach(), reference, rtol=0, atol=8 * eps * float(start.abs().max())
+    )
+
+
 def test_counts_without_float64_are_summed_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 

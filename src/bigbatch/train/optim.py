@@ -10,7 +10,14 @@ from torch import nn
 from bigbatch.device import device_kind
 from bigbatch.train.config import TrainConfig
 
-__all__ = ["head_parameters", "make_optimizer", "mode_line", "phases", "plan_optimizer"]
+__all__ = [
+    "head_parameters",
+    "load_optimizer_state",
+    "make_optimizer",
+    "mode_line",
+    "phases",
+    "plan_optimizer",
+]
 
 
 def plan_optimizer(name: str, device: str | torch.device) -> str:
@@ -24,6 +31,31 @@ def plan_optimizer(name: str, device: str | torch.device) -> str:
     if name == "sgd":
         return "sgd_momentum"
     return "adamw_fused" if device_kind(device).fused_adamw else "adamw"
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load a checkpoint's optimizer state into ``opt``, keeping the kernel ``opt`` was built
+    with (``fused``, ``foreach``): the saved groups carry the saving run's, which differ where
+    it ran on another device or an earlier bigbatch, and this run's plan traced its own. Each
+    step count goes where that kernel keeps it (fused: float32 beside its weight; else host).
+
+    >>> p = nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)
+    >>> old = torch.optim.AdamW([p], foreach=True); old.step()
+    >>> new = torch.optim.AdamW([p], fused=True)
+    >>> load_optimizer_state(new, old.state_dict())
+    >>> new.param_groups[0]["fused"], new.param_groups[0]["foreach"], new.state[p]["step"].item()
+    (True, None, 1.0)
+    """
+    kernel_keys: tuple[str, ...] = ("fused", "foreach")
+    built = [{k: g[k] for k in kernel_keys if k in g} for g in opt.param_groups]
+    opt.load_state_dict(saved)
+    for group, kernel in zip(opt.param_groups, built, strict=True):
+        group.update(kernel)
+        for p in group["params"]:
+            step = opt.state.get(p, {}).get("step")
+            if torch.is_tensor(step):
+                where = p.device if group.get("fused") or group.get("capturable") else "cpu"
+                opt.state[p]["step"] = step.to(where, torch.float32)
 
 
 def head_parameters(model: nn.Module) -> set[int]:

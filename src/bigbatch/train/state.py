@@ -19,7 +19,7 @@ from bigbatch.backoff import BackoffEvent, OOMBackoff
 from bigbatch.io import read_json
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.data import make_loader, windows_per_epoch
-from bigbatch.train.optim import make_optimizer, phases
+from bigbatch.train.optim import load_optimizer_state, make_optimizer, phases
 from bigbatch.train.run_dir import check_run_dir, check_same_config, checkpoint_state
 from bigbatch.train.runtime import wrap_ddp
 from bigbatch.train.tasks import Placement, Task
@@ -304,7 +304,7 @@ def build_phase(run: Run, phase: str, phase_start: int, end_epoch: int) -> Phase
         and state["phase"] == phase
         and (run.start_epoch > phase_start or run.mid is not None)
     ):
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         acc.load_state_dict(state["accumulator"])
         if run.scaler is not None and state.get("scaler"):
