@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_hf import collate  # noqa: E402  (right-padded: pad id 0, label -100, mask 0)
 
+from bigbatch.integrations import hf  # noqa: E402
 from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     check_plan_matches,
@@ -623,7 +624,9 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
         model_arguments(older)
 
 
-def test_arguments_that_shard_otherwise_than_the_plan_are_refused() -> None:
+def test_arguments_that_shard_otherwise_than_the_plan_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An FSDP2 plan's ranks hold a shard each: arguments without FSDP (DDP) would hold the
     whole model on each rank and run out of memory; FSDP where the plan has DDP's copies,
     FSDP's version 1, or weights kept gathered after each forward, is not what it traced.
@@ -651,6 +654,13 @@ def test_arguments_that_shard_otherwise_than_the_plan_are_refused() -> None:
     version_1 = SimpleNamespace(**base, fsdp="full_shard", fsdp_config={"version": 1})
     with pytest.raises(ValueError, match=r"run FSDP version 1: set fsdp_config=\{'version': 2\}"):
         with_plan(version_1, plan(fsdp=True))
+    # transformers 4 ran version 1 where fsdp_config names none (5 runs FSDP2).
+    unnamed = SimpleNamespace(**base, fsdp="full_shard", fsdp_config={})
+    monkeypatch.setattr(hf, "_transformers_major", lambda: 4)
+    with pytest.raises(ValueError, match=r"run FSDP version 1: set fsdp_config"):
+        with_plan(unnamed, plan(fsdp=True))
+    named = SimpleNamespace(**base, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+    assert with_plan(named, plan(fsdp=True)).per_device_train_batch_size == 4
 
 
 @pytest.mark.slow

@@ -458,7 +458,7 @@ def _check_sharding(plan: Any, args: Any) -> None:
         options = {str(getattr(o, "value", o)) for o in fsdp}
     shards = bool(options & _SHARDING)
     config = getattr(args, "fsdp_config", None) or {}
-    version = int(config.get("version", 2))
+    version = _fsdp_version(config)
     reshards = str(config.get("reshard_after_forward", "shard_grad_op" not in options))
     ranks = setup.world_size
     if setup.fsdp and not shards:
@@ -483,6 +483,22 @@ def _check_sharding(plan: Any, args: Any) -> None:
             "these arguments keep them (reshard_after_forward=False, shard_grad_op): set "
             "fsdp_config={'reshard_after_forward': True}"
         )
+
+
+def _fsdp_version(config: Any) -> int:
+    """The FSDP version Trainer runs for ``fsdp_config``: the one it names (``version``, or
+    ``fsdp_version`` where TrainingArguments has not yet stripped the prefix), else its
+    transformers' default: FSDP2 from transformers 5, version 1 before."""
+    named = config.get("version", config.get("fsdp_version"))
+    if named is not None:
+        return int(named)
+    return 2 if _transformers_major() >= 5 else 1
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def _check_eval_batch(plan: Any, args: Any, described: str) -> None:
