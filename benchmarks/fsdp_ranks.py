@@ -6,11 +6,13 @@ fake process group (collectives that move no data), against `bigbatch plan --hf`
 traced on that fake group (`bigbatch.memory.fsdp`) and, the older way, one process's trace with
 the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`).
 
-    python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--qlora] [--json]
+    python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--qlora [--quant-storage uint8]]
+        [--json]
 
 Each rank is prepared as Trainer's accelerate prepares it (``shard_as_trainer``); with
-``--qlora`` the base's 4-bit weights (the planner's stand-ins, pure torch) stay whole on each
-rank, as accelerate leaves them.
+``--qlora`` the base's 4-bit weights (the planner's stand-ins, pure torch) are packed in
+bfloat16, which FSDP2 shards as any weight, or with ``--quant-storage uint8`` (bitsandbytes'
+default) stay whole on each rank, as accelerate leaves them.
 
 gloo's all-gather and reduce-scatter each take a staging buffer of the collective's size from
 the CPU allocator (8 MiB for 8 MiB collectives, measured), which NCCL on a GPU does not take from
@@ -43,15 +45,22 @@ def config(layers: int, hidden: int, vocab: int) -> Any:
 
 
 def setup_of(args: argparse.Namespace, ranks: int) -> Any:
-    from bigbatch.memory.lm import LMSetup
+    """The fine-tune on ``ranks`` ranks, its 4-bit storage the FSDP2 ranks' (one process's
+    trace, composed, has the same weights)."""
+    from dataclasses import replace
 
-    return LMSetup(
+    from bigbatch.memory.lm import LMSetup, quant_storage_for
+
+    sharded = LMSetup(
         seq_len=args.seq_len,
         lora_r=args.lora or (16 if args.qlora else 0),
         quant=4 if args.qlora else 0,
-        world_size=ranks,
-        fsdp=ranks > 1,
+        quant_storage=args.quant_storage if args.qlora else "auto",
+        world_size=args.ranks,
+        fsdp=args.ranks > 1,
     )
+    storage = quant_storage_for(sharded, "fp32") if args.qlora else "auto"
+    return replace(sharded, quant_storage=storage, world_size=ranks, fsdp=ranks > 1)
 
 
 def rank_spec(args: argparse.Namespace) -> Any:
@@ -102,6 +111,12 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: a full fine-tune)")
     p.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit base (r=16 unless --lora)")
+    p.add_argument(
+        "--quant-storage",
+        choices=("auto", "uint8", "bf16"),
+        default="auto",
+        help="what --qlora packs its 4-bit values in (auto: bf16 under FSDP2)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:

@@ -358,7 +358,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "batch": 4, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True, "ranks": 4,
          "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
-        # QLoRA under FSDP2: the 4-bit weights whole on each rank, as accelerate leaves them.
+        # QLoRA under FSDP2: the 4-bit weights packed in bf16 (the plan's default there), which
+        # FSDP2 shards as any weight; bitsandbytes' Linear4bit must survive its gathers.
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "quant": 4, "ckpt": True,
          "ranks": 4, "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         # cuDNN's benchmark mode (trials whose workspaces depend on the free memory): the seed

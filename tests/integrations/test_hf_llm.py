@@ -613,6 +613,19 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
         loaded, setup=dataclasses.replace(loaded.setup, double_quant=False)
     )
     check_plan_matches(no_double, qlora(quantization_config=single), "cpu")
+    # Under FSDP2 the plan packs the 4-bit values in bf16, which FSDP2 shards; bitsandbytes'
+    # uint8 (its default) would stay whole on each rank.
+    ranks = dataclasses.replace(
+        loaded,
+        setup=dataclasses.replace(loaded.setup, world_size=2, fsdp=True, quant_storage="bf16"),
+    )
+    sharded = transformers.BitsAndBytesConfig(**quantization_arguments(ranks))
+    assert sharded.bnb_4bit_quant_storage == torch.bfloat16
+    check_plan_matches(ranks, qlora(quantization_config=sharded), "cpu")
+    with pytest.raises(ValueError, match=r"packs its 4-bit weights in bf16, as FSDP2 shards "
+                       r"them, and this model's are packed in uint8: load it with .*"
+                       r"bnb_4bit_quant_storage=torch.bfloat16\)\)$"):  # fmt: skip
+        check_plan_matches(ranks, qlora(**kwargs), "cpu")
     # A T4's plan (--dtype fp16) computes in fp16; LLM.int8 has no compute dtype to set.
     t4 = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4, dtype="fp16"), weights_dtype="")
     assert model_arguments(t4)["quantization_config"].bnb_4bit_compute_dtype == torch.float16

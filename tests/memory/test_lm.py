@@ -672,9 +672,12 @@ def fsdp_config() -> transformers.LlamaConfig:
         (LMSetup(seq_len=64, lora_r=8, gradient_checkpointing=True, world_size=4, fsdp=True),
          "fp32"),
         (LMSetup(seq_len=64, world_size=2, fsdp=True, dtype="bf16"), "bf16"),
+        (LMSetup(seq_len=64, lora_r=8, quant=4, world_size=2, fsdp=True, dtype="bf16",
+                 quant_storage="uint8"), "bf16"),
         (LMSetup(seq_len=64, lora_r=8, quant=4, world_size=2, fsdp=True, dtype="bf16"), "bf16"),
     ],
-    ids=["full-2-ranks", "lora-ckpt-4-ranks", "full-bf16-2-ranks", "qlora-bf16-2-ranks"],
+    ids=["full-2-ranks", "lora-ckpt-4-ranks", "full-bf16-2-ranks", "qlora-uint8-2-ranks",
+         "qlora-bf16-storage-2-ranks"],
 )  # fmt: skip
 def test_an_fsdp2_rank_is_traced_as_it_runs(setup: LMSetup, precision: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """One FSDP2 rank's step (prepared as Trainer's accelerate prepares it), traced on a fake
@@ -747,8 +750,10 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
     rank_peak = composed.plan.prediction.peak_bytes + composed.per_rank_extra_bytes
     masters = composed.sizes.trainable_half * (2 + 2) // 2  # AdamW: weights, gradients, 2 states
     assert composed.micro_batch == 2 and rank_peak >= held > rank_peak - masters
-    # QLoRA over 2 ranks: the packed weights whole on each (a plain tensor, not a shard).
-    qlora = LMSetup(seq_len=64, lora_r=8, quant=4, world_size=2, fsdp=True, dtype="bf16")
+    # QLoRA over 2 ranks in bitsandbytes' uint8 storage: the packed weights whole on each (a
+    # plain tensor, not a shard).
+    qlora = LMSetup(seq_len=64, lora_r=8, quant=4, world_size=2, fsdp=True, dtype="bf16",
+                    quant_storage="uint8")  # fmt: skip
     spec = lm_spec_at(config, qlora, device="cpu", precision="bf16", sharded=True)(2)
     with fake_ranks(2):
         packed = [m.weight for m in spec.model().modules() if isinstance(m, QuantizedLinear)]
@@ -760,13 +765,31 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
         f"the quantized weights ({format_bytes(plan.sizes.unsharded)}) whole on each rank"
         in (plan.notes[0])
     )
-    # A torch whose fully_shard cannot leave them out (before 2.7): refused with the fix.
+    # By default under FSDP2 they are packed in the precision's 16-bit dtype, which FSDP2
+    # shards (accelerate's advice): each rank holds half, and the plan says so.
+    sharded = replace(qlora, quant_storage="auto")
+    spec = lm_spec_at(config, sharded, device="cpu", precision="bf16", sharded=True)(2)
+    with fake_ranks(2):
+        packed = [m.weight for m in spec.model().modules() if isinstance(m, QuantizedLinear)]
+    assert packed and all(w.dtype == torch.bfloat16 for w in packed)
+    # 2 values a byte, 2 bytes an element, 2 ranks: every value of q, k and v, and the MLP
+    assert {w.to_local().numel() * 2 * 2 * 2 for w in packed} == {256 * 128, 256**2, 256 * 1024}
+    plan = plan_lm(config, sharded, 8, "1GB", device="cpu", precision="bf16", overhead=0)
+    assert plan.setup.quant_storage == "bf16" and plan.sizes.unsharded == 0
+    assert "4-bit in bf16 storage" in plan.setup.describe()
+    fp16 = plan_lm(config, replace(sharded, dtype="fp16"), 8, "1GB", device="cpu",
+                   precision="fp16", overhead=0)  # fmt: skip
+    assert fp16.setup.quant_storage == "fp16"
+    with pytest.raises(ValueError, match=r"would cast the packed .* --quant-storage fp16$"):
+        plan_lm(config, replace(sharded, quant_storage="bf16"), 8, "1GB", precision="fp16")
+    # A torch whose fully_shard cannot leave uint8 ones out (before 2.7): refused with the fix.
     monkeypatch.setattr(lm_module, "_fsdp_leaves_out_params", lambda: False)
-    with pytest.raises(ValueError, match=r"--qlora with --fsdp needs torch 2\.7 or later"):
+    with pytest.raises(ValueError, match=r"--qlora with --fsdp needs torch 2\.7 .*bf16\)$"):
         plan_lm(config, qlora, 8, "1GB", device="cpu", precision="bf16", overhead=0)
+    assert plan_lm(config, sharded, 8, "1GB", device="cpu", precision="bf16", overhead=0)
     # An 8-bit base: FSDP2 would shard its int8 weights, losing their scales.
     with pytest.raises(ValueError, match=r"--qlora 8 with --fsdp: .* plan --qlora 4, or 8-bit"):
-        plan_lm(config, replace(qlora, quant=8), 8, "1GB", device="cpu", overhead=0)
+        plan_lm(config, replace(sharded, quant=8), 8, "1GB", device="cpu", overhead=0)
 
 
 @pytest.mark.slow

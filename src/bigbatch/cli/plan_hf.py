@@ -22,6 +22,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "lora_dropout": 0.0,
     "qlora": 0,
     "no_double_quant": False,
+    "quant_storage": "auto",
     "gradient_checkpointing": False,
     "attn": "auto",
     "packing": False,
@@ -103,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-double-quant",
         action="store_true",
         help="4-bit without double quantization (bnb_4bit_use_double_quant=False)",
+    )
+    g.add_argument(
+        "--quant-storage",
+        choices=("auto", "uint8", "bf16", "fp16", "fp32"),
+        help="the dtype 4-bit values are packed in (bnb_4bit_quant_storage; auto: uint8, and "
+        "with --fsdp the precision's 16-bit dtype, which FSDP2 shards)",
     )
     g.add_argument(
         "--gradient-checkpointing",
@@ -315,6 +322,7 @@ def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
         lora_dropout=args.lora_dropout,
         quant=args.qlora,
         double_quant=not args.no_double_quant,
+        quant_storage=args.quant_storage,
         gradient_checkpointing=args.gradient_checkpointing,
         attn=args.attn,
         packing=args.packing,

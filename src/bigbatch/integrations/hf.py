@@ -341,14 +341,19 @@ def quantization_arguments(plan: Any) -> dict[str, Any]:
     """The keyword arguments of transformers' ``BitsAndBytesConfig`` for a ``--qlora`` plan
     (an :class:`~bigbatch.memory.lm.LMPlan`): 4-bit NF4, double-quantized as planned and
     computing in the plan's 16-bit dtype (bitsandbytes' default, float32, doubles every
-    dequantized weight), or LLM.int8; empty for a plan without a quantized base.
+    dequantized weight), packed in the plan's storage dtype where it is not bitsandbytes'
+    uint8 (under FSDP2: a 16-bit dtype, which it shards), or LLM.int8; empty for a plan
+    without a quantized base.
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
     >>> quantization_arguments(SimpleNamespace(setup=LMSetup(512, lora_r=16, quant=4, dtype="fp16")))
     {'load_in_4bit': True, 'bnb_4bit_quant_type': 'nf4', 'bnb_4bit_use_double_quant': True, 'bnb_4bit_compute_dtype': torch.float16}
+    >>> fsdp = LMSetup(512, lora_r=16, quant=4, dtype="bf16", world_size=8, fsdp=True)
+    >>> quantization_arguments(SimpleNamespace(setup=fsdp))["bnb_4bit_quant_storage"]
+    torch.bfloat16
     """
-    from bigbatch.memory.lm import quant_compute_dtype
+    from bigbatch.memory.lm import quant_compute_dtype, quant_storage_for, weights_dtype
 
     setup = plan.setup
     if setup.quant == 8:
@@ -362,12 +367,24 @@ def quantization_arguments(plan: Any) -> dict[str, Any]:
             "the 4-bit layers' compute dtype: plan again (bigbatch plan --hf ... --save), or plan "
             "with --dtype"
         )
-    return {
+    kwargs = {
         "load_in_4bit": True,
         "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_use_double_quant": setup.double_quant,
         "bnb_4bit_compute_dtype": quant_compute_dtype(dtype),
     }
+    storage = quant_storage_for(setup, _plan_precision(plan))
+    if storage != "uint8":
+        kwargs["bnb_4bit_quant_storage"] = weights_dtype(
+            None, dataclasses.replace(setup, dtype=storage)
+        )
+    return kwargs
+
+
+def _plan_precision(plan: Any) -> str:
+    """The precision the plan traced (bf16 where a stand-in plan does not say)."""
+    traced = getattr(getattr(plan, "plan", None), "prediction", None)
+    return str(getattr(traced, "precision", "") or "bf16")
 
 
 def _planned_dtype(plan: Any) -> Any:
@@ -779,6 +796,7 @@ def _check_quantized_layers(plan: Any, model: Any, described: str) -> None:
                 "load it with from_pretrained(..., **model_arguments(plan)) "
                 f"(BitsAndBytesConfig(..., bnb_4bit_compute_dtype={want}))"
             )
+    _check_quant_storage(plan, layers, described)
     single = sum(_double_quantized(m) is False for m in layers)
     if setup.double_quant and single:
         raise ValueError(
@@ -787,6 +805,32 @@ def _check_quantized_layers(plan: Any, model: Any, described: str) -> None:
             "load it with from_pretrained(..., **model_arguments(plan)) "
             "(BitsAndBytesConfig(..., bnb_4bit_use_double_quant=True)), or plan with "
             "--no-double-quant"
+        )
+
+
+def _check_quant_storage(plan: Any, layers: list[Any], described: str) -> None:
+    """Under FSDP2, 4-bit layers packed in another dtype than the plan's: uint8 ones stay
+    whole on each rank where the plan sharded 16-bit ones (each rank holds them all), and
+    16-bit ones in another dtype than the gather's are cast by it, which loses them."""
+    from bigbatch.memory.lm import quant_storage_for, weights_dtype
+
+    setup = plan.setup
+    if not (setup.fsdp and setup.world_size > 1):
+        return
+    storage = quant_storage_for(setup, _plan_precision(plan))
+    want = (
+        torch.uint8
+        if storage == "uint8"
+        else weights_dtype(None, dataclasses.replace(setup, dtype=storage))
+    )
+    held = {getattr(getattr(m, "weight", None), "dtype", want) for m in layers} - {want}
+    if held:
+        named = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
+        raise ValueError(
+            f"the plan ({described}) packs its 4-bit weights in {storage}, as FSDP2 "
+            f"{'leaves them whole on each rank' if storage == 'uint8' else 'shards them'}, and "
+            f"this model's are packed in {named}: load it with from_pretrained(..., "
+            f"**model_arguments(plan)) (BitsAndBytesConfig(..., bnb_4bit_quant_storage={want}))"
         )
 
 

@@ -147,14 +147,16 @@ class QuantizedLinear(nn.Linear):
         bias: bool = False,
         compute_dtype: torch.dtype = torch.bfloat16,
         device: Any = None,
+        storage: torch.dtype = torch.uint8,
     ) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: no float weight
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.nested, self.compute_dtype = bits, nested, compute_dtype
         n = in_features * out_features
-        storage = (n + 1) // 2 if bits == 4 else n
-        shape = (storage, 1) if bits == 4 else (out_features, in_features)
-        dtype = torch.uint8 if bits == 4 else torch.int8
+        # bitsandbytes packs two 4-bit values a byte into bnb_4bit_quant_storage's elements.
+        packed = (n + 1) // (2 * storage.itemsize)
+        shape = (packed, 1) if bits == 4 else (out_features, in_features)
+        dtype = storage if bits == 4 else torch.int8
         weight = torch.empty(shape, dtype=dtype, device=device)
         kind = Params4bit if bits == 4 else nn.Parameter
         self.weight = kind(weight, requires_grad=False)
@@ -205,11 +207,12 @@ def quantize_linears(
     compute_dtype: torch.dtype = torch.bfloat16,
     skip: tuple[str, ...] = (),
     real: bool = False,
+    storage: torch.dtype = torch.uint8,
 ) -> int:
     """Replace ``model``'s ``nn.Linear`` layers, and GPT-2's ``Conv1D`` ones (all but those
     whose name ends in one of ``skip``: transformers keeps the output head unquantized), by
     :class:`QuantizedLinear`, as ``from_pretrained(quantization_config=BitsAndBytesConfig(...))``
-    does. Returns how many.
+    does, 4-bit values packed in ``storage`` (``bnb_4bit_quant_storage``). Returns how many.
     ``real``: bitsandbytes' own ``Linear4bit`` / ``Linear8bitLt`` instead (they quantize when
     moved to a GPU), for a real step on one (the GPU evidence records those).
 
@@ -226,7 +229,7 @@ def quantize_linears(
                 continue
             new: nn.Module
             if real:
-                new = _bitsandbytes_linear(child, bits, nested, compute_dtype)
+                new = _bitsandbytes_linear(child, bits, nested, compute_dtype, storage)
             else:
                 new = QuantizedLinear(
                     *shape,
@@ -235,6 +238,7 @@ def quantize_linears(
                     bias=child.bias is not None,
                     compute_dtype=compute_dtype,
                     device=child.weight.device,
+                    storage=storage,
                 )
             setattr(module, child_name, new)
             replaced += 1
@@ -254,7 +258,11 @@ def _linear_shape(layer: nn.Module) -> tuple[int, int] | None:
 
 
 def _bitsandbytes_linear(
-    linear: nn.Module, bits: int, nested: bool, compute_dtype: torch.dtype
+    linear: nn.Module,
+    bits: int,
+    nested: bool,
+    compute_dtype: torch.dtype,
+    storage: torch.dtype = torch.uint8,
 ) -> nn.Module:
     import bitsandbytes as bnb
 
@@ -273,12 +281,14 @@ def _bitsandbytes_linear(
             compute_dtype=compute_dtype,
             compress_statistics=nested,
             quant_type="nf4",
+            quant_storage=storage,
         )
         layer.weight = bnb.nn.Params4bit(
             weight.to(compute_dtype),
             requires_grad=False,
             compress_statistics=nested,
             quant_type="nf4",
+            quant_storage=storage,
         )
     else:
         layer = bnb.nn.Linear8bitLt(*shape, bias=bias, has_fp16_weights=False)

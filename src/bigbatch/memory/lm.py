@@ -72,6 +72,7 @@ from bigbatch.memory.step import StepSpec
 
 __all__ = [
     "ATTENTIONS",
+    "QUANT_STORAGES",
     "LMPlan",
     "LMSetup",
     "ModelSizes",
@@ -84,10 +85,14 @@ __all__ = [
     "per_rank_bytes",
     "plan_lm",
     "quant_compute_dtype",
+    "quant_storage_for",
     "with_chosen_attention",
 ]
 
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+QUANT_STORAGES = ("auto", "uint8", "bf16", "fp16", "fp32")
+_STORAGE_DTYPES = {"uint8": torch.uint8, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STORAGE_DTYPES["fp32"] = torch.float32
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -111,6 +116,9 @@ class LMSetup:
     lora_dropout: float = 0.0
     quant: int = 0  # 0, 4 or 8 bits for the base's linear layers (bitsandbytes)
     double_quant: bool = True
+    # The dtype 4-bit values are packed in (bnb_4bit_quant_storage): auto is uint8, and under
+    # FSDP2 the training precision's 16-bit dtype, which FSDP2 shards (see quant_storage_for).
+    quant_storage: str = "auto"
     gradient_checkpointing: bool = False
     attn: str = "auto"  # auto: as from_pretrained chooses (SDPA where the model has it, else eager)
     packing: bool = False
@@ -138,6 +146,8 @@ class LMSetup:
             parts.append("gradient checkpointing")
         if self.attn not in ("auto", "sdpa"):
             parts.append(self.attn)
+        if self.quant == 4 and self.quant_storage not in ("auto", "uint8"):
+            parts.append(f"4-bit in {self.quant_storage} storage")
         if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
             parts.append(f"{self.dtype} weights")
         if table and self.fsdp:
@@ -309,6 +319,24 @@ def dtype_flag(dtype: torch.dtype | None) -> str:
     return next((flag for flag, d in _DTYPES.items() if d == dtype), "auto")
 
 
+def quant_storage_for(setup: LMSetup, precision: str = "bf16") -> str:
+    """The dtype ``setup``'s 4-bit values are packed in (``bnb_4bit_quant_storage``): the one
+    it names, else bitsandbytes' uint8, which FSDP2 cannot shard (accelerate leaves such
+    weights whole on each rank), and under FSDP2 the dtype its mixed-precision policy gathers
+    in at ``precision`` (bf16, or fp16), which it shards as any other weight and never casts.
+
+    >>> quant_storage_for(LMSetup(512, lora_r=16, quant=4))
+    'uint8'
+    >>> quant_storage_for(LMSetup(512, lora_r=16, quant=4, world_size=8, fsdp=True), "fp16")
+    'fp16'
+    """
+    if setup.quant_storage != "auto":
+        return setup.quant_storage
+    if setup.quant == 4 and setup.fsdp and setup.world_size > 1:
+        return "fp16" if precision == "fp16" else "bf16"
+    return "uint8"
+
+
 def quant_compute_dtype(weights: torch.dtype) -> torch.dtype:
     """The dtype a quantized base's layers compute in (bitsandbytes' ``compute_dtype``, the
     dtype of the weight each layer dequantizes for its matmul) for weights in ``weights``: the
@@ -373,6 +401,7 @@ def check_setup(
         )
     if not setup.double_quant and setup.quant != 4:
         raise ValueError("--no-double-quant is for a 4-bit base: add --qlora, or drop it")
+    storage = _checked_storage(setup, precision or "bf16")
     if setup.quant:
         try:
             import bitsandbytes  # noqa: F401
@@ -392,12 +421,34 @@ def check_setup(
             "their scales (accelerate leaves only 4-bit ones whole): plan --qlora 4, or 8-bit "
             "with DDP (no --fsdp)"
         )
-    if setup.quant and setup.fsdp and not _fsdp_leaves_out_params():
+    if storage == "uint8" and setup.quant and setup.fsdp and not _fsdp_leaves_out_params():
         raise ValueError(
             f"--qlora with --fsdp needs torch 2.7 or later (this is {torch.__version__}): "
-            "FSDP2 leaves the quantized weights whole on each rank through fully_shard's "
-            "ignored_params, as accelerate does; pip install -U torch, or plan with DDP"
+            "FSDP2 leaves uint8-packed weights whole on each rank through fully_shard's "
+            "ignored_params, as accelerate does; pip install -U torch, plan with DDP, or let "
+            "FSDP2 shard them (--quant-storage bf16)"
         )
+
+
+def _checked_storage(setup: LMSetup, precision: str) -> str:
+    """``setup``'s 4-bit storage at ``precision``, refused where it is not one, is given
+    without a 4-bit base, or would be cast by FSDP2's gathers."""
+    if setup.quant_storage not in QUANT_STORAGES:
+        raise ValueError(
+            f"--quant-storage must be one of {', '.join(QUANT_STORAGES)}, got "
+            f"{setup.quant_storage!r}"
+        )
+    if setup.quant_storage != "auto" and setup.quant != 4:
+        raise ValueError("--quant-storage is for a 4-bit base: add --qlora, or drop it")
+    storage = quant_storage_for(setup, precision)
+    gathered = {"bf16": "bf16", "fp16": "fp16"}.get(precision, storage)
+    if setup.fsdp and storage not in ("uint8", gathered):
+        raise ValueError(
+            f"--quant-storage {storage} under FSDP2 in {precision}: its mixed-precision "
+            f"policy would cast the packed 4-bit weights to {gathered} when it gathers them, "
+            f"and they would be lost: --quant-storage {gathered}"
+        )
+    return storage
 
 
 def _fsdp_leaves_out_params() -> bool:
@@ -500,6 +551,7 @@ def lm_factory(
             quantize_linears(
                 model,
                 bits=setup.quant,
+                storage=_STORAGE_DTYPES[quant_storage_for(setup)],
                 nested=setup.double_quant,
                 compute_dtype=quant_compute_dtype(dtype),
                 skip=skip,
@@ -596,6 +648,8 @@ def lm_spec_at(
     """
     vocab = int(_text_config(config).vocab_size)
     length = setup.seq_len
+    if setup.quant == 4:
+        setup = replace(setup, quant_storage=quant_storage_for(setup, precision))
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
     if sharded:
         factory = _sharded(factory, device, precision)
@@ -1086,7 +1140,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
-    setup = with_chosen_attention(config, setup)
+    setup = _named(config, setup, precision)
     notes = _setup_notes(config, setup, budget, precision)
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
@@ -1138,6 +1192,15 @@ def plan_lm(
         evaluation=evaluated,
         weights_dtype=str(weights_dtype(config, setup)).removeprefix("torch."),
     )
+
+
+def _named(config: Any, setup: LMSetup, precision: str) -> LMSetup:
+    """``setup`` with what it leaves to ``auto`` named, so that the plan says what the run
+    loads: the attention transformers chooses, and a 4-bit base's storage."""
+    setup = with_chosen_attention(config, setup)
+    if setup.quant == 4:
+        setup = replace(setup, quant_storage=quant_storage_for(setup, precision))
+    return setup
 
 
 def with_chosen_attention(config: Any, setup: LMSetup) -> LMSetup:
