@@ -321,15 +321,18 @@ def model_arguments(plan: Any) -> dict[str, Any]:
     ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`) describes: its weights' ``dtype``, its
     ``attn_implementation`` and, for ``--qlora``, bitsandbytes' ``quantization_config``
     (:func:`quantization_arguments`'s). Its adapters: ``lora_config(plan.setup)``
-    (:func:`~bigbatch.memory.lm.lora_config`).
+    (:func:`~bigbatch.memory.lm.lora_config`). A plan names the attention it traced (``auto``,
+    never planned so, leaves it to transformers).
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
-    >>> plan = SimpleNamespace(setup=LMSetup(seq_len=1024, lora_r=16, dtype="fp16"))
+    >>> plan = SimpleNamespace(setup=LMSetup(seq_len=1024, lora_r=16, dtype="fp16", attn="sdpa"))
     >>> model_arguments(plan)
     {'dtype': torch.float16, 'attn_implementation': 'sdpa'}
     """
-    kwargs: dict[str, Any] = {"dtype": _planned_dtype(plan), "attn_implementation": plan.setup.attn}
+    kwargs: dict[str, Any] = {"dtype": _planned_dtype(plan)}
+    if plan.setup.attn != "auto":
+        kwargs["attn_implementation"] = plan.setup.attn
     if plan.setup.quant:
         from transformers import BitsAndBytesConfig
 
