@@ -121,7 +121,38 @@ def exact(root: Path) -> None:
         for batch_dice in (False, True):
             name = "batch_dice" if batch_dice else "sample_dice"
             out[f"steps_{name}"] = _steps_one(batch_dice, clipped=True)
+        # An ignore label: the cross-entropy a mean over the voxels not ignored, which the
+        # samples hold unevenly (a sparsely annotated dataset).
+        for batch_dice in (False, True):
+            name = "batch_dice" if batch_dice else "sample_dice"
+            out[f"ignore_{name}"] = _exact_one(batch_dice, True, ignore=True)
     print(json.dumps(out))
+
+
+IGNORED = 3  # past the dataset's labels 0-2
+
+
+def _with_ignore_label(trainer: Any) -> None:
+    """The trainer's labels with an ignore label, as a dataset.json naming one gives them."""
+    from nnunetv2.utilities.label_handling.label_handling import LabelManager
+
+    labels = dict(trainer.dataset_json["labels"]) | {"ignore": IGNORED}
+    trainer.dataset_json["labels"] = labels
+    trainer.label_manager = LabelManager(labels, regions_class_order=None)
+
+
+def _ignored_unevenly(y: list[Any]) -> list[Any]:
+    """Labels with most of the first sample's voxels ignored, a tenth of the second's and
+    half of the third's (at every deep supervision scale)."""
+    import torch
+
+    out = []
+    for level in y:
+        generator = torch.Generator().manual_seed(7)
+        draws = torch.rand(level.shape, generator=generator, dtype=torch.float64)
+        fractions = torch.tensor([0.8, 0.1, 0.5], dtype=torch.float64).view(-1, 1, 1, 1, 1)
+        out.append(torch.where(draws < fractions, torch.full_like(level, IGNORED), level))
+    return out
 
 
 class _Scaled:
@@ -253,23 +284,39 @@ def _random_batch(trainer: Any, seed: int) -> tuple[Any, list[Any]]:
     return x, y
 
 
-def _exact_one(batch_dice: bool, wide: bool) -> dict[str, float]:
+def _exact_one(batch_dice: bool, wide: bool, ignore: bool = False) -> dict[str, float]:
     """One plan's largest differences from nnU-Net's own gradient: the trainer at
     micro-batches of 1 and of 2 (2 + 1), ``loss / N`` at 2, and (its Dice summing in float32,
-    as shipped) nnU-Net's own round-off, its update with the sums in float64."""
+    as shipped) nnU-Net's own round-off, its update with the sums in float64. With ``ignore``,
+    an ignore label held unevenly, and the control ``samples_2``: each micro-batch's loss
+    weighed by its samples alone (bigbatch's trainer before it weighed the cross-entropy by
+    the voxels not ignored)."""
     import torch
 
+    import bigbatch.integrations.nnunet as nnunet
+
     trainer = _trainer(batch_dice)
+    if ignore:
+        _with_ignore_label(trainer)
     torch.manual_seed(0)  # the same weights in every run
     trainer.initialize()
     trainer.network.double()
     trainer.loss = trainer._build_loss()
     x, y = _random_batch(trainer, seed=0)
+    if ignore:
+        y = _ignored_unevenly(y)
     state = {k: v.clone() for k, v in trainer.network.state_dict().items()}
     grads = {}
-    for name, micro in (("reference", 0), ("micro_1", 1), ("micro_2", 2), ("naive_2", 2)):
+    runs = [("reference", 0), ("micro_1", 1), ("micro_2", 2), ("naive_2", 2)]
+    for name, micro in runs + ([("samples_2", 2)] if ignore else []):
         trainer.network.load_state_dict(state)
-        grads[name] = _gradients(trainer, x, y, micro, naive=name.startswith("naive"))
+        real = nnunet.ignore_label_shares
+        if name == "samples_2":
+            nnunet.ignore_label_shares = lambda *_: None  # type: ignore[assignment]
+        try:
+            grads[name] = _gradients(trainer, x, y, micro, naive=name.startswith("naive"))
+        finally:
+            nnunet.ignore_label_shares = real
     if not wide:
         with _dice_in_float64():
             trainer.network.load_state_dict(state)

@@ -70,6 +70,14 @@ def test_the_trainers_update_is_nnunets_own_batch_update(root: Path) -> None:
     for plan in ("sample_dice", "batch_dice"):
         assert out[plan]["micro_1"] < 1e-12 and out[plan]["micro_2"] < 1e-12, out[plan]
         assert out[plan]["naive_2"] > 1e-4, out[plan]  # loss / N: not the batch's update
+    # An ignore label held unevenly: the cross-entropy, a mean over the voxels not ignored,
+    # weighed by their share; weighed by samples alone (the control), the update is not the
+    # batch's. With batch_dice, gradient caching runs nnU-Net's loss on the whole batch.
+    for plan in ("ignore_sample_dice", "ignore_batch_dice"):
+        row = out[plan]
+        assert row["micro_1"] < 1e-12 and row["micro_2"] < 1e-12, (plan, row)
+        assert row["naive_2"] > 1e-4, (plan, row)
+    assert out["ignore_sample_dice"]["samples_2"] > 1e-4, out["ignore_sample_dice"]
     shipped = out["sample_dice_float32_sums"]
     assert shipped["micro_2"] <= 100 * shipped["own_round_off"], shipped
     assert shipped["naive_2"] >= 1e4 * shipped["own_round_off"], shipped
@@ -209,9 +217,10 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
 
 
 def test_refusals_come_before_any_work_in_one_line(root: Path) -> None:
-    """A dataset with an ignore label (its plans copied, its dataset.json naming one): plan and
-    train refuse it in one line, before nnU-Net's data workers start (train printed the reason,
-    then some 30 lines of their tracebacks; plan failed inside the trace)."""
+    """A dataset of regions with an ignore label (its plans copied, its dataset.json naming
+    them), whose binary cross-entropy micro-batches cannot weigh exactly: plan and train
+    refuse it in one line, before nnU-Net's data workers start (train printed the reason, then
+    some 30 lines of their tracebacks; plan failed inside the trace)."""
     source = root / "preprocessed" / "Dataset987_Example"
     target = root / "preprocessed" / "Dataset988_Ignore"
     target.mkdir(exist_ok=True)
@@ -219,9 +228,12 @@ def test_refusals_come_before_any_work_in_one_line(root: Path) -> None:
     plans["dataset_name"] = "Dataset988_Ignore"
     (target / "nnUNetPlans.json").write_text(json.dumps(plans))
     dataset = json.loads((source / "dataset.json").read_text())
-    dataset["labels"] = {**dataset["labels"], "ignore": max(dataset["labels"].values()) + 1}
+    top = max(dataset["labels"].values())
+    dataset["labels"] = {"background": 0, "whole": list(range(1, top + 1)), "top": top,
+                         "ignore": top + 1}  # fmt: skip
+    dataset["regions_class_order"] = list(range(1, top + 1))[-2:]
     (target / "dataset.json").write_text(json.dumps(dataset))
-    said = "this dataset has an ignore label"
+    said = "this dataset has regions and an ignore label"
     assert said in _fails(root, "-m", "bigbatch", "nnunet", "plan", "988", "--budget", "t4")
     train = ["-m", "bigbatch", "nnunet", "train", "988", "3d_fullres", "0", "--device", "cpu"]
     assert said in _fails(root, *train)

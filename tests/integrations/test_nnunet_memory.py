@@ -101,3 +101,59 @@ def test_cudnn_benchmark_trials_are_left_out_of_the_measured_peak(
     assert resets == [1]  # the peak restarts after the first step, whose trials it held
     _, _, resets = _after_steps(monkeypatch, (1800, False), benchmark=False)
     assert resets == []
+
+
+def test_an_ignore_labels_cross_entropy_is_weighed_by_the_voxels_kept() -> None:
+    """nnU-Net's cross-entropy with an ignore label is a mean over the voxels the batch does
+    not ignore: micro-batches of uneven such counts, weighed by their samples, sum to the
+    batch's loss only with each one's cross-entropy weighed by its share of those voxels (at
+    every deep supervision output), in float64 to 1e-12; weighed by samples alone (the
+    control), they do not. (The Dice, whose sums nnU-Net makes in float32, is left out here:
+    tests/integrations/test_nnunet.py checks the whole trainer in float64.)"""
+    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+
+    dice = {"batch_dice": False, "do_bg": False, "smooth": 1e-5, "ddp": False}
+    loss = DeepSupervisionWrapper(
+        DC_and_CE_loss(dice, {}, weight_ce=1, weight_dice=0, ignore_label=3), (0.6, 0.4, 0.0)
+    )
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(8, 8), (4, 4), (2, 2)]
+    logits = [torch.randn(3, 3, *s, dtype=torch.float64, generator=generator) for s in shapes]
+    for x in logits:
+        x.requires_grad_(True)
+    targets = []
+    for s in shapes:
+        y = torch.randint(0, 3, (3, 1, *s), generator=generator).double()
+        ignored = torch.rand(y.shape, generator=generator, dtype=torch.float64)
+        kept = torch.tensor([0.8, 0.1, 0.5], dtype=torch.float64).view(-1, 1, 1, 1)
+        targets.append(torch.where(ignored < kept, torch.full_like(y, 3), y))
+    batch = torch.autograd.grad(loss(logits, targets), logits[:2])
+    split = nnunet.ignore_label_shares(loss, 3, targets)
+    assert split is not None
+
+    def accumulated(weighed: Any) -> tuple[torch.Tensor, ...]:
+        total: Any = 0
+        for part in (slice(0, 2), slice(2, 3)):  # 2 + 1 samples, weighed by their share
+            size = part.stop - part.start
+            total = (
+                total + weighed([x[part] for x in logits], [y[part] for y in targets]) * size / 3
+            )
+        return torch.autograd.grad(total, logits[:2])  # the last output weighs 0
+
+    exact = accumulated(split)
+    by_samples = accumulated(lambda x, y: loss(x, y))
+    assert max(float((a - b).abs().max()) for a, b in zip(exact, batch, strict=True)) < 1e-12
+    assert max(float((a - b).abs().max()) for a, b in zip(by_samples, batch, strict=True)) > 1e-4
+    # Nothing to weigh without an ignore label; another loss is not weighed, and refused.
+    assert nnunet.ignore_label_shares(loss, None, targets) is None
+    assert nnunet.ignore_label_shares(torch.nn.MSELoss(), 3, targets) is None
+    trainer = SimpleNamespace(
+        label_manager=SimpleNamespace(ignore_label=3),
+        configuration_manager=SimpleNamespace(batch_dice=False),
+        loss=torch.nn.MSELoss(),
+    )
+    with pytest.raises(ValueError, match=r"ignore label and .*'s loss \(MSELoss\) is not nnU-Net"):
+        nnunet.check_exact_loss(trainer)
+    trainer.loss = loss
+    nnunet.check_exact_loss(trainer)

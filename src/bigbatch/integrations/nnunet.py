@@ -10,8 +10,11 @@ a mean over samples, so each micro-batch's loss weighted by its share of the bat
 batch's loss. With ``batch_dice=True`` the Dice sums over the whole batch: the samples are
 coupled, and the batch goes through gradient caching (:func:`bigbatch.coupled.cached_backward`),
 exact too. A label map with an ignore label makes the cross-entropy a mean over the voxels that
-are not ignored, which differ between samples: that plan is refused rather than trained
-inexactly.
+are not ignored, whose number differs between samples: each micro-batch's cross-entropy is then
+weighed by its share of the batch's voxels not ignored, counted from the labels before the
+window, at each deep supervision output (:func:`ignore_label_shares`); its Dice, masked, stays a
+mean over samples. Region-based plans (sigmoid outputs) with an ignore label are refused rather
+than trained inexactly.
 
 >>> from bigbatch.integrations.nnunet import split_sizes
 >>> split_sizes(5, 2)
@@ -61,6 +64,8 @@ __all__ = [
     "MICRO_BATCH_ENV",
     "batch_dice_cache_bytes",
     "check_exact",
+    "check_exact_loss",
+    "ignore_label_shares",
     "largest_fitting_batch",
     "load_own_checkpoint",
     "load_pretrained",
@@ -131,6 +136,9 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
         # Refused before nnU-Net's own start, which launches its data workers: their tracebacks
         # would bury the one line that says why.
         check_exact(self)
+        if not self.was_initialized:
+            self.initialize()  # as nnU-Net's start does first: its loss, to check before them
+        check_exact_loss(self)
         super().on_train_start()
         micro, line = self._choose_micro_batch()
         if self.plan is not None:
@@ -266,10 +274,15 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
                 model=self.network,
             )
         else:
+            ignored = ignore_label_shares(self.loss, self.label_manager.ignore_label, target)
 
             def step(micro: Any) -> tuple[torch.Tensor, int]:
                 x, y = micro
-                return self._loss_of(self._forward(x, precision), y, precision), batch_len(x)
+                output = self._forward(x, precision)
+                if ignored is not None:
+                    with autocast_for(precision, self.device.type):
+                        return ignored(output, y), batch_len(x)
+                return self._loss_of(output, y, precision), batch_len(x)
 
             result = run_window(
                 self.accumulator,
@@ -336,14 +349,100 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
 
 def check_exact(trainer: nnUNetTrainer) -> None:
     """Refuse a plan whose update micro-batches cannot reproduce exactly (ValueError with the
-    reason): a label map with an ignore label, whose cross-entropy is a mean over the voxels
-    each batch does not ignore."""
-    if trainer.label_manager.ignore_label is not None:
+    reason): a region-based label map (sigmoid outputs) with an ignore label, whose binary
+    cross-entropy is a mean over the voxels each batch does not ignore. (With softmax outputs
+    the cross-entropy is weighed exactly: :func:`ignore_label_shares`.)"""
+    manager = trainer.label_manager
+    if manager.ignore_label is not None and manager.has_regions:
         raise ValueError(
-            "this dataset has an ignore label: nnU-Net's cross-entropy is then a mean over "
-            "the voxels each batch does not ignore, which micro-batches cannot reproduce "
-            "exactly; train it with nnU-Net's own trainer (nnUNetv2_train)"
+            "this dataset has regions and an ignore label: nnU-Net's binary cross-entropy is "
+            "then a mean over the voxels each batch does not ignore, which bigbatch weighs "
+            "exactly for softmax outputs only; train it with nnU-Net's own trainer "
+            "(nnUNetv2_train)"
         )
+
+
+def _dc_and_ce(loss: nn.Module) -> tuple[tuple[float, ...], Any] | None:
+    """nnU-Net's DC+CE loss and its deep supervision weights (one output: weight 1), or None
+    for another loss."""
+    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+
+    weights: tuple[float, ...] = (1.0,)
+    inner = loss
+    if isinstance(loss, DeepSupervisionWrapper):
+        weights, inner = tuple(loss.weight_factors), loss.loss
+    return (weights, inner) if isinstance(inner, DC_and_CE_loss) else None
+
+
+def check_exact_loss(trainer: nnUNetTrainer) -> None:
+    """Refuse, once the trainer has built its loss, an ignore label under a loss bigbatch does
+    not weigh (a trainer of one's own whose loss is not nnU-Net's DC+CE) without batch Dice,
+    which would be trained with each micro-batch weighed by its samples alone: inexactly."""
+    if trainer.label_manager.ignore_label is None or trainer.configuration_manager.batch_dice:
+        return
+    if _dc_and_ce(trainer.loss) is None:
+        raise ValueError(
+            f"this dataset has an ignore label and {type(trainer).__name__}'s loss "
+            f"({type(trainer.loss).__name__}) is not nnU-Net's DC_and_CE_loss, whose "
+            "cross-entropy bigbatch weighs exactly over the voxels not ignored: build it with "
+            "nnU-Net's _build_loss, or train with nnU-Net's own trainer (nnUNetv2_train)"
+        )
+
+
+def ignore_label_shares(
+    loss: nn.Module, ignore_label: int | None, target: torch.Tensor | list[torch.Tensor]
+) -> Callable[[Any, Any], torch.Tensor] | None:
+    """nnU-Net's DC+CE loss (deep supervision's outputs too) for the micro-batches of a batch
+    with an ignore label, whose whole labels ``target`` are: each output's cross-entropy, a
+    mean over the micro-batch's voxels not ignored, is weighed by their share of the batch's,
+    over its share of the samples, so that micro-batches weighed by their samples sum to the
+    batch's loss exactly; the Dice, masked, is a mean over samples already. None without an
+    ignore label, or for a loss that is not nnU-Net's DC+CE (refused by
+    :func:`check_exact_loss`).
+
+    >>> from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    >>> loss = DC_and_CE_loss({"batch_dice": False, "do_bg": False}, {}, ignore_label=2)
+    >>> y = torch.tensor([[[0, 1, 2, 2]], [[1, 0, 1, 2]]]).float()  # 2 and 3 voxels labelled
+    >>> logits = torch.randn(2, 2, 4, requires_grad=True)
+    >>> split = ignore_label_shares(loss, 2, y)
+    >>> parts = [split(logits[i : i + 1], y[i : i + 1]) / 2 for i in range(2)]  # by samples
+    >>> torch.allclose(sum(parts), loss(logits, y))
+    True
+    """
+    parts = _dc_and_ce(loss)
+    if ignore_label is None or parts is None:
+        return None
+    weights, inner = parts
+    levels = target if isinstance(target, list | tuple) else [target]
+    # Counted from the labels alone, before any forward pass: what the whole batch's
+    # cross-entropy divides by at each output.
+    counted = [(t != ignore_label).sum() for t in levels]
+    samples = batch_len(levels[0])
+
+    def micro_loss(output: Any, micro_target: Any) -> torch.Tensor:
+        outputs = output if isinstance(output, list | tuple) else [output]
+        targets = micro_target if isinstance(micro_target, list | tuple) else [micro_target]
+        share = samples / batch_len(targets[0])
+        total: Any = 0
+        # In nnU-Net's order (DeepSupervisionWrapper, then DC_and_CE_loss.forward), so that the
+        # one-micro-batch window is nnU-Net's own loss to the last bit.
+        for weight, out, tgt, whole in zip(weights, outputs, targets, counted, strict=False):
+            if weight == 0.0:
+                continue
+            mask = tgt != ignore_label
+            kept = mask.sum()
+            dc: Any = 0
+            if inner.weight_dice != 0:
+                dc = inner.dc(out, torch.where(mask, tgt, 0), loss_mask=mask)
+            ce: Any = 0
+            if inner.weight_ce != 0 and kept > 0:
+                mean = inner.ce(out, tgt[:, 0])  # over this micro-batch's voxels not ignored
+                ce = mean * (kept.to(mean.dtype) / whole.to(mean.dtype) * share)
+            total = total + weight * (inner.weight_ce * ce + inner.weight_dice * dc)
+        return cast(torch.Tensor, total)
+
+    return micro_loss
 
 
 def does_not_fit(trainer: nnUNetTrainer, budget: str, floor_bytes: int) -> str:
