@@ -216,27 +216,27 @@ def test_bigbatch_nnunet_plans_and_trains_under_a_budget(root: Path) -> None:
     assert int(taken.strip().splitlines()[-1]) > 0
 
 
-def test_refusals_come_before_any_work_in_one_line(root: Path) -> None:
-    """A dataset of regions with an ignore label (its plans copied, its dataset.json naming
-    them), whose binary cross-entropy micro-batches cannot weigh exactly: plan and train
-    refuse it in one line, before nnU-Net's data workers start (train printed the reason, then
-    some 30 lines of their tracebacks; plan failed inside the trace)."""
+def test_a_dataset_of_regions_is_planned_with_or_without_an_ignore_label(root: Path) -> None:
+    """Datasets of regions (sigmoid outputs: BraTS's), their plans copied and their
+    dataset.json naming them, with and without an ignore label: planned, where the trace
+    failed (its example labels were one channel of classes, and nnU-Net hands its loss the
+    regions one-hot); with an ignore label it was refused before (the trainer weighs the
+    binary cross-entropy's mean over the voxels kept exactly: test_nnunet_memory.py)."""
     source = root / "preprocessed" / "Dataset987_Example"
-    target = root / "preprocessed" / "Dataset988_Ignore"
-    target.mkdir(exist_ok=True)
-    plans = json.loads((source / "nnUNetPlans.json").read_text())
-    plans["dataset_name"] = "Dataset988_Ignore"
-    (target / "nnUNetPlans.json").write_text(json.dumps(plans))
-    dataset = json.loads((source / "dataset.json").read_text())
-    top = max(dataset["labels"].values())
-    dataset["labels"] = {"background": 0, "whole": list(range(1, top + 1)), "top": top,
-                         "ignore": top + 1}  # fmt: skip
-    dataset["regions_class_order"] = list(range(1, top + 1))[-2:]
-    (target / "dataset.json").write_text(json.dumps(dataset))
-    said = "this dataset has regions and an ignore label"
-    assert said in _fails(root, "-m", "bigbatch", "nnunet", "plan", "988", "--budget", "t4")
-    train = ["-m", "bigbatch", "nnunet", "train", "988", "3d_fullres", "0", "--device", "cpu"]
-    assert said in _fails(root, *train)
+    for number, ignore in ((988, True), (989, False)):
+        target = root / "preprocessed" / f"Dataset{number}_Regions"
+        target.mkdir(exist_ok=True)
+        plans = json.loads((source / "nnUNetPlans.json").read_text())
+        plans["dataset_name"] = target.name
+        (target / "nnUNetPlans.json").write_text(json.dumps(plans))
+        dataset = json.loads((source / "dataset.json").read_text())
+        top = max(dataset["labels"].values())
+        labels = {"background": 0, "whole": list(range(1, top + 1)), "top": top}
+        dataset["labels"] = labels | ({"ignore": top + 1} if ignore else {})
+        dataset["regions_class_order"] = list(range(1, top + 1))[-2:]
+        (target / "dataset.json").write_text(json.dumps(dataset))
+        said = _run(root, "-m", "bigbatch", "nnunet", "plan", str(number), "--budget", "t4")
+        assert "3d_fullres" in said, said
 
 
 @pytest.mark.parametrize(

@@ -132,19 +132,41 @@ def test_an_ignore_labels_cross_entropy_is_weighed_by_the_voxels_kept() -> None:
     split = nnunet.ignore_label_shares(loss, 3, targets)
     assert split is not None
 
-    def accumulated(weighed: Any) -> tuple[torch.Tensor, ...]:
+    def accumulated_with(
+        weighed: Any, labels: list[torch.Tensor], channels: int = 3
+    ) -> tuple[torch.Tensor, ...]:
         total: Any = 0
         for part in (slice(0, 2), slice(2, 3)):  # 2 + 1 samples, weighed by their share
-            size = part.stop - part.start
-            total = (
-                total + weighed([x[part] for x in logits], [y[part] for y in targets]) * size / 3
-            )
+            micro = weighed([x[part, :channels] for x in logits], [y[part] for y in labels])
+            total = total + micro * (part.stop - part.start) / 3
         return torch.autograd.grad(total, logits[:2])  # the last output weighs 0
 
-    exact = accumulated(split)
-    by_samples = accumulated(lambda x, y: loss(x, y))
+    exact = accumulated_with(split, targets)
+    by_samples = accumulated_with(lambda x, y: loss(x, y), targets)
     assert max(float((a - b).abs().max()) for a, b in zip(exact, batch, strict=True)) < 1e-12
     assert max(float((a - b).abs().max()) for a, b in zip(by_samples, batch, strict=True)) > 1e-4
+    # Regions (sigmoid outputs, one-hot labels, the ignore label's channel last): the binary
+    # cross-entropy, a mean over the voxels whose last channel is off, weighed the same way.
+    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss
+
+    bce = DeepSupervisionWrapper(
+        DC_and_BCE_loss({}, dice, weight_dice=0, use_ignore_label=True), (0.6, 0.4, 0.0)
+    )
+    # regions 1 and 2, then the ignore label's channel
+    onehot = [torch.cat([(y[:, :1] == c).double() for c in (1, 2, 3)], dim=1) for y in targets]
+    regions = [x[:, :2] for x in logits]  # one sigmoid output a region
+    batch = torch.autograd.grad(bce(regions, onehot), logits[:2])
+    split = nnunet.ignore_label_shares(bce, 3, onehot)
+    assert split is not None
+    exact = accumulated_with(split, onehot, channels=2)
+    by_samples = accumulated_with(lambda x, y: bce(x, y), onehot, channels=2)
+    # nnU-Net casts the regions' labels to float32, and its BCE is float32 whatever the
+    # logits: judged against float32's round-off of the batch's own gradient.
+    largest = max(float(g.abs().max()) for g in batch)
+    round_off = 8 * torch.finfo(torch.float32).eps * largest
+    assert max(float((a - b).abs().max()) for a, b in zip(exact, batch, strict=True)) < round_off
+    missed = max(float((a - b).abs().max()) for a, b in zip(by_samples, batch, strict=True))
+    assert missed > 1000 * round_off, (missed, round_off)
     # Nothing to weigh without an ignore label; another loss is not weighed, and refused.
     assert nnunet.ignore_label_shares(loss, None, targets) is None
     assert nnunet.ignore_label_shares(torch.nn.MSELoss(), 3, targets) is None

@@ -212,7 +212,6 @@ def _train(nnunet: Any, args: argparse.Namespace) -> int:
         continue_training=args.continue_training,
         device=torch.device(args.device),
     )
-    nnunet.check_exact(trainer)  # before any data worker starts
     trainer.budget, trainer.micro_batch, trainer.log_to = args.budget, args.micro_batch, args.log
     if args.epochs:
         trainer.num_epochs = args.epochs

@@ -12,9 +12,8 @@ coupled, and the batch goes through gradient caching (:func:`bigbatch.coupled.ca
 exact too. A label map with an ignore label makes the cross-entropy a mean over the voxels that
 are not ignored, whose number differs between samples: each micro-batch's cross-entropy is then
 weighed by its share of the batch's voxels not ignored, counted from the labels before the
-window, at each deep supervision output (:func:`ignore_label_shares`); its Dice, masked, stays a
-mean over samples. Region-based plans (sigmoid outputs) with an ignore label are refused rather
-than trained inexactly.
+window, at each deep supervision output (:func:`ignore_label_shares`; regions' binary
+cross-entropy too); its Dice, masked, stays a mean over samples.
 
 >>> from bigbatch.integrations.nnunet import split_sizes
 >>> split_sizes(5, 2)
@@ -63,7 +62,6 @@ __all__ = [
     "BUDGET_ENV",
     "MICRO_BATCH_ENV",
     "batch_dice_cache_bytes",
-    "check_exact",
     "check_exact_loss",
     "ignore_label_shares",
     "largest_fitting_batch",
@@ -135,7 +133,6 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
     def on_train_start(self) -> None:
         # Refused before nnU-Net's own start, which launches its data workers: their tracebacks
         # would bury the one line that says why.
-        check_exact(self)
         if not self.was_initialized:
             self.initialize()  # as nnU-Net's start does first: its loss, to check before them
         check_exact_loss(self)
@@ -347,59 +344,64 @@ class nnUNetTrainerBigBatch(nnUNetTrainer):
             return self.loss(output, target)
 
 
-def check_exact(trainer: nnUNetTrainer) -> None:
-    """Refuse a plan whose update micro-batches cannot reproduce exactly (ValueError with the
-    reason): a region-based label map (sigmoid outputs) with an ignore label, whose binary
-    cross-entropy is a mean over the voxels each batch does not ignore. (With softmax outputs
-    the cross-entropy is weighed exactly: :func:`ignore_label_shares`.)"""
-    manager = trainer.label_manager
-    if manager.ignore_label is not None and manager.has_regions:
-        raise ValueError(
-            "this dataset has regions and an ignore label: nnU-Net's binary cross-entropy is "
-            "then a mean over the voxels each batch does not ignore, which bigbatch weighs "
-            "exactly for softmax outputs only; train it with nnU-Net's own trainer "
-            "(nnUNetv2_train)"
-        )
-
-
-def _dc_and_ce(loss: nn.Module) -> tuple[tuple[float, ...], Any] | None:
-    """nnU-Net's DC+CE loss and its deep supervision weights (one output: weight 1), or None
-    for another loss."""
-    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+def _compound(loss: nn.Module) -> tuple[tuple[float, ...], Any] | None:
+    """nnU-Net's DC+CE (softmax) or DC+BCE (regions) loss and its deep supervision weights
+    (one output: weight 1), or None for another loss."""
+    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss, DC_and_CE_loss
     from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
 
     weights: tuple[float, ...] = (1.0,)
     inner = loss
     if isinstance(loss, DeepSupervisionWrapper):
         weights, inner = tuple(loss.weight_factors), loss.loss
-    return (weights, inner) if isinstance(inner, DC_and_CE_loss) else None
+    return (weights, inner) if isinstance(inner, DC_and_CE_loss | DC_and_BCE_loss) else None
 
 
 def check_exact_loss(trainer: nnUNetTrainer) -> None:
     """Refuse, once the trainer has built its loss, an ignore label under a loss bigbatch does
-    not weigh (a trainer of one's own whose loss is not nnU-Net's DC+CE) without batch Dice,
-    which would be trained with each micro-batch weighed by its samples alone: inexactly."""
+    not weigh (a trainer of one's own whose loss is not nnU-Net's DC+CE or DC+BCE) without
+    batch Dice, which would be trained with each micro-batch weighed by its samples alone:
+    inexactly.
+
+    >>> from types import SimpleNamespace
+    >>> trainer = SimpleNamespace(label_manager=SimpleNamespace(ignore_label=3),
+    ...     configuration_manager=SimpleNamespace(batch_dice=False), loss=nn.MSELoss())
+    >>> check_exact_loss(trainer)
+    Traceback (most recent call last):
+    ...
+    ValueError: this dataset has an ignore label and SimpleNamespace's loss (MSELoss) is not nnU-Net's DC_and_CE_loss or DC_and_BCE_loss, whose cross-entropy bigbatch weighs exactly over the voxels not ignored: build it with nnU-Net's _build_loss, or train with nnU-Net's own trainer (nnUNetv2_train)
+    """
     if trainer.label_manager.ignore_label is None or trainer.configuration_manager.batch_dice:
         return
-    if _dc_and_ce(trainer.loss) is None:
+    if _compound(trainer.loss) is None:
         raise ValueError(
             f"this dataset has an ignore label and {type(trainer).__name__}'s loss "
-            f"({type(trainer.loss).__name__}) is not nnU-Net's DC_and_CE_loss, whose "
-            "cross-entropy bigbatch weighs exactly over the voxels not ignored: build it with "
-            "nnU-Net's _build_loss, or train with nnU-Net's own trainer (nnUNetv2_train)"
+            f"({type(trainer.loss).__name__}) is not nnU-Net's DC_and_CE_loss or "
+            "DC_and_BCE_loss, whose cross-entropy bigbatch weighs exactly over the voxels not "
+            "ignored: build it with nnU-Net's _build_loss, or train with nnU-Net's own trainer "
+            "(nnUNetv2_train)"
         )
+
+
+def _kept(inner: Any, target: torch.Tensor, ignore_label: int) -> torch.Tensor:
+    """The voxels the loss does not ignore: labels other than the ignore label, or (regions,
+    one-hot) where the last channel, the ignore label's, is off."""
+    if hasattr(inner, "use_ignore_label"):  # DC_and_BCE_loss
+        last = target[:, -1:]
+        return ~last if target.dtype == torch.bool else (1 - last).bool()
+    return target != ignore_label
 
 
 def ignore_label_shares(
     loss: nn.Module, ignore_label: int | None, target: torch.Tensor | list[torch.Tensor]
 ) -> Callable[[Any, Any], torch.Tensor] | None:
-    """nnU-Net's DC+CE loss (deep supervision's outputs too) for the micro-batches of a batch
-    with an ignore label, whose whole labels ``target`` are: each output's cross-entropy, a
-    mean over the micro-batch's voxels not ignored, is weighed by their share of the batch's,
-    over its share of the samples, so that micro-batches weighed by their samples sum to the
-    batch's loss exactly; the Dice, masked, is a mean over samples already. None without an
-    ignore label, or for a loss that is not nnU-Net's DC+CE (refused by
-    :func:`check_exact_loss`).
+    """nnU-Net's DC+CE loss, or DC+BCE for regions (deep supervision's outputs too), for the
+    micro-batches of a batch with an ignore label, whose whole labels ``target`` are: each
+    output's cross-entropy, a mean over the batch's voxels not ignored, is the micro-batch's
+    sum over its own divided by the batch's count, over its share of the samples, so that
+    micro-batches weighed by their samples sum to the batch's loss exactly; the Dice, masked,
+    is a mean over samples already. None without an ignore label, or for another loss
+    (refused by :func:`check_exact_loss`).
 
     >>> from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
     >>> loss = DC_and_CE_loss({"batch_dice": False, "do_bg": False}, {}, ignore_label=2)
@@ -410,14 +412,15 @@ def ignore_label_shares(
     >>> torch.allclose(sum(parts), loss(logits, y))
     True
     """
-    parts = _dc_and_ce(loss)
+    parts = _compound(loss)
     if ignore_label is None or parts is None:
         return None
     weights, inner = parts
+    regions = hasattr(inner, "use_ignore_label")
     levels = target if isinstance(target, list | tuple) else [target]
     # Counted from the labels alone, before any forward pass: what the whole batch's
     # cross-entropy divides by at each output.
-    counted = [(t != ignore_label).sum() for t in levels]
+    counted = [_kept(inner, t, ignore_label).sum() for t in levels]
     samples = batch_len(levels[0])
 
     def micro_loss(output: Any, micro_target: Any) -> torch.Tensor:
@@ -425,20 +428,25 @@ def ignore_label_shares(
         targets = micro_target if isinstance(micro_target, list | tuple) else [micro_target]
         share = samples / batch_len(targets[0])
         total: Any = 0
-        # In nnU-Net's order (DeepSupervisionWrapper, then DC_and_CE_loss.forward), so that the
+        # In nnU-Net's order (DeepSupervisionWrapper, then the loss's forward), so that the
         # one-micro-batch window is nnU-Net's own loss to the last bit.
         for weight, out, tgt, whole in zip(weights, outputs, targets, counted, strict=False):
             if weight == 0.0:
                 continue
-            mask = tgt != ignore_label
-            kept = mask.sum()
-            dc: Any = 0
-            if inner.weight_dice != 0:
-                dc = inner.dc(out, torch.where(mask, tgt, 0), loss_mask=mask)
-            ce: Any = 0
-            if inner.weight_ce != 0 and kept > 0:
-                mean = inner.ce(out, tgt[:, 0])  # over this micro-batch's voxels not ignored
-                ce = mean * (kept.to(mean.dtype) / whole.to(mean.dtype) * share)
+            mask = _kept(inner, tgt, ignore_label)
+            if regions:
+                dc = inner.dc(out, tgt[:, :-1], loss_mask=mask)
+                summed = (inner.ce(out, tgt[:, :-1].float()) * mask).sum()
+                ce = summed / torch.clip(whole, min=1e-8) * share  # the batch's own divisor
+            else:
+                kept = mask.sum()
+                dc = 0
+                if inner.weight_dice != 0:
+                    dc = inner.dc(out, torch.where(mask, tgt, 0), loss_mask=mask)
+                ce = 0
+                if inner.weight_ce != 0 and kept > 0:
+                    mean = inner.ce(out, tgt[:, 0])  # over this micro-batch's voxels kept
+                    ce = mean * (kept.to(mean.dtype) / whole.to(mean.dtype) * share)
             total = total + weight * (inner.weight_ce * ce + inner.weight_dice * dc)
         return cast(torch.Tensor, total)
 
@@ -757,20 +765,22 @@ def _spec_at(trainer: nnUNetTrainer, device: str) -> Callable[[int], StepSpec]:
     def build() -> nn.Module:
         return type(trainer).build_network_architecture(*net_args, deep)
 
+    manager = trainer.label_manager
+    # Regions' labels reach the loss one-hot, a bool channel a region and the ignore label's
+    # last (nnU-Net's ConvertSegmentationToRegionsTransform); others as one float channel.
+    one_hot = manager.num_segmentation_heads + (manager.ignore_label is not None)
+
+    def labelled(b: int, shape: list[int], where: Any) -> torch.Tensor:
+        if manager.has_regions:
+            return torch.randint(0, 2, (b, one_hot, *shape), device=where).bool()
+        return torch.randint(0, labels, (b, 1, *shape), device=where).float()
+
     def example(b: int, where: Any) -> tuple[torch.Tensor, Any]:
         x = torch.randn(b, channels, *patch, device=where)
         if scales is None:
-            return x, torch.randint(0, labels, (b, 1, *patch), device=where).float()
-        targets = [
-            torch.randint(
-                0,
-                labels,
-                (b, 1, *[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)]),
-                device=where,
-            ).float()
-            for sc in scales
-        ]
-        return x, targets
+            return x, labelled(b, list(patch), where)
+        shapes = [[max(1, round(p * s)) for p, s in zip(patch, sc, strict=True)] for sc in scales]
+        return x, [labelled(b, shape, where) for shape in shapes]
 
     def step(model: nn.Module, micro: Any) -> torch.Tensor:
         x, y = micro
@@ -909,7 +919,6 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
                     plans_identifier=plans_file.stem,
                     device=torch.device("cpu"),
                 )
-            check_exact(trainer)
             trainer._set_batch_size_and_oversample()
             trainer.num_input_channels = determine_num_input_channels(
                 trainer.plans_manager, trainer.configuration_manager, trainer.dataset_json
