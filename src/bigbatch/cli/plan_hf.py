@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -358,8 +359,10 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         fields += "".join(f", {k}={v}" for k, v in model.items())
         print(f"The model (from_pretrained(..., **model_arguments(plan)) loads it so): {fields}")
         return
-    # A planned row's setup names the attention chosen for the model (the flags' may say auto).
-    described = first.setup if first is not None else _setup(args, 1, 1)
+    # A planned row names the attention chosen for the model, where the flags may say auto.
+    described = _setup(args, 1, 1)
+    if first is not None:
+        described = replace(described, attn=first.setup.attn)
     setup = f"{described.describe(table=True)}, precision {args.precision}"
     print(f"{args.hf}: {setup}; global batch {args.batch} sequences, budget {args.budget} per rank")
     header = f"{'tokens':>7} {'ranks':>5} {'micro x accum':>15} {'peak / rank':>12}  parts"

@@ -356,7 +356,7 @@ def quantization_arguments(plan: Any) -> dict[str, Any]:
     >>> quantization_arguments(SimpleNamespace(setup=fsdp))["bnb_4bit_quant_storage"]
     torch.bfloat16
     """
-    from bigbatch.memory.lm import quant_compute_dtype, quant_storage_for, weights_dtype
+    from bigbatch.memory.lm import quant_compute_dtype, quant_storage_dtype
 
     setup = plan.setup
     if setup.quant == 8:
@@ -376,11 +376,9 @@ def quantization_arguments(plan: Any) -> dict[str, Any]:
         "bnb_4bit_use_double_quant": setup.double_quant,
         "bnb_4bit_compute_dtype": quant_compute_dtype(dtype),
     }
-    storage = quant_storage_for(setup, _plan_precision(plan))
-    if storage != "uint8":
-        kwargs["bnb_4bit_quant_storage"] = weights_dtype(
-            None, dataclasses.replace(setup, dtype=storage)
-        )
+    storage = quant_storage_dtype(setup, _plan_precision(plan))
+    if storage != torch.uint8:  # bitsandbytes' default
+        kwargs["bnb_4bit_quant_storage"] = storage
     return kwargs
 
 
@@ -815,17 +813,13 @@ def _check_quant_storage(plan: Any, layers: list[Any], described: str) -> None:
     """Under FSDP2, 4-bit layers packed in another dtype than the plan's: uint8 ones stay
     whole on each rank where the plan sharded 16-bit ones (each rank holds them all), and
     16-bit ones in another dtype than the gather's are cast by it, which loses them."""
-    from bigbatch.memory.lm import quant_storage_for, weights_dtype
+    from bigbatch.memory.lm import quant_storage_dtype, quant_storage_for
 
     setup = plan.setup
     if not (setup.fsdp and setup.world_size > 1):
         return
     storage = quant_storage_for(setup, _plan_precision(plan))
-    want = (
-        torch.uint8
-        if storage == "uint8"
-        else weights_dtype(None, dataclasses.replace(setup, dtype=storage))
-    )
+    want = quant_storage_dtype(setup, _plan_precision(plan))
     held = {getattr(getattr(m, "weight", None), "dtype", want) for m in layers} - {want}
     if held:
         named = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))

@@ -412,7 +412,7 @@ def ignore_label_shares(
     >>> torch.allclose(sum(parts), loss(logits, y))
     True
     """
-    parts = _compound(loss)
+    parts = None if ignore_label is None else _compound(loss)
     if ignore_label is None or parts is None:
         return None
     weights, inner = parts

@@ -85,15 +85,15 @@ __all__ = [
     "per_rank_bytes",
     "plan_lm",
     "quant_compute_dtype",
+    "quant_storage_dtype",
     "quant_storage_for",
     "with_chosen_attention",
 ]
 
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 QUANT_STORAGES = ("auto", "uint8", "bf16", "fp16", "fp32")
-_STORAGE_DTYPES = {"uint8": torch.uint8, "bf16": torch.bfloat16, "fp16": torch.float16}
-_STORAGE_DTYPES["fp32"] = torch.float32
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_STORAGE_DTYPES = {"uint8": torch.uint8, **_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -337,6 +337,16 @@ def quant_storage_for(setup: LMSetup, precision: str = "bf16") -> str:
     return "uint8"
 
 
+def quant_storage_dtype(setup: LMSetup, precision: str = "bf16") -> torch.dtype:
+    """:func:`quant_storage_for`'s dtype, as ``BitsAndBytesConfig(bnb_4bit_quant_storage=)``
+    takes it.
+
+    >>> quant_storage_dtype(LMSetup(512, lora_r=16, quant=4, world_size=8, fsdp=True))
+    torch.bfloat16
+    """
+    return _STORAGE_DTYPES[quant_storage_for(setup, precision)]
+
+
 def quant_compute_dtype(weights: torch.dtype) -> torch.dtype:
     """The dtype a quantized base's layers compute in (bitsandbytes' ``compute_dtype``, the
     dtype of the weight each layer dequantizes for its matmul) for weights in ``weights``: the
@@ -551,7 +561,7 @@ def lm_factory(
             quantize_linears(
                 model,
                 bits=setup.quant,
-                storage=_STORAGE_DTYPES[quant_storage_for(setup)],
+                storage=quant_storage_dtype(setup),
                 nested=setup.double_quant,
                 compute_dtype=quant_compute_dtype(dtype),
                 skip=skip,
