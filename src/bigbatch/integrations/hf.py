@@ -209,7 +209,7 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
         "fp16": traced.precision == "fp16",
         "optim": _trainer_optim(traced.optimizer),
     }
-    if plan.setup.fsdp and plan.setup.world_size > 1:
+    if plan.setup.sharded:
         said["fsdp"] = True  # FSDP2: transformers 5's default version
     return said | _checkpointing_argument(plan)
 
@@ -382,10 +382,14 @@ def quantization_arguments(plan: Any) -> dict[str, Any]:
     return kwargs
 
 
+def _prediction(plan: Any) -> Any:
+    """The plan's traced prediction, or None for a plan without one (as tests build them)."""
+    return getattr(getattr(plan, "plan", None), "prediction", None)
+
+
 def _plan_precision(plan: Any) -> str:
     """The precision the plan traced (bf16 where a stand-in plan does not say)."""
-    traced = getattr(getattr(plan, "plan", None), "prediction", None)
-    return str(getattr(traced, "precision", "") or "bf16")
+    return str(getattr(_prediction(plan), "precision", "") or "bf16")
 
 
 def _planned_dtype(plan: Any) -> Any:
@@ -420,7 +424,7 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     a pass than it planned (but the sharding, a plan without its prediction, as tests build
     one, is let be)."""
     _check_sharding(plan, args)
-    traced = getattr(getattr(plan, "plan", None), "prediction", None)
+    traced = _prediction(plan)
     if traced is None:
         return
     described = _described(plan)
@@ -698,7 +702,7 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     if sizes is None or setup is None:
         return
     described = _described(plan)
-    planned_for = getattr(getattr(getattr(plan, "plan", None), "prediction", None), "device", "")
+    planned_for = getattr(_prediction(plan), "device", "")
     kind = torch.device(device).type if device is not None else planned_for
     if planned_for and kind in ("cpu", "cuda") and kind != planned_for:  # the kinds planned
         raise ValueError(
@@ -815,11 +819,11 @@ def _check_quant_storage(plan: Any, layers: list[Any], described: str) -> None:
     16-bit ones in another dtype than the gather's are cast by it, which loses them."""
     from bigbatch.memory.lm import quant_storage_dtype, quant_storage_for
 
-    setup = plan.setup
-    if not (setup.fsdp and setup.world_size > 1):
+    setup, precision = plan.setup, _plan_precision(plan)
+    if not setup.sharded:
         return
-    storage = quant_storage_for(setup, _plan_precision(plan))
-    want = quant_storage_dtype(setup, _plan_precision(plan))
+    storage = quant_storage_for(setup, precision)
+    want = quant_storage_dtype(setup, precision)
     held = {getattr(getattr(m, "weight", None), "dtype", want) for m in layers} - {want}
     if held:
         named = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
@@ -860,7 +864,7 @@ def step_need_bytes(plan: Any, reserved: int, allocated: int | None) -> int:
     >>> step_need_bytes(plan, 1000, None)  # no allocated peak (off CUDA): the reserved one
     1000
     """
-    prediction = getattr(getattr(plan, "plan", None), "prediction", None)
+    prediction = _prediction(plan)
     predicted = getattr(prediction, "allocated_bytes", 0) or 0
     if allocated is None or prediction is None or predicted <= 0:
         return reserved

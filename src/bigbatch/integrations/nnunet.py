@@ -412,8 +412,10 @@ def ignore_label_shares(
     >>> torch.allclose(sum(parts), loss(logits, y))
     True
     """
-    parts = None if ignore_label is None else _compound(loss)
-    if ignore_label is None or parts is None:
+    if ignore_label is None:
+        return None
+    parts = _compound(loss)
+    if parts is None:
         return None
     weights, inner = parts
     regions = hasattr(inner, "use_ignore_label")

@@ -91,9 +91,9 @@ __all__ = [
 ]
 
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
-QUANT_STORAGES = ("auto", "uint8", "bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _STORAGE_DTYPES = {"uint8": torch.uint8, **_DTYPES}
+QUANT_STORAGES = ("auto", *_STORAGE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,15 @@ class LMSetup:
     dtype: str = "auto"  # the weights': auto, bf16, fp16, fp32
     world_size: int = 1
     fsdp: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds FSDP2's shards (``fsdp`` over more than one rank).
+
+        >>> LMSetup(seq_len=512, world_size=4, fsdp=True).sharded
+        True
+        """
+        return self.fsdp and self.world_size > 1
 
     def describe(self, table: bool = False) -> str:
         """The fine-tune in a line; with ``table``, without the length and the ranks (a
@@ -332,7 +341,7 @@ def quant_storage_for(setup: LMSetup, precision: str = "bf16") -> str:
     """
     if setup.quant_storage != "auto":
         return setup.quant_storage
-    if setup.quant == 4 and setup.fsdp and setup.world_size > 1:
+    if setup.quant == 4 and setup.sharded:
         return "fp16" if precision == "fp16" else "bf16"
     return "uint8"
 
@@ -451,7 +460,7 @@ def _checked_storage(setup: LMSetup, precision: str) -> str:
     if setup.quant_storage != "auto" and setup.quant != 4:
         raise ValueError("--quant-storage is for a 4-bit base: add --qlora, or drop it")
     storage = quant_storage_for(setup, precision)
-    gathered = {"bf16": "bf16", "fp16": "fp16"}.get(precision, storage)
+    gathered = precision if precision in ("bf16", "fp16") else storage  # fp32: no cast
     if setup.fsdp and storage not in ("uint8", gathered):
         raise ValueError(
             f"--quant-storage {storage} under FSDP2 in {precision}: its mixed-precision "
@@ -658,8 +667,7 @@ def lm_spec_at(
     """
     vocab = int(_text_config(config).vocab_size)
     length = setup.seq_len
-    if setup.quant == 4:
-        setup = replace(setup, quant_storage=quant_storage_for(setup, precision))
+    setup = _storage_named(setup, precision)
     factory = lm_factory(config, setup, real_bitsandbytes=real_bitsandbytes)
     if sharded:
         factory = _sharded(factory, device, precision)
@@ -1154,7 +1162,7 @@ def plan_lm(
     notes = _setup_notes(config, setup, budget, precision)
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
-    n, fsdp = setup.world_size, setup.fsdp and setup.world_size > 1
+    n, fsdp = setup.world_size, setup.sharded
     traced = fsdp and not dist.is_initialized()
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
@@ -1207,10 +1215,15 @@ def plan_lm(
 def _named(config: Any, setup: LMSetup, precision: str) -> LMSetup:
     """``setup`` with what it leaves to ``auto`` named, so that the plan says what the run
     loads: the attention transformers chooses, and a 4-bit base's storage."""
-    setup = with_chosen_attention(config, setup)
-    if setup.quant == 4:
-        setup = replace(setup, quant_storage=quant_storage_for(setup, precision))
-    return setup
+    return _storage_named(with_chosen_attention(config, setup), precision)
+
+
+def _storage_named(setup: LMSetup, precision: str) -> LMSetup:
+    """``setup`` with a 4-bit base's storage named (:func:`quant_storage_for` at ``precision``):
+    what the model is built with, whoever builds it from the setup next."""
+    if setup.quant != 4:
+        return setup
+    return replace(setup, quant_storage=quant_storage_for(setup, precision))
 
 
 def with_chosen_attention(config: Any, setup: LMSetup) -> LMSetup:
