@@ -126,6 +126,7 @@ def exact(root: Path) -> None:
         for batch_dice in (False, True):
             name = "batch_dice" if batch_dice else "sample_dice"
             out[f"ignore_{name}"] = _exact_one(batch_dice, True, ignore=True)
+        out["steps_ignore_sample_dice"] = _steps_one(False, clipped=True, ignore=True)
     print(json.dumps(out))
 
 
@@ -166,7 +167,9 @@ class _Scaled:
         return self.loss(*args) * self.factor
 
 
-def _steps_one(batch_dice: bool, clipped: bool, steps: int = 3) -> dict[str, Any]:
+def _steps_one(
+    batch_dice: bool, clipped: bool, steps: int = 3, ignore: bool = False
+) -> dict[str, Any]:
     """Several optimizer steps of nnU-Net's own optimizer (SGD, Nesterov momentum 0.99, weight
     decay 3e-5) and clipping at 12, from one state: nnU-Net's own ``train_step`` on each whole
     batch against the bigbatch trainer's at micro-batches of 1 and 2 (2 + 1), and ``loss / N``
@@ -175,19 +178,26 @@ def _steps_one(batch_dice: bool, clipped: bool, steps: int = 3) -> dict[str, Any
     import torch
     from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
 
+    import bigbatch.integrations.nnunet as nnunet
     from bigbatch import Accumulator, OOMBackoff
     from bigbatch.integrations.nnunet import CLIP_NORM
 
     trainer = _trainer(batch_dice)
+    if ignore:
+        _with_ignore_label(trainer)
     torch.manual_seed(0)
     trainer.initialize()
     trainer.network.double()
     loss = trainer._build_loss()
-    trainer.loss = _Scaled(loss, 1e4) if clipped else loss
+    if clipped and ignore:
+        # Scaled through deep supervision's weights: still nnU-Net's own loss, which the
+        # trainer weighs by the voxels kept (a wrapper around it would not be).
+        loss.weight_factors = tuple(w * 1e4 for w in loss.weight_factors)
+    trainer.loss = _Scaled(loss, 1e4) if clipped and not ignore else loss
     batches = []
     for k in range(steps):
         x, y = _random_batch(trainer, seed=100 + k)
-        batches.append({"data": x, "target": y})
+        batches.append({"data": x, "target": _ignored_unevenly(y) if ignore else y})
     state = {k: v.clone() for k, v in trainer.network.state_dict().items()}
     net = trainer.network
     norms: list[float] = []
@@ -238,8 +248,15 @@ def _steps_one(batch_dice: bool, clipped: bool, steps: int = 3) -> dict[str, Any
         "no_grad_params": sum(reference_missing[-1]),
         "steps": len(reference_missing),
     }
-    for name, micro, naive in (("micro_1", 1, False), ("micro_2", 2, False), ("naive_2", 2, True)):
-        params, missing = run(micro, naive)
+    runs = [("micro_1", 1, False), ("micro_2", 2, False), ("naive_2", 2, True)]
+    for name, micro, naive in runs + ([("samples_2", 2, False)] if ignore else []):
+        real = nnunet.ignore_label_shares
+        if name == "samples_2":  # each micro-batch weighed by its samples alone
+            nnunet.ignore_label_shares = lambda *_: None  # type: ignore[assignment]
+        try:
+            params, missing = run(micro, naive)
+        finally:
+            nnunet.ignore_label_shares = real
         out[name] = max(float((a - b).abs().max()) for a, b in zip(params, reference, strict=True))
         out[f"{name}_same_none_grads"] = missing == reference_missing
     return out

@@ -78,6 +78,14 @@ def test_the_trainers_update_is_nnunets_own_batch_update(root: Path) -> None:
         assert row["micro_1"] < 1e-12 and row["micro_2"] < 1e-12, (plan, row)
         assert row["naive_2"] > 1e-4, (plan, row)
     assert out["ignore_sample_dice"]["samples_2"] > 1e-4, out["ignore_sample_dice"]
+    # And three steps of nnU-Net's optimizer, clipping active, with the ignore label: every
+    # parameter, and the same ones left without a gradient; both controls miss.
+    row = out["steps_ignore_sample_dice"]
+    assert row["steps"] == 3 and min(row["grad_norms"]) > 11.9, row
+    assert row["no_grad_params"] == 2, row
+    for name in ("micro_1", "micro_2"):
+        assert row[name] < 1e-12 and row[f"{name}_same_none_grads"], (name, row)
+    assert row["naive_2"] > 1e-4 and row["samples_2"] > 1e-4, row
     shipped = out["sample_dice_float32_sums"]
     assert shipped["micro_2"] <= 100 * shipped["own_round_off"], shipped
     assert shipped["naive_2"] >= 1e4 * shipped["own_round_off"], shipped
