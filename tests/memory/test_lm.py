@@ -226,6 +226,17 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
     broken = tiny(pad_token_id=9999)  # past the 512 embeddings
     with pytest.raises(ValueError, match=r"cannot build .* \(Padding_idx .*\): check its values"):
         plan_lm(broken, LMSetup(seq_len=16), 2, "8GB")
+    # peft wraps Llama 4's router, an nn.Linear returning a tuple, and fails: here as in training.
+    llama4 = transformers.Llama4TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, max_position_embeddings=256, dtype="bfloat16",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^peft's LoRA cannot wrap llama4_text's 'router' .*"
+                       r"e\.g\. --lora-targets down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj "):  # fmt: skip
+        plan_lm(llama4, LMSetup(seq_len=16, lora_r=4), 2, "8GB")
+    targets = "q_proj,k_proj,v_proj,o_proj"
+    assert plan_lm(llama4, LMSetup(seq_len=16, lora_r=4, lora_targets=targets), 2, "8GB")
     unset = tiny()
     unset.head_dim = None  # as ministral's config class leaves it where config.json has none
     with pytest.raises(ValueError, match=r"cannot build llama .*TypeError.* published config"):

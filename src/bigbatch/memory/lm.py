@@ -28,6 +28,7 @@ import inspect
 import json
 import logging
 import os
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -1307,6 +1308,17 @@ def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
         raise ValueError(
             f"{name} has no SDPA attention in this transformers: plan it with --attn eager"
         ) from None
+    except AttributeError as exc:
+        wrapped = _lora_over_a_tuple(exc)
+        if wrapped is None:
+            raise
+        culprit, kind, others = wrapped
+        raise ValueError(
+            f"peft's LoRA cannot wrap {name}'s {culprit!r} modules ({kind}, an nn.Linear whose "
+            f"forward returns a tuple), which --lora-targets {setup.lora_targets} includes: the "
+            f"step fails in peft ({exc}) as training would; name the targets without them, e.g. "
+            f"--lora-targets {','.join(others)} (LMSetup(lora_targets=...) in Python)"
+        ) from None
     except RuntimeError as exc:
         # transformers 5 runs a mixture of experts' weights through torch's grouped_mm, which
         # takes 16-bit weights only.
@@ -1326,6 +1338,30 @@ def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
         ) from None
     finally:
         fake_log.setLevel(level)
+
+
+def _lora_over_a_tuple(exc: BaseException) -> tuple[str, str, list[str]] | None:
+    """The module peft's LoRA wrapped whose forward returned a tuple (Llama 4's router, an
+    nn.Linear), found in the failed step's frames, and the other wrapped modules' names; None
+    where ``exc`` came from anything else."""
+    from peft.tuners.lora import LoraLayer
+
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    for frame in frames:
+        layer = frame.f_locals.get("self")
+        if isinstance(layer, LoraLayer) and isinstance(frame.f_locals.get("result"), tuple):
+            break
+    else:
+        return None
+    # The outermost module of the step holds every wrapped layer, under its own name.
+    model = next(
+        f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), nn.Module)
+    )
+    wrapped = [(n.rsplit(".", 1)[-1], m) for n, m in model.named_modules()]
+    culprit = next(n for n, m in wrapped if m is layer)
+    kind = type(layer.get_base_layer()).__name__
+    others = {n for n, m in wrapped if isinstance(m, LoraLayer) and n != culprit}
+    return culprit, kind, sorted(others)
 
 
 def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
