@@ -179,7 +179,8 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 def _hf_spec(row: dict[str, Any], device: str, real: bool) -> StepSpec:
     """A language model from its config as ``bigbatch plan --hf`` plans it
     (:mod:`bigbatch.memory.lm`): ``model`` (a :data:`HF_CONFIGS` key), ``lora`` (rank, 0 for a
-    full fine-tune), ``quant`` (4 or 8 bits), ``ckpt``, ``packing``; ``size`` is the sequence
+    full fine-tune), ``quant`` (4 or 8 bits), ``prep`` (``qlora_prep``: peft, or trl),
+    ``ckpt``, ``packing``; ``size`` is the sequence
     length. ``real``: bitsandbytes' own layers, for the step recorded on a GPU."""
     from transformers import AutoConfig
 
@@ -191,7 +192,7 @@ def _hf_spec(row: dict[str, Any], device: str, real: bool) -> StepSpec:
     setup = LMSetup(
         seq_len=row["size"], lora_r=row.get("lora", 0), gradient_checkpointing=row.get("ckpt", False),
         packing=row.get("packing", False), quant=row.get("quant", 0), world_size=ranks,
-        fsdp=ranks > 1,
+        fsdp=ranks > 1, qlora_prep=row.get("prep", "peft"),
     )  # fmt: skip
     spec_at = lm_spec_at(
         config, setup, device=device, precision=row["precision"], optimizer=row["optimizer"],
@@ -254,6 +255,7 @@ def row_name(row: dict[str, Any]) -> str:
     if row["kind"] == "hf":
         arch = row["model"] + (f"-lora{row['lora']}" if row.get("lora") else "-full")
         arch += f"-q{row['quant']}bit" if row.get("quant") else ""
+        arch += f"-{row['prep']}" if row.get("prep", "peft") != "peft" else ""
         arch += "-packed" if row.get("packing") else ""
         arch += "-ckpt" if row.get("ckpt") else ""
         arch += f"-fsdp{row['ranks']}" if row.get("ranks", 1) > 1 else ""
@@ -350,6 +352,9 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "packing": True, "size": 512, "batch": 8, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "quant": 4, "ckpt": True,
          "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
+        # The same, readied as TRL's SFTTrainer readies it from peft_config= (bf16 adapters).
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "quant": 4, "ckpt": True,
+         "prep": "trl", "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "qwen2.5-0.5b", "lora": 16, "quant": 4, "ckpt": True,
          "size": 1024, "batch": 4, "precision": "bf16", "optimizer": "paged_adamw_8bit"},
         # One FSDP2 rank of 4 (bigbatch plan --hf --fsdp traces one): run on a fake process

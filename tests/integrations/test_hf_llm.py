@@ -31,9 +31,11 @@ from bigbatch.memory.lm import (  # noqa: E402
     LMPlan,
     LMSetup,
     enable_checkpointing,
+    lm_spec_at,
     lora_config,
     plan_lm,
 )
+from bigbatch.memory.meta import build_on_meta  # noqa: E402
 
 VOCAB, SEQ, N, LR = 48, 10, 12, 0.5
 
@@ -635,6 +637,56 @@ def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(
     older = SimpleNamespace(setup=LMSetup(SEQ, lora_r=4, quant=4), weights_dtype="")
     with pytest.raises(ValueError, match=r"does not record the weights' dtype .*: plan again"):
         model_arguments(older)
+
+
+@pytest.mark.slow
+def test_a_plan_of_trls_preparation_is_the_model_sft_trainer_builds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``qlora_prep="trl"``: TRL's SFTTrainer given ``peft_config=lora_config(plan.setup)``
+    and the 4-bit model ``model_arguments`` loads builds the model the plan traced, each
+    parameter in the planned dtype (the base's other weights as loaded, the adapters in
+    bfloat16), which check_plan_matches lets train; the model peft readies (float32 copies)
+    is refused under that plan, and TRL's lighter model is let through under peft's."""
+    pytest.importorskip("bitsandbytes")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    config = tiny_config()
+    config.dtype = "bfloat16"
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    setup = LMSetup(seq_len=SEQ, lora_r=4, quant=4, qlora_prep="trl")
+    plan = plan_lm(config, setup, 4, "1GB", device="cpu", precision="bf16", overhead=0)
+    data = datasets.Dataset.from_list([{"input_ids": i["input_ids"].tolist()} for i in sequences()])
+    args = with_plan(
+        trl.SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], bf16=True,
+                      max_length=None, save_strategy="no"),
+        plan,
+    )  # fmt: skip
+
+    def loaded() -> torch.nn.Module:
+        path = tmp_path / "model"
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **model_arguments(plan))
+
+    trainer = trl.SFTTrainer(model=loaded(), args=args, train_dataset=data,
+                             processing_class=tokenizer(), peft_config=lora_config(setup))  # fmt: skip
+    theirs = trainer.model
+    traced = build_on_meta(lm_spec_at(config, plan.setup, precision="bf16")(1).model)
+
+    def floats(model: torch.nn.Module) -> dict[tuple[str, bool], torch.dtype]:
+        """Each floating parameter's dtype by name (the 4-bit packed weights aside)."""
+        return {
+            (n, p.requires_grad): p.dtype
+            for n, p in model.named_parameters()
+            if p.is_floating_point()
+        }
+
+    assert floats(theirs) == floats(traced)
+    assert {p.dtype for p in theirs.parameters() if p.requires_grad} == {torch.bfloat16}
+    check_plan_matches(plan, theirs, "cpu", args)
+    prepared = peft.prepare_model_for_kbit_training(loaded(), use_gradient_checkpointing=False)
+    with pytest.raises(ValueError, match=r"as TRL's SFTTrainer does .* this model's adapters and "
+                       r"other weights are float32, .* or plan with --qlora-prep peft$"):  # fmt: skip
+        check_plan_matches(plan, peft.get_peft_model(prepared, lora_config(setup)), "cpu")
+    peft_plan = dataclasses.replace(plan, setup=dataclasses.replace(setup, qlora_prep="peft"))
+    check_plan_matches(peft_plan, theirs, "cpu")
 
 
 def test_arguments_that_shard_otherwise_than_the_plan_are_refused(

@@ -124,6 +124,10 @@ def test_refusals_name_the_fix(tmp_path: Path, monkeypatch) -> None:  # type: ig
     with pytest.raises(ValueError, match="--no-double-quant is for a 4-bit base: add --qlora"):
         plan_lm(config, LMSetup(seq_len=16, lora_r=4, quant=8, double_quant=False), 8, "1GB",
                 device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--qlora-prep is for a quantized base .*add --qlora"):
+        plan_lm(config, LMSetup(seq_len=16, lora_r=4, qlora_prep="trl"), 8, "1GB", device="cpu")
+    with pytest.raises(ValueError, match=r"^--qlora-prep must be one of peft, trl, got 'x'"):
+        plan_lm(config, LMSetup(seq_len=16, lora_r=4, quant=4, qlora_prep="x"), 8, "1GB")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import that fails
     with pytest.raises(ValueError, match=r"--qlora needs bitsandbytes.*pip install bitsandbytes"):
         plan_lm(config, LMSetup(seq_len=16, lora_r=4, quant=4), 8, "1GB", device="cpu")
@@ -372,11 +376,12 @@ def test_quantized_storage_is_bitsandbytes_own() -> None:
     [
         LMSetup(seq_len=64, lora_r=8, gradient_checkpointing=True),
         LMSetup(seq_len=64, lora_r=8, quant=4),
+        LMSetup(seq_len=64, lora_r=8, quant=4, qlora_prep="trl"),
         LMSetup(seq_len=64, lora_r=8, quant=8),
         LMSetup(seq_len=64),
         LMSetup(seq_len=32, lora_r=8, packing=True, attn="eager"),
     ],
-    ids=["lora-ckpt", "qlora", "int8", "full", "packed"],
+    ids=["lora-ckpt", "qlora", "qlora-trl", "int8", "full", "packed"],
 )
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
 def test_cpu_peak_predicted_as_measured(setup: LMSetup, optimizer: str) -> None:
@@ -523,12 +528,21 @@ def test_a_qlora_plan_names_the_model_to_load_where_bitsandbytes_is_missing(
     folder = write_config(tmp_path / "m", tiny().to_dict() | {"dtype": "bfloat16"})
     args = ["plan", "--hf", str(folder), "--seq-len", "16", "--batch", "2", "--lora", "4"]
     assert main([*args, "--qlora", "--budget", "t4"]) == 0
-    said = capsys.readouterr().out.splitlines()[-1]
-    assert said == (
+    model, adapters = capsys.readouterr().out.splitlines()[-2:]
+    assert model == (
         "The model (from_pretrained(..., **model_arguments(plan)) loads it so): "
         "dtype=torch.float16, attn_implementation='sdpa', quantization_config=BitsAndBytesConfig("
         "load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
         "bnb_4bit_compute_dtype=torch.float16)"
+    )
+    # And how its adapters are readied, as planned: peft's, unless --qlora-prep trl.
+    assert adapters.startswith(
+        "Its adapters, as planned: get_peft_model(prepare_model_for_kbit_training(model), "
+    )
+    assert main([*args, "--qlora", "--budget", "t4", "--qlora-prep", "trl"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "Its adapters, as planned: SFTTrainer(model, ..., peft_config=lora_config(plan.setup)) "
+        "(TRL 1.x)"
     )
 
 
@@ -925,6 +939,30 @@ def test_gpt2s_conv1d_layers_are_quantized_as_transformers_quantizes_them() -> N
     full = model_sizes(build_on_meta(lm_spec_at(cfg, replace(setup, quant=0))(1).model))
     assert model_sizes(planned).parameters < full.parameters
     assert model_sizes(planned).parameter_count == full.parameter_count
+
+
+def test_a_base_readied_as_trl_does_is_lighter_by_the_float32_copies() -> None:
+    """``qlora_prep="trl"``: the base's other weights as loaded (bf16 here), the adapters in
+    bfloat16, where peft's preparation holds both in float32 (the residual stream too, from
+    the float32 embedding)."""
+    pytest.importorskip("bitsandbytes")
+    cfg = tiny(dtype="bfloat16")
+    models, plans = {}, {}
+    for prep in ("peft", "trl"):
+        setup = LMSetup(seq_len=64, lora_r=8, quant=4, qlora_prep=prep)
+        models[prep] = build_on_meta(lm_spec_at(cfg, setup)(1).model)
+        # On the CPU: a CUDA plan rounds a model this small to the same 2 MiB segments.
+        plans[prep] = plan_lm(cfg, setup, 8, "8GB", device="cpu", precision="bf16", overhead=0)
+
+    def dtypes(model: torch.nn.Module, trained: bool) -> set[torch.dtype]:
+        held = model.named_parameters()
+        return {p.dtype for _, p in held if p.requires_grad == trained and p.is_floating_point()}
+
+    assert dtypes(models["peft"], True) == dtypes(models["peft"], False) == {torch.float32}
+    assert dtypes(models["trl"], True) == dtypes(models["trl"], False) == {torch.bfloat16}
+    assert plans["trl"].sizes.parameters < plans["peft"].sizes.parameters
+    assert plans["trl"].peak_bytes < plans["peft"].peak_bytes
+    assert "prepared as TRL's SFTTrainer does" in plans["trl"].setup.describe()
 
 
 def test_eight_bit_adamw_state_is_bitsandbytes_own() -> None:

@@ -24,6 +24,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "qlora": 0,
     "no_double_quant": False,
     "quant_storage": "auto",
+    "qlora_prep": "peft",
     "gradient_checkpointing": False,
     "attn": "auto",
     "packing": False,
@@ -111,6 +112,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "uint8", "bf16", "fp16", "fp32"),
         help="the dtype 4-bit values are packed in (bnb_4bit_quant_storage; auto: uint8, and "
         "with --fsdp the precision's 16-bit dtype, which FSDP2 shards)",
+    )
+    g.add_argument(
+        "--qlora-prep",
+        choices=("peft", "trl"),
+        help="how the quantized base is readied for its adapters: peft (default: "
+        "prepare_model_for_kbit_training, then get_peft_model; the other weights and the "
+        "adapters in float32) or trl (TRL's SFTTrainer given peft_config=: the other weights "
+        "as loaded, the adapters in bf16)",
     )
     g.add_argument(
         "--gradient-checkpointing",
@@ -324,6 +333,7 @@ def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
         quant=args.qlora,
         double_quant=not args.no_double_quant,
         quant_storage=args.quant_storage,
+        qlora_prep=args.qlora_prep,
         gradient_checkpointing=args.gradient_checkpointing,
         attn=args.attn,
         packing=args.packing,
@@ -358,6 +368,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         fields = f"dtype=torch.{model.pop('dtype')}, attn_implementation={attn!r}"
         fields += "".join(f", {k}={v}" for k, v in model.items())
         print(f"The model (from_pretrained(..., **model_arguments(plan)) loads it so): {fields}")
+        if first.setup.quant:
+            print(f"Its adapters, as planned: {_adapters_said(first.setup)}")
         return
     # A planned row names the attention chosen for the model, where the flags may say auto.
     described = _setup(args, 1, 1)
@@ -390,6 +402,17 @@ def _split(plan: Any) -> str:
     last = plan.plan.last_micro_batch
     split = f"{plan.micro_batch} x {plan.accumulation}"
     return split + (f", last {last}" if last != plan.micro_batch else "")
+
+
+def _adapters_said(setup: Any) -> str:
+    """How the plan's quantized base is readied for its adapters, as code (``--qlora-prep``)."""
+    if setup.qlora_prep == "trl":
+        return "SFTTrainer(model, ..., peft_config=lora_config(plan.setup)) (TRL 1.x)"
+    return (
+        "get_peft_model(prepare_model_for_kbit_training(model), lora_config(plan.setup)); "
+        "TRL's SFTTrainer given peft_config= instead readies a lighter model: plan it with "
+        "--qlora-prep trl"
+    )
 
 
 def _model_fields(plan: Any) -> dict[str, str]:

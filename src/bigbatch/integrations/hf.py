@@ -730,6 +730,7 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
         )
     _check_weights_dtype(plan, model, described)
     _check_quantized_layers(plan, model, described)
+    _check_qlora_prep(plan, model, described)
     if args is not None:
         _check_arguments(plan, args)
     # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
@@ -772,6 +773,34 @@ def _check_weights_dtype(plan: Any, model: Any, described: str) -> None:
         f"{str(held).removeprefix('torch.')}: load it with from_pretrained(..., "
         f"dtype={want}), or plan with --dtype {dtype_flag(held)}"
     )
+
+
+def _check_qlora_prep(plan: Any, model: Any, described: str) -> None:
+    """A plan of a quantized base readied as TRL's SFTTrainer does (``--qlora-prep trl``: the
+    other weights as loaded, the adapters in bfloat16) against a model peft readied, heavier
+    by float32 copies: float32 adapters (``get_peft_model``'s), or the base's other weights in
+    float32 (``prepare_model_for_kbit_training``'s). A lighter model than the plan's (a peft
+    plan, TRL's model) is let through: the plan bounds it."""
+    setup = plan.setup
+    if not setup.quant or getattr(setup, "qlora_prep", "peft") != "trl":
+        return
+    planned = _planned_dtype(plan)
+    held = {"adapters": 0, "other weights": 0}
+    for p in model.parameters():
+        packed = type(p).__name__ in ("Params4bit", "Int8Params")
+        if p.dtype == torch.float32 and not packed:
+            held["adapters" if p.requires_grad else "other weights"] += p.numel()
+    if planned == torch.float32:  # loaded in float32, as the plan has them
+        held["other weights"] = 0
+    what = [k for k, n in held.items() if n]
+    if what:
+        raise ValueError(
+            f"the plan ({described}) readies the base as TRL's SFTTrainer does (the other "
+            f"weights as loaded, the adapters in bfloat16) and this model's {' and '.join(what)} "
+            "are float32, as peft's prepare_model_for_kbit_training and get_peft_model leave "
+            "them: give SFTTrainer the model from_pretrained loads, with "
+            "peft_config=lora_config(plan.setup), or plan with --qlora-prep peft"
+        )
 
 
 def _check_quantized_layers(plan: Any, model: Any, described: str) -> None:

@@ -73,6 +73,7 @@ from bigbatch.memory.step import StepSpec
 
 __all__ = [
     "ATTENTIONS",
+    "QLORA_PREPS",
     "QUANT_STORAGES",
     "LMPlan",
     "LMSetup",
@@ -95,6 +96,9 @@ ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _STORAGE_DTYPES = {"uint8": torch.uint8, **_DTYPES}
 QUANT_STORAGES = ("auto", *_STORAGE_DTYPES)
+# How a quantized base is readied for its adapters: peft's prepare_model_for_kbit_training
+# then get_peft_model, or TRL's SFTTrainer given peft_config= (see LMSetup.qlora_prep).
+QLORA_PREPS = ("peft", "trl")
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,15 @@ class LMSetup:
     config's, as ``from_pretrained`` loads them); ``packing`` puts a micro-batch's sequences
     in one row (TRL's ``padding_free``) instead of padding each to ``seq_len``.
 
+    ``qlora_prep`` is how a quantized base is readied for its adapters: ``peft``, peft's
+    ``prepare_model_for_kbit_training`` then ``get_peft_model`` (the base's other weights and
+    the adapters in float32); ``trl``, TRL's ``SFTTrainer`` given ``peft_config=`` (TRL 1.x:
+    the other weights as loaded, the adapters in bfloat16), lighter by the float32 copies.
+
     >>> LMSetup(seq_len=2048, lora_r=16, quant=4, gradient_checkpointing=True).describe()
     'QLoRA 4-bit r=16 (all-linear), 2048 tokens, padded, gradient checkpointing'
+    >>> LMSetup(seq_len=2048, lora_r=16, quant=4, qlora_prep="trl").describe()
+    "QLoRA 4-bit r=16 (all-linear), 2048 tokens, padded, prepared as TRL's SFTTrainer does"
     """
 
     seq_len: int
@@ -120,6 +131,7 @@ class LMSetup:
     # The dtype 4-bit values are packed in (bnb_4bit_quant_storage): auto is uint8, and under
     # FSDP2 the training precision's 16-bit dtype, which FSDP2 shards (see quant_storage_for).
     quant_storage: str = "auto"
+    qlora_prep: str = "peft"  # peft or trl: what readies a quantized base (QLORA_PREPS)
     gradient_checkpointing: bool = False
     attn: str = "auto"  # auto: as from_pretrained chooses (SDPA where the model has it, else eager)
     packing: bool = False
@@ -158,6 +170,8 @@ class LMSetup:
             parts.append(self.attn)
         if self.quant == 4 and self.quant_storage not in ("auto", "uint8"):
             parts.append(f"4-bit in {self.quant_storage} storage")
+        if self.quant and self.qlora_prep == "trl":
+            parts.append("prepared as TRL's SFTTrainer does")
         if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
             parts.append(f"{self.dtype} weights")
         if table and self.fsdp:
@@ -389,6 +403,39 @@ def check_setup(
             f"--seq-len {setup.seq_len} is longer than the model's {longest} positions "
             f"(max_position_embeddings): use --seq-len {longest} or less"
         )
+    _check_adapters(setup)
+    storage = _checked_storage(setup, precision or "bf16")
+    if setup.quant:
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:  # an ImportError, or a library that fails to load
+            raise ValueError(
+                f"--qlora needs bitsandbytes, which cannot load here ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): pip install bitsandbytes "
+                "(Linux or Windows), or plan LoRA on a 16-bit base without --qlora"
+            ) from None
+    if setup.attn not in ATTENTIONS:
+        raise ValueError(f"--attn must be one of {', '.join(ATTENTIONS)}, got {setup.attn!r}")
+    if setup.fsdp and setup.world_size < 2:
+        raise ValueError("--fsdp shards over ranks: give --world-size 2 or more")
+    if setup.quant == 8 and setup.fsdp:
+        raise ValueError(
+            "--qlora 8 with --fsdp: FSDP2 shards LLM.int8's weights as any other and loses "
+            "their scales (accelerate leaves only 4-bit ones whole): plan --qlora 4, or 8-bit "
+            "with DDP (no --fsdp)"
+        )
+    if storage == "uint8" and setup.quant and setup.fsdp and not _fsdp_leaves_out_params():
+        raise ValueError(
+            f"--qlora with --fsdp needs torch 2.7 or later (this is {torch.__version__}): "
+            "FSDP2 leaves uint8-packed weights whole on each rank through fully_shard's "
+            "ignored_params, as accelerate does; pip install -U torch, plan with DDP, or let "
+            "FSDP2 shard them (--quant-storage bf16)"
+        )
+
+
+def _check_adapters(setup: LMSetup) -> None:
+    """LoRA's and the quantized base's settings, refused where they are not ones or are given
+    without what they set."""
     if setup.lora_r < 0:
         raise ValueError(f"--lora takes the adapters' rank, >= 1 (e.g. 16), got {setup.lora_r}")
     if setup.lora_r and not setup.lora_targets.replace(",", "").strip():
@@ -421,32 +468,14 @@ def check_setup(
         )
     if not setup.double_quant and setup.quant != 4:
         raise ValueError("--no-double-quant is for a 4-bit base: add --qlora, or drop it")
-    storage = _checked_storage(setup, precision or "bf16")
-    if setup.quant:
-        try:
-            import bitsandbytes  # noqa: F401
-        except Exception as exc:  # an ImportError, or a library that fails to load
-            raise ValueError(
-                f"--qlora needs bitsandbytes, which cannot load here ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}): pip install bitsandbytes "
-                "(Linux or Windows), or plan LoRA on a 16-bit base without --qlora"
-            ) from None
-    if setup.attn not in ATTENTIONS:
-        raise ValueError(f"--attn must be one of {', '.join(ATTENTIONS)}, got {setup.attn!r}")
-    if setup.fsdp and setup.world_size < 2:
-        raise ValueError("--fsdp shards over ranks: give --world-size 2 or more")
-    if setup.quant == 8 and setup.fsdp:
+    if setup.qlora_prep not in QLORA_PREPS:
         raise ValueError(
-            "--qlora 8 with --fsdp: FSDP2 shards LLM.int8's weights as any other and loses "
-            "their scales (accelerate leaves only 4-bit ones whole): plan --qlora 4, or 8-bit "
-            "with DDP (no --fsdp)"
+            f"--qlora-prep must be one of {', '.join(QLORA_PREPS)}, got {setup.qlora_prep!r}"
         )
-    if storage == "uint8" and setup.quant and setup.fsdp and not _fsdp_leaves_out_params():
+    if setup.qlora_prep != "peft" and not setup.quant:
         raise ValueError(
-            f"--qlora with --fsdp needs torch 2.7 or later (this is {torch.__version__}): "
-            "FSDP2 leaves uint8-packed weights whole on each rank through fully_shard's "
-            "ignored_params, as accelerate does; pip install -U torch, plan with DDP, or let "
-            "FSDP2 shard them (--quant-storage bf16)"
+            "--qlora-prep is for a quantized base (TRL readies other models as peft does): "
+            "add --qlora, or drop it"
         )
 
 
@@ -527,8 +556,9 @@ def lm_factory(
 ) -> Callable[[], nn.Module]:
     """What builds the model to train: transformers' causal LM from ``config`` in the weights'
     dtype, its base quantized (``setup.quant``: the other weights in float32, as peft's
-    ``prepare_model_for_kbit_training`` leaves them), LoRA adapters (peft keeps them in
-    float32), activation checkpointing. Call it under the meta device (the planner does).
+    ``prepare_model_for_kbit_training`` leaves them, or as loaded, as TRL's ``SFTTrainer``
+    does: ``setup.qlora_prep``), LoRA adapters (peft keeps them in float32; TRL casts a
+    quantized base's to bfloat16), activation checkpointing. Call it under the meta device (the planner does).
     ``real_bitsandbytes``: the base in bitsandbytes' own layers (quantized when moved to a
     GPU) rather than the planner's stand-ins, for a real step on a GPU.
 
@@ -577,7 +607,7 @@ def lm_factory(
                 skip=skip,
                 real=real_bitsandbytes,
             )
-            for p in model.parameters():
+            for p in model.parameters() if setup.qlora_prep == "peft" else ():
                 # peft's prepare_model_for_kbit_training: every 16-bit weight to float32 but
                 # the quantized ones
                 quantized = type(p).__name__ in ("Params4bit", "Int8Params")
@@ -586,6 +616,12 @@ def lm_factory(
         if setup.lora_r:
             model.requires_grad_(False)
             model = _apply_lora(model, setup)
+        if setup.quant and setup.qlora_prep == "trl":
+            # TRL's SFTTrainer casts a quantized base's adapters to bfloat16 (QLoRA's paper),
+            # DoRA's magnitudes aside, whatever the training precision.
+            for name, p in model.named_parameters():
+                if p.requires_grad and "lora_magnitude_vector" not in name:
+                    p.data = p.data.to(torch.bfloat16)
         if setup.gradient_checkpointing:
             enable_checkpointing(model)
             if setup.lora_r:
