@@ -665,8 +665,10 @@ def test_a_plan_of_trls_preparation_is_the_model_sft_trainer_builds(tmp_path) ->
         path = tmp_path / "model"
         return transformers.AutoModelForCausalLM.from_pretrained(path, **model_arguments(plan))
 
-    trainer = trl.SFTTrainer(model=loaded(), args=args, train_dataset=data,
-                             processing_class=tokenizer(), peft_config=lora_config(setup))  # fmt: skip
+    budget = MemoryBudget(2**30, plan=plan)  # checks the model when training begins
+    trainer = trl.SFTTrainer(model=loaded(), args=dataclasses.replace(args, max_steps=1),
+                             train_dataset=data, processing_class=tokenizer(),
+                             peft_config=lora_config(setup), callbacks=[budget])  # fmt: skip
     theirs = trainer.model
     traced = build_on_meta(lm_spec_at(config, plan.setup, precision="bf16")(1).model)
 
@@ -680,7 +682,8 @@ def test_a_plan_of_trls_preparation_is_the_model_sft_trainer_builds(tmp_path) ->
 
     assert floats(theirs) == floats(traced)
     assert {p.dtype for p in theirs.parameters() if p.requires_grad} == {torch.bfloat16}
-    check_plan_matches(plan, theirs, "cpu", args)
+    trainer.train()
+    assert budget.measured_bytes
     prepared = peft.prepare_model_for_kbit_training(loaded(), use_gradient_checkpointing=False)
     with pytest.raises(ValueError, match=r"as TRL's SFTTrainer does .* this model's adapters and "
                        r"other weights are float32, .* or plan with --qlora-prep peft$"):  # fmt: skip
