@@ -355,3 +355,31 @@ def test_plan_calibrates_with_the_threads_training_takes(
         assert "--threads must be >= 1" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_executable_writes_tensorboard_events_without_tensorflow(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Where TensorFlow is installed (Kaggle's images), torch's TensorBoard writer, which
+    MONAI's transforms import, would import it: 3.6 s, 545 MB and its log lines. The
+    executable's process takes TensorBoard's stand-in instead; the events are written."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("tensorboard")
+    script = (
+        "import sys\n"
+        "from bigbatch.cli.main import main\n"
+        "try:\n"
+        "    main(['verify', '--help'], own_process=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "from torch.utils.tensorboard import SummaryWriter\n"
+        f"with SummaryWriter({str(tmp_path)!r}) as w:\n"
+        "    w.add_scalar('loss', 0.5, 1)\n"
+        "print('TF', 'tensorflow' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TF False" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir()][0].startswith("events.out.tfevents.")

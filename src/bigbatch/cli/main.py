@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import sys
+import types
 from collections.abc import Sequence
 
 from bigbatch import __version__
@@ -158,11 +159,22 @@ def _set_up_logging(verbose: bool, quiet: bool) -> None:
     log.setLevel(logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING)
 
 
+def _tensorboard_without_tensorflow() -> None:
+    """TensorBoard's writer (torch's, which MONAI's transforms import too) on TensorBoard's own
+    stand-in for TensorFlow, by its switch (a ``tensorboard.compat.notf`` module): where
+    TensorFlow is installed (Kaggle's images), the writer imports it for a file-path helper,
+    3.6 s and 545 MB of this process here, and TensorFlow prints its log lines. The event
+    files are the same; TensorFlow's remote file systems, which run folders never are, are
+    lost. The executable's process only: a Python caller's own process is theirs."""
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+
+
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """Run one ``bigbatch`` command; ``own_process``: the process runs nothing else and exits
     after it (the ``bigbatch`` executable), so what it loads may be frozen for the collector."""
     if own_process:
         gc.disable()  # loading (the command's module first) makes long-lived objects, no garbage
+        _tensorboard_without_tensorflow()
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((w for w in words if w in COMMANDS), None)
     parser = build_parser(load=[command] if command else [])
