@@ -692,6 +692,24 @@ def test_a_plan_of_trls_preparation_is_the_model_sft_trainer_builds(tmp_path) ->
     check_plan_matches(peft_plan, theirs, "cpu")
 
 
+def test_the_arguments_of_trls_other_trainers_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """DPO's preference pairs (and its reference model), GRPO's generations: steps a plan
+    does not trace, refused in one line, where SFTConfig is set; a subclass of one's own too."""
+    trl = pytest.importorskip("trl")
+    common = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "report_to": []}
+    sft = trl.SFTConfig(**common, max_length=SEQ)
+    assert with_plan(sft, plan_of(N, 5)).per_device_train_batch_size == 4
+
+    class MyDPOConfig(trl.DPOConfig):
+        pass
+
+    for args, kind in [(trl.DPOConfig(**common), "DPO"), (trl.GRPOConfig(**common), "GRPO"),
+                       (MyDPOConfig(**common), "DPO")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^these are the arguments of TRL's {kind} trainer "
+                           rf"\({type(args).__name__}\), .* set this trainer's sizes yourself$"):  # fmt: skip
+            with_plan(args, plan_of(N, 5))
+
+
 def test_arguments_that_shard_otherwise_than_the_plan_are_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -279,7 +279,9 @@ def with_plan(args: Any, plan: Any) -> Any:
     sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone;
     where the plan has none, at most the micro-batch), and Trainer's activation checkpointing
     on where the plan counts on it (:func:`trainer_arguments` names the flag).
-    Refuses arguments for another number of ranks than the plan's or that shard otherwise
+    Refuses the arguments of TRL's trainers whose step is not a plan's (DPO's preference
+    pairs, GRPO's generations), arguments for another number of ranks than the plan's or
+    that shard otherwise
     (DDP where it planned FSDP2's shards, FSDP where it planned DDP, weights kept gathered
     after each forward), TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
@@ -297,6 +299,7 @@ def with_plan(args: Any, plan: Any) -> Any:
     >>> new.per_device_train_batch_size, new.gradient_accumulation_steps
     (4, 8)
     """
+    _check_trainer_kind(args)  # first: its other settings would be judged as an SFT run's
     ranks = _ranks(args)
     if ranks != plan.setup.world_size:
         raise ValueError(
@@ -418,11 +421,30 @@ def _described(plan: Any) -> str:
     return ", ".join(x for x in (getattr(plan, "source", ""), plan.setup.describe()) if x)
 
 
+def _check_trainer_kind(args: Any) -> None:
+    """Refuse the arguments of TRL's trainers whose step is not the one a plan traces (a
+    causal LM's loss over each sequence, Trainer's or SFTTrainer's): a preference pair's two
+    sequences (DPO, ORPO, KTO, CPO), a reference model's forward, a reward model's head,
+    generations (GRPO, RLOO, PPO) hold more than the plan has."""
+    mro = type(args).__mro__
+    from_trl = [c.__name__ for c in mro if c.__module__.split(".")[0] == "trl"]
+    if from_trl and "SFTConfig" not in from_trl:
+        name = type(args).__name__
+        raise ValueError(
+            f"these are the arguments of TRL's {from_trl[0].removesuffix('Config')} trainer "
+            f"({name}), whose step holds more than a plan traces (a causal LM's loss over "
+            "each sequence, as Trainer and SFTTrainer run it; not preference pairs, a "
+            "reference model, a reward head or generations): bigbatch plans supervised "
+            "fine-tunes (TrainingArguments, SFTConfig); set this trainer's sizes yourself"
+        )
+
+
 def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     """Refuse ``args`` that shard otherwise, compute in another precision, or train with
     another optimizer, than the plan traced, or (with ``eval_batch``) evaluate more sequences
     a pass than it planned (but the sharding, a plan without its prediction, as tests build
     one, is let be)."""
+    _check_trainer_kind(args)
     _check_sharding(plan, args)
     traced = _prediction(plan)
     if traced is None:
