@@ -558,7 +558,8 @@ def lm_factory(
     dtype, its base quantized (``setup.quant``: the other weights in float32, as peft's
     ``prepare_model_for_kbit_training`` leaves them, or as loaded, as TRL's ``SFTTrainer``
     does: ``setup.qlora_prep``), LoRA adapters (peft keeps them in float32; TRL casts a
-    quantized base's to bfloat16), activation checkpointing. Call it under the meta device (the planner does).
+    quantized base's to bfloat16), activation checkpointing. Call it under the meta device
+    (the planner does).
     ``real_bitsandbytes``: the base in bitsandbytes' own layers (quantized when moved to a
     GPU) rather than the planner's stand-ins, for a real step on a GPU.
 
@@ -607,12 +608,8 @@ def lm_factory(
                 skip=skip,
                 real=real_bitsandbytes,
             )
-            for p in model.parameters() if setup.qlora_prep == "peft" else ():
-                # peft's prepare_model_for_kbit_training: every 16-bit weight to float32 but
-                # the quantized ones
-                quantized = type(p).__name__ in ("Params4bit", "Int8Params")
-                if p.dtype in (torch.float16, torch.bfloat16) and not quantized:
-                    p.data = p.data.float()
+            if setup.qlora_prep == "peft":
+                _upcast_as_peft_prepares(model)
         if setup.lora_r:
             model.requires_grad_(False)
             model = _apply_lora(model, setup)
@@ -629,6 +626,15 @@ def lm_factory(
         return model
 
     return build
+
+
+def _upcast_as_peft_prepares(model: nn.Module) -> None:
+    """peft's ``prepare_model_for_kbit_training``: every 16-bit weight to float32 but the
+    quantized ones."""
+    for p in model.parameters():
+        quantized = type(p).__name__ in ("Params4bit", "Int8Params")
+        if p.dtype in (torch.float16, torch.bfloat16) and not quantized:
+            p.data = p.data.float()
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -1345,7 +1351,7 @@ def _refused_in_one_line(config: Any, setup: LMSetup) -> Iterator[None]:
             f"{name} has no SDPA attention in this transformers: plan it with --attn eager"
         ) from None
     except AttributeError as exc:
-        wrapped = _lora_over_a_tuple(exc)
+        wrapped = _lora_over_a_tuple(exc) if setup.lora_r else None  # peft's: with LoRA only
         if wrapped is None:
             raise
         culprit, kind, others = wrapped
@@ -1394,7 +1400,9 @@ def _lora_over_a_tuple(exc: BaseException) -> tuple[str, str, list[str]] | None:
         f.f_locals["self"] for f in frames if isinstance(f.f_locals.get("self"), nn.Module)
     )
     wrapped = [(n.rsplit(".", 1)[-1], m) for n, m in model.named_modules()]
-    culprit = next(n for n, m in wrapped if m is layer)
+    culprit = next((n for n, m in wrapped if m is layer), None)
+    if culprit is None:  # a step run outside the model (a wrapper's): not said here
+        return None
     kind = type(layer.get_base_layer()).__name__
     others = {n for n, m in wrapped if isinstance(m, LoraLayer) and n != culprit}
     return culprit, kind, sorted(others)
