@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +115,37 @@ def test_a_pretrained_smp_encoder_loads_offline_from_the_hub_cache(tmp_path: Pat
     out = _run(tmp_path, tmp_path / "empty-hub", SMP_SCRIPT)  # neither a network nor a cache
     assert out.startswith("ERROR pretrained weights for the encoder resnet10t")
     assert str(tmp_path / "empty-hub") in out and "weights=FILE" in out
+
+
+def test_checkpointed_accumulation_equals_the_big_batch() -> None:
+    """Activation checkpointing recomputes, and changes no gradient: a window of uneven
+    micro-batches through the checkpointed model equals the big batch without it in float64;
+    loss / N does not."""
+    import timm
+
+    from bigbatch.models import enable_grad_checkpointing
+    from helpers import window_gradients
+
+    def vit(checkpointed: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = timm.create_model("test_vit", num_classes=5).double()
+        return enable_grad_checkpointing(model) if checkpointed else model
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(7, 3, 160, 160, generator=g).double(), torch.randint(0, 5, (7,), generator=g)
+    big = vit(False)
+    torch.nn.functional.cross_entropy(big(x), y).backward()
+    want = [p.grad for p in big.parameters()]
+
+    def step(model: torch.nn.Module) -> Any:
+        return lambda m: (torch.nn.functional.cross_entropy(model(m[0]), m[1]), len(m[1]))
+
+    def worst(grads: list[torch.Tensor]) -> float:
+        return max(
+            float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads, want, strict=True)
+        )
+
+    for kind, equal in (("exact", False), ("naive", True)):
+        model = vit(True)
+        grads = window_gradients(model, (x, y), step(model), 3, equal_weights=equal)
+        assert (worst(grads) < 1e-12) == (kind == "exact"), kind

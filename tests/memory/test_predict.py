@@ -550,3 +550,22 @@ def test_a_gradient_from_two_uses_is_summed_into_the_first_as_autograd_does() ->
         # The loss's seed gradient, each branch's (a mul), the weight's and the bias's: five,
         # none for the sum.
         assert tracker._next_uid == 5
+
+
+def test_activation_checkpointing_is_predicted_as_measured() -> None:
+    """timm's activation checkpointing (``bigbatch train grad_checkpointing=true``): each
+    block's activations recomputed in backward, traced as it runs; the step holds under half
+    what it holds without."""
+    timm = pytest.importorskip("timm")
+    from bigbatch.models import enable_grad_checkpointing
+
+    def vit(checkpointed: bool) -> nn.Module:
+        model = timm.create_model("test_vit", num_classes=10)
+        return enable_grad_checkpointing(model) if checkpointed else model
+
+    peaks = {}
+    for checkpointed in (False, True):
+        spec = StepSpec(lambda c=checkpointed: vit(c), (3, 160, 160), 8)
+        peaks[checkpointed] = measure_step_peak(spec)
+        assert _err(predict_peak(spec).peak_bytes, peaks[checkpointed]) <= 0.005
+    assert peaks[True] < 0.5 * peaks[False]

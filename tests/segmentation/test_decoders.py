@@ -98,3 +98,30 @@ def test_bigbatch_plan_takes_an_smp_decoder_on_an_encoder(
 def test_a_norm_these_decoders_cannot_take_is_refused(arch: str) -> None:
     with pytest.raises(ValueError, match=f"norm=batch: smp's {arch} decoder normalises with"):
         smp_factory(arch, "resnet18", in_channels=3, num_classes=2, norm="batch")
+
+
+def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path) -> None:
+    """``grad_checkpointing=true``: the timm encoder under an smp decoder and SwinUNETR's Swin
+    blocks are switched by their libraries' own flags; a network without one is refused in
+    one line when first built (the planner's build, before any training)."""
+    from bigbatch.models import enable_grad_checkpointing
+    from bigbatch.segmentation.networks import build_network
+    from bigbatch.train.planning import model_factory_for
+
+    decoded = enable_grad_checkpointing(
+        smp_factory("unet", "resnet10t", in_channels=3, num_classes=2)()
+    )
+    assert decoded.encoder.model.grad_checkpointing  # smp's tu- encoder: a timm model
+    swin = enable_grad_checkpointing(build_network("swinunetr", 1, 2, dims=2, size=32))
+    flags = [m.use_checkpoint for m in swin.modules() if hasattr(m, "use_checkpoint")]
+    assert flags and all(flags)
+    unet = load_config(overrides=[f"data={tmp_path}", "task=segmentation", "arch=unet",
+                                  "grad_checkpointing=true"])  # fmt: skip
+
+    class Task:
+        def model_factory(self):  # type: ignore[no-untyped-def]
+            return build_seg_model(unet, 1, 2, 2)
+
+    with pytest.raises(ConfigError, match=r"^grad_checkpointing=true: UNet has no activation "
+                       r"checkpointing .*: drop grad_checkpointing, or choose a model"):  # fmt: skip
+        model_factory_for(Task(), unet)()  # type: ignore[arg-type]

@@ -188,6 +188,17 @@ def test_bigbatch_plan_plans_the_tasks_own_run(
     assert two["usable_bytes"] == one["usable_bytes"] - two["held_bytes"]
     assert main(["plan", *keys, "budget=t4", "--world-size", "1,2"]) == 2
     assert "a training run's plan is for one number of ranks" in capsys.readouterr().err
+    # grad_checkpointing=true: traced as trained (a timm model's own switch), or refused.
+    assert main(["plan", *keys, "budget=t4", "grad_checkpointing=true"]) == 2
+    assert "grad_checkpointing=true: Sequential has no activation checkpointing" in (
+        capsys.readouterr().err
+    )
+    peaks = []
+    for checkpointed in ("false", "true"):
+        timm_keys = [*keys[:2], "arch=test_vit", "size=64", "batch=64", "budget=t4"]
+        assert main(["plan", *timm_keys, f"grad_checkpointing={checkpointed}", "--json"]) == 0
+        peaks.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert peaks[1]["predicted_peak_bytes"] < peaks[0]["predicted_peak_bytes"]
     if not torch.cuda.is_available():  # a size: which card, and so which precision, is unknown
         assert main(["plan", *keys, "budget=15GB", "device=cuda"]) == 2
         assert "precision=auto on a cuda this machine does not have" in capsys.readouterr().err

@@ -375,7 +375,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         )
     from bigbatch.train.config import ConfigError, check_device, load_config
     from bigbatch.train.data import DataError
-    from bigbatch.train.planning import plan_for, plan_validation
+    from bigbatch.train.planning import model_factory_for, plan_for, plan_validation
     from bigbatch.train.runtime import resolve_device, resolve_precision
     from bigbatch.train.tasks import prepare_data, task_for
 
@@ -408,7 +408,7 @@ def _plan_training_run(args: argparse.Namespace) -> int:
         precision = resolve_precision(cfg.precision, device)
         task = task_for(cfg)
         _, valid_items = prepare_data(task, lambda line: print(line, file=sys.stderr))
-        factory = task.model_factory()
+        factory = model_factory_for(task, cfg)
         choice = plan_for(cfg, factory, device, precision, print, task=task, world=world)
         choice = plan_validation(cfg, factory, device, precision, choice, task, valid_items, print)
     except (ConfigError, DataError, ValueError) as exc:

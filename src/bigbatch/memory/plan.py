@@ -292,11 +292,15 @@ def _suggestions(spec: StepSpec) -> str:
         )
     if len(spec.input_shape) >= 4:  # channels + 3 spatial dims: a volume
         tips.append(
-            "activation checkpointing, or smaller patches (train on crops of the volume, e.g. "
+            "activation checkpointing (bigbatch train: grad_checkpointing=true), or smaller "
+            "patches (train on crops of the volume, e.g. "
             "--input-shape with half the side: an eighth of the activations)"
         )
     else:
-        tips.append("activation checkpointing, or a smaller input size")
+        tips.append(
+            "activation checkpointing (bigbatch train: grad_checkpointing=true), or a smaller "
+            "input size"
+        )
     return "try " + ", ".join(tips)
 
 

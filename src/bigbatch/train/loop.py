@@ -33,7 +33,7 @@ from bigbatch.train.checkpoint import save_state
 from bigbatch.train.config import ConfigError, TrainConfig
 from bigbatch.train.decode_choice import decode_choice
 from bigbatch.train.optim import mode_line, phases
-from bigbatch.train.planning import MemoryCheck, plan_for, plan_validation
+from bigbatch.train.planning import MemoryCheck, model_factory_for, plan_for, plan_validation
 from bigbatch.train.progress import progress
 from bigbatch.train.run_dir import (
     RunLog,
@@ -170,7 +170,7 @@ def _setup(
     threads, workers = threads_for_run(cfg, device, run_dir, state, log)
     task = task_for(cfg)
     train_items, valid_items = prepare_data(task, log, data)
-    factory = task.model_factory()
+    factory = model_factory_for(task, cfg)
     # Every rank holds 1/world of each window: the union over ranks is the target batch.
     rank_batch = rank_share(cfg.batch, world)
     choice = plan_for(cfg, factory, device, precision, log, task=task, measure=True, world=world)

@@ -52,9 +52,38 @@ from bigbatch.train.optim import plan_optimizer
 from bigbatch.train.run_dir import add_to_plan, measured_as
 from bigbatch.train.tasks import Placement, Task
 
-__all__ = ["MemoryCheck", "PlanChoice", "plan_for", "plan_validation"]
+__all__ = ["MemoryCheck", "PlanChoice", "model_factory_for", "plan_for", "plan_validation"]
 
 Log = Callable[[str], None]
+
+
+def model_factory_for(task: Task, cfg: TrainConfig) -> Callable[[], nn.Module]:
+    """``task.model_factory()``, with activation checkpointing where ``cfg.grad_checkpointing``
+    asks for it, by the model's library's switch
+    (:func:`~bigbatch.models.enable_grad_checkpointing`): what the loop trains and the planner
+    traces, alike. A model without a switch is refused (ConfigError) when first built.
+
+    >>> from bigbatch.train.config import load_config
+    >>> cfg = load_config(overrides=["data=x", "arch=resnet18", "grad_checkpointing=true"])
+    >>> import timm
+    >>> from types import SimpleNamespace
+    >>> task = SimpleNamespace(model_factory=lambda: lambda: timm.create_model("resnet18"))
+    >>> model_factory_for(task, cfg)().grad_checkpointing
+    True
+    """
+    from bigbatch.models import enable_grad_checkpointing
+
+    factory = task.model_factory()
+    if not cfg.grad_checkpointing:
+        return factory
+
+    def checkpointed() -> nn.Module:
+        try:
+            return enable_grad_checkpointing(factory())
+        except ValueError as exc:
+            raise ConfigError(f"grad_checkpointing=true: {exc}") from None
+
+    return checkpointed
 
 
 class PlanChoice(NamedTuple):
