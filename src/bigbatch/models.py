@@ -215,7 +215,7 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     if not timm_switched and not flags:
         raise ValueError(
             f"{type(model).__name__} has no activation checkpointing its library switches on "
-            "(timm's set_grad_checkpointing, MONAI's use_checkpoint): drop grad_checkpointing, "
-            "or choose a model that has it (timm's, arch=swinunetr)"
+            "(timm's set_grad_checkpointing, MONAI's use_checkpoint): train it without, or "
+            "choose a model that has one (timm's, MONAI's SwinUNETR: arch=swinunetr)"
         )
     return model

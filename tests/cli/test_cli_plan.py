@@ -49,6 +49,28 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
+def test_gradient_checkpointing_plans_a_timm_model_as_it_trains(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--gradient-checkpointing`` with ``--arch``: the model's library's switch (timm's), as
+    ``bigbatch train grad_checkpointing=true`` trains it; a network without one is refused,
+    and a training run's plan takes train's key."""
+    args = ["plan", "--arch", "test_vit", "--size", "64", "--batch", "64", "--budget", "t4",
+            "--json"]  # fmt: skip
+    peaks = []
+    for extra in ([], ["--gradient-checkpointing"]):
+        assert main([*args, *extra]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["predicted_peak_bytes"])
+    assert peaks[1] < peaks[0]
+    unet = ["plan", "--arch", "unet", "--input-shape", "1,32,32", "--batch", "2", "--budget", "1GB"]
+    assert main([*unet, "--gradient-checkpointing"]) == 2
+    assert "--gradient-checkpointing: UNet has no activation checkpointing" in (
+        capsys.readouterr().err
+    )
+    assert main(["plan", "data=x", "--gradient-checkpointing"]) == 2
+    assert "takes bigbatch train's key, grad_checkpointing=true" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_card_named_by_the_budget_is_planned_as_train_runs_on_it(
     capsys: pytest.CaptureFixture[str],

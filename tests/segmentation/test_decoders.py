@@ -123,5 +123,5 @@ def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path
             return build_seg_model(unet, 1, 2, 2)
 
     with pytest.raises(ConfigError, match=r"^grad_checkpointing=true: UNet has no activation "
-                       r"checkpointing .*: drop grad_checkpointing, or choose a model"):  # fmt: skip
+                       r"checkpointing .*: train it without, or choose a model"):  # fmt: skip
         model_factory_for(Task(), unet)()  # type: ignore[arg-type]

@@ -272,6 +272,21 @@ def _targets(args: argparse.Namespace, kind: str) -> list[Row]:
     return rows
 
 
+def _checkpointed(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``factory``'s model with its library's activation checkpointing on (timm's, MONAI's
+    SwinUNETR's), as ``bigbatch train grad_checkpointing=true`` trains it; refused where it
+    has none."""
+    from bigbatch.models import enable_grad_checkpointing
+
+    def build() -> nn.Module:
+        try:
+            return enable_grad_checkpointing(factory())
+        except ValueError as exc:
+            raise UserError(f"--gradient-checkpointing: {exc}") from None
+
+    return build
+
+
 def _monai_row(arch: str, args: argparse.Namespace) -> Row:
     """A MONAI segmentation network as ``bigbatch train task=segmentation`` builds it."""
     shape = tuple(positive_ints(args.input_shape, "--input-shape"))
@@ -494,7 +509,12 @@ def run(args: argparse.Namespace) -> int:
         fill_defaults(args, SHARED_DEFAULTS)
         return plan_hf.run(args)
     training = args.config or any(k.startswith(("task=", "data=")) for k in args.train_keys)
-    plan_hf.refuse_language_flags(args, keep=("--world-size",))
+    if training and args.gradient_checkpointing:
+        raise UserError(
+            "--gradient-checkpointing: a training run's plan takes bigbatch train's key, "
+            "grad_checkpointing=true"
+        )
+    plan_hf.refuse_language_flags(args, keep=("--world-size", "--gradient-checkpointing"))
     if training:
         return _plan_training_run(args)
     if args.train_keys:
@@ -510,6 +530,8 @@ def run(args: argparse.Namespace) -> int:
     # Every rank holds its share of each window (DDP): the union over ranks is the target batch.
     rank_batch = rank_share(args.batch, world)
     targets = _targets(args, kind)  # an unknown model or size refused before anything is said
+    if args.gradient_checkpointing:
+        targets = [(n, size, _checkpointed(f), shape) for n, size, f, shape in targets]
     budget, overhead, card = _budget(args)
     _say(card_line)
     if world > 1:

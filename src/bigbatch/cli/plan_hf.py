@@ -124,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="transformers' activation checkpointing (non-reentrant)",
+        help="activation checkpointing: transformers' (--hf, non-reentrant), or the model's "
+        "library's (--arch: timm's models and encoders, swinunetr)",
     )
     g.add_argument(
         "--attn",
