@@ -8,7 +8,7 @@ back into the same :class:`~bigbatch.memory.step.StepSpec` by any later checkout
 side, volume side or tokens), ``batch``, ``precision``, ``optimizer``, and per kind:
 ``classes`` (timm, default 10), ``encoder`` (smp), ``widths`` (unet3d), ``layers``,
 ``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``model``, ``lora``, ``quant``,
-``ckpt``, ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
+``ckpt`` (llama, hf; timm: its library's switch), ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
 fake process group: :func:`ranks_of`), ``cudnn_benchmark`` (default off).
 
     python benchmarks/gpu_matrix.py          # the rows, one name a line
@@ -27,11 +27,14 @@ from torch import nn
 from bigbatch.memory.step import StepSpec
 
 
-def _timm(arch: str, **kwargs: Any) -> Callable[[], nn.Module]:
+def _timm(arch: str, ckpt: bool = False, **kwargs: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import timm
 
-        return timm.create_model(arch, **kwargs)
+        from bigbatch.models import enable_grad_checkpointing
+
+        model = timm.create_model(arch, **kwargs)
+        return enable_grad_checkpointing(model) if ckpt else model  # grad_checkpointing=true
 
     build.__name__ = arch
     return build
@@ -221,7 +224,7 @@ def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) ->
     }
     size, batch, kind = row["size"], row["batch"], row["kind"]
     if kind == "timm":
-        model = _timm(row["arch"], num_classes=row.get("classes", 10))
+        model = _timm(row["arch"], num_classes=row.get("classes", 10), ckpt=row.get("ckpt", False))
         return StepSpec(model, (3, size, size), batch, **common)
     if kind == "smp":
         model = _smp(row["arch"], row["encoder"], row.get("classes", 4))
@@ -266,6 +269,8 @@ def row_name(row: dict[str, Any]) -> str:
     if row["kind"] == "llama":
         parts += [p for p, on in (("ckpt", row.get("ckpt", True)),) if on]
         parts += ["frozen" if row.get("frozen", True) else "full"]
+    if row["kind"] == "timm" and row.get("ckpt"):
+        parts.append("ckpt")
     if row.get("cudnn_benchmark"):
         parts.append("bench")
     if row.get("cap_mib"):
@@ -306,6 +311,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
         _timm_row("resnet50", 224, 64, "bf16", "sgd"),
         _timm_row("resnet18", 224, 256, "fp32", "sgd"),
         _timm_row("vit_base_patch16_224", 224, 64, "bf16", "adamw"),
+        # The same with timm's activation checkpointing (bigbatch train grad_checkpointing=true).
+        {**_timm_row("vit_base_patch16_224", 224, 64, "bf16", "adamw"), "ckpt": True},
         {"kind": "unet3d", "arch": "unet3d", "size": 96, "batch": 2, "precision": "fp16",
          "optimizer": "adamw"},
         _timm_row("efficientnet_b0", 224, 64, "fp16", "adamw"),
