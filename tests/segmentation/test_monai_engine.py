@@ -131,6 +131,21 @@ def test_every_network_builds_in_2d_and_its_size_multiple_holds() -> None:
         build_network("unet", 1, 2, dims=2, size=16, norm="layer")
 
 
+def test_the_planner_traces_swinunetr_whose_constructor_reads_a_value_back() -> None:
+    """SwinUNETR's constructor reads its stochastic depth rates back (``.item()``), which the
+    meta device cannot: it is built on the CPU and kept as shapes, then traced as any other
+    (before, ``bigbatch plan`` and ``bigbatch train arch=swinunetr`` stopped there)."""
+    from bigbatch.memory.meta import build_on_meta
+    from bigbatch.memory.predict import predict_peak
+    from bigbatch.memory.step import StepSpec
+
+    def swin() -> torch.nn.Module:
+        return build_network("swinunetr", 1, 2, dims=2, size=64, widths=(12, 24))
+
+    assert all(p.is_meta for p in build_on_meta(swin).parameters())
+    assert predict_peak(StepSpec(swin, (1, 64, 64), 2, optimizer="sgd")).peak_bytes > 0
+
+
 def test_the_planner_traces_dynunet_whose_output_block_has_two_parents() -> None:
     from bigbatch.memory.predict import predict_peak
     from bigbatch.memory.step import StepSpec

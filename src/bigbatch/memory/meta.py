@@ -98,4 +98,8 @@ def unfakeable_op(exc: BaseException) -> str | None:
     text = str(exc)
     if isinstance(exc, NotImplementedError) and "Meta" in text:
         return text.split(":", 1)[0]  # "aten::_unique2: attempted to run this operator ..."
+    if isinstance(exc, RuntimeError) and "cannot be called on meta tensors" in text:
+        # A value read back while building (MONAI's SwinUNETR: its stochastic depth rates,
+        # torch.linspace(...) each .item()): "Tensor.item() cannot be called on meta tensors".
+        return text.split(" cannot", 1)[0]
     return None
