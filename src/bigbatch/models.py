@@ -16,6 +16,7 @@ from bigbatch.io import load_tensors
 __all__ = [
     "UnknownArchitectureError",
     "enable_grad_checkpointing",
+    "grad_checkpointed",
     "load_weights",
     "pretrained_state",
     "read_weights",
@@ -200,7 +201,7 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     timm_switched: list[str] = []  # a timm model's switch covers its submodules
     flags = 0
     for name, module in model.named_modules():
-        if any(name == done or name.startswith(f"{done}.") or not done for done in timm_switched):
+        if any(not done or name.startswith(f"{done}.") for done in timm_switched):
             continue
         setter = getattr(module, "set_grad_checkpointing", None)
         if callable(setter):
@@ -219,3 +220,31 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
             "choose a model that has one (timm's, MONAI's SwinUNETR: arch=swinunetr)"
         )
     return model
+
+
+def grad_checkpointed(
+    factory: Callable[[], nn.Module],
+    *,
+    refused: Callable[[str], Exception] = ValueError,
+    said: str = "grad_checkpointing=true",
+) -> Callable[[], nn.Module]:
+    """``factory`` whose models have activation checkpointing on
+    (:func:`enable_grad_checkpointing`); a model without a switch is refused when built, as
+    ``refused(f"{said}: ...")``: a command's own error, naming its own key or flag.
+
+    >>> build = grad_checkpointed(timm_factory("resnet18", num_classes=10))
+    >>> build().grad_checkpointing
+    True
+    >>> grad_checkpointed(lambda: nn.Linear(2, 2))()
+    Traceback (most recent call last):
+    ...
+    ValueError: grad_checkpointing=true: Linear has no activation checkpointing its library switches on (timm's set_grad_checkpointing, MONAI's use_checkpoint): train it without, or choose a model that has one (timm's, MONAI's SwinUNETR: arch=swinunetr)
+    """
+
+    def build() -> nn.Module:
+        try:
+            return enable_grad_checkpointing(factory())
+        except ValueError as exc:
+            raise refused(f"{said}: {exc}") from None
+
+    return build

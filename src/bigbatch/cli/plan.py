@@ -272,21 +272,6 @@ def _targets(args: argparse.Namespace, kind: str) -> list[Row]:
     return rows
 
 
-def _checkpointed(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """``factory``'s model with its library's activation checkpointing on (timm's, MONAI's
-    SwinUNETR's), as ``bigbatch train grad_checkpointing=true`` trains it; refused where it
-    has none."""
-    from bigbatch.models import enable_grad_checkpointing
-
-    def build() -> nn.Module:
-        try:
-            return enable_grad_checkpointing(factory())
-        except ValueError as exc:
-            raise UserError(f"--gradient-checkpointing: {exc}") from None
-
-    return build
-
-
 def _monai_row(arch: str, args: argparse.Namespace) -> Row:
     """A MONAI segmentation network as ``bigbatch train task=segmentation`` builds it."""
     shape = tuple(positive_ints(args.input_shape, "--input-shape"))
@@ -530,8 +515,14 @@ def run(args: argparse.Namespace) -> int:
     # Every rank holds its share of each window (DDP): the union over ranks is the target batch.
     rank_batch = rank_share(args.batch, world)
     targets = _targets(args, kind)  # an unknown model or size refused before anything is said
-    if args.gradient_checkpointing:
-        targets = [(n, size, _checkpointed(f), shape) for n, size, f, shape in targets]
+    if args.gradient_checkpointing:  # as bigbatch train grad_checkpointing=true trains them
+        from bigbatch.models import grad_checkpointed
+
+        said = "--gradient-checkpointing"
+        targets = [
+            (n, size, grad_checkpointed(f, refused=UserError, said=said), shape)
+            for n, size, f, shape in targets
+        ]
     budget, overhead, card = _budget(args)
     _say(card_line)
     if world > 1:

@@ -803,14 +803,15 @@ def _check_qlora_prep(plan: Any, model: Any, described: str) -> None:
     by float32 copies: float32 adapters (``get_peft_model``'s), or the base's other weights in
     float32 (``prepare_model_for_kbit_training``'s). A lighter model than the plan's (a peft
     plan, TRL's model) is let through: the plan bounds it."""
+    from bigbatch.memory.bnb import is_packed
+
     setup = plan.setup
     if not setup.quant or getattr(setup, "qlora_prep", "peft") != "trl":
         return
     planned = _planned_dtype(plan)
     held = {"adapters": 0, "other weights": 0}
     for p in model.parameters():
-        packed = type(p).__name__ in ("Params4bit", "Int8Params")
-        if p.dtype == torch.float32 and not packed:
+        if p.dtype == torch.float32 and not is_packed(p):
             held["adapters" if p.requires_grad else "other weights"] += p.numel()
     if planned == torch.float32:  # loaded in float32, as the plan has them
         held["other weights"] = 0

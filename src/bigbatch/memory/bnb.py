@@ -40,6 +40,7 @@ __all__ = [
     "BnbAdamW",
     "Params4bit",
     "QuantizedLinear",
+    "is_packed",
     "paged_state_bytes",
     "quantize_linears",
     "quantized_bytes",
@@ -126,6 +127,17 @@ class Params4bit(nn.Parameter):
     >>> QuantizedLinear(8, 4).weight.__class__.__name__
     'Params4bit'
     """
+
+
+def is_packed(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a quantized base's packed weight (bitsandbytes' ``Params4bit`` or
+    ``Int8Params``, or the planner's 4-bit stand-in), by its class's name: what peft's
+    ``prepare_model_for_kbit_training`` leaves in its dtype.
+
+    >>> is_packed(QuantizedLinear(8, 4).weight), is_packed(nn.Linear(8, 4).weight)
+    (True, False)
+    """
+    return type(p).__name__ in ("Params4bit", "Int8Params")
 
 
 class QuantizedLinear(nn.Linear):

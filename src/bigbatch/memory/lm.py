@@ -41,7 +41,7 @@ from torch import nn
 
 from bigbatch.device import AMPERE, device_kind
 from bigbatch.io import atomic_write_text
-from bigbatch.memory.bnb import QuantizedLinear, paged_state_bytes, quantize_linears
+from bigbatch.memory.bnb import QuantizedLinear, is_packed, paged_state_bytes, quantize_linears
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cards import Card, find_card
 from bigbatch.memory.evaluate import (
@@ -632,8 +632,7 @@ def _upcast_as_peft_prepares(model: nn.Module) -> None:
     """peft's ``prepare_model_for_kbit_training``: every 16-bit weight to float32 but the
     quantized ones."""
     for p in model.parameters():
-        quantized = type(p).__name__ in ("Params4bit", "Int8Params")
-        if p.dtype in (torch.float16, torch.bfloat16) and not quantized:
+        if p.dtype in (torch.float16, torch.bfloat16) and not is_packed(p):
             p.data = p.data.float()
 
 

@@ -60,7 +60,7 @@ Log = Callable[[str], None]
 def model_factory_for(task: Task, cfg: TrainConfig) -> Callable[[], nn.Module]:
     """``task.model_factory()``, with activation checkpointing where ``cfg.grad_checkpointing``
     asks for it, by the model's library's switch
-    (:func:`~bigbatch.models.enable_grad_checkpointing`): what the loop trains and the planner
+    (:func:`~bigbatch.models.grad_checkpointed`): what the loop trains and the planner
     traces, alike. A model without a switch is refused (ConfigError) when first built.
 
     >>> from bigbatch.train.config import load_config
@@ -71,19 +71,12 @@ def model_factory_for(task: Task, cfg: TrainConfig) -> Callable[[], nn.Module]:
     >>> model_factory_for(task, cfg)().grad_checkpointing
     True
     """
-    from bigbatch.models import enable_grad_checkpointing
+    from bigbatch.models import grad_checkpointed
 
     factory = task.model_factory()
     if not cfg.grad_checkpointing:
         return factory
-
-    def checkpointed() -> nn.Module:
-        try:
-            return enable_grad_checkpointing(factory())
-        except ValueError as exc:
-            raise ConfigError(f"grad_checkpointing=true: {exc}") from None
-
-    return checkpointed
+    return grad_checkpointed(factory, refused=ConfigError, said="grad_checkpointing=true")
 
 
 class PlanChoice(NamedTuple):
