@@ -117,35 +117,37 @@ def test_a_pretrained_smp_encoder_loads_offline_from_the_hub_cache(tmp_path: Pat
     assert str(tmp_path / "empty-hub") in out and "weights=FILE" in out
 
 
+@pytest.mark.slow
 def test_checkpointed_accumulation_equals_the_big_batch() -> None:
-    """Activation checkpointing recomputes, and changes no gradient: a window of uneven
-    micro-batches through the checkpointed model equals the big batch without it in float64;
-    loss / N does not."""
+    """Activation checkpointing recomputes, and changes no update: three SGD steps (momentum,
+    weight decay) over windows of uneven micro-batches (3, 3, 1) through the checkpointed model equal
+    three big-batch steps without it in float64, every tensor, a frozen weight left without a
+    gradient in both; loss / N does not."""
     import timm
 
     from bigbatch.models import enable_grad_checkpointing
-    from helpers import window_gradients
+    from helpers import big_batch_run, bigbatch_run, max_rel_diff, naive_run
 
     def vit(checkpointed: bool) -> torch.nn.Module:
         torch.manual_seed(0)
         model = timm.create_model("test_vit", num_classes=5).double()
+        model.pos_embed.requires_grad_(False)  # frozen: no gradient, in every run
         return enable_grad_checkpointing(model) if checkpointed else model
 
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        trained = [p for p in params if p.requires_grad]
+        return torch.optim.SGD(trained, lr=0.1, momentum=0.9, weight_decay=0.05)
+
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(7, 3, 160, 160, generator=g).double(), torch.randint(0, 5, (7,), generator=g)
-    big = vit(False)
-    torch.nn.functional.cross_entropy(big(x), y).backward()
-    want = [p.grad for p in big.parameters()]
-
-    def step(model: torch.nn.Module) -> Any:
-        return lambda m: (torch.nn.functional.cross_entropy(model(m[0]), m[1]), len(m[1]))
-
-    def worst(grads: list[torch.Tensor]) -> float:
-        return max(
-            float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads, want, strict=True)
-        )
-
-    for kind, equal in (("exact", False), ("naive", True)):
-        model = vit(True)
-        grads = window_gradients(model, (x, y), step(model), 3, equal_weights=equal)
-        assert (worst(grads) < 1e-12) == (kind == "exact"), kind
+    windows = [
+        [(torch.randn(n, 3, 160, 160, generator=g).double(), torch.randint(0, 5, (n,), generator=g))
+         for n in (3, 3, 1)]
+        for _ in range(3)
+    ]  # fmt: skip
+    want = big_batch_run(vit(False), windows, sgd)
+    ours, _ = bigbatch_run(vit(True), [[b for w in windows for b in w]], sgd, micro_batches=3)
+    naive = naive_run(vit(True), windows, 3, sgd)
+    assert max_rel_diff(ours, want) < 1e-12
+    assert max_rel_diff(naive, want) > 1e-6
+    assert all(m.pos_embed.grad is None for m in (want, ours, naive))
+    assert not torch.equal(ours.head.weight, vit(False).head.weight)  # it stepped
