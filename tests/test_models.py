@@ -151,3 +151,45 @@ def test_checkpointed_accumulation_equals_the_big_batch() -> None:
     assert max_rel_diff(naive, want) > 1e-6
     assert all(m.pos_embed.grad is None for m in (want, ours, naive))
     assert not torch.equal(ours.head.weight, vit(False).head.weight)  # it stepped
+
+
+def test_wrapped_blocks_accumulate_as_the_big_batch_and_keep_the_weights_names(
+    tmp_path: Path,
+) -> None:
+    """A network without a library switch (bigbatch's U-Net, GroupNorm) gets torch's
+    checkpoint_wrapper around its blocks: two SGD steps over uneven micro-batches (3, 1, 2)
+    equal the big batch without checkpointing in float64, loss / N does not; its weights file
+    loads into the plain network and the plain one's into it."""
+    from bigbatch.models import enable_grad_checkpointing
+    from bigbatch.segmentation.models import unet2d
+    from bigbatch.train.checkpoint import host_copy, load_weights_file, write_weights
+    from helpers import big_batch_run, bigbatch_run, max_rel_diff, naive_run
+
+    def net(checkpointed: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = unet2d(in_channels=2, num_classes=3, width=4, depth=2).double()
+        return enable_grad_checkpointing(model) if checkpointed else model
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, y)
+
+    g = torch.Generator().manual_seed(3)
+    windows = [
+        [(torch.randn(n, 2, 16, 16, generator=g).double(), torch.randint(0, 3, (n, 16, 16), generator=g))
+         for n in (3, 1, 2)]
+        for _ in range(2)
+    ]  # fmt: skip
+    want = big_batch_run(net(False), windows, loss_fn=loss)
+    flat = [[b for w in windows for b in w]]
+    ours, _ = bigbatch_run(net(True), flat, loss_fn=loss, micro_batches=3)
+    assert sum(type(m).__name__ == "CheckpointWrapper" for m in ours.modules()) == 5
+    assert max_rel_diff(ours, want) < 1e-12
+    assert max_rel_diff(naive_run(net(True), windows, 3, loss_fn=loss), want) > 1e-6
+    write_weights(host_copy(ours.state_dict()), tmp_path / "ours.safetensors")
+    plain = net(False)
+    load_weights_file(plain, tmp_path / "ours.safetensors")
+    x = windows[0][0][0]
+    assert torch.equal(plain(x), ours(x))
+    write_weights(host_copy(want.state_dict()), tmp_path / "want.safetensors")
+    load_weights_file(ours, tmp_path / "want.safetensors")
+    assert torch.equal(ours(x), want(x))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from bigbatch import distributed as bbdist
+from bigbatch.batchnorm import running_stats_kept
 from bigbatch.counts import MicroBatchCount, resolve_count
 from bigbatch.inexact import warn_inexact_layers
 from bigbatch.window import Reduction, Window
@@ -286,6 +287,8 @@ class Accumulator:
         labels=labels)``) predicts ``labels[..., 1:]``: pass ``labels=labels, shift=True``.
         ``backward`` runs the weighted loss's backward where a framework must do it itself
         (Lightning's ``module.manual_backward`` applies its precision plugin's loss scaling).
+        The default one keeps BatchNorm's statistics through a checkpointed model's
+        recomputation (:func:`~bigbatch.batchnorm.running_stats_kept`).
         """
         work = _scalar_loss(loss)
         self._guard.check("backward()", self.window.micro)
@@ -299,10 +302,8 @@ class Accumulator:
         )
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
-        if backward is not None:
-            backward(weighted)
-        else:
-            weighted.backward()
+        with running_stats_kept() if backward is None else nullcontext():
+            (backward or torch.Tensor.backward)(weighted)
         self._sync.after_backward()
         self._micro_in_epoch += 1
         self._guard.remember(_params_of(self.optimizer))

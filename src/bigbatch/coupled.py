@@ -30,15 +30,14 @@ can make one optimizer step (each weighted by its count).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from bigbatch.accumulate import Accumulator
+from bigbatch.batchnorm import running_stats_kept
 from bigbatch.device import rng_state, set_rng_state
 
 __all__ = ["cache_bytes", "cached_backward", "info_nce", "supervised_contrastive"]
@@ -49,33 +48,6 @@ __all__ = ["cache_bytes", "cached_backward", "info_nce", "supervised_contrastive
 _REPLAY_ULPS = 64
 
 Encode = Callable[[Any], "torch.Tensor | tuple[torch.Tensor, ...]"]
-
-
-@contextmanager
-def _batchnorm_stats_kept() -> Iterator[None]:
-    """Restore the running statistics of every BatchNorm the block runs in train mode: the
-    first, graph-free pass must not update them (the second pass does, once per micro-batch).
-    Found through a forward pre-hook, removed on exit, so ``encode`` can be any callable."""
-    saved: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def snapshot(module: nn.Module, _: Any) -> None:
-        if (
-            isinstance(module, nn.modules.batchnorm._NormBase)
-            and module.training
-            and module.track_running_stats
-            and module not in saved
-        ):
-            saved[module] = [(b, b.detach().clone()) for b in module.buffers(recurse=False)]
-
-    handle = nn.modules.module.register_module_forward_pre_hook(snapshot)
-    try:
-        yield
-    finally:
-        handle.remove()
-        with torch.no_grad():
-            for buffers in saved.values():
-                for live, before in buffers:
-                    live.copy_(before)
 
 
 def _check_replayed(out: tuple[torch.Tensor, ...], cached: list[torch.Tensor], i: int) -> None:
@@ -186,7 +158,7 @@ def cached_backward(
         return loss.detach()
     states = []
     parts: list[tuple[torch.Tensor, ...]] = []
-    with _batchnorm_stats_kept():  # the second pass updates them, once per micro-batch
+    with running_stats_kept():  # the second pass updates them, once per micro-batch
         for i, mb in enumerate(micro_batches):
             states.append(rng_state())
             with torch.no_grad():
@@ -230,7 +202,8 @@ def cached_backward(
                 if o.requires_grad and g is not None
             ]
             if used:
-                torch.autograd.backward([o for o, _ in used], [g for _, g in used])
+                with running_stats_kept():  # a checkpointed encoder's recomputation
+                    torch.autograd.backward([o for o, _ in used], [g for _, g in used])
             start += n
         set_rng_state(after_first_pass)
 

@@ -186,20 +186,31 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = False) ->
     return skipped
 
 
-def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
-    """Turn on ``model``'s activation checkpointing by its library's own switch, and return it:
-    timm's ``set_grad_checkpointing`` (timm's models; the timm encoder under a
-    segmentation_models_pytorch decoder), MONAI's ``use_checkpoint`` (SwinUNETR's Swin
-    blocks). The forward's activations inside each checkpointed block are recomputed in
-    backward instead of kept: less memory, about a third more compute, the same gradients.
-    Raises ``ValueError`` naming the fix where the model has no such switch.
+# The blocks torch's checkpoint_wrapper recomputes where a network's library has no switch of
+# its own (MONAI's U-Nets, SegResNet, UNETR, SwinUNETR's convolutional encoders): each a
+# conv-norm-act or residual unit whose inner activations are several times its input, so keeping
+# only the input saves most of its memory. Named by class path so that MONAI is not imported to
+# decide.
+_RECOMPUTED_BLOCKS = frozenset(
+    {
+        "monai.networks.blocks.convolutions.ResidualUnit",
+        "monai.networks.blocks.segresnet_block.ResBlock",
+        "monai.networks.blocks.dynunet_block.UnetBasicBlock",
+        "monai.networks.blocks.dynunet_block.UnetResBlock",
+        "monai.networks.blocks.transformerblock.TransformerBlock",
+        "bigbatch.segmentation.models._Block",
+    }
+)
 
-    >>> model = enable_grad_checkpointing(timm_factory("resnet18", num_classes=10)())
-    >>> model.grad_checkpointing
-    True
-    """
+
+def _block_path(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _library_switches(model: nn.Module) -> list[str]:
+    """Turn on each library's own checkpointing switch in ``model``; the names switched."""
+    switched: list[str] = []
     timm_switched: list[str] = []  # a timm model's switch covers its submodules
-    flags = 0
     for name, module in model.named_modules():
         if any(not done or name.startswith(f"{done}.") for done in timm_switched):
             continue
@@ -210,14 +221,59 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
             except (AssertionError, NotImplementedError):  # timm's "not supported"
                 continue
             timm_switched.append(name)
+            switched.append(name)
         elif type(module).__module__.startswith("monai.") and hasattr(module, "use_checkpoint"):
             module.use_checkpoint = True  # each of MONAI's blocks reads its own
-            flags += 1
-    if not timm_switched and not flags:
+            switched.append(name)
+    return switched
+
+
+def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
+    """Turn on ``model``'s activation checkpointing, and return it: by its library's own switch
+    where it has one (timm's ``set_grad_checkpointing`` for timm's models and the timm encoder
+    under a segmentation_models_pytorch decoder; MONAI's ``use_checkpoint`` for SwinUNETR's
+    Swin blocks), and by torch's ``checkpoint_wrapper`` around the residual and
+    conv-norm-act blocks of MONAI's UNet, SegResNet, DynUNet, UNETR and SwinUNETR and of
+    :class:`bigbatch.segmentation.models.UNet`, which have none. The activations inside each
+    checkpointed block are recomputed in backward instead of kept: less memory, about a third
+    more compute, the same gradients. The wrapped model's ``state_dict`` keeps the plain
+    model's names, so weights load into either. BatchNorm's running statistics move once a
+    step, not again in the recomputation, when the backward runs through
+    :meth:`bigbatch.Accumulator.backward` (else wrap it in
+    :func:`bigbatch.batchnorm.running_stats_kept`). Raises ``ValueError`` naming the fix
+    where the model has neither a switch nor such blocks.
+
+    >>> model = enable_grad_checkpointing(timm_factory("resnet18", num_classes=10)())
+    >>> model.grad_checkpointing
+    True
+    >>> from bigbatch.segmentation.models import unet2d
+    >>> net = enable_grad_checkpointing(unet2d(width=4, depth=2))
+    >>> plain = unet2d(width=4, depth=2)
+    >>> type(net.down[0]).__name__, net.state_dict().keys() == plain.state_dict().keys()
+    ('CheckpointWrapper', True)
+    """
+    switched = _library_switches(model)
+    blocks: list[str] = []  # the outermost only: a block inside one is recomputed with it
+    for name, module in model.named_modules():
+        covered = [*switched, *blocks]
+        if _block_path(module) in _RECOMPUTED_BLOCKS and not any(
+            not done or name.startswith(f"{done}.") for done in covered
+        ):
+            blocks.append(name)
+    if blocks:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        chosen = {id(model.get_submodule(name)) for name in blocks}
+        apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
+    if not switched and not blocks:
         raise ValueError(
             f"{type(model).__name__} has no activation checkpointing its library switches on "
-            "(timm's set_grad_checkpointing, MONAI's use_checkpoint): train it without, or "
-            "choose a model that has one (timm's, MONAI's SwinUNETR: arch=swinunetr)"
+            "(timm's set_grad_checkpointing, MONAI's use_checkpoint) nor blocks bigbatch "
+            "recomputes (MONAI's and bigbatch's U-Net units): train it without, or wrap its "
+            "blocks yourself with torch.distributed.algorithms._checkpoint.checkpoint_wrapper."
+            "apply_activation_checkpointing(model, check_fn=...)"
         )
     return model
 
@@ -238,7 +294,7 @@ def grad_checkpointed(
     >>> grad_checkpointed(lambda: nn.Linear(2, 2))()
     Traceback (most recent call last):
     ...
-    ValueError: grad_checkpointing=true: Linear has no activation checkpointing its library switches on (timm's set_grad_checkpointing, MONAI's use_checkpoint): train it without, or choose a model that has one (timm's, MONAI's SwinUNETR: arch=swinunetr)
+    ValueError: grad_checkpointing=true: Linear has no activation checkpointing its library switches on (timm's set_grad_checkpointing, MONAI's use_checkpoint) nor blocks bigbatch recomputes (MONAI's and bigbatch's U-Net units): train it without, or wrap its blocks yourself with torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing(model, check_fn=...)
     """
 
     def build() -> nn.Module:

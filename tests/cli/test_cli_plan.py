@@ -53,8 +53,9 @@ def test_gradient_checkpointing_plans_a_timm_model_as_it_trains(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--gradient-checkpointing`` with ``--arch``: the model's library's switch (timm's), as
-    ``bigbatch train grad_checkpointing=true`` trains it; a network without one is refused,
-    and a training run's plan takes train's key."""
+    ``bigbatch train grad_checkpointing=true`` trains it; MONAI's U-Net through torch's
+    checkpoint_wrapper; a network with neither is refused, and a training run's plan takes
+    train's key."""
     args = ["plan", "--arch", "test_vit", "--size", "64", "--batch", "64", "--budget", "t4",
             "--json"]  # fmt: skip
     peaks = []
@@ -62,9 +63,16 @@ def test_gradient_checkpointing_plans_a_timm_model_as_it_trains(
         assert main([*args, *extra]) == 0
         peaks.append(json.loads(capsys.readouterr().out)["predicted_peak_bytes"])
     assert peaks[1] < peaks[0]
-    unet = ["plan", "--arch", "unet", "--input-shape", "1,32,32", "--batch", "2", "--budget", "t4"]
-    assert main([*unet, "--gradient-checkpointing"]) == 2
-    assert "--gradient-checkpointing: UNet has no activation checkpointing" in (
+    unet = ["plan", "--arch", "unet", "--input-shape", "1,64,64", "--batch", "8", "--budget", "t4",
+            "--json"]  # fmt: skip
+    peaks = []
+    for extra in ([], ["--gradient-checkpointing"]):  # MONAI's blocks, in torch's wrapper
+        assert main([*unet, *extra]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["predicted_peak_bytes"])
+    assert peaks[1] < peaks[0]
+    plain = ["plan", "--model", "torch.nn:Identity", "--input-shape", "4", "--batch", "2"]
+    assert main([*plain, "--budget", "t4", "--gradient-checkpointing"]) == 2
+    assert "--gradient-checkpointing: Identity has no activation checkpointing" in (
         capsys.readouterr().err
     )
     assert main(["plan", "data=x", "--gradient-checkpointing"]) == 2

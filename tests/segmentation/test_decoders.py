@@ -102,8 +102,10 @@ def test_a_norm_these_decoders_cannot_take_is_refused(arch: str) -> None:
 
 def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path) -> None:
     """``grad_checkpointing=true``: the timm encoder under an smp decoder and SwinUNETR's Swin
-    blocks are switched by their libraries' own flags; a network without one is refused in
-    one line when first built (the planner's build, before any training)."""
+    blocks are switched by their libraries' own flags; MONAI's networks without one get
+    torch's checkpoint_wrapper around their blocks (SwinUNETR's convolutional ones too), their
+    weights' names unchanged; a network with neither is refused in one line when first built
+    (the planner's build, before any training)."""
     from bigbatch.models import enable_grad_checkpointing
     from bigbatch.segmentation.networks import build_network
     from bigbatch.train.planning import model_factory_for
@@ -115,13 +117,23 @@ def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path
     swin = enable_grad_checkpointing(build_network("swinunetr", 1, 2, dims=2, size=32))
     flags = [m.use_checkpoint for m in swin.modules() if hasattr(m, "use_checkpoint")]
     assert flags and all(flags)
+
+    def wrapped(net: torch.nn.Module) -> int:
+        return sum(type(m).__name__ == "CheckpointWrapper" for m in net.modules())
+
+    assert wrapped(swin) > 0
+    for arch in ("unet", "segresnet", "dynunet", "unetr"):
+        plain = build_network(arch, 1, 2, dims=2, size=32, widths=(12, 24, 48))
+        names = plain.state_dict().keys()
+        net = enable_grad_checkpointing(plain)
+        assert wrapped(net) > 0 and net.state_dict().keys() == names, arch
     unet = load_config(overrides=[f"data={tmp_path}", "task=segmentation", "arch=unet",
                                   "grad_checkpointing=true"])  # fmt: skip
 
     class Task:
         def model_factory(self):  # type: ignore[no-untyped-def]
-            return build_seg_model(unet, 1, 2, 2)
+            return lambda: torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3))
 
-    with pytest.raises(ConfigError, match=r"^grad_checkpointing=true: UNet has no activation "
-                       r"checkpointing .*: train it without, or choose a model"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^grad_checkpointing=true: Sequential has no activation "
+                       r"checkpointing .*: train it without, or wrap its blocks"):  # fmt: skip
         model_factory_for(Task(), unet)()  # type: ignore[arg-type]

@@ -74,12 +74,16 @@ def test_2d_trains_scores_and_predicts_masks_at_the_images_size(
 def test_3d_volumes_train_and_predict_npy_and_nifti(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Trained with activation checkpointing; predicted as npy and NIfTI, whole and in
+    windows, in the input's geometry."""
     import nibabel as nib
 
     data = write_blobs_3d(tmp_path / "blobs", n=6, size=16, channels=2)
+    # Checkpointed in training (MONAI's U-Net blocks in torch's wrapper); its weights load into
+    # the plain network that predict builds.
     cfg = load_config(
         overrides=[f"data={data}", *COMMON, "size=16", "batch=4", "micro_batch=2", "epochs=1",
-                   "valid_pct=0.34"]
+                   "valid_pct=0.34", "grad_checkpointing=true"]
     )  # fmt: skip
     train(cfg, tmp_path / "run", progress=False, log=lambda _: None)
     info = json.loads((tmp_path / "run" / "task.json").read_text())

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from bigbatch.accumulate import Accumulator, LastWindow, Reduction, StepResult
+from bigbatch.batchnorm import running_stats_kept
 from bigbatch.counts import MicroBatchCount
 from bigbatch.integrations import require
 
@@ -222,7 +223,12 @@ class ExactAccumulation(Callback):
 
     def _backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor, **count: Any) -> None:
         acc = self._acc()
-        acc.backward(loss, backward=pl_module.manual_backward, **count)
+
+        def backward(weighted: torch.Tensor) -> None:
+            with running_stats_kept():  # a checkpointed model's recomputation
+                pl_module.manual_backward(weighted)
+
+        acc.backward(loss, backward=backward, **count)
         if acc.window_full:
             self._settle(trainer, acc.step)
         epoch_loop = trainer.fit_loop.epoch_loop
