@@ -8,7 +8,7 @@ back into the same :class:`~bigbatch.memory.step.StepSpec` by any later checkout
 side, volume side or tokens), ``batch``, ``precision``, ``optimizer``, and per kind:
 ``classes`` (timm, default 10), ``encoder`` (smp), ``widths`` (unet3d), ``layers``,
 ``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``model``, ``lora``, ``quant``,
-``ckpt`` (llama, hf; timm: its library's switch), ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
+``ckpt`` (llama, hf; timm: its library's switch; unet3d: torch's checkpoint_wrapper), ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
 fake process group: :func:`ranks_of`), ``cudnn_benchmark`` (default off).
 
     python benchmarks/gpu_matrix.py          # the rows, one name a line
@@ -40,12 +40,15 @@ def _timm(arch: str, ckpt: bool = False, **kwargs: Any) -> Callable[[], nn.Modul
     return build
 
 
-def _unet3d(widths: tuple[int, ...]) -> Callable[[], nn.Module]:
+def _unet3d(widths: tuple[int, ...], ckpt: bool = False) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         from monai.networks.nets import UNet
 
+        from bigbatch.models import enable_grad_checkpointing
+
         strides = (2,) * (len(widths) - 1)
-        return UNet(3, 4, 4, channels=widths, strides=strides, num_res_units=2)
+        model = UNet(3, 4, 4, channels=widths, strides=strides, num_res_units=2)
+        return enable_grad_checkpointing(model) if ckpt else model  # torch's checkpoint_wrapper
 
     return build
 
@@ -230,7 +233,7 @@ def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) ->
         model = _smp(row["arch"], row["encoder"], row.get("classes", 4))
         return StepSpec(model, (3, size, size), batch, step=seg_step, **common)
     if kind == "unet3d":
-        model = _unet3d(tuple(row.get("widths", (32, 64, 128, 256))))
+        model = _unet3d(tuple(row.get("widths", (32, 64, 128, 256))), row.get("ckpt", False))
         return StepSpec(model, (4, size, size, size), batch, step=seg_step, **common)
     if kind == "llama":
         vocab = row.get("vocab", 32000)
@@ -269,7 +272,7 @@ def row_name(row: dict[str, Any]) -> str:
     if row["kind"] == "llama":
         parts += [p for p, on in (("ckpt", row.get("ckpt", True)),) if on]
         parts += ["frozen" if row.get("frozen", True) else "full"]
-    if row["kind"] == "timm" and row.get("ckpt"):
+    if row["kind"] in ("timm", "unet3d") and row.get("ckpt"):
         parts.append("ckpt")
     if row.get("cudnn_benchmark"):
         parts.append("bench")
@@ -292,7 +295,7 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
         return [
             _timm_row("resnet10t", 32, 2, "fp32", "adamw"),
             {"kind": "unet3d", "arch": "unet3d", "widths": [8, 16], "size": 16, "batch": 1,
-             "precision": "fp32", "optimizer": "adamw"},
+             "precision": "fp32", "optimizer": "adamw", "ckpt": True},
             {"kind": "nnunet", "arch": "nnunet3d", "stages": 3, "size": 16, "batch": 2,
              "precision": "fp32", "optimizer": "sgd_momentum"},
             {"kind": "hf", "arch": "hf", "model": "tiny", "lora": 4, "ckpt": True, "size": 32,
@@ -315,6 +318,9 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
         {**_timm_row("vit_base_patch16_224", 224, 64, "bf16", "adamw"), "ckpt": True},
         {"kind": "unet3d", "arch": "unet3d", "size": 96, "batch": 2, "precision": "fp16",
          "optimizer": "adamw"},
+        # The same with MONAI's blocks in torch's checkpoint_wrapper (grad_checkpointing=true).
+        {"kind": "unet3d", "arch": "unet3d", "size": 96, "batch": 2, "precision": "fp16",
+         "optimizer": "adamw", "ckpt": True},
         _timm_row("efficientnet_b0", 224, 64, "fp16", "adamw"),
         _timm_row("convnext_small", 128, 32, "fp16", "adam"),
         _timm_row("vit_small_patch16_224", 224, 128, "fp16", "adam"),
