@@ -193,3 +193,18 @@ def test_wrapped_blocks_accumulate_as_the_big_batch_and_keep_the_weights_names(
     write_weights(host_copy(want.state_dict()), tmp_path / "want.safetensors")
     load_weights_file(ours, tmp_path / "want.safetensors")
     assert torch.equal(ours(x), want(x))
+
+
+def test_a_torch_without_the_wrapper_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch was built without torch.distributed (so without checkpoint_wrapper), a
+    network that needs the wrapper is refused with the fix, not an ImportError's traceback."""
+    from bigbatch.models import enable_grad_checkpointing
+    from bigbatch.segmentation.models import unet2d
+
+    monkeypatch.setitem(
+        sys.modules, "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", None
+    )
+    with pytest.raises(ValueError, match=r"^UNet's blocks .* train without checkpointing, or"):
+        enable_grad_checkpointing(unet2d(width=4, depth=2))

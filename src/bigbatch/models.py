@@ -261,10 +261,16 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
         ):
             blocks.append(name)
     if blocks:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing,
-        )
-
+        try:  # where torch was built without torch.distributed, the wrapper is missing too
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+        except ImportError as exc:
+            raise ValueError(
+                f"{type(model).__name__}'s blocks are checkpointed by torch's checkpoint_wrapper, "
+                f"which this torch build lacks ({exc}): train without checkpointing, or install "
+                "torch with torch.distributed"
+            ) from None
         chosen = {id(model.get_submodule(name)) for name in blocks}
         apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
     if not switched and not blocks:

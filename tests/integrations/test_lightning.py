@@ -159,6 +159,19 @@ def test_misuse_is_refused_with_the_fix() -> None:
         ExactAccumulation()
 
 
+def test_a_checkpointed_batchnorm_counts_each_micro_batch_once() -> None:
+    """Through ``exact_backward``, a checkpointed block's recomputation in backward does not
+    move BatchNorm's running statistics again: one count a micro-batch, as without."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    batches, n = SCENARIOS["uneven"]
+    module = Lit(batches, exact=True)
+    norm = nn.BatchNorm1d(CLASSES).double()
+    module.net = nn.Sequential(checkpoint_wrapper(nn.Sequential(module.net.double(), norm)))
+    fit(module, callbacks=[ExactAccumulation(n)])
+    assert int(norm.num_batches_tracked) == len(batches)
+
+
 class StepsItself(Lit):
     """Manual optimisation misused: no exact_backward, or an optimizer step of its own."""
 
