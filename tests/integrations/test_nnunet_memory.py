@@ -179,3 +179,40 @@ def test_an_ignore_labels_cross_entropy_is_weighed_by_the_voxels_kept() -> None:
         nnunet.check_exact_loss(trainer)
     trainer.loss = loss
     nnunet.check_exact_loss(trainer)
+
+
+def test_the_planners_step_for_regions_is_their_trainers() -> None:
+    """A dataset of regions (BraTS's) is planned with the step its trainer runs: a sigmoid head
+    per region and DC+BCE over the regions' labels one-hot (the ignore label's channel last),
+    not DC+CE over one channel of classes (whose cross-entropy takes one channel of labels):
+    the step runs on them."""
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    from bigbatch.integrations.nnunet_step import plan_step_spec
+    from bigbatch.memory.step import make_inputs, run_step_loss
+
+    kwargs = {
+        "n_stages": 3, "features_per_stage": [4, 8, 8], "conv_op": "torch.nn.modules.conv.Conv3d",
+        "kernel_sizes": [[3, 3, 3]] * 3, "strides": [[1, 1, 1], [2, 2, 2], [2, 2, 2]],
+        "n_conv_per_stage": [1, 1, 1], "n_conv_per_stage_decoder": [1, 1], "conv_bias": True,
+        "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
+        "norm_op_kwargs": {"eps": 1e-05, "affine": True}, "dropout_op": None,
+        "dropout_op_kwargs": None, "nonlin": "torch.nn.LeakyReLU", "nonlin_kwargs": {},
+    }  # fmt: skip
+    needs = ("conv_op", "norm_op", "dropout_op", "nonlin")
+
+    def build() -> torch.nn.Module:
+        net_class = "dynamic_network_architectures.architectures.unet.PlainConvUNet"
+        return get_network_from_plans(
+            net_class, kwargs, needs, 1, 3, allow_init=False, deep_supervision=True
+        )
+
+    spec = plan_step_spec(
+        build, (8, 8, 8), 1, 3, kwargs, device="cpu", precision="fp32", regions=True,
+        ignore_label=True,
+    )  # fmt: skip
+    x, labels = make_inputs(spec, "cpu")
+    assert [tuple(t.shape) for t in labels] == [(1, 4, 8, 8, 8), (1, 4, 4, 4, 4)]  # 3 + ignore
+    assert all(t.dtype == torch.bool for t in labels)
+    loss = run_step_loss(spec, spec.model(), (x, labels), "cpu")
+    assert torch.isfinite(loss) and loss.requires_grad

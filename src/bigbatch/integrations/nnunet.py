@@ -1032,8 +1032,16 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
         arch_kwargs_req_import: tuple[str, ...],
     ) -> float:
         from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+        from nnunetv2.utilities.label_handling.label_handling import LabelManager
 
         from bigbatch.memory.predict import predict_peak
+
+        # nnU-Net hands over a head per label; a dataset of regions (BraTS's) trains a sigmoid
+        # head per region, its loss DC+BCE over their one-hot labels, as its trainer will.
+        labels = LabelManager(
+            self.dataset_json["labels"], self.dataset_json.get("regions_class_order")
+        )
+        heads = labels.num_segmentation_heads if labels.has_regions else output_channels
 
         def build() -> nn.Module:
             return get_network_from_plans(
@@ -1041,13 +1049,19 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
                 arch_kwargs,
                 arch_kwargs_req_import,
                 input_channels,
-                output_channels,
+                heads,
                 allow_init=False,
                 deep_supervision=True,
             )
 
         spec = plan_step_spec(
-            build, tuple(patch_size), input_channels, output_channels, arch_kwargs
+            build,
+            tuple(patch_size),
+            input_channels,
+            heads,
+            arch_kwargs,
+            regions=labels.has_regions,
+            ignore_label=labels.has_ignore_label and labels.has_regions,
         )
         ref_bs = (
             self.UNet_reference_val_corresp_bs_2d

@@ -29,17 +29,22 @@ def plan_step_spec(
     *,
     precision: Precision = "fp16",
     device: str = "cuda",
+    regions: bool = False,
+    ignore_label: bool = False,
 ) -> StepSpec:
     """nnU-Net's training step for a plan being made, as its trainer runs it: DC+CE on every
     deep supervision output (the lowest weighted 0, as nnU-Net's trainer weighs them), batch
-    Dice for a 2D patch, fp16 autocast on CUDA, SGD with momentum. What the planner predicts at
-    each candidate batch, and ``make gpu-evidence``'s nnU-Net rows record on a card. As the
-    planner ``nnUNetPlannerBigBatch`` uses it, for the network a plan describes::
+    Dice for a 2D patch, fp16 autocast on CUDA, SGD with momentum. With ``regions`` (a dataset
+    of regions, BraTS's: ``outputs`` sigmoid heads), DC+BCE over the regions' labels one-hot,
+    a bool channel each and, with ``ignore_label``, the ignore label's last, as nnU-Net's
+    trainer hands them to its loss. What the planner predicts at each candidate batch, and
+    ``make gpu-evidence``'s nnU-Net rows record on a card. As the planner
+    ``nnUNetPlannerBigBatch`` uses it, for the network a plan describes::
 
         spec = plan_step_spec(build, (128, 128, 128), 1, 3, arch_kwargs)
         predict_peak(replace(spec, batch_size=2)).planning_bytes
     """
-    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss, DC_and_CE_loss
     from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
     from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
 
@@ -47,18 +52,29 @@ def plan_step_spec(
     scales = [list(s) for s in 1 / np.cumprod(strides, axis=0)][:-1]
     weights = np.array([1 / (2**i) for i in range(len(scales))])
     weights[-1] = 0
-    dice = {"batch_dice": len(patch) == 2, "smooth": 1e-5, "do_bg": False, "ddp": False}
-    loss = DeepSupervisionWrapper(
-        DC_and_CE_loss(
+    # nnU-Net's _build_loss: regions' Dice counts the background channel (there is none).
+    dice = {"batch_dice": len(patch) == 2, "smooth": 1e-5, "do_bg": regions, "ddp": False}
+    inner: nn.Module = (
+        DC_and_BCE_loss(
+            {}, dice, use_ignore_label=ignore_label, dice_class=MemoryEfficientSoftDiceLoss
+        )
+        if regions
+        else DC_and_CE_loss(
             dice, {}, weight_ce=1, weight_dice=1, dice_class=MemoryEfficientSoftDiceLoss
-        ),
-        weights / weights.sum(),
+        )
     )
+    loss = DeepSupervisionWrapper(inner, weights / weights.sum())
+    one_hot = outputs + ignore_label
+
+    def labelled(b: int, shape: list[int], where: Any) -> torch.Tensor:
+        if regions:
+            return torch.randint(0, 2, (b, one_hot, *shape), device=where).bool()
+        return torch.randint(0, outputs, (b, 1, *shape), device=where).float()
 
     def example(b: int, where: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = torch.randn(b, channels, *patch, device=where)
         shapes = [[max(1, round(p * f)) for p, f in zip(patch, s, strict=True)] for s in scales]
-        return x, [torch.randint(0, outputs, (b, 1, *sh), device=where).float() for sh in shapes]
+        return x, [labelled(b, sh, where) for sh in shapes]
 
     def step(model: nn.Module, micro: Any) -> torch.Tensor:
         x, y = micro
