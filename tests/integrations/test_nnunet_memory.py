@@ -185,7 +185,7 @@ def test_the_planners_step_for_regions_is_their_trainers() -> None:
     """A dataset of regions (BraTS's) is planned with the step its trainer runs: a sigmoid head
     per region and DC+BCE over the regions' labels one-hot (the ignore label's channel last),
     not DC+CE over one channel of classes (whose cross-entropy takes one channel of labels):
-    the step runs on them."""
+    the step runs on them; and classes with an ignore label as their trainer weighs them."""
     from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
 
     from bigbatch.integrations.nnunet_step import plan_step_spec
@@ -216,3 +216,10 @@ def test_the_planners_step_for_regions_is_their_trainers() -> None:
     assert all(t.dtype == torch.bool for t in labels)
     loss = run_step_loss(spec, spec.model(), (x, labels), "cpu")
     assert torch.isfinite(loss) and loss.requires_grad
+    # Classes with an ignore label (the highest, past the heads): DC+CE leaves its voxels out.
+    classes = plan_step_spec(
+        build, (8, 8, 8), 1, 3, kwargs, device="cpu", precision="fp32", ignore_label=True
+    )
+    x, labels = make_inputs(classes, "cpu")
+    assert labels[0].shape == (1, 1, 8, 8, 8) and int(labels[0].max()) == 3
+    assert torch.isfinite(run_step_loss(classes, classes.model(), (x, labels), "cpu"))

@@ -1036,12 +1036,13 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
 
         from bigbatch.memory.predict import predict_peak
 
-        # nnU-Net hands over a head per label; a dataset of regions (BraTS's) trains a sigmoid
-        # head per region, its loss DC+BCE over their one-hot labels, as its trainer will.
+        # nnU-Net hands over a head per label, its ignore label's too; its trainer trains a
+        # head per label but that one, or a sigmoid head per region (BraTS's), its loss DC+BCE
+        # over their one-hot labels, and leaves out the ignored voxels.
         labels = LabelManager(
             self.dataset_json["labels"], self.dataset_json.get("regions_class_order")
         )
-        heads = labels.num_segmentation_heads if labels.has_regions else output_channels
+        heads = labels.num_segmentation_heads
 
         def build() -> nn.Module:
             return get_network_from_plans(
@@ -1061,7 +1062,7 @@ class nnUNetPlannerBigBatch(ExperimentPlanner):
             heads,
             arch_kwargs,
             regions=labels.has_regions,
-            ignore_label=labels.has_ignore_label and labels.has_regions,
+            ignore_label=labels.has_ignore_label,
         )
         ref_bs = (
             self.UNet_reference_val_corresp_bs_2d

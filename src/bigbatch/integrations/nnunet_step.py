@@ -37,7 +37,8 @@ def plan_step_spec(
     Dice for a 2D patch, fp16 autocast on CUDA, SGD with momentum. With ``regions`` (a dataset
     of regions, BraTS's: ``outputs`` sigmoid heads), DC+BCE over the regions' labels one-hot,
     a bool channel each and, with ``ignore_label``, the ignore label's last, as nnU-Net's
-    trainer hands them to its loss. What the planner predicts at each candidate batch, and
+    trainer hands them to its loss; with ``ignore_label`` and classes, DC+CE that leaves out
+    the voxels of the label past the heads. What the planner predicts at each candidate batch, and
     ``make gpu-evidence``'s nnU-Net rows record on a card. As the planner
     ``nnUNetPlannerBigBatch`` uses it, for the network a plan describes::
 
@@ -60,7 +61,12 @@ def plan_step_spec(
         )
         if regions
         else DC_and_CE_loss(
-            dice, {}, weight_ce=1, weight_dice=1, dice_class=MemoryEfficientSoftDiceLoss
+            dice,
+            {},
+            weight_ce=1,
+            weight_dice=1,
+            ignore_label=outputs if ignore_label else None,  # nnU-Net's: the highest label
+            dice_class=MemoryEfficientSoftDiceLoss,
         )
     )
     loss = DeepSupervisionWrapper(inner, weights / weights.sum())
@@ -69,7 +75,7 @@ def plan_step_spec(
     def labelled(b: int, shape: list[int], where: Any) -> torch.Tensor:
         if regions:
             return torch.randint(0, 2, (b, one_hot, *shape), device=where).bool()
-        return torch.randint(0, outputs, (b, 1, *shape), device=where).float()
+        return torch.randint(0, one_hot, (b, 1, *shape), device=where).float()
 
     def example(b: int, where: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = torch.randn(b, channels, *patch, device=where)
