@@ -38,8 +38,8 @@ def plan_step_spec(
     of regions, BraTS's: ``outputs`` sigmoid heads), DC+BCE over the regions' labels one-hot,
     a bool channel each and, with ``ignore_label``, the ignore label's last, as nnU-Net's
     trainer hands them to its loss; with ``ignore_label`` and classes, DC+CE that leaves out
-    the voxels of the label past the heads. What the planner predicts at each candidate batch, and
-    ``make gpu-evidence``'s nnU-Net rows record on a card. As the planner
+    the voxels of the label past the heads. What the planner predicts at each candidate batch,
+    and ``make gpu-evidence``'s nnU-Net rows record on a card. As the planner
     ``nnUNetPlannerBigBatch`` uses it, for the network a plan describes::
 
         spec = plan_step_spec(build, (128, 128, 128), 1, 3, arch_kwargs)
