@@ -130,6 +130,7 @@ def cached_backward(
     loss, so the negatives are the global batch; the gradient of each row flows back to its rank.
     Put autocast inside ``encode`` and ``loss_fn`` where you want it.
 
+    >>> from torch import nn
     >>> encoder = nn.Linear(8, 4)
     >>> acc = Accumulator(torch.optim.SGD(encoder.parameters(), lr=0.1))
     >>> pairs = torch.randn(6, 2, 8)  # two views of 6 samples, in micro-batches of 3

@@ -406,10 +406,12 @@ def ignore_label_shares(
     >>> from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
     >>> loss = DC_and_CE_loss({"batch_dice": False, "do_bg": False}, {}, ignore_label=2)
     >>> y = torch.tensor([[[0, 1, 2, 2]], [[1, 0, 1, 2]]]).float()  # 2 and 3 voxels labelled
-    >>> logits = torch.randn(2, 2, 4, requires_grad=True)
+    >>> g = torch.Generator().manual_seed(0)
+    >>> logits = torch.randn(2, 2, 4, generator=g, requires_grad=True)
     >>> split = ignore_label_shares(loss, 2, y)
     >>> parts = [split(logits[i : i + 1], y[i : i + 1]) / 2 for i in range(2)]  # by samples
-    >>> torch.allclose(sum(parts), loss(logits, y))
+    >>> # nnU-Net's Dice sums in float32 whatever the inputs: equal to float32's round-off
+    >>> bool(abs(sum(parts) - loss(logits, y)) <= 4 * torch.finfo(torch.float32).eps)
     True
     """
     if ignore_label is None:
