@@ -14,6 +14,7 @@ from reference import (
     reference_update,
     rel_err,
     roundoff_tol,
+    sample_batches,
     windows_of,
 )
 from torch import nn
@@ -157,3 +158,16 @@ def test_plan_learner_predicts_a_micro_batch_under_the_budget() -> None:
     tight = plan_learner(learn, 64, roomy.floor_bytes * 4, overhead=0)
     assert tight.micro_batch < 64 and tight.micro_batch * tight.micro_batches >= 64
     assert tight.predicted_peak_bytes <= tight.usable_bytes
+
+
+def test_a_checkpointed_batchnorm_counts_each_micro_batch_once() -> None:
+    """A checkpointed block's recomputation in backward does not move BatchNorm's running
+    statistics again: one count a micro-batch, as without."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    batches, n_acc = sample_batches([4, 12, 16, 32]), 48
+    learn = learner(batches, [ExactGradientAccumulation(n_acc=n_acc)])
+    norm = nn.BatchNorm1d(CLASSES).double()
+    learn.model = nn.Sequential(checkpoint_wrapper(nn.Sequential(learn.model, norm)))
+    learn.fit(1, lr=LR)
+    assert int(norm.num_batches_tracked) == len(batches)

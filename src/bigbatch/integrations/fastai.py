@@ -24,12 +24,14 @@ along the same curve over the same training, which is what it should be; nothing
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Literal
 
 import torch
 
 from bigbatch.accumulate import EmptyWindowWarning, Reduction, scale_grads_
+from bigbatch.batchnorm import running_stats_kept
 from bigbatch.counts import MicroBatchCount, resolve_count
 from bigbatch.inexact import warn_inexact_layers
 from bigbatch.integrations import require
@@ -56,7 +58,9 @@ class ExactGradientAccumulation(Callback):
 
     Give ``n_acc`` (items per optimizer step, as fastai's callback takes) or ``micro_batches``
     (batches per step). ``count="samples"`` (default) or ``"tokens"`` (the first target's labels
-    != ``ignore_index``; ``shift=True`` for a causal LM that shifts its labels inside).
+    != ``ignore_index``; ``shift=True`` for a causal LM that shifts its labels inside). An
+    activation-checkpointed model's recomputation in backward leaves BatchNorm's running
+    statistics as the forward left them (:func:`~bigbatch.batchnorm.running_stats_kept`).
 
     >>> ExactGradientAccumulation(n_acc=64).window.target_count
     64
@@ -90,8 +94,17 @@ class ExactGradientAccumulation(Callback):
         self.shift = shift
         self.optimizer_step = 0
         self._settling = False
+        self._kept = contextlib.ExitStack()
+
+    def before_backward(self) -> None:
+        # A checkpointed model's recomputation must not move BatchNorm's statistics again.
+        self._kept.enter_context(running_stats_kept())
+
+    def after_backward(self) -> None:
+        self._kept.close()
 
     def before_fit(self) -> None:
+        self._kept.close()  # one a failed fit's backward left open
         if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
             # Both would cancel steps: fastai's until its own count, this one until the window
             # is full; together no update happens at all.
