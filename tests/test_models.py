@@ -208,3 +208,15 @@ def test_a_torch_without_the_wrapper_is_refused_in_one_line(
     )
     with pytest.raises(ValueError, match=r"^UNet's blocks .* train without checkpointing, or"):
         enable_grad_checkpointing(unet2d(width=4, depth=2))
+
+
+def test_every_recomputed_block_names_a_class_its_library_has() -> None:
+    """The blocks torch's checkpoint_wrapper recomputes are named by class path: a library
+    that moved one would leave its networks with fewer blocks checkpointed than planned."""
+    import importlib
+
+    from bigbatch.models import _RECOMPUTED_BLOCKS
+
+    for path in sorted(_RECOMPUTED_BLOCKS):
+        module, name = path.rsplit(".", 1)
+        assert isinstance(getattr(importlib.import_module(module), name), type), path
