@@ -101,12 +101,19 @@ def make_optimizer(
 
 
 def mode_line(cfg: TrainConfig) -> str:
+    """What trains, from what weights, and whether activations are recomputed: the run's log.
+
+    >>> from bigbatch.train.config import load_config
+    >>> mode_line(load_config(overrides=["data=x", "arch=resnet18", "grad_checkpointing=true"]))
+    'mode: fit (random weights: every layer trains from the start); activation checkpointing'
+    """
+    recomputed = "; activation checkpointing" if cfg.grad_checkpointing else ""
     if cfg.fine_tunes:
         return (
             f"mode: fine_tune (the head alone for {cfg.freeze_epochs} epoch(s), then all: "
             "starting from " + ("pretrained weights)" if cfg.pretrained else "weights=)")
-        )
+        ) + recomputed
     if cfg.weights or cfg.pretrained:
         start = "weights=" + cfg.weights if cfg.weights else "pretrained weights"
-        return f"mode: fit (every layer trains, starting from {start})"
-    return "mode: fit (random weights: every layer trains from the start)"
+        return f"mode: fit (every layer trains, starting from {start})" + recomputed
+    return "mode: fit (random weights: every layer trains from the start)" + recomputed
