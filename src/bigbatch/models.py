@@ -238,7 +238,7 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     checkpointed block are recomputed in backward instead of kept: less memory, about a third
     more compute, the same gradients. The wrapped model's ``state_dict`` keeps the plain
     model's names, so weights load into either. BatchNorm's running statistics move once a
-    step, not again in the recomputation, when the backward runs through
+    forward, not again in the recomputation, when the backward runs through
     :meth:`bigbatch.Accumulator.backward` (else wrap it in
     :func:`bigbatch.batchnorm.running_stats_kept`). Raises ``ValueError`` naming the fix
     where the model has neither a switch nor such blocks.
