@@ -187,10 +187,11 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = False) ->
 
 
 # The blocks torch's checkpoint_wrapper recomputes where a network's library has no switch of
-# its own (MONAI's U-Nets, SegResNet, UNETR, SwinUNETR's convolutional encoders): each a
+# its own (MONAI's U-Nets, SegResNet, UNETR, SwinUNETR's convolutional encoders, smp's
+# decoders under their timm encoders, which timm's switch checkpoints): each a
 # conv-norm-act or residual unit whose inner activations are several times its input, so keeping
-# only the input saves most of its memory. Named by class path so that MONAI is not imported to
-# decide.
+# only the input saves most of its memory. Named by class path so that neither MONAI nor smp is
+# imported to decide.
 _RECOMPUTED_BLOCKS = frozenset(
     {
         "monai.networks.blocks.convolutions.ResidualUnit",
@@ -199,12 +200,27 @@ _RECOMPUTED_BLOCKS = frozenset(
         "monai.networks.blocks.dynunet_block.UnetResBlock",
         "monai.networks.blocks.transformerblock.TransformerBlock",
         "bigbatch.segmentation.models._Block",
+        # segmentation_models_pytorch's decoders, at up to the image's resolution: a
+        # full-resolution Kaggle mask's memory is mostly theirs.
+        "segmentation_models_pytorch.decoders.unet.decoder.UnetDecoderBlock",
+        "segmentation_models_pytorch.decoders.unetplusplus.decoder.DecoderBlock",
+        "segmentation_models_pytorch.decoders.fpn.decoder.SegmentationBlock",
     }
 )
 
 
 def _block_path(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _out_of_place(features: nn.Module) -> None:
+    """timm's feature extractor (an smp encoder's ``tu-`` model) checkpoints each of its
+    top-level modules apart; an in-place activation among them (a ResNet's stem ReLU) then
+    overwrites the output the checkpoint before it keeps, and backward fails on the version
+    check. Out of place, the same values."""
+    for child in features.children():
+        if getattr(child, "inplace", False) is True:
+            child.inplace = False  # type: ignore[assignment]
 
 
 def _library_switches(model: nn.Module) -> list[str]:
@@ -222,6 +238,8 @@ def _library_switches(model: nn.Module) -> list[str]:
                 continue
             timm_switched.append(name)
             switched.append(name)
+            if type(module).__name__ in ("FeatureListNet", "FeatureDictNet"):
+                _out_of_place(module)
         elif type(module).__module__.startswith("monai.") and hasattr(module, "use_checkpoint"):
             module.use_checkpoint = True  # each of MONAI's blocks reads its own
             switched.append(name)

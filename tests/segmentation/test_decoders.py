@@ -102,25 +102,38 @@ def test_a_norm_these_decoders_cannot_take_is_refused(arch: str) -> None:
 
 def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path) -> None:
     """``grad_checkpointing=true``: the timm encoder under an smp decoder and SwinUNETR's Swin
-    blocks are switched by their libraries' own flags; MONAI's networks without one get
-    torch's checkpoint_wrapper around their blocks (SwinUNETR's convolutional ones too), their
-    weights' names unchanged; a network with neither is refused in one line when first built
+    blocks are switched by their libraries' own flags, the decoders' blocks and MONAI's
+    networks without a flag get torch's checkpoint_wrapper (SwinUNETR's convolutional blocks
+    too), their weights' names unchanged, the gradients as without (float64); a network with neither is refused in one line when first built
     (the planner's build, before any training)."""
     from bigbatch.models import enable_grad_checkpointing
     from bigbatch.segmentation.networks import build_network
     from bigbatch.train.planning import model_factory_for
 
-    decoded = enable_grad_checkpointing(
-        smp_factory("unet", "resnet10t", in_channels=3, num_classes=2)()
-    )
-    assert decoded.encoder.model.grad_checkpointing  # smp's tu- encoder: a timm model
-    swin = enable_grad_checkpointing(build_network("swinunetr", 1, 2, dims=2, size=32))
-    flags = [m.use_checkpoint for m in swin.modules() if hasattr(m, "use_checkpoint")]
-    assert flags and all(flags)
-
     def wrapped(net: torch.nn.Module) -> int:
         return sum(type(m).__name__ == "CheckpointWrapper" for m in net.modules())
 
+    def grads(net: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+        torch.manual_seed(1)  # FPN's dropout draws the same masks in both
+        net.train()(x).square().mean().backward()
+        return [p.grad for p in net.parameters() if p.grad is not None]
+
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    for arch in ("unet", "unetplusplus", "fpn"):
+        torch.manual_seed(0)
+        plain = smp_factory(arch, "resnet10t", in_channels=3, num_classes=2)().double()
+        want = grads(plain, x)
+        torch.manual_seed(0)
+        decoded = smp_factory(arch, "resnet10t", in_channels=3, num_classes=2)().double()
+        decoded = enable_grad_checkpointing(decoded)
+        assert decoded.encoder.model.grad_checkpointing  # smp's tu- encoder: a timm model
+        assert wrapped(decoded) > 0, arch  # its decoder's blocks, in torch's wrapper
+        # The same gradients: the ResNet stem's in-place ReLU, which timm's feature extractor
+        # checkpoints apart, no longer breaks the backward.
+        assert all(torch.equal(g, w) for g, w in zip(grads(decoded, x), want, strict=True))
+    swin = enable_grad_checkpointing(build_network("swinunetr", 1, 2, dims=2, size=32))
+    flags = [m.use_checkpoint for m in swin.modules() if hasattr(m, "use_checkpoint")]
+    assert flags and all(flags)
     assert wrapped(swin) > 0
     for arch in ("unet", "segresnet", "dynunet", "unetr"):
         plain = build_network(arch, 1, 2, dims=2, size=32, widths=(12, 24, 48))
