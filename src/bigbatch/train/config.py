@@ -339,7 +339,7 @@ HELP: dict[str, str] = {
     "size": "input size: images are resized to size x size; volumes are cropped to size^3 patches",
     "augment": "random flips and crops while training",
     "freeze_bn": "BatchNorm uses its running statistics: accumulation becomes exact",
-    "grad_checkpointing": "recompute each block's activations in backward instead of keeping them (timm's models and encoders, MONAI's networks): less memory, a larger micro-batch, about a third more compute, the same gradients",
+    "grad_checkpointing": "recompute each block's activations in backward instead of keeping them (timm's models, MONAI's networks, smp's decoders and their encoders): less memory, a larger micro-batch, about a third more compute, the same gradients",
     "batch": "the target batch: samples per optimizer step",
     "budget": "memory budget for training (8GB, 16GiB, 512MiB), a GPU's name (t4, p100, l4, a10g, rtx4090, a100-80gb, h100...: that card's memory less its CUDA context; bigbatch plan --list-cards) or auto: the free memory now",
     "overhead": "memory besides the step's tensors: auto (this process / the CUDA context) or a size",
