@@ -8,7 +8,8 @@ back into the same :class:`~bigbatch.memory.step.StepSpec` by any later checkout
 side, volume side or tokens), ``batch``, ``precision``, ``optimizer``, and per kind:
 ``classes`` (timm, default 10), ``encoder`` (smp), ``widths`` (unet3d), ``layers``,
 ``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``model``, ``lora``, ``quant``,
-``ckpt`` (llama, hf; timm: its library's switch; unet3d: torch's checkpoint_wrapper), ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
+``ckpt`` (llama, hf; timm: its library's switch; unet3d: torch's checkpoint_wrapper; smp: a
+timm ``tu-`` encoder's switch and the wrapper around the decoder's blocks), ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
 fake process group: :func:`ranks_of`), ``cudnn_benchmark`` (default off).
 
     python benchmarks/gpu_matrix.py          # the rows, one name a line
@@ -53,11 +54,15 @@ def _unet3d(widths: tuple[int, ...], ckpt: bool = False) -> Callable[[], nn.Modu
     return build
 
 
-def _smp(arch: str, encoder: str, classes: int) -> Callable[[], nn.Module]:
+def _smp(arch: str, encoder: str, classes: int, ckpt: bool = False) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import segmentation_models_pytorch as smp
 
-        return smp.create_model(arch, encoder_name=encoder, encoder_weights=None, classes=classes)
+        from bigbatch.models import enable_grad_checkpointing
+
+        name = f"tu-{encoder}" if ckpt else encoder  # timm's encoder has the switch
+        model = smp.create_model(arch, encoder_name=name, encoder_weights=None, classes=classes)
+        return enable_grad_checkpointing(model) if ckpt else model  # as bigbatch train's
 
     return build
 
@@ -230,7 +235,7 @@ def spec_of(row: dict[str, Any], device: str = "cuda", *, real: bool = False) ->
         model = _timm(row["arch"], num_classes=row.get("classes", 10), ckpt=row.get("ckpt", False))
         return StepSpec(model, (3, size, size), batch, **common)
     if kind == "smp":
-        model = _smp(row["arch"], row["encoder"], row.get("classes", 4))
+        model = _smp(row["arch"], row["encoder"], row.get("classes", 4), row.get("ckpt", False))
         return StepSpec(model, (3, size, size), batch, step=seg_step, **common)
     if kind == "unet3d":
         model = _unet3d(tuple(row.get("widths", (32, 64, 128, 256))), row.get("ckpt", False))
@@ -272,7 +277,7 @@ def row_name(row: dict[str, Any]) -> str:
     if row["kind"] == "llama":
         parts += [p for p, on in (("ckpt", row.get("ckpt", True)),) if on]
         parts += ["frozen" if row.get("frozen", True) else "full"]
-    if row["kind"] in ("timm", "unet3d") and row.get("ckpt"):
+    if row["kind"] in ("timm", "unet3d", "smp") and row.get("ckpt"):
         parts.append("ckpt")
     if row.get("cudnn_benchmark"):
         parts.append("bench")
@@ -337,6 +342,8 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
         # 2D segmentation at a high resolution.
         {"kind": "smp", "arch": "unet", "encoder": "resnet34", "size": 1024, "batch": 2,
          "precision": "fp16", "optimizer": "adamw"},
+        {"kind": "smp", "arch": "unet", "encoder": "resnet34", "size": 1024, "batch": 2,
+         "precision": "fp16", "optimizer": "adamw", "ckpt": True},
         {"kind": "smp", "arch": "unet", "encoder": "resnet34", "size": 512, "batch": 8,
          "precision": "bf16", "optimizer": "adamw"},
         # Language models: a frozen base with checkpointing (LoRA's memory), a full fine-tune.

@@ -105,11 +105,12 @@ def test_a_short_time_box_measures_what_the_tests_and_the_model_lack_first(
     assert "resnet50-224-b32-fp16-adamw" in h100  # in h100-torch2.11/
     # Every row but nnU-Net's, the language models' from their configs (FSDP2's ranks among
     # them), convnext_small's in cuDNN's benchmark mode, capped or not, and the checkpointed
-    # ViT's and 3D U-Net's (new: their traces are the next GPU session's work) is recorded.
+    # ViT's, 3D U-Net's and smp U-Net's (new: their traces are the next GPU session's work) is
+    # recorded.
     new = {n for n in names if n.startswith(("nnunet", "qwen2.5", "llama3.2"))}
     new |= {n for n in names if n.startswith("convnext_small") and "-bench" in n}
-    new |= {n for n in names if n.endswith("-ckpt") and n.startswith(("vit_", "unet3d"))}
-    assert len(new) == 23 and set(names) - new <= gpu_evidence.committed("h200")
+    new |= {n for n in names if n.endswith("-ckpt")}
+    assert len(new) == 24 and set(names) - new <= gpu_evidence.committed("h200")
     assert gpu_evidence.committed("a100") == set()
     # Then one language model's committed row again: a check of building it without its
     # random fills, its peaks against the committed trace's.
