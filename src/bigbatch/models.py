@@ -251,7 +251,8 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     where it has one (timm's ``set_grad_checkpointing`` for timm's models and the timm encoder
     under a segmentation_models_pytorch decoder; MONAI's ``use_checkpoint`` for SwinUNETR's
     Swin blocks), and by torch's ``checkpoint_wrapper`` around the residual and
-    conv-norm-act blocks of MONAI's UNet, SegResNet, DynUNet, UNETR and SwinUNETR and of
+    conv-norm-act blocks of MONAI's UNet, SegResNet, DynUNet, UNETR and SwinUNETR, the decoder
+    blocks of segmentation_models_pytorch's U-Net, U-Net++ and FPN, and those of
     :class:`bigbatch.segmentation.models.UNet`, which have none. The activations inside each
     checkpointed block are recomputed in backward instead of kept: less memory, about a third
     more compute, the same gradients. The wrapped model's ``state_dict`` keeps the plain
@@ -295,9 +296,9 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
         raise ValueError(
             f"{type(model).__name__} has no activation checkpointing its library switches on "
             "(timm's set_grad_checkpointing, MONAI's use_checkpoint) nor blocks bigbatch "
-            "recomputes (MONAI's and bigbatch's U-Net units): train it without, or wrap its "
-            "blocks yourself with torch.distributed.algorithms._checkpoint.checkpoint_wrapper."
-            "apply_activation_checkpointing(model, check_fn=...)"
+            "recomputes (MONAI's networks', smp's decoders', bigbatch's U-Net's): train it "
+            "without, or wrap its blocks yourself with torch.distributed.algorithms._checkpoint."
+            "checkpoint_wrapper.apply_activation_checkpointing(model, check_fn=...)"
         )
     return model
 
@@ -318,7 +319,7 @@ def grad_checkpointed(
     >>> grad_checkpointed(lambda: nn.Linear(2, 2))()
     Traceback (most recent call last):
     ...
-    ValueError: grad_checkpointing=true: Linear has no activation checkpointing its library switches on (timm's set_grad_checkpointing, MONAI's use_checkpoint) nor blocks bigbatch recomputes (MONAI's and bigbatch's U-Net units): train it without, or wrap its blocks yourself with torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing(model, check_fn=...)
+    ValueError: grad_checkpointing=true: Linear has no activation checkpointing its library switches on (timm's set_grad_checkpointing, MONAI's use_checkpoint) nor blocks bigbatch recomputes (MONAI's networks', smp's decoders', bigbatch's U-Net's): train it without, or wrap its blocks yourself with torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing(model, check_fn=...)
     """
 
     def build() -> nn.Module:
