@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +17,7 @@ from helpers import bigbatch_run, max_rel_diff, naive_run
 
 
 def _bn_unet(checkpointed: bool) -> nn.Module:
-    from monai.networks.nets import UNet
+    UNet = pytest.importorskip("monai.networks.nets").UNet
 
     torch.manual_seed(0)
     net = UNet(2, 3, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=2, norm="batch")
@@ -96,16 +97,23 @@ def test_gradient_caching_through_a_checkpointed_encoder_moves_running_stats_onc
     assert _counted(runs[1]) == {2}
 
 
-def test_running_stats_kept_is_a_no_op_without_batchnorm() -> None:
-    """A block in which no BatchNorm runs leaves everything as it was; one in eval mode, or
-    without running statistics, is not touched."""
+def test_running_stats_kept_restores_inside_and_lets_go_on_exit() -> None:
+    """A BatchNorm in train mode that runs inside ends with its statistics as they were before
+    it ran there (as a checkpointed step's forward left them); one in eval mode is left alone;
+    after the block the hook is gone, and they move again, even where the block raised."""
     from bigbatch.batchnorm import running_stats_kept
 
-    bn = nn.BatchNorm1d(3).eval()
-    free = nn.BatchNorm1d(3, track_running_stats=False)
+    bn, frozen = nn.BatchNorm1d(3), nn.BatchNorm1d(3).eval()
     before = copy.deepcopy(bn.state_dict())
     with running_stats_kept():
-        nn.Linear(3, 3)(torch.randn(4, 3))
         bn(torch.randn(4, 3))
-        free(torch.randn(4, 3))
+        bn(torch.randn(4, 3))
+        frozen(torch.randn(4, 3))
     assert all(torch.equal(bn.state_dict()[k], v) for k, v in before.items())
+    try:
+        with running_stats_kept():
+            raise RuntimeError("out of memory")
+    except RuntimeError:
+        pass
+    bn(torch.randn(4, 3))
+    assert int(bn.num_batches_tracked) == 1  # no hook left behind
