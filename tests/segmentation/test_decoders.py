@@ -104,8 +104,9 @@ def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path
     """``grad_checkpointing=true``: the timm encoder under an smp decoder and SwinUNETR's Swin
     blocks are switched by their libraries' own flags, the decoders' blocks and MONAI's
     networks without a flag get torch's checkpoint_wrapper (SwinUNETR's convolutional blocks
-    too), their weights' names unchanged, the gradients as without (float64); a network with neither is refused in one line when first built
-    (the planner's build, before any training)."""
+    too), their weights' names unchanged, the gradients as without (float64); a network with
+    neither is refused in one line when first built (the planner's build, before any
+    training)."""
     from bigbatch.models import enable_grad_checkpointing
     from bigbatch.segmentation.networks import build_network
     from bigbatch.train.planning import model_factory_for
