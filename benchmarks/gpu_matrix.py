@@ -9,8 +9,9 @@ side, volume side or tokens), ``batch``, ``precision``, ``optimizer``, and per k
 ``classes`` (timm, default 10), ``encoder`` (smp), ``widths`` (unet3d), ``layers``,
 ``hidden``, ``vocab`` (llama, default 8, 1024, 32000), ``model``, ``lora``, ``quant``,
 ``ckpt`` (llama, hf; timm: its library's switch; unet3d: torch's checkpoint_wrapper; smp: a
-timm ``tu-`` encoder's switch and the wrapper around the decoder's blocks), ``packing``, ``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a
-fake process group: :func:`ranks_of`), ``cudnn_benchmark`` (default off).
+timm ``tu-`` encoder's switch and the wrapper around the decoder's blocks), ``packing``,
+``ranks`` (hf: FSDP2's ranks, one of them recorded and predicted on a fake process group:
+:func:`ranks_of`), ``cudnn_benchmark`` (default off).
 
     python benchmarks/gpu_matrix.py          # the rows, one name a line
 """

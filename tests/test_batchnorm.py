@@ -45,7 +45,8 @@ def _seg_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _batches(sizes: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(n, 3, 16, 16, generator=g).double(), torch.randint(0, 2, (n, 16, 16), generator=g))
+        (torch.randn(n, 3, 16, 16, generator=g).double(),
+         torch.randint(0, 2, (n, 16, 16), generator=g))
         for n in sizes
     ]  # fmt: skip
 

@@ -175,7 +175,8 @@ def test_wrapped_blocks_accumulate_as_the_big_batch_and_keep_the_weights_names(
 
     g = torch.Generator().manual_seed(3)
     windows = [
-        [(torch.randn(n, 2, 16, 16, generator=g).double(), torch.randint(0, 3, (n, 16, 16), generator=g))
+        [(torch.randn(n, 2, 16, 16, generator=g).double(),
+          torch.randint(0, 3, (n, 16, 16), generator=g))
          for n in (3, 1, 2)]
         for _ in range(2)
     ]  # fmt: skip

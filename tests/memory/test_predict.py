@@ -579,8 +579,9 @@ def test_wrapped_blocks_are_predicted_as_measured() -> None:
     from bigbatch.models import enable_grad_checkpointing
 
     def vit(checkpointed: bool) -> nn.Module:
-        model = nets.ViT(1, img_size=(32, 32), patch_size=(4, 4), hidden_size=96, mlp_dim=384,
-                         num_layers=3, num_heads=4, proj_type="perceptron", spatial_dims=2)  # fmt: skip
+        model = nets.ViT(1, img_size=(32, 32), patch_size=(4, 4), hidden_size=96,
+                         mlp_dim=384, num_layers=3, num_heads=4, proj_type="perceptron",
+                         spatial_dims=2)  # fmt: skip
         return enable_grad_checkpointing(model) if checkpointed else model
 
     peaks = {}
