@@ -223,12 +223,17 @@ def _out_of_place(features: nn.Module) -> None:
             child.inplace = False  # type: ignore[assignment]
 
 
+def _under(name: str, roots: list[str]) -> bool:
+    """Whether the module ``name`` is inside one of ``roots`` ("" is the model itself)."""
+    return any(not root or name.startswith(f"{root}.") for root in roots)
+
+
 def _library_switches(model: nn.Module) -> list[str]:
     """Turn on each library's own checkpointing switch in ``model``; the names switched."""
     switched: list[str] = []
     timm_switched: list[str] = []  # a timm model's switch covers its submodules
     for name, module in model.named_modules():
-        if any(not done or name.startswith(f"{done}.") for done in timm_switched):
+        if _under(name, timm_switched):
             continue
         setter = getattr(module, "set_grad_checkpointing", None)
         if callable(setter):
@@ -274,9 +279,8 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     switched = _library_switches(model)
     blocks: list[str] = []  # the outermost only: a block inside one is recomputed with it
     for name, module in model.named_modules():
-        covered = [*switched, *blocks]
-        if _block_path(module) in _RECOMPUTED_BLOCKS and not any(
-            not done or name.startswith(f"{done}.") for done in covered
+        if _block_path(module) in _RECOMPUTED_BLOCKS and not (
+            _under(name, switched) or _under(name, blocks)
         ):
             blocks.append(name)
     if blocks:
@@ -310,8 +314,9 @@ def grad_checkpointed(
     said: str = "grad_checkpointing=true",
 ) -> Callable[[], nn.Module]:
     """``factory`` whose models have activation checkpointing on
-    (:func:`enable_grad_checkpointing`); a model without a switch is refused when built, as
-    ``refused(f"{said}: ...")``: a command's own error, naming its own key or flag.
+    (:func:`enable_grad_checkpointing`); a model with neither a switch nor blocks it wraps is
+    refused when built, as ``refused(f"{said}: ...")``: a command's own error, naming its own
+    key or flag.
 
     >>> build = grad_checkpointed(timm_factory("resnet18", num_classes=10))
     >>> build().grad_checkpointing

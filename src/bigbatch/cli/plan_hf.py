@@ -124,8 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gradient-checkpointing",
         action="store_true",
-        help="activation checkpointing: transformers' (--hf, non-reentrant), or the model's "
-        "library's (--arch: timm's models and encoders, swinunetr)",
+        help="activation checkpointing: transformers' (--hf, non-reentrant), or as bigbatch "
+        "train's grad_checkpointing=true (--arch: timm's models and encoders, MONAI's networks, "
+        "smp's decoders)",
     )
     g.add_argument(
         "--attn",

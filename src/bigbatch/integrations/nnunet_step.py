@@ -70,12 +70,13 @@ def plan_step_spec(
         )
     )
     loss = DeepSupervisionWrapper(inner, weights / weights.sum())
-    one_hot = outputs + ignore_label
+    # The ignore label is one past the heads: a last one-hot channel, or the highest class.
+    labels = outputs + int(ignore_label)
 
     def labelled(b: int, shape: list[int], where: Any) -> torch.Tensor:
         if regions:
-            return torch.randint(0, 2, (b, one_hot, *shape), device=where).bool()
-        return torch.randint(0, one_hot, (b, 1, *shape), device=where).float()
+            return torch.randint(0, 2, (b, labels, *shape), device=where).bool()
+        return torch.randint(0, labels, (b, 1, *shape), device=where).float()
 
     def example(b: int, where: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = torch.randn(b, channels, *patch, device=where)

@@ -59,9 +59,9 @@ Log = Callable[[str], None]
 
 def model_factory_for(task: Task, cfg: TrainConfig) -> Callable[[], nn.Module]:
     """``task.model_factory()``, with activation checkpointing where ``cfg.grad_checkpointing``
-    asks for it, by the model's library's switch
-    (:func:`~bigbatch.models.grad_checkpointed`): what the loop trains and the planner
-    traces, alike. A model without a switch is refused (ConfigError) when first built.
+    asks for it, by the model's library's switch or torch's checkpoint_wrapper around its
+    blocks (:func:`~bigbatch.models.grad_checkpointed`): what the loop trains and the planner
+    traces, alike. A model with neither is refused (ConfigError) when first built.
 
     >>> from bigbatch.train.config import load_config
     >>> cfg = load_config(overrides=["data=x", "arch=resnet18", "grad_checkpointing=true"])
