@@ -157,9 +157,10 @@ def test_wrapped_blocks_accumulate_as_the_big_batch_and_keep_the_weights_names(
     tmp_path: Path,
 ) -> None:
     """A network without a library switch (bigbatch's U-Net, GroupNorm) gets torch's
-    checkpoint_wrapper around its blocks: two SGD steps over uneven micro-batches (3, 1, 2)
-    equal the big batch without checkpointing in float64, loss / N does not; its weights file
-    loads into the plain network and the plain one's into it."""
+    checkpoint_wrapper around its blocks: two SGD steps (momentum, weight decay) over uneven
+    micro-batches (3, 1, 2) equal the big batch without checkpointing in float64, every
+    tensor, a frozen weight inside a wrapped block left without a gradient in each; loss / N
+    does not; its weights file loads into the plain network and the plain one's into it."""
     from bigbatch.models import enable_grad_checkpointing
     from bigbatch.segmentation.models import unet2d
     from bigbatch.train.checkpoint import host_copy, load_weights_file, write_weights
@@ -168,10 +169,15 @@ def test_wrapped_blocks_accumulate_as_the_big_batch_and_keep_the_weights_names(
     def net(checkpointed: bool) -> torch.nn.Module:
         torch.manual_seed(0)
         model = unet2d(in_channels=2, num_classes=3, width=4, depth=2).double()
+        model.down[0][0].bias.requires_grad_(False)  # frozen: no gradient, in every run
         return enable_grad_checkpointing(model) if checkpointed else model
 
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(out, y)
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        trained = [p for p in params if p.requires_grad]
+        return torch.optim.SGD(trained, lr=0.5, momentum=0.9, weight_decay=0.05)
 
     g = torch.Generator().manual_seed(3)
     windows = [
@@ -180,12 +186,15 @@ def test_wrapped_blocks_accumulate_as_the_big_batch_and_keep_the_weights_names(
          for n in (3, 1, 2)]
         for _ in range(2)
     ]  # fmt: skip
-    want = big_batch_run(net(False), windows, loss_fn=loss)
+    want = big_batch_run(net(False), windows, sgd, loss_fn=loss)
     flat = [[b for w in windows for b in w]]
-    ours, _ = bigbatch_run(net(True), flat, loss_fn=loss, micro_batches=3)
+    ours, _ = bigbatch_run(net(True), flat, sgd, loss_fn=loss, micro_batches=3)
+    naive = naive_run(net(True), windows, 3, sgd, loss_fn=loss)
     assert sum(type(m).__name__ == "CheckpointWrapper" for m in ours.modules()) == 5
     assert max_rel_diff(ours, want) < 1e-12
-    assert max_rel_diff(naive_run(net(True), windows, 3, loss_fn=loss), want) > 1e-6
+    assert max_rel_diff(naive, want) > 1e-6
+    assert all(m.down[0][0].bias.grad is None for m in (want, ours, naive))
+    assert not torch.equal(ours.head.weight, net(False).head.weight)  # it stepped
     write_weights(host_copy(ours.state_dict()), tmp_path / "ours.safetensors")
     plain = net(False)
     load_weights_file(plain, tmp_path / "ours.safetensors")
