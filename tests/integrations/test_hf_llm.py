@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -315,7 +316,6 @@ def test_the_sizes_a_rank_left_are_resumed_only_for_the_same_run(tmp_path) -> No
     """bigbatch-sizes.json (left by a rank out of memory under torchrun) sets the sizes a
     relaunched run starts at, without growing back; a file of another global batch or number
     of ranks is another run's and is left alone."""
-    import json
 
     sizes = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 6,
              "world_size": 2, "out_of_memory_at": 4}  # fmt: skip
@@ -409,7 +409,6 @@ def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(
     others wait in a collective): it leaves the halved evaluation batch, training's sizes
     unchanged, in bigbatch-sizes.json and raises; relaunched, every rank evaluates at it and
     training's micro-batch may still grow (nothing shrank it)."""
-    import json
 
     import torch.distributed as dist
 
@@ -456,7 +455,6 @@ def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(
 def test_a_second_restart_names_both_causes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Under torchrun, out of memory in training (restart 1) and then in evaluation (restart
     2): the sizes file the second leaves keeps the first's cause, and the relaunch names both."""
-    import json
 
     import torch.distributed as dist
 
@@ -996,3 +994,57 @@ def test_bf16_on_a_card_without_bfloat16_units_is_said_when_training_begins(
         if said:
             assert warned[0].startswith("bf16=True on cpu, which has no bfloat16 units")
             assert "fp16=True (a plan with --precision fp16)" in warned[0]
+
+
+def test_arguments_that_place_memory_otherwise_than_the_plan_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSpeed's partitions, FSDP's shards on the host, checkpointed activations on the host
+    and checkpointing only every n-th layer: Trainer would run each without a word under a
+    plan that traced none of them (the last holds more than the plan's micro-batch fits).
+    Each is refused in one line naming the fix, by with_plan and by MemoryBudget's check."""
+
+    def plan(**setup: Any) -> SimpleNamespace:
+        return SimpleNamespace(global_batch=8, setup=LMSetup(SEQ, **setup),
+                               plan=SimpleNamespace(max_micro_batch=4))  # fmt: skip
+
+    base = {"world_size": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
+    every_2nd = {"every_n_layers": 2}
+    for extra, why in [
+        ({"deepspeed": "ds_zero3.json"}, r"^these arguments train with DeepSpeed, .* unset$"),
+        ({"fsdp": "full_shard offload"}, r"offload FSDP's shards to the CPU .*: drop the offload$"),
+        ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, r"FSDP's shards to the CPU"),
+        ({"activation_checkpointing_kwargs": {"offload": True}}, r"activations to the host"),
+        ({"activation_checkpointing_kwargs": every_2nd},
+         r"^the plan checkpoints every decoder layer and these arguments one in 2 .*"
+         r"drop every_n_layers$"),
+        ({"gradient_checkpointing_kwargs": json.dumps(every_2nd)}, r"every_n_layers=2"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=why) as raised:
+            with_plan(SimpleNamespace(**base, **extra), plan(gradient_checkpointing=True))
+        assert "\n" not in str(raised.value)
+    # Without checkpointing in the plan, checkpointing some layers holds less: let be.
+    some = SimpleNamespace(**base, activation_checkpointing_kwargs=every_2nd)
+    assert with_plan(some, plan()).per_device_train_batch_size == 4
+    # Trainer's own arguments, as a user writes them.
+    args = trained(tmp_path, 1, 1, activation_checkpointing=True,
+                   activation_checkpointing_kwargs=every_2nd)  # fmt: skip
+    with pytest.raises(ValueError, match="every_n_layers=2"):
+        with_plan(args, plan(gradient_checkpointing=True))
+
+
+@pytest.mark.slow
+def test_a_model_checkpointing_only_every_nth_layer_is_refused_under_a_plan_of_each() -> None:
+    """transformers' ``every_n_layers`` keeps the other decoder layers' activations, which the
+    plan's micro-batch does not fit: MemoryBudget's check refuses the model in one line, and
+    takes the same model checkpointing every layer."""
+    config = tiny_config()
+    config.num_hidden_layers = 2
+    setup = LMSetup(SEQ, lora_r=4, gradient_checkpointing=True)
+    plan = plan_lm(config, setup, N, "1GB", device="cpu", precision="fp32", optimizer="sgd",
+                   overhead=0)  # fmt: skip
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    model.activation_checkpointing_enable(every_n_layers=2)
+    with pytest.raises(ValueError, match=r"this model 1 of its 2 without \(every_n_layers\)"):
+        check_plan_matches(plan, model)
+    model.activation_checkpointing_enable()
+    check_plan_matches(plan, model)

@@ -283,7 +283,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     pairs, GRPO's generations), arguments for another number of ranks than the plan's or
     that shard otherwise
     (DDP where it planned FSDP2's shards, FSDP where it planned DDP, weights kept gathered
-    after each forward), TRL's arguments that
+    after each forward) or that place memory where it did not (DeepSpeed, CPU offload,
+    checkpointing only every n-th layer), TRL's arguments that
     let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
     micro-batch would not hold them), and arguments that compute in another precision or
     train with another optimizer than the plan traced (:func:`trainer_arguments` names
@@ -446,6 +447,7 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     one, is let be)."""
     _check_trainer_kind(args)
     _check_sharding(plan, args)
+    _check_placement(plan, args)
     traced = _prediction(plan)
     if traced is None:
         return
@@ -527,6 +529,60 @@ def _check_sharding(plan: Any, args: Any) -> None:
             "these arguments keep them (reshard_after_forward=False, shard_grad_op): set "
             "fsdp_config={'reshard_after_forward': True}"
         )
+
+
+def _check_placement(plan: Any, args: Any) -> None:
+    """Refuse arguments that place the step's memory otherwise than the plan traced it, each
+    of which Trainer would run without a word: DeepSpeed (its ZeRO partitions and buckets),
+    FSDP's CPU offload (shards held on the host), checkpointed activations offloaded to the
+    host, or checkpointing only every n-th layer where the plan checkpoints each (what the
+    others keep would not fit the plan's micro-batch). Offloading would hold less than the
+    plan, which then picked a micro-batch without it: the slower steps would buy nothing."""
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            "these arguments train with DeepSpeed, whose ZeRO partitions and buffers a plan "
+            "does not trace: shard with FSDP2 instead (fsdp=True; plan with --fsdp "
+            "--world-size N), or leave deepspeed unset"
+        )
+    fsdp = getattr(args, "fsdp", None)
+    options = set(fsdp.split()) if isinstance(fsdp, str) else set()
+    if isinstance(fsdp, list | tuple):
+        options = {str(getattr(o, "value", o)) for o in fsdp}
+    config = getattr(args, "fsdp_config", None) or {}
+    if "offload" in options or str(config.get("cpu_offload", False)).lower() in ("true", "1"):
+        raise ValueError(
+            "these arguments offload FSDP's shards to the CPU (cpu_offload), which a plan "
+            "does not trace (it holds each rank's shards on the card, and its micro-batch "
+            "fits so): drop the offload"
+        )
+    kwargs = _checkpointing_kwargs(args)
+    if str(kwargs.get("offload", False)).lower() in ("true", "1"):
+        raise ValueError(
+            "these arguments offload the checkpointed activations to the host "
+            "(activation_checkpointing_kwargs offload=True), which a plan does not trace (its "
+            "micro-batch fits with them on the card): drop offload"
+        )
+    every = int(kwargs.get("every_n_layers", 1))
+    if every > 1 and plan.setup.gradient_checkpointing:
+        raise ValueError(
+            f"the plan checkpoints every decoder layer and these arguments one in {every} "
+            f"(activation_checkpointing_kwargs every_n_layers={every}): the others' "
+            "activations would not fit its micro-batch; drop every_n_layers"
+        )
+
+
+def _checkpointing_kwargs(args: Any) -> dict[str, Any]:
+    """Trainer's checkpointing keywords (``activation_checkpointing_kwargs``;
+    ``gradient_checkpointing_kwargs`` before transformers 5), a dict (also from JSON text)."""
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        kwargs = getattr(args, name, None)
+        if isinstance(kwargs, str):
+            import json
+
+            kwargs = json.loads(kwargs)
+        if isinstance(kwargs, dict) and kwargs:
+            return kwargs
+    return {}
 
 
 def _fsdp_version(config: Any) -> int:
@@ -755,6 +811,14 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     _check_qlora_prep(plan, model, described)
     if args is not None:
         _check_arguments(plan, args)
+    _check_checkpointing(plan, model, described)
+
+
+def _check_checkpointing(plan: Any, model: Any, described: str) -> None:
+    """A plan that counts on checkpointing every decoder layer against a model that runs
+    without it, or with it on one layer in n (transformers' ``every_n_layers``)."""
+    if not plan.setup.gradient_checkpointing:
+        return
     # transformers' own flag, or torch's checkpoint wrappers (accelerate's FSDP
     # activation_checkpointing wraps the decoder layers in them).
     checkpointing = any(
@@ -762,12 +826,25 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
         or hasattr(m, "_checkpoint_wrapped_module")
         for m in model.modules()
     )
-    if setup.gradient_checkpointing and not checkpointing:
+    if not checkpointing:
         raise ValueError(
             f"the plan ({described}) counts on gradient checkpointing and this model runs "
             "without it: turn it on in the arguments (activation_checkpointing=True; "
             "gradient_checkpointing=True before transformers 5), or plan without "
             "--gradient-checkpointing"
+        )
+    # transformers' every_n_layers leaves the other decoder layers' flags off (accelerate's
+    # FSDP wrappers leave them all off: not this).
+    flags = [
+        getattr(m, "gradient_checkpointing", False) is True
+        for m in model.modules()
+        if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__[1:])
+    ]
+    if 0 < sum(flags) < len(flags):
+        raise ValueError(
+            f"the plan ({described}) checkpoints every decoder layer and this model "
+            f"{len(flags) - sum(flags)} of its {len(flags)} without (every_n_layers): "
+            "checkpoint every layer (activation_checkpointing_kwargs without every_n_layers)"
         )
 
 
