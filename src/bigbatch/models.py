@@ -213,6 +213,22 @@ def _block_path(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
+def _recomputed_blocks(model: nn.Module) -> list[str]:
+    """The names of ``model``'s blocks that bigbatch wraps in a checkpoint, in the model's
+    order: of a type in ``_RECOMPUTED_BLOCKS``, or one of MONAI's ``Convolution`` layers with
+    its norm and activation (a U-Net's upsampling transposed convolutions; a convolution
+    alone keeps nothing a checkpoint would free)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if _block_path(module) in _RECOMPUTED_BLOCKS
+        or (_block_path(module) == _MONAI_CONVOLUTION and "adn" in module._modules)
+    ]
+
+
+_MONAI_CONVOLUTION = "monai.networks.blocks.convolutions.Convolution"
+
+
 def _out_of_place(features: nn.Module) -> None:
     """timm's feature extractor (an smp encoder's ``tu-`` model) checkpoints each of its
     top-level modules apart; an in-place activation among them (a ResNet's stem ReLU) then
@@ -256,7 +272,8 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     where it has one (timm's ``set_grad_checkpointing`` for timm's models and the timm encoder
     under a segmentation_models_pytorch decoder; MONAI's ``use_checkpoint`` for SwinUNETR's
     Swin blocks), and by torch's ``checkpoint_wrapper`` around the residual and
-    conv-norm-act blocks of MONAI's UNet, SegResNet, DynUNet, UNETR and SwinUNETR, the decoder
+    conv-norm-act blocks of MONAI's UNet (its upsampling convolutions too), SegResNet,
+    DynUNet, UNETR and SwinUNETR, the decoder
     blocks of segmentation_models_pytorch's U-Net, U-Net++ and FPN, and those of
     :class:`bigbatch.segmentation.models.UNet`, which have none. The activations inside each
     checkpointed block are recomputed in backward instead of kept: less memory, about a third
@@ -278,10 +295,8 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     """
     switched = _library_switches(model)
     blocks: list[str] = []  # the outermost only: a block inside one is recomputed with it
-    for name, module in model.named_modules():
-        if _block_path(module) in _RECOMPUTED_BLOCKS and not (
-            _under(name, switched) or _under(name, blocks)
-        ):
+    for name in _recomputed_blocks(model):
+        if not (_under(name, switched) or _under(name, blocks)):
             blocks.append(name)
     if blocks:
         try:  # where torch was built without torch.distributed, the wrapper is missing too

@@ -595,3 +595,45 @@ def test_wrapped_blocks_are_predicted_as_measured() -> None:
         peaks[checkpointed] = measure_step_peak(spec)
         assert _err(predict_peak(spec).peak_bytes, peaks[checkpointed]) <= 0.005
     assert peaks[True] < 0.6 * peaks[False]
+
+
+@pytest.mark.slow
+def test_a_monai_unets_upsampling_is_recomputed_and_predicted_as_measured() -> None:
+    """MONAI's UNet upsamples through a transposed convolution with its norm and activation
+    outside any residual unit: checkpointed as well, the step holds less than with its
+    residual units alone, is predicted as measured, and its float64 gradients are the plain
+    network's."""
+    nets = pytest.importorskip("monai.networks.nets")
+    from bigbatch.models import _MONAI_CONVOLUTION, _block_path, enable_grad_checkpointing
+
+    def unet() -> nn.Module:
+        torch.manual_seed(0)
+        return nets.UNet(2, 1, 3, channels=(8, 16, 32), strides=(2, 2), num_res_units=2)
+
+    def units_only() -> nn.Module:  # as before: the residual units alone
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        model = unet()
+        apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__ == "ResidualUnit")
+        return model
+
+    net = enable_grad_checkpointing(unet())
+    wrapped = [m._checkpoint_wrapped_module for m in net.modules() if hasattr(m, "_checkpoint_wrapped_module")]  # fmt: skip
+    assert sum(_block_path(m) == _MONAI_CONVOLUTION for m in wrapped) == 2  # the upsampling ones
+    peaks = {}
+    for name, build in (("plain", unet), ("units", units_only),
+                        ("all", lambda: enable_grad_checkpointing(unet()))):  # fmt: skip
+        spec = StepSpec(build, (1, 64, 64), 8, step=lambda m, x: m(x).square().mean())
+        peaks[name] = measure_step_peak(spec)
+        # oneDNN's workspaces for its few-channel convolutions: calibrated, as plans are.
+        predicted = predict_peak(spec, calibration=calibrate(spec)).peak_bytes
+        assert _err(predicted, peaks[name]) <= 0.01, name
+    assert peaks["all"] < peaks["units"] < peaks["plain"]
+    x = torch.randn(2, 1, 32, 32, dtype=torch.float64)
+    grads = []
+    for model in (unet().double(), enable_grad_checkpointing(unet().double())):
+        model(x).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
