@@ -1009,7 +1009,7 @@ def test_arguments_that_place_memory_otherwise_than_the_plan_are_refused(tmp_pat
     base = {"world_size": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
     every_2nd = {"every_n_layers": 2}
     for extra, why in [
-        ({"deepspeed": "ds_zero3.json"}, r"^these arguments train with DeepSpeed, .* unset$"),
+        ({"deepspeed": "ds_zero3.json"}, r"^this run trains with DeepSpeed, .* config\)$"),
         ({"fsdp": "full_shard offload"}, r"offload FSDP's shards to the CPU .*: drop the offload$"),
         ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, r"FSDP's shards to the CPU"),
         ({"activation_checkpointing_kwargs": {"offload": True}}, r"activations to the host"),
@@ -1048,3 +1048,39 @@ def test_a_model_checkpointing_only_every_nth_layer_is_refused_under_a_plan_of_e
         check_plan_matches(plan, model)
     model.activation_checkpointing_enable()
     check_plan_matches(plan, model)
+
+
+def test_accelerate_launchs_fsdp_and_deepspeed_are_read_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``accelerate launch`` with an FSDP config reaches Trainer through the environment, not
+    the arguments: an FSDP2 plan is taken there (it was refused as DDP), and its version 1
+    (accelerate's default), weights kept gathered, offloaded shards, or DeepSpeed named
+    there are refused in one line naming the setting to change."""
+
+    def plan(**setup: Any) -> SimpleNamespace:
+        return SimpleNamespace(global_batch=8, setup=LMSetup(SEQ, world_size=2, **setup),
+                               plan=SimpleNamespace(max_micro_batch=4))  # fmt: skip
+
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=1,
+                           gradient_accumulation_steps=1)  # fmt: skip
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match=r"^the plan traced FSDP2 and accelerate launch's FSDP "
+                       r"settings run FSDP version 1: set fsdp_version: 2 there$"):  # fmt: skip
+        with_plan(args, plan(fsdp=True))
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert with_plan(args, plan(fsdp=True)).per_device_train_batch_size == 4
+    with pytest.raises(ValueError, match=r"shard it with FSDP: plan with --fsdp, or launch "):
+        with_plan(args, plan())
+    for name, value, why in [
+        ("FSDP_RESHARD_AFTER_FORWARD", "false", r"set fsdp_reshard_after_forward: true there$"),
+        ("FSDP_OFFLOAD_PARAMS", "true", r"^accelerate launch's FSDP settings offload FSDP's"),
+        ("ACCELERATE_USE_DEEPSPEED", "true", r"^this run trains with DeepSpeed, "),
+    ]:
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(ValueError, match=why):
+                with_plan(args, plan(fsdp=True))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    with pytest.raises(ValueError, match=r"DeepSpeed, whose ZeRO partitions"):
+        with_plan(SimpleNamespace(**vars(args), deepspeed_plugin=object()), plan())

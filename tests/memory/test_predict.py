@@ -620,7 +620,11 @@ def test_a_monai_unets_upsampling_is_recomputed_and_predicted_as_measured() -> N
         return model
 
     net = enable_grad_checkpointing(unet())
-    wrapped = [m._checkpoint_wrapped_module for m in net.modules() if hasattr(m, "_checkpoint_wrapped_module")]  # fmt: skip
+    wrapped = [
+        m._checkpoint_wrapped_module
+        for m in net.modules()
+        if hasattr(m, "_checkpoint_wrapped_module")
+    ]
     assert sum(_block_path(m) == _MONAI_CONVOLUTION for m in wrapped) == 2  # the upsampling ones
     peaks = {}
     for name, build in (("plain", unet), ("units", units_only),

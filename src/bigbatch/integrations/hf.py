@@ -487,6 +487,32 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
 _SHARDING = {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"}
 
 
+_ARGS = "these arguments"
+
+
+def _fsdp_settings(args: Any) -> tuple[set[str], dict[str, Any], str]:
+    """The FSDP that Trainer runs with ``args``: its options (``full_shard``, ...), its
+    config, and where they come from: the arguments (``fsdp``, ``fsdp_config``), else
+    ``accelerate launch``'s FSDP config, which reaches Trainer through the environment
+    (``ACCELERATE_USE_FSDP``, ``FSDP_*``; accelerate's default version there is 1)."""
+    fsdp = getattr(args, "fsdp", None)  # True (transformers 5), or the older options
+    if isinstance(fsdp, bool) or fsdp is None:
+        options = {"full_shard"} if fsdp else set()
+    elif isinstance(fsdp, str):
+        options = set(fsdp.split())
+    else:
+        options = {str(getattr(o, "value", o)) for o in fsdp}
+    if options or os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+        return options, dict(getattr(args, "fsdp_config", None) or {}), _ARGS
+    env = os.environ
+    config = {
+        "version": env.get("FSDP_VERSION", "1"),
+        "reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true"),
+        "cpu_offload": env.get("FSDP_OFFLOAD_PARAMS", "false"),
+    }
+    return {"full_shard"}, config, "accelerate launch's FSDP settings"
+
+
 def _check_sharding(plan: Any, args: Any) -> None:
     """Refuse arguments over several ranks that shard otherwise than the plan: DDP where it
     planned FSDP2's shards (each rank would hold the whole model), FSDP where it planned DDP's
@@ -495,39 +521,37 @@ def _check_sharding(plan: Any, args: Any) -> None:
     setup = plan.setup
     if setup.world_size <= 1:
         return
-    fsdp = getattr(args, "fsdp", None)  # True (transformers 5), or the older options
-    if isinstance(fsdp, bool) or fsdp is None:
-        options = {"full_shard"} if fsdp else set()
-    elif isinstance(fsdp, str):
-        options = set(fsdp.split())
-    else:
-        options = {str(getattr(o, "value", o)) for o in fsdp}
+    options, config, where = _fsdp_settings(args)
     shards = bool(options & _SHARDING)
-    config = getattr(args, "fsdp_config", None) or {}
     version = _fsdp_version(config)
     reshards = str(config.get("reshard_after_forward", "shard_grad_op" not in options))
     ranks = setup.world_size
     if setup.fsdp and not shards:
         raise ValueError(
-            f"the plan shards the model over {ranks} ranks with FSDP2 and these arguments "
+            f"the plan shards the model over {ranks} ranks with FSDP2 and {where} "
             "hold it whole on each rank (DDP): set fsdp=True (FSDP2, transformers 5's "
             "default version), or plan without --fsdp"
         )
     if shards and not setup.fsdp:
         raise ValueError(
-            f"the plan is for DDP over {ranks} ranks (the model whole on each) and these "
-            "arguments shard it with FSDP: plan with --fsdp, or leave fsdp unset"
+            f"the plan is for DDP over {ranks} ranks (the model whole on each) and {where} "
+            "shard it with FSDP: plan with --fsdp, or "
+            + ("leave fsdp unset" if where == _ARGS else "launch without FSDP")
         )
     if shards and version != 2:
         raise ValueError(
-            f"the plan traced FSDP2 and these arguments run FSDP version {version}: set "
-            "fsdp_config={'version': 2}"
+            f"the plan traced FSDP2 and {where} run FSDP version {version}: set "
+            + ("fsdp_config={'version': 2}" if where == _ARGS else "fsdp_version: 2 there")
         )
     if shards and reshards.lower() not in ("true", "1"):
         raise ValueError(
             "the plan traced FSDP2 freeing each unit's gathered weights after its forward and "
-            "these arguments keep them (reshard_after_forward=False, shard_grad_op): set "
-            "fsdp_config={'reshard_after_forward': True}"
+            f"{where} keep them (reshard_after_forward=False, shard_grad_op): set "
+            + (
+                "fsdp_config={'reshard_after_forward': True}"
+                if where == _ARGS
+                else "fsdp_reshard_after_forward: true there"
+            )
         )
 
 
@@ -538,22 +562,19 @@ def _check_placement(plan: Any, args: Any) -> None:
     host, or checkpointing only every n-th layer where the plan checkpoints each (what the
     others keep would not fit the plan's micro-batch). Offloading would hold less than the
     plan, which then picked a micro-batch without it: the slower steps would buy nothing."""
-    if getattr(args, "deepspeed", None):
+    deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None)
+    if deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         raise ValueError(
-            "these arguments train with DeepSpeed, whose ZeRO partitions and buffers a plan "
-            "does not trace: shard with FSDP2 instead (fsdp=True; plan with --fsdp "
-            "--world-size N), or leave deepspeed unset"
+            "this run trains with DeepSpeed, whose ZeRO partitions and buffers a plan does not "
+            "trace: shard with FSDP2 instead (fsdp=True; plan with --fsdp --world-size N), or "
+            "leave DeepSpeed out (deepspeed=, accelerate launch's DeepSpeed config)"
         )
-    fsdp = getattr(args, "fsdp", None)
-    options = set(fsdp.split()) if isinstance(fsdp, str) else set()
-    if isinstance(fsdp, list | tuple):
-        options = {str(getattr(o, "value", o)) for o in fsdp}
-    config = getattr(args, "fsdp_config", None) or {}
+    options, config, where = _fsdp_settings(args)
     if "offload" in options or str(config.get("cpu_offload", False)).lower() in ("true", "1"):
         raise ValueError(
-            "these arguments offload FSDP's shards to the CPU (cpu_offload), which a plan "
-            "does not trace (it holds each rank's shards on the card, and its micro-batch "
-            "fits so): drop the offload"
+            f"{where} offload FSDP's shards to the CPU (cpu_offload), which a plan does not "
+            "trace (it holds each rank's shards on the card, and its micro-batch fits so): "
+            "drop the offload"
         )
     kwargs = _checkpointing_kwargs(args)
     if str(kwargs.get("offload", False)).lower() in ("true", "1"):
