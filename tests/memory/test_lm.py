@@ -941,6 +941,31 @@ def test_gpt2s_conv1d_layers_are_quantized_as_transformers_quantizes_them() -> N
     assert model_sizes(planned).parameter_count == full.parameter_count
 
 
+def test_a_mixture_of_experts_router_is_left_unquantized_as_transformers_leaves_it() -> None:
+    """Llama 4's ``Llama4Router`` is an ``nn.Linear`` subclass: transformers' bitsandbytes
+    replacement (with the modules from_pretrained keeps out) leaves it in 16 bits, and so do
+    the planner's 4-bit stand-ins; every other linear layer is quantized by both."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    cfg = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100,
+        num_local_experts=4, interleave_moe_layer_step=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(cfg)
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True)
+    kept = get_keys_to_not_convert(theirs)
+    replace_with_bnb_linear(theirs, modules_to_not_convert=kept, quantization_config=config)
+    planned = build_on_meta(lm_spec_at(cfg, LMSetup(seq_len=8, quant=4))(1).model)
+    expected = {n for n, m in theirs.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert {n for n, m in planned.named_modules() if isinstance(m, QuantizedLinear)} == expected
+    routers = [n for n, m in planned.named_modules() if type(m).__name__ == "Llama4Router"]
+    assert len(routers) == 2 and not set(routers) & expected and len(expected) > 2
+
+
 def test_a_base_readied_as_trl_does_is_lighter_by_the_float32_copies() -> None:
     """``qlora_prep="trl"``: the base's other weights as loaded (bf16 here), the adapters in
     bfloat16, where peft's preparation holds both in float32 (the residual stream too, from
