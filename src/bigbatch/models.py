@@ -213,6 +213,9 @@ def _block_path(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
+_MONAI_CONVOLUTION = "monai.networks.blocks.convolutions.Convolution"
+
+
 def _recomputed_blocks(model: nn.Module) -> list[str]:
     """The names of ``model``'s blocks that bigbatch wraps in a checkpoint, in the model's
     order: of a type in ``_RECOMPUTED_BLOCKS``, or one of MONAI's ``Convolution`` layers with
@@ -224,9 +227,6 @@ def _recomputed_blocks(model: nn.Module) -> list[str]:
         if _block_path(module) in _RECOMPUTED_BLOCKS
         or (_block_path(module) == _MONAI_CONVOLUTION and "adn" in module._modules)
     ]
-
-
-_MONAI_CONVOLUTION = "monai.networks.blocks.convolutions.Convolution"
 
 
 def _out_of_place(features: nn.Module) -> None:
@@ -273,8 +273,8 @@ def enable_grad_checkpointing(model: nn.Module) -> nn.Module:
     under a segmentation_models_pytorch decoder; MONAI's ``use_checkpoint`` for SwinUNETR's
     Swin blocks), and by torch's ``checkpoint_wrapper`` around the residual and
     conv-norm-act blocks of MONAI's UNet (its upsampling convolutions too), SegResNet,
-    DynUNet, UNETR and SwinUNETR, the decoder
-    blocks of segmentation_models_pytorch's U-Net, U-Net++ and FPN, and those of
+    DynUNet, UNETR and SwinUNETR, the decoder blocks of segmentation_models_pytorch's
+    U-Net, U-Net++ and FPN, and those of
     :class:`bigbatch.segmentation.models.UNet`, which have none. The activations inside each
     checkpointed block are recomputed in backward instead of kept: less memory, about a third
     more compute, the same gradients. The wrapped model's ``state_dict`` keeps the plain

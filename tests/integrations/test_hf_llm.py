@@ -1021,9 +1021,15 @@ def test_arguments_that_place_memory_otherwise_than_the_plan_are_refused(tmp_pat
         with pytest.raises(ValueError, match=why) as raised:
             with_plan(SimpleNamespace(**base, **extra), plan(gradient_checkpointing=True))
         assert "\n" not in str(raised.value)
-    # Without checkpointing in the plan, checkpointing some layers holds less: let be.
-    some = SimpleNamespace(**base, activation_checkpointing_kwargs=every_2nd)
-    assert with_plan(some, plan()).per_device_train_batch_size == 4
+    # Without checkpointing in the plan, checkpointing some layers holds less; settings of
+    # what does not run (an offload without checkpointing, FSDP's config without FSDP) hold
+    # nothing: let be.
+    for extra in (
+        {"activation_checkpointing": True, "activation_checkpointing_kwargs": every_2nd},
+        {"activation_checkpointing_kwargs": {"offload": True}},
+        {"fsdp_config": {"cpu_offload": True}},
+    ):
+        assert with_plan(SimpleNamespace(**base, **extra), plan()).per_device_train_batch_size == 4
     # Trainer's own arguments, as a user writes them.
     args = trained(tmp_path, 1, 1, activation_checkpointing=True,
                    activation_checkpointing_kwargs=every_2nd)  # fmt: skip

@@ -570,14 +570,19 @@ def _check_placement(plan: Any, args: Any) -> None:
             "leave DeepSpeed out (deepspeed=, accelerate launch's DeepSpeed config)"
         )
     options, config, where = _fsdp_settings(args)
-    if "offload" in options or str(config.get("cpu_offload", False)).lower() in ("true", "1"):
+    offloads = str(config.get("cpu_offload", False)).lower() in ("true", "1")
+    if "offload" in options or (offloads and options & _SHARDING):
         raise ValueError(
             f"{where} offload FSDP's shards to the CPU (cpu_offload), which a plan does not "
             "trace (it holds each rank's shards on the card, and its micro-batch fits so): "
             "drop the offload"
         )
     kwargs = _checkpointing_kwargs(args)
-    if str(kwargs.get("offload", False)).lower() in ("true", "1"):
+    checkpoints = plan.setup.gradient_checkpointing or any(
+        getattr(args, name, False) is True
+        for name in ("activation_checkpointing", "gradient_checkpointing")
+    )
+    if checkpoints and str(kwargs.get("offload", False)).lower() in ("true", "1"):
         raise ValueError(
             "these arguments offload the checkpointed activations to the host "
             "(activation_checkpointing_kwargs offload=True), which a plan does not trace (its "
