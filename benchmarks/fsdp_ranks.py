@@ -4,7 +4,8 @@ weights, each decoder layer and the root under `fully_shard` as accelerate's and
 transformer wrapping do, AdamW), run with gloo across processes and run in this process on a
 fake process group (collectives that move no data), against `bigbatch plan --hf`'s one rank
 traced on that fake group (`bigbatch.memory.fsdp`) and, the older way, one process's trace with
-the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`).
+the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`, what a plan made under
+torchrun does), and evaluation's forward pass without gradients traced and composed the same.
 
     python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--qlora [--quant-storage uint8]]
         [--json]
@@ -83,7 +84,10 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
 
 def one_rank(args: argparse.Namespace) -> dict[str, int]:
     """One rank's step in this process on a fake process group, traced and really run, and the
-    older composition onto one process's trace; at the run's micro-batch."""
+    composition onto one process's trace (what a plan made under torchrun does); at the run's
+    micro-batch. The same for evaluation's forward pass without gradients (no optimizer
+    state: the forward's own memory)."""
+    from bigbatch.memory.evaluate import predict_evaluation_peak
     from bigbatch.memory.fsdp import fake_ranks
     from bigbatch.memory.lm import lm_spec_at, model_sizes, per_rank_bytes
     from bigbatch.memory.measure import measure_step_peak
@@ -93,12 +97,22 @@ def one_rank(args: argparse.Namespace) -> dict[str, int]:
     rank = rank_spec(args)
     with fake_ranks(args.ranks):
         traced, real = predict_peak(rank).peak_bytes, measure_step_peak(rank)
+        evaluated = predict_evaluation_peak(rank, state_copies=0).peak_bytes
     cfg = config(args.layers, args.hidden, args.vocab)
     spec = lm_spec_at(cfg, setup_of(args, 1), device="cpu", precision="fp32")(args.micro_batch)
-    one = predict_peak(spec)
+    one, one_evaluating = predict_peak(spec), predict_evaluation_peak(spec, state_copies=0)
     sizes = model_sizes(build_on_meta(spec.model))
     extra, _ = per_rank_bytes(sizes, one.parts(), setup_of(args, args.ranks))
-    return {"traced": traced, "fake_group": real, "composed": one.peak_bytes + extra}
+    eval_extra, _ = per_rank_bytes(
+        sizes, one_evaluating.parts(), setup_of(args, args.ranks), evaluation=True
+    )
+    return {
+        "traced": traced,
+        "fake_group": real,
+        "composed": one.peak_bytes + extra,
+        "eval_traced": evaluated,
+        "eval_composed": one_evaluating.peak_bytes + eval_extra,
+    }
 
 
 def main() -> int:
@@ -136,6 +150,10 @@ def main() -> int:
         "traced_over_fake_group": round(here["traced"] / here["fake_group"], 4),
         "traced_over_gloo": round(here["traced"] / largest, 4),
         "composed_over_gloo": round(here["composed"] / largest, 4),
+        "composed_over_traced": round(here["composed"] / here["traced"], 4),
+        "eval_traced_bytes": here["eval_traced"],
+        "eval_composed_bytes": here["eval_composed"],
+        "eval_composed_over_traced": round(here["eval_composed"] / here["eval_traced"], 4),
     }
     if args.json:
         print(json.dumps(result, indent=1))
@@ -147,7 +165,10 @@ def main() -> int:
         print(f"  traced: {here['traced'] / mib:.1f} MiB ({result['traced_over_fake_group']:.4f}x "
               f"the fake group's, {result['traced_over_gloo']:.3f}x gloo's largest)")  # fmt: skip
         print(f"  composed: {here['composed'] / mib:.1f} MiB ({result['composed_over_gloo']:.3f}x "
-              "gloo's largest)")  # fmt: skip
+              f"gloo's largest, {result['composed_over_traced']:.3f}x traced)")  # fmt: skip
+        print(f"  evaluation's forward: traced {here['eval_traced'] / mib:.1f} MiB, composed "
+              f"{here['eval_composed'] / mib:.1f} MiB "
+              f"({result['eval_composed_over_traced']:.3f}x)")  # fmt: skip
     return 0
 
 

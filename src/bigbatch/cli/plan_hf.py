@@ -358,7 +358,7 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             f"{_count(sizes.trainable_count)} trained; {first.setup.describe()}"
         )
         print(first.summary())
-        said = trainer_arguments(first).items()  # None: not planned (FSDP2's evaluation)
+        said = trainer_arguments(first).items()  # None: not planned (evaluation=False)
         fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         said_by = (
             "with_plan sets the sizes and checkpointing, refuses another precision, optimizer or "

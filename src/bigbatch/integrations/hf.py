@@ -408,9 +408,10 @@ def _planned_dtype(plan: Any) -> Any:
 
 
 def _planned_eval_batch(plan: Any, micro: int, asked: int | None = None) -> int:
-    """The plan's evaluation batch; where it planned none (inside torchrun under FSDP2), at
-    most the training micro-batch: a forward pass without gradients of what a training step
-    held fits where that step does, and Trainer's default of 8 may not."""
+    """The plan's evaluation batch; where it planned none (``plan_lm(..., evaluation=False)``,
+    or a plan an earlier bigbatch saved under torchrun with FSDP2), at most the training
+    micro-batch: a forward pass without gradients of what a training step held fits where
+    that step does, and Trainer's default of 8 may not."""
     planned = getattr(plan, "eval_batch", None)
     if planned is not None:
         return int(planned)

@@ -867,12 +867,16 @@ def per_rank_bytes(
     *,
     mixed_precision: bool = False,
     state_copies: int = 2,
+    evaluation: bool = False,
 ) -> tuple[int, str]:
     """What one rank holds beyond (negative: below) the one-process trace's peak, and a note:
     DDP's ranks, and FSDP2's where a rank cannot be traced (a process group exists already).
-    Composed at the one process's peak, so FSDP2's is approximate: 11-27 % over a traced rank
+    Composed at the one process's peak, so FSDP2's is approximate: 29-42 % over a traced rank
     for a small Llama's full fine-tune on 2-4 ranks (the optimizer step's temporaries and the
-    peak's moment are one process's), 5-8 % over with LoRA (``benchmarks/fsdp_ranks.py``).
+    peak's moment are one process's), 20-24 % with LoRA, 9-13 % with QLoRA
+    (``benchmarks/fsdp_ranks.py``). With ``evaluation``, beyond a forward pass without
+    gradients (``peak_parts`` its trace's): no gradients then, nor their reduce-scatter
+    buffers (10-20 % over a traced rank's forward).
 
     DDP keeps its own copy of the gradients in its buckets (``gradient_as_bucket_view`` off,
     the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
@@ -901,10 +905,12 @@ def per_rank_bytes(
     resident -= sizes.unsharded  # a quantized base's packed weights: whole on each rank
     saved = resident - resident // n
     layer = sizes.layer - sizes.layer_unsharded  # what a layer's all-gather brings
-    gathered = sizes.root + 2 * layer + 2 * sizes.layer_trainable
+    gathered = sizes.root + 2 * layer + (0 if evaluation else 2 * sizes.layer_trainable)
     masters = 0
     if mixed_precision and not setup.quant:  # accelerate upcasts them, but beside 4-bit ones
-        masters = sizes.trainable_half * (2 + state_copies) // n
+        masters = sizes.trainable_half * ((1 if evaluation else 2) + state_copies) // n
+    if evaluation:
+        return gathered - saved + masters, ""
     note = (
         f"FSDP2 over {n} ranks, composed onto one process's trace: 1/{n} of the weights, "
         f"gradients and optimizer state, plus {format_bytes(gathered)} of gather buffers (the "
@@ -1138,12 +1144,6 @@ class LMPlan:
             )
             if not self.evaluation.fits:
                 text += " (over the budget even at 1: evaluate on a bigger card)"
-        elif self.setup.fsdp and s.world_size > 1:  # composed under torchrun: not traced
-            text += (
-                "; evaluation not planned for FSDP2 ranks composed onto one process: plan "
-                "before init_process_group (bigbatch plan --hf ... --save), or set "
-                f"per_device_eval_batch_size to at most the micro-batch ({self.micro_batch})"
-            )
         return text + "".join(f"; note: {n}" for n in self.notes)
 
 
@@ -1234,9 +1234,10 @@ def plan_lm(
                 config, setup, floor, extra, (usable, budget_bytes, margin, overhead)
             )
             raise DoesNotFitError(why, exc.floor) from None
-        # Composed FSDP2 ranks (under torchrun) trace one unsharded process: not its forward.
-        planned = evaluation and (traced or not fsdp)
-        evaluated = _plan_evaluation(spec_at, plan, global_batch // n) if planned else None
+        beyond = _composed_evaluation(sizes, setup, precision, optimizer, extra, traced)
+        evaluated = (
+            _plan_evaluation(spec_at, plan, global_batch // n, beyond) if evaluation else None
+        )
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -1297,20 +1298,28 @@ def with_chosen_attention(config: Any, setup: LMSetup) -> LMSetup:
     return replace(setup, attn=chosen if chosen in ATTENTIONS else "sdpa")
 
 
-def _plan_evaluation(spec_at: Callable[[int], StepSpec], plan: Plan, largest: int) -> Any:
+def _plan_evaluation(
+    spec_at: Callable[[int], StepSpec],
+    plan: Plan,
+    largest: int,
+    beyond: Callable[[MemoryPrediction], int] | None = None,
+) -> Any:
     """Trainer's evaluation batch a rank, up to ``largest``: forward passes without gradients
     at the plan's sequence length (the logits and their float32 copy for the loss: at long
     sequences and large vocabularies more than training's micro-batch holds), beside what
     training keeps meanwhile: the weights and the optimizer state (the gradients are freed at
     each optimizer step) and, on CUDA, the cuBLAS workspace and handle of autograd's thread,
     under the training plan's usable memory. An FSDP2 rank is traced as its training is, on
-    the fake process group: its shards, each layer's gathered weights until FSDP2 frees them."""
+    the fake process group: its shards, each layer's gathered weights until FSDP2 frees them;
+    ``beyond(prediction)``: what a rank composed onto one process's trace holds beyond it,
+    less what training's rank does (the plan's usable memory has that taken off already)."""
     trained = plan.prediction
 
     def peak_at(b: int) -> int:
         p = predict_evaluation_peak(spec_at(b), state_copies=0, held_bytes=trained.optimizer_state)
         kept = max(0, trained.library_workspace_bytes - p.library_workspace_bytes)
-        return p.planning_bytes + kept + max(0, trained.cuda_handle_bytes - p.cuda_handle_bytes)
+        kept += max(0, trained.cuda_handle_bytes - p.cuda_handle_bytes)
+        return p.planning_bytes + kept + (beyond(p) if beyond else 0)
 
     return plan_evaluation_batch(peak_at, largest, plan.usable_bytes, (spec_at(1).input_shape[0],))
 
@@ -1493,13 +1502,45 @@ def _beyond_the_trace(
     :func:`per_rank_bytes`'s composition."""
     if traced:
         return 0, _traced_note(setup, sizes, precision)
-    return per_rank_bytes(
+    extra, note = per_rank_bytes(
         sizes,
         parts,
         setup,
         mixed_precision=precision in ("bf16", "fp16"),
         state_copies=STATE_COPIES.get(optimizer, 2),
     )
+    if setup.sharded:
+        note += "; evaluation's forward passes composed the same way, without gradients"
+    return extra, note
+
+
+def _composed_evaluation(
+    sizes: ModelSizes,
+    setup: LMSetup,
+    precision: str,
+    optimizer: str,
+    training_extra: int,
+    traced: bool,
+) -> Callable[[MemoryPrediction], int] | None:
+    """For composed FSDP2 ranks (not ``traced``): what a rank holds beyond an evaluation trace
+    of one process (:func:`per_rank_bytes` without gradients), less ``training_extra``, which
+    the plan's usable memory and :attr:`LMPlan.eval_peak_bytes` count already. None for one
+    process, DDP's ranks (their buckets stay as in training) and a traced FSDP2 rank."""
+    if traced or not setup.sharded:
+        return None
+
+    def beyond(prediction: MemoryPrediction) -> int:
+        extra, _ = per_rank_bytes(
+            sizes,
+            prediction.parts(),
+            setup,
+            mixed_precision=precision in ("bf16", "fp16"),
+            state_copies=STATE_COPIES.get(optimizer, 2),
+            evaluation=True,
+        )
+        return extra - training_extra
+
+    return beyond
 
 
 def _traced_note(setup: LMSetup, sizes: ModelSizes, precision: str) -> str:
