@@ -72,6 +72,8 @@ def _llama(layers: int, hidden: int, vocab: int, *, frozen: bool = True, ckpt: b
     def build() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        from bigbatch.memory.lm import enable_checkpointing
+
         config = LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
             num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
@@ -82,10 +84,8 @@ def _llama(layers: int, hidden: int, vocab: int, *, frozen: bool = True, ckpt: b
         if frozen:  # the frozen base; the head trains (what LoRA's memory looks like)
             model.model.requires_grad_(False)
             model.lm_head.requires_grad_(True)
-        if ckpt:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        if ckpt:  # transformers' own, non-reentrant, by its name since 5.0
+            enable_checkpointing(model)
         return model
 
     return build
