@@ -333,8 +333,8 @@ def make_valid_loader(
     so its batches are the same whatever the count).
 
     >>> from bigbatch.train.tasks import Task
-    >>> make_valid_loader(Task(), list(range(600)), 256, 0, workers=15, pin=False).num_workers
-    3
+    >>> make_valid_loader(Task(), list(range(400)), 256, 0, workers=15, pin=False).num_workers
+    2
     """
     batch = task.use_valid_batch(planned)
     return make_loader(
