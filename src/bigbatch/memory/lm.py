@@ -876,7 +876,7 @@ def per_rank_bytes(
     peak's moment are one process's), 20-24 % with LoRA, 9-13 % with QLoRA
     (``benchmarks/fsdp_ranks.py``). With ``evaluation``, beyond a forward pass without
     gradients (``peak_parts`` its trace's): no gradients then, nor their reduce-scatter
-    buffers (10-20 % over a traced rank's forward).
+    buffers (10-20 % over a traced rank's forward in fp32, up to 46 % in bf16).
 
     DDP keeps its own copy of the gradients in its buckets (``gradient_as_bucket_view`` off,
     the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
