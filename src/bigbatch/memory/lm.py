@@ -1497,9 +1497,10 @@ def _beyond_the_trace(
     setup: LMSetup,
     precision: str,
     optimizer: str,
+    evaluation: bool = False,
 ) -> tuple[int, str]:
-    """What a rank holds beyond the trace, and the note: nothing for a traced FSDP2 rank, else
-    :func:`per_rank_bytes`'s composition."""
+    """What a rank holds beyond the trace (with ``evaluation``, an evaluation trace), and the
+    note: nothing for a traced FSDP2 rank, else :func:`per_rank_bytes`'s composition."""
     if traced:
         return 0, _traced_note(setup, sizes, precision)
     extra, note = per_rank_bytes(
@@ -1508,8 +1509,9 @@ def _beyond_the_trace(
         setup,
         mixed_precision=precision in ("bf16", "fp16"),
         state_copies=STATE_COPIES.get(optimizer, 2),
+        evaluation=evaluation,
     )
-    if setup.sharded:
+    if setup.sharded and not evaluation:
         note += "; evaluation's forward passes composed the same way, without gradients"
     return extra, note
 
@@ -1530,14 +1532,8 @@ def _composed_evaluation(
         return None
 
     def beyond(prediction: MemoryPrediction) -> int:
-        extra, _ = per_rank_bytes(
-            sizes,
-            prediction.parts(),
-            setup,
-            mixed_precision=precision in ("bf16", "fp16"),
-            state_copies=STATE_COPIES.get(optimizer, 2),
-            evaluation=True,
-        )
+        parts = prediction.parts()
+        extra, _ = _beyond_the_trace(False, sizes, parts, setup, precision, optimizer, True)
         return extra - training_extra
 
     return beyond
