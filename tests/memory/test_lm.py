@@ -668,6 +668,8 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     with fake_ranks(2):
         composed = plan_lm(config, LMSetup(seq_len=64, world_size=4, fsdp=True), 8, "2GB",
                            device="cpu", overhead=0)  # fmt: skip
+        alone = plan_lm(config, LMSetup(seq_len=64, world_size=4, fsdp=True), 8, "2GB",
+                        device="cpu", overhead=0, evaluation=False)  # fmt: skip
         with pytest.raises(RuntimeError, match="plan before init_process_group"), fake_ranks(2):
             pass
     assert not composed.fsdp_traced and composed.per_rank_extra_bytes < 0
@@ -676,6 +678,10 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     # the traced rank's (how close: test_an_fsdp2_rank_is_traced_as_it_runs).
     assert composed.evaluation is not None and composed.eval_batch == fsdp.eval_batch == 2
     assert "evaluation's forward passes composed the same way" in composed.notes[0]
+    # Training alone: the same composition, and no word of an evaluation it did not plan.
+    assert alone.evaluation is None and alone.peak_bytes == composed.peak_bytes
+    assert "composed onto one process's trace" in alone.notes[0]
+    assert "evaluation" not in alone.notes[0]
     assert fsdp.eval_peak_bytes is not None and composed.eval_peak_bytes is not None
     assert composed.eval_peak_bytes >= fsdp.eval_peak_bytes
     # A rank's usable memory is the budget's, whatever the rank holds beyond the trace.

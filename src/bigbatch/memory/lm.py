@@ -1205,7 +1205,7 @@ def plan_lm(
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: composed then, as DDP always is).
     n, fsdp = setup.world_size, setup.sharded
-    traced = fsdp and not dist.is_initialized()
+    per_rank, traced = global_batch // n, fsdp and not dist.is_initialized()
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
     with _refused_in_one_line(config, setup):
@@ -1216,12 +1216,14 @@ def plan_lm(
     with fake_ranks(n) if traced else contextlib.nullcontext():
         # Composed: from the floor's weights, gradients and state, the same at every micro-batch.
         with _refused_in_one_line(config, setup):
-            floor = predict_peak(spec_at(1).in_window(global_batch // n))
-        extra, note = _beyond_the_trace(traced, sizes, floor.parts(), setup, precision, optimizer)
+            floor = predict_peak(spec_at(1).in_window(per_rank))
+        extra, note = _beyond_the_trace(
+            traced, sizes, floor.parts(), setup, precision, optimizer, evaluation_planned=evaluation
+        )
         try:
             plan = plan_micro_batch(
                 spec_at,
-                global_batch // n,
+                per_rank,
                 budget_bytes,
                 device=device,
                 margin=margin,
@@ -1235,9 +1237,7 @@ def plan_lm(
             )
             raise DoesNotFitError(why, exc.floor) from None
         beyond = _composed_evaluation(sizes, setup, precision, optimizer, extra, traced)
-        evaluated = (
-            _plan_evaluation(spec_at, plan, global_batch // n, beyond) if evaluation else None
-        )
+        evaluated = _plan_evaluation(spec_at, plan, per_rank, beyond) if evaluation else None
     return LMPlan(
         setup=setup,
         model_type=config.model_type,
@@ -1497,10 +1497,13 @@ def _beyond_the_trace(
     setup: LMSetup,
     precision: str,
     optimizer: str,
-    evaluation: bool = False,
+    *,
+    evaluation_trace: bool = False,
+    evaluation_planned: bool = False,
 ) -> tuple[int, str]:
-    """What a rank holds beyond the trace (with ``evaluation``, an evaluation trace), and the
-    note: nothing for a traced FSDP2 rank, else :func:`per_rank_bytes`'s composition."""
+    """What a rank holds beyond the trace (with ``evaluation_trace``, an evaluation trace), and
+    the note: nothing for a traced FSDP2 rank, else :func:`per_rank_bytes`'s composition, which
+    names evaluation's composition only where evaluation is planned too."""
     if traced:
         return 0, _traced_note(setup, sizes, precision)
     extra, note = per_rank_bytes(
@@ -1509,9 +1512,9 @@ def _beyond_the_trace(
         setup,
         mixed_precision=precision in ("bf16", "fp16"),
         state_copies=STATE_COPIES.get(optimizer, 2),
-        evaluation=evaluation,
+        evaluation=evaluation_trace,
     )
-    if setup.sharded and not evaluation:
+    if setup.sharded and evaluation_planned:
         note += "; evaluation's forward passes composed the same way, without gradients"
     return extra, note
 
@@ -1533,7 +1536,9 @@ def _composed_evaluation(
 
     def beyond(prediction: MemoryPrediction) -> int:
         parts = prediction.parts()
-        extra, _ = _beyond_the_trace(False, sizes, parts, setup, precision, optimizer, True)
+        extra, _ = _beyond_the_trace(
+            False, sizes, parts, setup, precision, optimizer, evaluation_trace=True
+        )
         return extra - training_extra
 
     return beyond
