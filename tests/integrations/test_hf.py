@@ -104,7 +104,10 @@ def big_batch(model: nn.Module, data: list, loss_of) -> nn.Module:  # type: igno
 
 
 def update_err(got: nn.Module, want: nn.Module, init: nn.Module) -> float:
-    pairs = list(zip(got.parameters(), want.parameters(), init.parameters(), strict=True))
+    pairs = [
+        (g.detach(), w.detach(), i.detach())
+        for g, w, i in zip(got.parameters(), want.parameters(), init.parameters(), strict=True)
+    ]
     num = max(float((g - w).abs().max()) for g, w, _ in pairs)
     den = max(float((w - i).abs().max()) for _, w, i in pairs)
     return num / den
