@@ -103,7 +103,7 @@ def rel_err(
     got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], init: tuple[torch.Tensor, ...]
 ) -> float:
     """Largest difference between the two runs' updates, relative to the reference update."""
-    got, want, init = ([t.detach() for t in ts] for ts in (got, want, init))
+    got, want, init = (tuple(t.detach() for t in ts) for ts in (got, want, init))
     num = max(float((g.double() - w).abs().max()) for g, w in zip(got, want, strict=True))
     den = max(float((w - i.double()).abs().max()) for w, i in zip(want, init, strict=True))
     return num / den

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import rel_err
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -104,13 +105,7 @@ def big_batch(model: nn.Module, data: list, loss_of) -> nn.Module:  # type: igno
 
 
 def update_err(got: nn.Module, want: nn.Module, init: nn.Module) -> float:
-    pairs = [
-        (g.detach(), w.detach(), i.detach())
-        for g, w, i in zip(got.parameters(), want.parameters(), init.parameters(), strict=True)
-    ]
-    num = max(float((g - w).abs().max()) for g, w, _ in pairs)
-    den = max(float((w - i).abs().max()) for _, w, i in pairs)
-    return num / den
+    return rel_err(*(tuple(m.parameters()) for m in (got, want, init)))
 
 
 @pytest.mark.slow
