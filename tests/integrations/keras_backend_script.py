@@ -376,6 +376,10 @@ def main() -> None:
             ),
         }
     out["two_epochs_partial_window"] = fit("uneven", "bigbatch", epochs=2, n=3)
+    batches, _ = ref.SCENARIOS["uneven"]
+    out["two_epochs_float32_roundoff"] = ref.roundoff_tol(
+        weights(build(False)), ref.windows_of(batches, 3) * 2, LR
+    )
     out["unknown_epoch_length"] = fit("uneven", "bigbatch", epochs=2, n=3, sized=False)
     out["misuse"] = misuse()
     out["keras_own_parts"] = keras_own_parts()

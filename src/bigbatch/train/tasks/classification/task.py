@@ -171,9 +171,9 @@ class ClassificationTask(Task):
         the samples: torch's weighted mean divides by the batch's summed weights instead, which
         would make the micro-batches' losses unequal parts of the window's."""
         smoothing = self.options.label_smoothing if targets.dim() == 1 else 0.0  # mixup smoothed
-        per_sample = F.cross_entropy(
-            logits.float(), targets, reduction="none", label_smoothing=smoothing
-        )
+        # 16-bit logits (autocast) are summed in float32; float64 ones keep their precision.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        per_sample = F.cross_entropy(logits, targets, reduction="none", label_smoothing=smoothing)
         if self.class_weights is not None and targets.dim() == 1:
             per_sample = per_sample * self.class_weights.to(per_sample.device)[targets]
         elif self.class_weights is not None:  # soft targets (mixup): the expected weight
