@@ -664,12 +664,14 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     # NCCL's buffers are outside the allocator and the trace: a CUDA plan over ranks says so.
     cuda = plan_lm(config, LMSetup(seq_len=64, world_size=2), 8, "h100", device="cuda")
     assert any("NCCL" in n for n in cuda.notes) and not any("NCCL" in n for n in ddp.notes)
-    # Under torchrun (a process group already there) the ranks are composed onto one trace.
+    # Under torchrun (a process group already there), not traced apart (apart=False: see
+    # test_under_a_process_group_an_fsdp2_rank_is_traced_apart), the ranks are composed onto
+    # one trace.
     with fake_ranks(2):
         composed = plan_lm(config, LMSetup(seq_len=64, world_size=4, fsdp=True), 8, "2GB",
-                           device="cpu", overhead=0)  # fmt: skip
+                           device="cpu", overhead=0, apart=False)  # fmt: skip
         alone = plan_lm(config, LMSetup(seq_len=64, world_size=4, fsdp=True), 8, "2GB",
-                        device="cpu", overhead=0, evaluation=False)  # fmt: skip
+                        device="cpu", overhead=0, evaluation=False, apart=False)  # fmt: skip
         with pytest.raises(RuntimeError, match="plan before init_process_group"), fake_ranks(2):
             pass
     assert not composed.fsdp_traced and composed.per_rank_extra_bytes < 0
@@ -688,6 +690,37 @@ def test_ranks_share_the_global_batch_and_fsdp_shards_the_weights() -> None:
     reported = [plan.to_dict() for plan in (one, ddp, fsdp, composed)]
     assert len({r["usable_bytes"] for r in reported}) == 1
     assert all(r["peak_bytes_per_rank"] <= r["usable_bytes"] <= r["budget_bytes"] for r in reported)
+
+
+@pytest.mark.slow
+def test_under_a_process_group_an_fsdp2_rank_is_traced_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the planning process has a process group (torchrun's, once Trainer's arguments are
+    made; a fake one here), an FSDP2 rank is traced in a process of its own: the plan a process
+    without one makes, not the composition's over-count. What does not fit there raises here;
+    where that process cannot run, the ranks are composed and the plan says why."""
+    import bigbatch.memory.lm as lm_module
+
+    config, setup = tiny(), LMSetup(seq_len=64, world_size=4, fsdp=True)
+    alone = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
+    with fake_ranks(2):
+        apart = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
+        composed = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0, apart=False)
+        with pytest.raises(DoesNotFitError, match="does not fit even at micro-batch 1") as caught:
+            plan_lm(config, setup, 8, "1MB", device="cpu", overhead=0)
+        assert caught.value.floor.peak_bytes > 0  # the floor's breakdown, read back
+        monkeypatch.setattr(lm_module, "_run_apart", lambda folder: "the process failed (X)")
+        fallback = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
+    assert apart.fsdp_traced and apart.per_rank_extra_bytes == 0
+    assert "(in a process of its own: this one has a process group already)" in apart.notes[0]
+    got, want = apart.to_dict(), alone.to_dict()
+    assert {k: v for k, v in got.items() if k != "notes"} == {
+        k: v for k, v in want.items() if k != "notes"
+    }
+    assert apart.eval_batch == alone.eval_batch and apart.peak_bytes < composed.peak_bytes
+    assert not fallback.fsdp_traced and fallback.peak_bytes == composed.peak_bytes
+    assert "; not traced apart: the process failed (X)" in fallback.notes[0]
 
 
 def fsdp_config() -> transformers.LlamaConfig:
@@ -785,10 +818,11 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
         own_dtype = predict_peak(spec).peak_bytes
     assert own_dtype / held < 0.75, (own_dtype, held)
     monkeypatch.undo()
-    # Under torchrun (a process group there already) the ranks are composed onto one
-    # process's trace: the masters are added, and the rank's peak is not under what it holds.
+    # Composed onto one process's trace (under torchrun, apart=False): the masters are added,
+    # and the rank's peak is not under what it holds.
     with fake_ranks(2):
-        composed = plan_lm(config, full, 4, "1GB", device="cpu", precision="bf16", overhead=0)
+        composed = plan_lm(config, full, 4, "1GB", device="cpu", precision="bf16", overhead=0,
+                           apart=False)  # fmt: skip
     assert "float32 masters of the weights that train" in composed.notes[0]
     rank_peak = composed.plan.prediction.peak_bytes + composed.per_rank_extra_bytes
     masters = composed.sizes.trainable_half * (2 + 2) // 2  # AdamW: weights, gradients, 2 states

@@ -59,7 +59,8 @@ def fake_ranks(world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError(
             "tracing FSDP2 ranks needs a process without a process group; this one has one "
-            "(torchrun): plan before init_process_group, or with `bigbatch plan --hf` apart"
+            "(torchrun): plan before init_process_group, or in a process of its own (plan_lm "
+            "does, and `bigbatch plan --hf`)"
         )
     # Importing it registers torch's "fake" backend (torchtitan's memory estimation uses it too).
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -28,6 +28,9 @@ import inspect
 import json
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -93,6 +96,10 @@ __all__ = [
 ]
 
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+# torchrun's variables, which the process tracing an FSDP2 rank apart must not see (_run_apart).
+_TORCHRUN = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+_TORCHRUN |= {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
+_APART_S = 1800  # a plan apart that takes half an hour is stuck: composed instead
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _STORAGE_DTYPES = {"uint8": torch.uint8, **_DTYPES}
 QUANT_STORAGES = ("auto", *_STORAGE_DTYPES)
@@ -870,13 +877,15 @@ def per_rank_bytes(
     evaluation: bool = False,
 ) -> tuple[int, str]:
     """What one rank holds beyond (negative: below) the one-process trace's peak, and a note:
-    DDP's ranks, and FSDP2's where a rank cannot be traced (a process group exists already).
-    Composed at the one process's peak, so FSDP2's is approximate: 29-42 % over a traced rank
-    for a small Llama's full fine-tune on 2-4 ranks (the optimizer step's temporaries and the
-    peak's moment are one process's), 20-24 % with LoRA, 9-13 % with QLoRA
-    (``benchmarks/fsdp_ranks.py``). With ``evaluation``, beyond a forward pass without
-    gradients (``peak_parts`` its trace's): no gradients then, nor their reduce-scatter
-    buffers (10-20 % over a traced rank's forward in fp32, up to 46 % in bf16).
+    DDP's ranks, and FSDP2's where a rank is not traced (:func:`plan_lm`'s ``apart=False``).
+    Composed at the one process's peak, so FSDP2's is approximate: on CPU ranks 29-42 % over a
+    traced rank for a small Llama's full fine-tune on 2-4 ranks (the optimizer step's
+    temporaries and the peak's moment are one process's), 20-24 % with LoRA, 9-13 % with QLoRA
+    (``benchmarks/fsdp_ranks.py``); on CUDA under a traced rank (0.875x for a
+    Qwen2.5-0.5B-shaped full fine-tune on 4 ranks, 0.98x with LoRA). With ``evaluation``,
+    beyond a forward pass without gradients (``peak_parts`` its trace's): no gradients then,
+    nor their reduce-scatter buffers (on CPU ranks 10-20 % over a traced rank's forward in
+    fp32, up to 46 % in bf16).
 
     DDP keeps its own copy of the gradients in its buckets (``gradient_as_bucket_view`` off,
     the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
@@ -1173,6 +1182,8 @@ def _dataclass_from(cls: Any, data: dict[str, Any]) -> Any:
     return cls(**data)
 
 
+# Over 80 lines: a plan's steps in the order they run, read top to bottom (the setup, the
+# floor, the plan, evaluation), each a call of its own.
 def plan_lm(
     config: Any,
     setup: LMSetup,
@@ -1185,11 +1196,18 @@ def plan_lm(
     margin: float = DEFAULT_MARGIN,
     overhead: int | None = None,
     evaluation: bool = True,
+    apart: bool = True,
 ) -> LMPlan:
     """Plan a fine-tune of ``config``'s model: the largest micro-batch (sequences per rank)
     under ``budget`` and the accumulation that makes ``global_batch`` sequences a step over
     ``setup.world_size`` ranks, never changing that batch; with ``evaluation``, Trainer's
     evaluation batch too (:attr:`LMPlan.evaluation`).
+
+    An FSDP2 rank is traced on a fake process group. Where this process has a process group
+    already (under torchrun, once ``TrainingArguments`` is made), that happens in a process of
+    its own (:mod:`bigbatch.memory.lm_apart`, a few seconds more); with ``apart=False``, or
+    where that cannot run, the ranks are composed onto this process's trace instead (quicker,
+    but no bound: over a traced rank on CPU ranks, up to 12 % under one on CUDA).
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -1200,13 +1218,19 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
+    kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
+    # FSDP2 is traced as one rank on a fake process group, where this process has none of its
+    # own (under torchrun it has: traced apart, else composed, as DDP always is).
+    n, fsdp = setup.world_size, setup.sharded
+    per_rank, traced, not_apart = global_batch // n, fsdp and not dist.is_initialized(), ""
+    if fsdp and not traced and apart:
+        options = {**kwargs, "margin": margin, "overhead": overhead, "evaluation": evaluation}
+        got = _plan_apart(config, setup, global_batch, budget, options)
+        if isinstance(got, LMPlan):
+            return got
+        not_apart = f"; not traced apart: {got}"
     setup = _named(config, setup, precision)
     notes = _setup_notes(config, setup, budget, precision)
-    # FSDP2 is traced as one rank on a fake process group, where this process has none of its
-    # own (under torchrun it has: composed then, as DDP always is).
-    n, fsdp = setup.world_size, setup.sharded
-    per_rank, traced = global_batch // n, fsdp and not dist.is_initialized()
-    kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
     with _refused_in_one_line(config, setup):
         sizes, paged = _sizes_and_paged_state(lm_spec_at(config, setup, **kwargs)(1), setup)
@@ -1248,10 +1272,62 @@ def plan_lm(
         per_rank_extra_bytes=extra,
         paged_bytes=paged,
         vocab=int(_text_config(config).vocab_size),
-        notes=_plan_notes(note, setup, device) + notes,
+        notes=_plan_notes(note + not_apart, setup, device) + notes,
         source=str(getattr(config, "_name_or_path", "") or ""),
         evaluation=evaluated,
         weights_dtype=str(weights_dtype(config, setup)).removeprefix("torch."),
+    )
+
+
+def _plan_apart(
+    config: Any, setup: LMSetup, global_batch: int, budget: str | int, options: dict[str, Any]
+) -> LMPlan | str:
+    """``plan_lm(config, setup, global_batch, budget, **options)`` in a process of its own, with
+    no process group (:mod:`bigbatch.memory.lm_apart`); or, where it cannot run there, why (a
+    line for the composed plan's notes). A plan that does not fit raises as here."""
+    if getattr(config, "auto_map", None):
+        return "its config names code of its own (auto_map), which that process would run"
+    device = options["device"]
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        budget = resolve_budget(budget, device)  # this process's card, not the one apart's
+    if options["overhead"] is None:  # this process's context, or on a CPU its own size
+        options = {**options, "overhead": default_overhead(budget, device)}
+    request = {**options, "setup": asdict(setup), "global_batch": global_batch, "budget": budget}
+    with tempfile.TemporaryDirectory(prefix="bigbatch-plan-") as folder:
+        where = Path(folder)
+        config.save_pretrained(where / "config")
+        (where / "request.json").write_text(json.dumps(request))
+        done = _run_apart(folder)
+        if (where / "does_not_fit.json").is_file():
+            said = json.loads((where / "does_not_fit.json").read_text())
+            raise DoesNotFitError(said["message"], _dataclass_from(MemoryPrediction, said["floor"]))
+        if not (where / "plan.json").is_file():
+            return done or "it wrote no plan"
+        plan = LMPlan.load(where / "plan.json")
+    notes = list(plan.notes)
+    notes[0] += " (in a process of its own: this one has a process group already)"
+    return replace(plan, source=str(getattr(config, "_name_or_path", "") or ""), notes=notes)
+
+
+def _run_apart(folder: str) -> str:
+    """Runs ``python -m bigbatch.memory.lm_apart folder`` as no rank of torchrun's job, on no
+    GPU, with this bigbatch; what went wrong, in a line, or nothing."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _TORCHRUN and not key.startswith("TORCHELASTIC_")
+    }
+    env["CUDA_VISIBLE_DEVICES"] = ""  # never a context on a card the job trains on
+    here = str(Path(__file__).resolve().parents[2])  # wherever the script found bigbatch
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", "bigbatch.memory.lm_apart", folder]
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=_APART_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the process did not finish ({type(exc).__name__}: {exc})"
+    lines = done.stderr.strip().splitlines()
+    return (
+        f"the process failed ({lines[-1] if lines else done.returncode})" if done.returncode else ""
     )
 
 
