@@ -881,11 +881,11 @@ def per_rank_bytes(
     Composed at the one process's peak, so FSDP2's is approximate: on CPU ranks 29-42 % over a
     traced rank for a small Llama's full fine-tune on 2-4 ranks (the optimizer step's
     temporaries and the peak's moment are one process's), 20-24 % with LoRA, 9-13 % with QLoRA
-    (``benchmarks/fsdp_ranks.py``); on CUDA under a traced rank (0.875x for a
-    Qwen2.5-0.5B-shaped full fine-tune on 4 ranks, 0.98x with LoRA). With ``evaluation``,
-    beyond a forward pass without gradients (``peak_parts`` its trace's): no gradients then,
-    nor their reduce-scatter buffers (on CPU ranks 10-20 % over a traced rank's forward in
-    fp32, up to 46 % in bf16).
+    (``benchmarks/fsdp_ranks.py``); on CUDA under a traced rank (0.85-0.93x for a small Llama
+    on 2 ranks, 0.875x for a Qwen2.5-0.5B-shaped full fine-tune on 4, 0.98x with LoRA). With
+    ``evaluation``, beyond a forward pass without gradients (``peak_parts`` its trace's): no
+    gradients then, nor their reduce-scatter buffers (on CPU ranks 10-20 % over a traced
+    rank's forward in fp32, up to 46 % in bf16).
 
     DDP keeps its own copy of the gradients in its buckets (``gradient_as_bucket_view`` off,
     the default). FSDP2 keeps ``1/N`` of the weights, gradients and optimizer state alive at
@@ -1207,7 +1207,7 @@ def plan_lm(
     already (under torchrun, once ``TrainingArguments`` is made), that happens in a process of
     its own (:mod:`bigbatch.memory.lm_apart`, a few seconds more); with ``apart=False``, or
     where that cannot run, the ranks are composed onto this process's trace instead (quicker,
-    but no bound: over a traced rank on CPU ranks, up to 12 % under one on CUDA).
+    but no bound: over a traced rank on CPU ranks, up to 15 % under one on CUDA).
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
