@@ -4,8 +4,9 @@ weights, each decoder layer and the root under `fully_shard` as accelerate's and
 transformer wrapping do, AdamW), run with gloo across processes and run in this process on a
 fake process group (collectives that move no data), against `bigbatch plan --hf`'s one rank
 traced on that fake group (`bigbatch.memory.fsdp`) and, the older way, one process's trace with
-the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`, what a plan made under
-torchrun does), and evaluation's forward pass without gradients traced and composed the same.
+the ranks composed onto it (`bigbatch.memory.lm.per_rank_bytes`, what `plan_lm(...,
+apart=False)` does under torchrun), and evaluation's forward pass without gradients traced and
+composed the same.
 
     python benchmarks/fsdp_ranks.py [--ranks 2] [--lora R] [--qlora [--quant-storage uint8]]
         [--json]
@@ -84,8 +85,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
 
 def one_rank(args: argparse.Namespace) -> dict[str, int]:
     """One rank's step in this process on a fake process group, traced and really run, and the
-    composition onto one process's trace (what a plan made under torchrun does); at the run's
-    micro-batch. The same for evaluation's forward pass without gradients (no optimizer
+    composition onto one process's trace (``plan_lm(..., apart=False)`` under torchrun); at the
+    run's micro-batch. The same for evaluation's forward pass without gradients (no optimizer
     state: the forward's own memory)."""
     from bigbatch.memory.evaluate import predict_evaluation_peak
     from bigbatch.memory.fsdp import fake_ranks
