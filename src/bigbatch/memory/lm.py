@@ -1223,9 +1223,15 @@ def plan_lm(
     # own (under torchrun it has: traced apart, else composed, as DDP always is).
     n, fsdp = setup.world_size, setup.sharded
     per_rank, traced, not_apart = global_batch // n, fsdp and not dist.is_initialized(), ""
+    budget_bytes = resolve_budget(budget, device)
     if fsdp and not traced and apart:
-        options = {**kwargs, "margin": margin, "overhead": overhead, "evaluation": evaluation}
-        got = _plan_apart(config, setup, global_batch, budget, options)
+        # A card's name goes as it is (the plan's notes name the card); any other budget in
+        # bytes, as this process resolved it ("auto": its card's free memory), and so does
+        # the overhead (its CUDA context, or on a CPU its size).
+        sent = budget if isinstance(budget, str) and find_card(budget) else budget_bytes
+        held = default_overhead(budget, device) if overhead is None else overhead
+        options = {**kwargs, "margin": margin, "overhead": held, "evaluation": evaluation}
+        got = _plan_apart(config, setup, global_batch, sent, options)
         if isinstance(got, LMPlan):
             return got
         not_apart = f"; not traced apart: {got}"
@@ -1234,7 +1240,6 @@ def plan_lm(
     spec_at = lm_spec_at(config, setup, sharded=traced, **kwargs)
     with _refused_in_one_line(config, setup):
         sizes, paged = _sizes_and_paged_state(lm_spec_at(config, setup, **kwargs)(1), setup)
-    budget_bytes = resolve_budget(budget, device)
     overhead = default_overhead(budget, device) if overhead is None else overhead
     usable = usable_bytes(budget_bytes, overhead, device, margin)
     with fake_ranks(n) if traced else contextlib.nullcontext():
@@ -1284,14 +1289,11 @@ def _plan_apart(
 ) -> LMPlan | str:
     """``plan_lm(config, setup, global_batch, budget, **options)`` in a process of its own, with
     no process group (:mod:`bigbatch.memory.lm_apart`); or, where it cannot run there, why (a
-    line for the composed plan's notes). A plan that does not fit raises as here."""
+    line for the composed plan's notes). A plan that does not fit raises as here. What only
+    this process can measure (an ``"auto"`` budget, the overhead) comes resolved in
+    ``budget`` and ``options``."""
     if getattr(config, "auto_map", None):
         return "its config names code of its own (auto_map), which that process would run"
-    device = options["device"]
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
-        budget = resolve_budget(budget, device)  # this process's card, not the one apart's
-    if options["overhead"] is None:  # this process's context, or on a CPU its own size
-        options = {**options, "overhead": default_overhead(budget, device)}
     request = {**options, "setup": asdict(setup), "global_batch": global_batch, "budget": budget}
     with tempfile.TemporaryDirectory(prefix="bigbatch-plan-") as folder:
         where = Path(folder)
