@@ -67,14 +67,18 @@ def reference_update(
     lr: float,
     clip: float | None = None,
     dtype: torch.dtype = torch.float64,
+    autocast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain SGD on each window as one big batch, in float64: the update accumulation must equal
-    (``dtype=torch.float32``: the same big batch at float32's round-off)."""
+    (``dtype=torch.float32``: the same big batch at float32's round-off; with ``autocast``, at
+    that dtype's under CPU autocast, as a mixed-precision run computes it)."""
     w = weight.detach().to(dtype).clone().requires_grad_(True)
     b = bias.detach().to(dtype).clone().requires_grad_(True)
     for window in windows:
         x, y = cat(window)
-        loss_of(x.to(dtype) @ w.T + b, y).backward()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = loss_of(x.to(dtype) @ w.T + b, y)
+        loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([w, b], clip)
         with torch.no_grad():
@@ -85,18 +89,22 @@ def reference_update(
 
 
 def roundoff_tol(
-    init: tuple[torch.Tensor, torch.Tensor], windows: list[list[Batch]], lr: float
+    init: tuple[torch.Tensor, torch.Tensor],
+    windows: list[list[Batch]],
+    lr: float,
+    autocast: torch.dtype | None = None,
 ) -> float:
-    """The tolerance of a float32 run: a multiple of the float32 big batch's own distance from
-    the float64 one, on the update, never below 8 units in
-    float32's last place (``bigbatch.verify.roundoff_tolerance``)."""
+    """The tolerance of a float32 run (with ``autocast``, of one under CPU autocast at that
+    dtype): a multiple of that big batch's own distance from the float64 one, on the update,
+    never below a few units in the last place (``bigbatch.verify.roundoff_tolerance``)."""
     from bigbatch.verify import roundoff_tolerance
 
-    def update(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        got = reference_update(*init, windows, lr, dtype=dtype)
+    def update(dtype: torch.dtype, at: torch.dtype | None) -> dict[str, torch.Tensor]:
+        got = reference_update(*init, windows, lr, dtype=dtype, autocast=at)
         return {str(i): g - i0.double() for i, (g, i0) in enumerate(zip(got, init, strict=True))}
 
-    return roundoff_tolerance(update(torch.float32), update(torch.float64), torch.float32)[0]
+    rounded, exact = update(torch.float32, autocast), update(torch.float64, None)
+    return roundoff_tolerance(rounded, exact, autocast or torch.float32)[0]
 
 
 def rel_err(

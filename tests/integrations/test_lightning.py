@@ -12,10 +12,10 @@ from reference import (
     FEATURES,
     SCENARIOS,
     Batch,
-    cat,
     loss_of,
     reference_update,
     rel_err,
+    roundoff_tol,
     sample_batches,
     windows_of,
 )
@@ -142,30 +142,11 @@ def test_bf16_mixed_precision_equals_the_core_accumulator_under_the_same_autocas
     # ... and the big batch agrees to the round-off of the big batch itself under bf16 autocast,
     # the check Lightning's own accumulation fails.
     want = reference_update(*init, [batches], LR)
-    tol = bf16_roundoff_tol(init, batches, want)
+    tol = roundoff_tol(init, [batches], LR, autocast=torch.bfloat16)
     assert rel_err(got, want, init) <= tol
     builtin = Lit(batches, exact=False)
     fit(builtin, precision="bf16-mixed", accumulate_grad_batches=n)
     assert rel_err((builtin.net.weight, builtin.net.bias), want, init) > tol
-
-
-def bf16_roundoff_tol(
-    init: tuple[torch.Tensor, torch.Tensor],
-    window: list[Batch],
-    exact: tuple[torch.Tensor, torch.Tensor],
-) -> float:
-    """The tolerance of a bf16-autocast run (``bigbatch.verify.roundoff_tolerance``): from the
-    whole window's update in one step under the same autocast, against ``exact`` (float64)."""
-    from bigbatch.verify import roundoff_tolerance
-
-    w, b = (t.detach().float().clone().requires_grad_(True) for t in init)
-    x, y = cat(window)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss_of(torch.nn.functional.linear(x, w, b), y).backward()
-    assert w.grad is not None and b.grad is not None
-    rounded = {"w": -LR * w.grad.double(), "b": -LR * b.grad.double()}
-    want = {"w": exact[0] - init[0].double(), "b": exact[1] - init[1].double()}
-    return roundoff_tolerance(rounded, want, torch.bfloat16)[0]
 
 
 def test_misuse_is_refused_with_the_fix() -> None:
