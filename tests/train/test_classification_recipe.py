@@ -172,14 +172,15 @@ def test_class_weights_are_a_per_sample_mean_so_accumulation_stays_exact() -> No
     cfg = load_config(overrides=["data=x", "class_weights=auto", "label_smoothing=0.1"])
     task = ClassificationTask(cfg)
     task.classes, task.class_weights = ["a", "b"], torch.tensor([0.5, 2.0])
-    logits = torch.randn(6, 2, dtype=torch.float64)
+    logits = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([0, 0, 0, 0, 1, 1])
     whole = task.loss(logits, y)
     parts = [task.loss(logits[:1], y[:1]), task.loss(logits[1:], y[1:])]
     # Each micro-batch weighted by its number of samples gives the window's loss exactly.
     assert whole.dtype == torch.float64  # float64 logits keep their precision in the loss
     assert float(((parts[0] * 1 + parts[1] * 5) / 6 - whole).abs()) <= 1e-12 * float(whole)
-    # torch's weighted mean (divided by each batch's summed weights) fails the same check.
+    # torch's weighted mean (divided by each batch's summed weights) fails the same check: 2.2 %
+    # off at these logits (seeded: 39 of 2000 draws fall within 1e-3 by chance).
     weight = task.class_weights.double()
 
     def torch_mean(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
