@@ -271,6 +271,13 @@ def test_a_vision_language_model_is_planned_from_its_text_config(tmp_path: Path)
         plan_lm(config, LMSetup(seq_len=512), 4, "2GB", device="cpu", overhead=0)
 
 
+def _fails_with(exc: BaseException):  # type: ignore[no-untyped-def]
+    def fail(*args: object) -> None:
+        raise exc
+
+    return fail
+
+
 @pytest.mark.slow
 def test_a_model_with_its_own_code_is_planned_only_when_trusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -278,6 +285,8 @@ def test_a_model_with_its_own_code_is_planned_only_when_trusted(
     """A config whose auto_map names the model's own code (as a hub repository's does): refused
     in one line, never asked on the terminal; with --trust-remote-code, built by that code."""
     import transformers.dynamic_module_utils as dynamic
+
+    import bigbatch.memory.lm as lm_module
 
     folder = write_config(
         tmp_path / "custom",
@@ -313,6 +322,23 @@ def test_a_model_with_its_own_code_is_planned_only_when_trusted(
         assert main([*args, "--trust-remote-code", "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)
         assert plan["model_type"] == "bigbatch_custom" and plan["micro_batch"] == 4
+        # Under a process group (torchrun's; a fake one here), an FSDP2 rank is traced apart,
+        # built there by the same code, copied beside the config for that process.
+        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+        config = load_lm_config(folder, trust_remote_code=True)
+        setup = LMSetup(seq_len=32, world_size=4, fsdp=True)
+        alone = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
+        with fake_ranks(2):
+            apart = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
+            monkeypatch.setattr(lm_module, "_own_code_beside", _fails_with(OSError("gone")))
+            composed = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
+        assert apart.fsdp_traced and "in a process of its own" in apart.notes[0]
+        assert apart.peak_bytes == alone.peak_bytes and apart.model_type == "bigbatch_custom"
+        assert not composed.fsdp_traced  # where the code cannot go with it: composed, and why
+        assert (
+            "not traced apart: its own code could not be copied for it (OSError: gone)"
+            in (composed.notes[0])
+        )
     finally:
         for name in [m for m in sys.modules if m.startswith("transformers_modules")]:
             del sys.modules[name]  # the modules folder is gone with tmp_path
@@ -703,6 +729,8 @@ def test_under_a_process_group_an_fsdp2_rank_is_traced_apart(
     import bigbatch.memory.lm as lm_module
 
     config, setup = tiny(), LMSetup(seq_len=64, world_size=4, fsdp=True)
+    # An auto_map for a model transformers builds itself, as many hub repositories keep theirs.
+    config.auto_map = {"AutoConfig": "configuration_llama.LlamaConfig"}
     alone = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)
     with fake_ranks(2):
         apart = plan_lm(config, setup, 8, "2GB", device="cpu", overhead=0)

@@ -1291,13 +1291,18 @@ def _plan_apart(
     no process group (:mod:`bigbatch.memory.lm_apart`); or, where it cannot run there, why (a
     line for the composed plan's notes). A plan that does not fit raises as here. What only
     this process can measure (an ``"auto"`` budget, the overhead) comes resolved in
-    ``budget`` and ``options``."""
-    if getattr(config, "auto_map", None):
-        return "its config names code of its own (auto_map), which that process would run"
+    ``budget`` and ``options``; a model built by its own code (trusted here) is built there by
+    the same code, copied beside its config."""
     request = {**options, "setup": asdict(setup), "global_batch": global_batch, "budget": budget}
+    request["trust_remote_code"] = _remote(config)
     with tempfile.TemporaryDirectory(prefix="bigbatch-plan-") as folder:
         where = Path(folder)
         config.save_pretrained(where / "config")
+        if _remote(config):
+            try:
+                _own_code_beside(config, where / "config")
+            except (OSError, ImportError, ValueError) as exc:
+                return f"its own code could not be copied for it ({type(exc).__name__}: {exc})"
         (where / "request.json").write_text(json.dumps(request))
         done = _run_apart(folder)
         if (where / "does_not_fit.json").is_file():
@@ -1309,6 +1314,27 @@ def _plan_apart(
     notes = list(plan.notes)
     notes[0] += " (in a process of its own: this one has a process group already)"
     return replace(plan, source=str(getattr(config, "_name_or_path", "") or ""), notes=notes)
+
+
+def _own_code_beside(config: Any, folder: Path) -> None:
+    """Copies the code that builds a trusted model (the files of what its ``auto_map`` names
+    for its config and its causal-LM head, with what they import) into ``folder``, beside its
+    saved ``config.json``, where transformers looks for it when loading from that folder."""
+    import shutil
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    named = config.auto_map
+    for key in ("AutoConfig", "AutoModelForCausalLM"):
+        refs = named.get(key)
+        for ref in refs if isinstance(refs, list | tuple) else [refs]:
+            if not ref:
+                continue
+            built_by = get_class_from_dynamic_module(ref, config._name_or_path)
+            code = Path(str(sys.modules[built_by.__module__].__file__)).parent
+            for source in code.glob("*.py"):
+                if source.name != "__init__.py":
+                    shutil.copyfile(source, folder / source.name)
 
 
 def _run_apart(folder: str) -> str:

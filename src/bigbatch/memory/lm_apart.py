@@ -1,13 +1,13 @@
 """The process apart that traces an FSDP2 rank for a process that has a process group already.
 
 A rank of FSDP2 is traced on torch's fake process group (:func:`bigbatch.memory.fsdp.fake_ranks`),
-which needs a process without one. Under ``torchrun``, a script that plans after Trainer's
-arguments have started the process group (``TrainingArguments`` and TRL's ``SFTConfig`` start it
-as they are made) has one: :func:`bigbatch.memory.lm.plan_lm` then runs ``python -m
-bigbatch.memory.lm_apart FOLDER`` with the request in ``FOLDER`` (the model's ``config.json``
-and ``plan_lm``'s arguments, what only the training process can measure resolved there), in a
-process that sees no GPU and no torchrun (a plan needs neither), and reads the plan back: the
-plan ``bigbatch plan --hf`` makes on a machine without a GPU, the same on every rank.
+which needs a process without one. Under ``torchrun``, a script that plans after Trainer's arguments
+have started the process group (``TrainingArguments`` and TRL's ``SFTConfig`` start it as they are
+made) has one: :func:`bigbatch.memory.lm.plan_lm` then runs ``python -m bigbatch.memory.lm_apart
+FOLDER`` with the request in ``FOLDER`` (the model's ``config.json`` and ``plan_lm``'s arguments,
+what only the training process can measure resolved there; a trusted model's own code beside its
+config), in a process that sees no GPU and no torchrun (a plan needs neither), and reads the plan
+back: the plan ``bigbatch plan --hf`` makes on a machine without a GPU, the same on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def main(folder: str) -> int:
     does not fit, what that error says to ``does_not_fit.json``."""
     where = Path(folder)
     request = json.loads((where / "request.json").read_text())
-    config = load_lm_config(where / "config")
+    trusted = bool(request.pop("trust_remote_code", False))  # trusted by the process that asked
+    config = load_lm_config(where / "config", trust_remote_code=trusted)
     setup = _dataclass_from(LMSetup, request.pop("setup"))
     global_batch, budget = request.pop("global_batch"), request.pop("budget")
     try:
