@@ -1,11 +1,11 @@
-"""Run by test_hf_llm.py under ``torchrun --nproc-per-node 2 --max-restarts 1`` (gloo, CPU):
-Trainer (DDP across the ranks: accelerate applies FSDP on accelerators only) trains the peft
-LoRA model of test_hf_llm.py set from a plan for 2 ranks (micro-batch 2, accumulation 3 a rank:
-the 12 sequences are one step), then again with a mean per micro-batch (the negative control),
-then three AdamW steps (weight decay 0.1) through ``train_with_backoff`` with rank 1 out of
-memory at micro-batch 2: it leaves the sizes and raises, torchrun restarts both ranks, and they
-train at 1 x 6. Rank 0 saves each
-run's trained adapters to ``argv[1]`` as it ends (a restarted script skips the runs saved)."""
+"""Run by test_hf_llm.py under ``torchrun --nproc-per-node 2 --max-restarts 1`` (gloo, CPU): Trainer
+(DDP across the ranks: accelerate applies FSDP on accelerators only) trains the peft LoRA model of
+test_hf_llm.py set from a plan for 2 ranks (micro-batch 2, accumulation 3 a rank: the 12 sequences
+are one step), then again with a mean per micro-batch and with each rank's own token count
+(``average_tokens_across_devices=False``: the negative controls), then three AdamW steps (weight
+decay 0.1) through ``train_with_backoff`` with rank 1 out of memory at micro-batch 2: it leaves the
+sizes and raises, torchrun restarts both ranks, and they train at 1 x 6. Rank 0 saves each run's
+trained adapters to ``argv[1]`` as it ends (a restarted script skips the runs saved)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from bigbatch.integrations.hf import train_with_backoff, with_plan
 warnings.filterwarnings("ignore")
 
 
-def train(out: Path, per_micro_batch_mean: bool, oom_rank: int | None = None) -> dict[str, object]:
+def train(
+    out: Path, per_micro_batch_mean: bool, oom_rank: int | None = None, local_tokens: bool = False
+) -> dict[str, object]:
     # The OOM run: three AdamW steps with weight decay (test_hf_llm.big_batch_adamw's).
     optim = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,
              "num_train_epochs": 3} if oom_rank is not None else {}  # fmt: skip
@@ -40,6 +42,8 @@ def train(out: Path, per_micro_batch_mean: bool, oom_rank: int | None = None) ->
     plan.setup = type(plan.setup)(seq_len=plan.setup.seq_len, world_size=2)
     args = with_plan(args, plan)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 3)
+    # Each rank's own token count (which with_plan refuses): the negative control's second.
+    args.average_tokens_across_devices = not local_tokens
     made = []
 
     def make(a: transformers.TrainingArguments) -> transformers.Trainer:
@@ -75,11 +79,16 @@ def out_of_memory_above_one(module: torch.nn.Module, args: tuple, kwargs: dict) 
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    runs = {"planned": (False, None), "mean": (True, None), "oom": (False, 1)}
-    for name, (mean, oom_rank) in runs.items():
+    runs = {
+        "planned": (False, None, False),
+        "mean": (True, None, False),
+        "local_tokens": (False, None, True),
+        "oom": (False, 1, False),
+    }
+    for name, (mean, oom_rank, local_tokens) in runs.items():
         if (out / f"{name}.pt").exists():  # saved before torchrun restarted this script
             continue
-        trained = train(out / name, mean, oom_rank)
+        trained = train(out / name, mean, oom_rank, local_tokens)
         if int(os.environ["RANK"]) == 0:
             restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             torch.save({**trained, "restarts": restarts}, out / f"{name}.pt")

@@ -847,6 +847,33 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
             assert with_plan(args, plan_of(8, 4)).per_device_train_batch_size == 4
 
 
+def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> None:
+    """Trainer's auto_find_batch_size (on running out of memory, the loop again at 90 % of the
+    micro-batch, the accumulation kept: another global batch), and over several ranks
+    average_tokens_across_devices=False (each rank's own token count: another update, shown
+    under torchrun by test_trainer_under_torchrun_is_exact_across_ranks_...): refused in one
+    line naming the fix; on one rank the second changes nothing and is let be."""
+    base = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
+    two_ranks = plan_of(8, 4)
+    two_ranks.setup = LMSetup(SEQ, world_size=2)
+    for extra, plan, why in [
+        ({"world_size": 1, "auto_find_batch_size": True}, plan_of(8, 4),
+         r"^these arguments set auto_find_batch_size=True, .*: set auto_find_batch_size=False "
+         r"\(train_with_backoff halves the micro-batch and doubles the accumulation, the same "
+         r"update\)$"),
+        ({"world_size": 2, "average_tokens_across_devices": False}, two_ranks,
+         r"^these arguments set average_tokens_across_devices=False over 2 ranks: .*: set "
+         r"average_tokens_across_devices=True \(Trainer's default\)$"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            with_plan(SimpleNamespace(**base, **extra), plan)
+    one_rank = SimpleNamespace(**base, world_size=1, average_tokens_across_devices=False)
+    assert with_plan(one_rank, plan_of(8, 4)).per_device_train_batch_size == 4
+    allowed = SimpleNamespace(**base, world_size=2, average_tokens_across_devices=True,
+                              auto_find_batch_size=False)  # fmt: skip
+    assert with_plan(allowed, two_ranks).gradient_accumulation_steps == 1
+
+
 def test_with_plan_turns_checkpointing_on_as_the_plan_traced_it() -> None:
     """A plan that counts on checkpointing: transformers 5's activation_checkpointing; before
     it, gradient_checkpointing, non-reentrant as the plan traced it (the old default was
@@ -925,7 +952,9 @@ def test_trainer_under_torchrun_is_exact_across_ranks_and_one_ranks_oom_restarts
     tmp_path,
 ) -> None:  # type: ignore[no-untyped-def]
     """Two CPU ranks (gloo), set from a plan for 2 ranks: Trainer counts the window's tokens over
-    both ranks; the update equals one process's big batch over all 12 sequences. (FSDP2 under
+    both ranks; the update equals one process's big batch over all 12 sequences, and with each
+    rank's own count (average_tokens_across_devices=False, which with_plan refuses) it does
+    not. (FSDP2 under
     Trainer needs accelerators: accelerate applies it on GPUs only.) When one rank alone runs
     out of memory, the others cannot be told in a collective: it leaves the halved sizes in the
     output folder and raises, torchrun restarts both, and three AdamW steps at 1 x 6 equal three
@@ -949,7 +978,8 @@ def test_trainer_under_torchrun_is_exact_across_ranks_and_one_ranks_oom_restarts
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {
-        n: torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("planned", "mean", "oom")
+        n: torch.load(tmp_path / f"{n}.pt", weights_only=True)
+        for n in ("planned", "mean", "local_tokens", "oom")
     }
     init, data = tiny_lora(), sequences()
     want = big_batch(copy.deepcopy(init), data)
@@ -963,6 +993,8 @@ def test_trainer_under_torchrun_is_exact_across_ranks_and_one_ranks_oom_restarts
 
     assert err(runs["planned"]["adapters"]) < 1e-12
     assert err(runs["mean"]["adapters"]) > 0.02
+    # Each rank's own token count (average_tokens_across_devices=False): 1.5 % off.
+    assert err(runs["local_tokens"]["adapters"]) > 1e-3
     assert runs["oom"]["restarts"] == 1 and err(runs["oom"]["adapters"], want_adamw) < 1e-12
     assert all(run["frozen_kept"] for run in runs.values())
     assert "out of memory at micro-batch 2 on rank 1 of 2" in done.stdout

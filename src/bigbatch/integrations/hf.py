@@ -274,21 +274,21 @@ def _trainers_default_optim() -> str | None:
 
 def with_plan(args: Any, plan: Any) -> Any:
     """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
-    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch,
-    and its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8
-    sequences runs out of memory beside an 8B model at 2048 tokens, by its logits alone;
-    where the plan has none, at most the micro-batch), and Trainer's activation checkpointing
-    on where the plan counts on it (:func:`trainer_arguments` names the flag).
-    Refuses the arguments of TRL's trainers whose step is not a plan's (DPO's preference
-    pairs, GRPO's generations), arguments for another number of ranks than the plan's or
-    that shard otherwise
-    (DDP where it planned FSDP2's shards, FSDP where it planned DDP, weights kept gathered
-    after each forward) or that place memory where it did not (DeepSpeed, CPU offload,
-    checkpointing only every n-th layer), TRL's arguments that
-    let sequences run past the plan's length (``max_length`` over ``--seq-len``: the plan's
-    micro-batch would not hold them), and arguments that compute in another precision or
-    train with another optimizer than the plan traced (:func:`trainer_arguments` names
-    the plan's): the plan would not hold for them.
+    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch, and
+    its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8 sequences runs
+    out of memory beside an 8B model at 2048 tokens, by its logits alone; where the plan has
+    none, at most the micro-batch), and Trainer's activation checkpointing on where the plan
+    counts on it (:func:`trainer_arguments` names the flag). Refuses the arguments of TRL's
+    trainers whose step is not a plan's (DPO's preference pairs, GRPO's generations), arguments
+    that change the global batch on running out of memory (``auto_find_batch_size``) or count
+    each rank's tokens apart (``average_tokens_across_devices=False``), arguments for another
+    number of ranks than the plan's or that shard otherwise (DDP where it planned FSDP2's
+    shards, FSDP where it planned DDP, weights kept gathered after each forward) or that place
+    memory where it did not (DeepSpeed, CPU offload, checkpointing only every n-th layer), TRL's
+    arguments that let sequences run past the plan's length (``max_length`` over ``--seq-len``:
+    the plan's micro-batch would not hold them), and arguments that compute in another precision
+    or train with another optimizer than the plan traced (:func:`trainer_arguments` names the
+    plan's): the plan would not hold for them.
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -442,11 +442,12 @@ def _check_trainer_kind(args: Any) -> None:
 
 
 def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
-    """Refuse ``args`` that shard otherwise, compute in another precision, or train with
-    another optimizer, than the plan traced, or (with ``eval_batch``) evaluate more sequences
-    a pass than it planned (but the sharding, a plan without its prediction, as tests build
-    one, is let be)."""
+    """Refuse ``args`` that change the global batch or its count (:func:`_check_counts`),
+    shard otherwise, compute in another precision, or train with another optimizer, than the
+    plan traced, or (with ``eval_batch``) evaluate more sequences a pass than it planned (but
+    the sharding, a plan without its prediction, as tests build one, is let be)."""
     _check_trainer_kind(args)
+    _check_counts(args)
     _check_sharding(plan, args)
     _check_placement(plan, args)
     traced = _prediction(plan)
@@ -483,6 +484,31 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
         )
     if eval_batch:
         _check_eval_batch(plan, args, described)
+
+
+def _check_counts(args: Any) -> None:
+    """Refuse the two arguments of Trainer's that break the update a plan keeps, each without
+    a word: ``auto_find_batch_size`` (on running out of memory, Trainer starts its loop again
+    at 90 % of the micro-batch with the same accumulation: another global batch, from its
+    first step, with the weights it had trained so far), and over several ranks
+    ``average_tokens_across_devices=False`` (each rank divides its loss by its own token
+    count, and the ranks' gradients are averaged: the big batch's update only where every
+    rank holds as many tokens)."""
+    if getattr(args, "auto_find_batch_size", False):
+        raise ValueError(
+            "these arguments set auto_find_batch_size=True, which on running out of memory "
+            "starts training again at 90 % of the micro-batch and the same accumulation (another "
+            "global batch): set auto_find_batch_size=False (train_with_backoff halves the "
+            "micro-batch and doubles the accumulation, the same update)"
+        )
+    ranks = _ranks(args)
+    if ranks > 1 and getattr(args, "average_tokens_across_devices", True) is False:
+        raise ValueError(
+            f"these arguments set average_tokens_across_devices=False over {ranks} ranks: each "
+            "rank divides its loss by its own token count, not the global batch's, and ranks "
+            "holding different numbers of tokens give another update: set "
+            "average_tokens_across_devices=True (Trainer's default)"
+        )
 
 
 _SHARDING = {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2"}
