@@ -8,6 +8,7 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -213,6 +214,15 @@ def test_what_transformers_or_torch_refuse_is_one_line_with_the_fix(capfd) -> No
         plan_lm(moe, LMSetup(seq_len=16, dtype="fp32"), 2, "8GB")
     assert "Traceback" not in capfd.readouterr().err
     assert plan_lm(moe, LMSetup(seq_len=16, dtype="bf16"), 2, "8GB").micro_batch == 2
+    # LoRA on it: none of peft's warnings of what it settles itself (its patterns for the
+    # fused experts; fan_in_fan_out for GPT-2's Conv1D), which every such plan said.
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for config, dtype in ((moe, "bf16"), (gpt2, "auto")):
+            lora = LMSetup(seq_len=16, dtype=dtype, lora_r=4)
+            assert plan_lm(config, lora, 2, "8GB").micro_batch == 2
+    assert not [w for w in caught if "peft" in w.filename], [str(w.message) for w in caught]
     if importlib.util.find_spec("bitsandbytes") is not None:
         with pytest.raises(ValueError, match=r"quantizes linear layers only.* without --qlora"):
             plan_lm(moe, LMSetup(seq_len=16, dtype="bf16", lora_r=4, quant=4), 2, "8GB")

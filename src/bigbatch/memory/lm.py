@@ -545,6 +545,11 @@ def _apply_lora(model: nn.Module, setup: LMSetup) -> nn.Module:
             # peft reads transformers' renamed `is_gradient_checkpointing`: a FutureWarning
             # about the planner's own stand-in model, nothing the user can act on.
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            # What peft settles itself, as it will in the run: its patterns for a mixture of
+            # experts' fused weights (gate_up_proj), which all-linear leaves out, and
+            # fan_in_fan_out for GPT-2's Conv1D. Said of every such plan, nothing to act on.
+            warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys did not")
+            warnings.filterwarnings("ignore", "fan_in_fan_out is set to False but the target")
             return get_peft_model(model, lora_config(setup))
     except ValueError as exc:
         if "not found in the base model" not in str(exc) and "target module" not in str(exc):
