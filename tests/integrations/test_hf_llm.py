@@ -20,6 +20,7 @@ from test_hf import collate  # noqa: E402  (right-padded: pad id 0, label -100, 
 from bigbatch.integrations import hf  # noqa: E402
 from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
+    check_evaluation_held,
     check_plan_matches,
     model_arguments,
     quantization_arguments,
@@ -399,6 +400,43 @@ def test_out_of_memory_while_evaluating_halves_the_evaluation_batch_alone(tmp_pa
     with pytest.raises(torch.OutOfMemoryError):
         train_with_backoff(Trainer, args(4, 2, fits=0), log=said.append)
     assert said[-1].startswith("out of memory evaluating 2 sequences a forward pass: again at 1")
+
+
+def test_an_evaluation_keeping_every_passs_logits_past_the_plan_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With compute_metrics, Trainer keeps every evaluation pass's logits on the card until the
+    evaluation ends (a Qwen2.5's 152,064-token vocabulary here): past the room the plan leaves
+    beside evaluating, train_with_backoff refuses it in one line before training (halving the
+    evaluation batch would not shrink them). Each setting that keeps them off the card, a
+    plan with room for them, and no evaluation at all are let be."""
+    room = 2**20
+    plan = SimpleNamespace(setup=LMSetup(seq_len=SEQ), vocab=152_064, global_batch=N,
+                           plan=SimpleNamespace(max_micro_batch=4), usable_bytes=2**30,
+                           eval_peak_bytes=2**30 - room, peak_bytes=2**30 - 2 * room)  # fmt: skip
+
+    def make(args):  # type: ignore[no-untyped-def]
+        return transformers.Trainer(
+            model=tiny_lora(), args=args, train_dataset=sequences(), eval_dataset=sequences(),
+            data_collator=collate, compute_metrics=lambda p, compute_result=True: {},
+            callbacks=[MemoryBudget(2**30, plan=plan)],
+        )  # fmt: skip
+
+    args = trained(tmp_path, 2, 6, eval_strategy="steps", eval_steps=1)
+    why = (r"^Trainer keeps every evaluation pass's logits on the card until evaluation ends "
+           r"\(compute_metrics\): 12 sequences x 10 tokens x 152,064 vocabulary = 34.8 MiB, twice "
+           r"that as it concatenates them, past the 1.0 MiB the plan leaves beside evaluating: "
+           r"set eval_accumulation_steps=1 \(each pass's logits to the CPU\), or reduce them in "
+           r"preprocess_logits_for_metrics \(logits.argmax\(-1\)\)$")  # fmt: skip
+    with pytest.raises(ValueError, match=why):
+        train_with_backoff(make, args, log=pytest.fail)
+    for fixed in ({"eval_accumulation_steps": 1}, {"batch_eval_metrics": True},
+                  {"prediction_loss_only": True}):  # fmt: skip
+        check_evaluation_held(make(dataclasses.replace(args, **fixed)), plan)
+    trainer = make(args)
+    trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
+    check_evaluation_held(trainer, plan)
+    roomy = SimpleNamespace(**{**vars(plan), "eval_peak_bytes": 2**30 - 80 * 2**20})
+    check_evaluation_held(make(args), roomy)
+    check_evaluation_held(make(trained(tmp_path, 2, 6)), plan)  # eval_strategy "no"
 
 
 def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(

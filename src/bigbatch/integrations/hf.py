@@ -43,6 +43,7 @@ require("transformers", "hf")
 
 __all__ = [
     "MemoryBudget",
+    "check_evaluation_held",
     "check_plan_matches",
     "model_arguments",
     "quantization_arguments",
@@ -1149,6 +1150,7 @@ def train_with_backoff(
             trainer = make_trainer(args)
             for budget in _budgets(trainer):
                 budget.checked = budget.checked or shrunk  # no growing back after an OOM
+                check_evaluation_held(trainer, budget.plan)
             folder = args.output_dir
             checkpoint = get_last_checkpoint(folder) if os.path.isdir(folder) else None
             result = trainer.train(resume_from_checkpoint=checkpoint)
@@ -1175,6 +1177,71 @@ def train_with_backoff(
         if refit is not None:
             log(_resized(args.per_device_train_batch_size, refit, out_of_memory=bool(failed)))
             args = with_sizes(args, *refit)
+
+
+def check_evaluation_held(trainer: Any, plan: Any) -> None:
+    """Refuse a ``Trainer`` that would keep every evaluation pass's logits on the card until
+    its evaluation ends, past the room ``plan`` leaves beside evaluating (its usable memory
+    less its evaluation peak): with ``compute_metrics``, Trainer concatenates each pass's
+    logits onto the ones before (both copies alive at each concatenation), unless
+    ``eval_accumulation_steps`` moves them to the CPU, ``preprocess_logits_for_metrics``
+    reduces them, ``batch_eval_metrics`` computes the metrics a pass at a time, or
+    ``prediction_loss_only`` keeps none. Sequences of the plan's length, every rank's
+    (gathered onto each): ``sequences x tokens x vocabulary``, in the logits' dtype. Checked
+    by :func:`train_with_backoff` before training starts (halving the evaluation batch, as it
+    does on running out of memory evaluating, would not shrink them).
+
+    >>> from types import SimpleNamespace
+    >>> from bigbatch.memory.lm import LMSetup
+    >>> plan = SimpleNamespace(setup=LMSetup(seq_len=2048), vocab=152_064, usable_bytes=20e9,
+    ...                        eval_peak_bytes=18e9, peak_bytes=19e9)
+    >>> args = SimpleNamespace(eval_strategy="steps", eval_accumulation_steps=None)
+    >>> trainer = SimpleNamespace(args=args, compute_metrics=len, eval_dataset=[0] * 100,
+    ...                           preprocess_logits_for_metrics=None)
+    >>> check_evaluation_held(trainer, plan)
+    Traceback (most recent call last):
+    ...
+    ValueError: Trainer keeps every evaluation pass's logits on the card until evaluation ends ...
+    >>> args.eval_accumulation_steps = 1  # each pass's logits to the CPU
+    >>> check_evaluation_held(trainer, plan)
+    """
+    from bigbatch.memory.budget import format_bytes
+
+    args = trainer.args
+    strategy = getattr(args, "eval_strategy", "no")
+    if plan is None or str(getattr(strategy, "value", strategy)) == "no":
+        return
+    if getattr(trainer, "compute_metrics", None) is None or any(
+        getattr(args, name, None) for name in _EVALUATION_OFF_THE_CARD
+    ):
+        return
+    if getattr(trainer, "preprocess_logits_for_metrics", None) is not None:
+        return  # what it keeps of the logits is the user's to size
+    datasets = getattr(trainer, "eval_dataset", None)
+    datasets = datasets.values() if isinstance(datasets, dict) else [datasets]
+    sized = [len(d) for d in datasets if d is not None and hasattr(d, "__len__")]
+    if not sized:
+        return
+    tokens, vocab = plan.setup.seq_len, int(plan.vocab)
+    weights = str(getattr(plan, "weights_dtype", "") or "float32")
+    width = 4 if _plan_precision(plan) == "fp32" and weights == "float32" else 2
+    held = max(sized) * tokens * vocab * width
+    beside = plan.eval_peak_bytes if plan.eval_peak_bytes is not None else plan.peak_bytes
+    room = int(plan.usable_bytes - beside)
+    if 2 * held <= room:
+        return
+    raise ValueError(
+        "Trainer keeps every evaluation pass's logits on the card until evaluation ends "
+        f"(compute_metrics): {max(sized)} sequences x {tokens} tokens x {vocab:,} vocabulary "
+        f"= {format_bytes(held)}, twice that as it concatenates them, past the "
+        f"{format_bytes(max(room, 0))} the plan leaves beside evaluating: set "
+        "eval_accumulation_steps=1 (each pass's logits to the CPU), or reduce them in "
+        "preprocess_logits_for_metrics (logits.argmax(-1))"
+    )
+
+
+# Trainer's arguments under which evaluation keeps no logits on the card past a pass.
+_EVALUATION_OFF_THE_CARD = ("eval_accumulation_steps", "batch_eval_metrics", "prediction_loss_only")
 
 
 def _evaluation_halved(args: Any, log: Callable[[str], None]) -> Any:
