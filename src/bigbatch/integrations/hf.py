@@ -1207,9 +1207,11 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     """
     from bigbatch.memory.budget import format_bytes
 
+    if plan is None:
+        return
     args = trainer.args
     strategy = getattr(args, "eval_strategy", "no")
-    if plan is None or str(getattr(strategy, "value", strategy)) == "no":
+    if str(getattr(strategy, "value", strategy)) == "no":
         return
     if getattr(trainer, "compute_metrics", None) is None or any(
         getattr(args, name, None) for name in _EVALUATION_OFF_THE_CARD
