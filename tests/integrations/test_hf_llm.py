@@ -1067,8 +1067,9 @@ def test_bf16_on_a_card_without_bfloat16_units_is_said_when_training_begins(
 
 
 def test_arguments_that_place_memory_otherwise_than_the_plan_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """DeepSpeed's partitions, FSDP's shards on the host, checkpointed activations on the host
-    and checkpointing only every n-th layer: Trainer would run each without a word under a
+    """DeepSpeed's partitions, FSDP's shards on the host, activations on the host (TRL's
+    activation_offloading, or checkpointed ones) and checkpointing only every n-th layer:
+    Trainer would run each without a word under a
     plan that traced none of them (the last holds more than the plan's micro-batch fits).
     Each is refused in one line naming the fix, by with_plan and by MemoryBudget's check."""
 
@@ -1083,6 +1084,9 @@ def test_arguments_that_place_memory_otherwise_than_the_plan_are_refused(tmp_pat
         ({"fsdp": "full_shard offload"}, r"offload FSDP's shards to the CPU .*: drop the offload$"),
         ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, r"FSDP's shards to the CPU"),
         ({"activation_checkpointing_kwargs": {"offload": True}}, r"activations to the host"),
+        ({"activation_offloading": True},
+         r"^these arguments offload the activations to the CPU \(SFTConfig activation_offloading"
+         r"=True\), .*: drop activation_offloading$"),
         ({"activation_checkpointing_kwargs": every_2nd},
          r"^the plan checkpoints every decoder layer and these arguments one in 2 .*"
          r"drop every_n_layers$"),

@@ -584,12 +584,13 @@ def _check_sharding(plan: Any, args: Any) -> None:
 
 
 def _check_placement(plan: Any, args: Any) -> None:
-    """Refuse arguments that place the step's memory otherwise than the plan traced it, each
-    of which Trainer would run without a word: DeepSpeed (its ZeRO partitions and buckets),
-    FSDP's CPU offload (shards held on the host), checkpointed activations offloaded to the
-    host, or checkpointing only every n-th layer where the plan checkpoints each (what the
-    others keep would not fit the plan's micro-batch). Offloading would hold less than the
-    plan, which then picked a micro-batch without it: the slower steps would buy nothing."""
+    """Refuse arguments that place the step's memory otherwise than the plan traced it, each of
+    which Trainer would run without a word: DeepSpeed (its ZeRO partitions and buckets), FSDP's
+    CPU offload (shards held on the host), activations offloaded to the host (TRL's
+    ``activation_offloading``, or checkpointed ones), or checkpointing only every n-th layer
+    where the plan checkpoints each (what the others keep would not fit the plan's micro-batch).
+    Offloading would hold less than the plan, which then picked a micro-batch without it: the
+    slower steps would buy nothing."""
     deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None)
     if deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         raise ValueError(
@@ -604,6 +605,12 @@ def _check_placement(plan: Any, args: Any) -> None:
             f"{where} offload FSDP's shards to the CPU (cpu_offload), which a plan does not "
             "trace (it holds each rank's shards on the card, and its micro-batch fits so): "
             "drop the offload"
+        )
+    if getattr(args, "activation_offloading", False) is True:
+        raise ValueError(
+            "these arguments offload the activations to the CPU (SFTConfig "
+            "activation_offloading=True), which a plan does not trace (its micro-batch fits with "
+            "them on the card, and offloading would only slow it): drop activation_offloading"
         )
     kwargs = _checkpointing_kwargs(args)
     checkpoints = plan.setup.gradient_checkpointing or any(
