@@ -912,6 +912,28 @@ def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> No
     assert with_plan(allowed, two_ranks).gradient_accumulation_steps == 1
 
 
+def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A plan with --loss trl traced SFTTrainer's fused LM head, never the whole logits: given
+    Trainer's arguments (whose loss is the model's own, over the whole logits), or SFTConfig's
+    label smoothing (SFTTrainer then takes the whole logits), with_plan refuses it in one line;
+    SFTConfig as it comes takes it."""
+    trl = pytest.importorskip("trl")
+    plan = plan_of(8, 4)
+    plan.setup = LMSetup(SEQ, loss="trl")
+    args = SimpleNamespace(world_size=1, per_device_train_batch_size=1,
+                           gradient_accumulation_steps=1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^the plan traces TRL's fused LM head .* these are "
+                       r"SimpleNamespace, .*: plan with --loss model, or train with TRL's "
+                       r"SFTTrainer$"):  # fmt: skip
+        with_plan(args, plan)
+    sft = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "max_length": SEQ,
+           "report_to": []}  # fmt: skip
+    assert with_plan(trl.SFTConfig(**sft), plan).per_device_train_batch_size == 4
+    with pytest.raises(ValueError, match=r"smooth the labels \(label_smoothing_factor=0.1\), .*"
+                                         r": plan with --loss model$"):  # fmt: skip
+        with_plan(trl.SFTConfig(**sft, label_smoothing_factor=0.1), plan)
+
+
 def test_with_plan_turns_checkpointing_on_as_the_plan_traced_it() -> None:
     """A plan that counts on checkpointing: transformers 5's activation_checkpointing; before
     it, gradient_checkpointing, non-reentrant as the plan traced it (the old default was

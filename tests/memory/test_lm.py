@@ -1104,3 +1104,55 @@ def test_eight_bit_adamw_state_is_bitsandbytes_own() -> None:
         opt.step()
         both.append(state_bytes(opt))
     assert both[0] == both[1]
+
+
+def big_vocabulary() -> transformers.LlamaConfig:
+    """A small body under a Llama-3-sized vocabulary: the logits decide the peak."""
+    return transformers.LlamaConfig(
+        vocab_size=128_256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_trls_fused_lm_head_is_traced_as_sft_trainer_runs_it() -> None:
+    """--loss trl: the step as TRL's SFTTrainer runs it, through its fused LM head (tiles of
+    the logits, never the whole of them). On a CPU TRL folds each tile with torch ops, and the
+    prediction is the measured peak; a CUDA trace takes the card's path (its Triton kernels
+    stood in for, TRL's module state restored after), where a sequence more adds less than its
+    logits, which the model's own loss makes whole (and a float32 copy of)."""
+    if not hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head")
+    import trl.kernels.chunked_logprob as kernels
+
+    small = transformers.LlamaConfig(
+        vocab_size=8000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    for lora in (0, 8):
+        spec = lm_spec_at(small, LMSetup(seq_len=128, lora_r=lora, loss="trl"), device="cpu",
+                          precision="fp32")(2)  # fmt: skip
+        predicted, measured = predict_peak(spec).peak_bytes, measure_step_peak(spec)
+        assert abs(predicted - measured) <= 0.01 * measured, (lora, predicted, measured)
+    config, seq = big_vocabulary(), 512
+    before = (kernels._use_triton, kernels._forward_kernel, kernels._backward_kernel)
+    grown = {}
+    for loss in ("model", "trl"):
+        spec_at = lm_spec_at(config, LMSetup(seq_len=seq, lora_r=8, loss=loss), precision="bf16")
+        grown[loss] = predict_peak(spec_at(2)).peak_bytes - predict_peak(spec_at(1)).peak_bytes
+    logits = seq * config.vocab_size * 2  # one sequence's, in bf16
+    assert grown["model"] > 2 * logits > logits > grown["trl"], grown
+    assert (kernels._use_triton, kernels._forward_kernel, kernels._backward_kernel) == before
+
+
+def test_a_fused_lm_head_plan_needs_a_trl_that_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--loss trl where TRL has no fused LM head (or is missing), and a loss of another name:
+    refused in one line with the fix."""
+    import bigbatch.memory.lm as lm_module
+
+    monkeypatch.setattr(lm_module, "_fused_lm_head", lambda: None)
+    with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and .*: plan "
+                                         r"with --loss model, or pip install -U trl$"):  # fmt: skip
+        plan_lm(tiny(), LMSetup(seq_len=16, loss="trl"), 2, "8GB", device="cpu")
+    with pytest.raises(ValueError, match=r"^--loss must be one of model, trl, got 'sft'$"):
+        plan_lm(tiny(), LMSetup(seq_len=16, loss="sft"), 2, "8GB", device="cpu")

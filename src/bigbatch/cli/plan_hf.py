@@ -25,6 +25,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "no_double_quant": False,
     "quant_storage": "auto",
     "qlora_prep": "peft",
+    "loss": "model",
     "gradient_checkpointing": False,
     "attn": "auto",
     "packing": False,
@@ -120,6 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prepare_model_for_kbit_training, then get_peft_model; the other weights and the "
         "adapters in float32) or trl (TRL's SFTTrainer given peft_config=: the other weights "
         "as loaded, the adapters in bf16)",
+    )
+    g.add_argument(
+        "--loss",
+        choices=("model", "trl"),
+        help="what makes the loss: model (default: the model's own, over the whole logits, as "
+        "Trainer runs it) or trl (TRL's SFTTrainer: its fused LM head, log-probabilities from "
+        "tiles of the logits, never the whole of them)",
     )
     g.add_argument(
         "--gradient-checkpointing",
@@ -336,6 +344,7 @@ def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
         double_quant=not args.no_double_quant,
         quant_storage=args.quant_storage,
         qlora_prep=args.qlora_prep,
+        loss=args.loss,
         gradient_checkpointing=args.gradient_checkpointing,
         attn=args.attn,
         packing=args.packing,
@@ -364,7 +373,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             "with_plan sets the sizes and checkpointing, refuses another precision, optimizer or "
             "sharding"
         )
-        print(f"Trainer or TRL ({said_by}): {fields}")
+        runs = "TRL's SFTTrainer" if first.setup.loss == "trl" else "Trainer or TRL"
+        print(f"{runs} ({said_by}): {fields}")
         model = _model_fields(first)
         attn = model.pop("attn_implementation")
         fields = f"dtype=torch.{model.pop('dtype')}, attn_implementation={attn!r}"

@@ -449,6 +449,7 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     the sharding, a plan without its prediction, as tests build one, is let be)."""
     _check_trainer_kind(args)
     _check_counts(args)
+    _check_loss(plan, args)
     _check_sharding(plan, args)
     _check_placement(plan, args)
     traced = _prediction(plan)
@@ -485,6 +486,28 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
         )
     if eval_batch:
         _check_eval_batch(plan, args, described)
+
+
+def _check_loss(plan: Any, args: Any) -> None:
+    """Refuse a plan of TRL's fused LM head (``--loss trl``) for a run whose loss makes the
+    whole logits instead, which its micro-batch would not hold: Trainer's arguments, or
+    SFTConfig's label smoothing (SFTTrainer then takes the whole logits for it)."""
+    if getattr(plan.setup, "loss", "model") != "trl":
+        return
+    mro = [c.__name__ for c in type(args).__mro__ if c.__module__.split(".")[0] == "trl"]
+    fix = "plan with --loss model"
+    if "SFTConfig" not in mro:
+        raise ValueError(
+            f"the plan traces TRL's fused LM head (SFTTrainer's loss) and these are "
+            f"{type(args).__name__}, whose loss is the model's own over the whole logits, "
+            f"which its micro-batch would not hold: {fix}, or train with TRL's SFTTrainer"
+        )
+    if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
+        raise ValueError(
+            "the plan traces TRL's fused LM head and these arguments smooth the labels "
+            f"(label_smoothing_factor={args.label_smoothing_factor}), for which SFTTrainer "
+            f"takes the whole logits, which its micro-batch would not hold: {fix}"
+        )
 
 
 def _check_counts(args: Any) -> None:

@@ -96,6 +96,7 @@ __all__ = [
 ]
 
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+LOSSES = ("model", "trl")
 # torchrun's variables, which the process tracing an FSDP2 rank apart must not see (_run_apart).
 _TORCHRUN = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 _TORCHRUN |= {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"}
@@ -122,6 +123,11 @@ class LMSetup:
     the adapters in float32); ``trl``, TRL's ``SFTTrainer`` given ``peft_config=`` (TRL 1.x:
     the other weights as loaded, the adapters in bfloat16), lighter by the float32 copies.
 
+    ``loss`` is what makes the loss: ``model``, the model's own, over the whole
+    ``[tokens x vocabulary]`` logits (Trainer's); ``trl``, TRL's ``SFTTrainer`` (its fused LM
+    head, in TRL versions that have ``add_fused_lm_head``): log-probabilities from tiles of
+    the logits, never the whole of them.
+
     >>> LMSetup(seq_len=2048, lora_r=16, quant=4, gradient_checkpointing=True).describe()
     'QLoRA 4-bit r=16 (all-linear), 2048 tokens, padded, gradient checkpointing'
     >>> LMSetup(seq_len=2048, lora_r=16, quant=4, qlora_prep="trl").describe()
@@ -145,6 +151,9 @@ class LMSetup:
     dtype: str = "auto"  # the weights': auto, bf16, fp16, fp32
     world_size: int = 1
     fsdp: bool = False
+    # What makes the loss (LOSSES): the model's own, over the whole logits (Trainer's), or
+    # TRL's SFTTrainer's fused LM head, its log-probabilities from tiles of the logits.
+    loss: str = "model"
 
     @property
     def sharded(self) -> bool:
@@ -179,6 +188,8 @@ class LMSetup:
             parts.append(f"4-bit in {self.quant_storage} storage")
         if self.quant and self.qlora_prep == "trl":
             parts.append("prepared as TRL's SFTTrainer does")
+        if self.loss == "trl":
+            parts.append("TRL's fused LM head")
         if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
             parts.append(f"{self.dtype} weights")
         if table and self.fsdp:
@@ -423,6 +434,7 @@ def check_setup(
             ) from None
     if setup.attn not in ATTENTIONS:
         raise ValueError(f"--attn must be one of {', '.join(ATTENTIONS)}, got {setup.attn!r}")
+    _check_loss(setup)
     if setup.fsdp and setup.world_size < 2:
         raise ValueError("--fsdp shards over ranks: give --world-size 2 or more")
     if setup.quant == 8 and setup.fsdp:
@@ -438,6 +450,41 @@ def check_setup(
             "ignored_params, as accelerate does; pip install -U torch, plan with DDP, or let "
             "FSDP2 shard them (--quant-storage bf16)"
         )
+
+
+def _check_loss(setup: LMSetup) -> None:
+    """``--loss`` one of :data:`LOSSES`; ``trl`` where this TRL has its fused LM head."""
+    if setup.loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {setup.loss!r}")
+    if setup.loss == "trl" and _fused_lm_head() is None:
+        try:
+            import trl
+
+            where = f"TRL {trl.__version__} computes SFTTrainer's loss over the whole logits"
+        except ImportError:
+            where = "TRL is not installed"
+        raise ValueError(
+            f"--loss trl plans TRL's fused LM head, and {where}: plan with --loss model, or "
+            "pip install -U trl"
+        )
+
+
+def _add_sft_trainers_head(model: nn.Module) -> None:
+    """TRL's fused LM head as SFTTrainer puts it on the model it trains (under peft's wrapper),
+    with the outputs its metrics read."""
+    add_fused_lm_head = _fused_lm_head()
+    if add_fused_lm_head is not None:
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+
+
+def _fused_lm_head() -> Callable[..., None] | None:
+    """TRL's ``add_fused_lm_head``, which SFTTrainer puts on the model it trains; None where this
+    TRL has none (or there is no TRL)."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        return None
+    return add_fused_lm_head
 
 
 def _check_adapters(setup: LMSetup) -> None:
@@ -570,8 +617,8 @@ def lm_factory(
     dtype, its base quantized (``setup.quant``: the other weights in float32, as peft's
     ``prepare_model_for_kbit_training`` leaves them, or as loaded, as TRL's ``SFTTrainer``
     does: ``setup.qlora_prep``), LoRA adapters (peft keeps them in float32; TRL casts a
-    quantized base's to bfloat16), activation checkpointing. Call it under the meta device
-    (the planner does).
+    quantized base's to bfloat16), activation checkpointing, TRL's fused LM head
+    (``setup.loss``). Call it under the meta device (the planner does).
     ``real_bitsandbytes``: the base in bitsandbytes' own layers (quantized when moved to a
     GPU) rather than the planner's stand-ins, for a real step on a GPU.
 
@@ -635,6 +682,8 @@ def lm_factory(
             enable_checkpointing(model)
             if setup.lora_r:
                 model.enable_input_require_grads()
+        if setup.loss == "trl":
+            _add_sft_trainers_head(model.get_base_model() if setup.lora_r else model)
         return model
 
     return build
@@ -660,6 +709,12 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 def _lm_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     loss: torch.Tensor = model(**batch, use_cache=False).loss
+    return loss
+
+
+def _fused_head_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The step as TRL's SFTTrainer runs it: its fused LM head's summed log-probabilities."""
+    loss: torch.Tensor = model(**batch, use_cache=False, fused_lm_head=True).loss
     return loss
 
 
@@ -759,7 +814,7 @@ def lm_spec_at(
             input_dtype=torch.long,
             vocab=vocab,
             name=f"{config.model_type} {setup.describe()}",
-            step=_lm_step,
+            step=_fused_head_step if setup.loss == "trl" else _lm_step,
             batch=batch,
             layers=stack,
         )

@@ -36,6 +36,7 @@ from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cuda_allocator import simulate
 from bigbatch.memory.cuda_autocast import cuda_autocast_rules
 from bigbatch.memory.cuda_runtime import CudaLibraries
+from bigbatch.memory.cuda_trl import trl_kernels_as_on_a_card
 from bigbatch.memory.fake_branches import real_branches
 from bigbatch.memory.fsdp import StreamNumbers, local_shard, storage_resizes
 from bigbatch.memory.measure import measure_step_peak
@@ -906,7 +907,8 @@ def tracing_for(
     CUDA context for CUDA tensors, even fake ones, so a CUDA step is traced on CPU-placed fake
     tensors with what differs on CUDA: 512-byte allocator blocks, the multi-tensor (foreach)
     optimizers CUDA defaults to, CUDA autocast's op lists and cuBLAS's and cuDNN's allocations
-    (bigbatch.memory.cuda_autocast, .cuda_runtime), in cuDNN's benchmark mode or not."""
+    (bigbatch.memory.cuda_autocast, .cuda_runtime), in cuDNN's benchmark mode or not, and the
+    path TRL's fused LM head takes on a card (bigbatch.memory.cuda_trl)."""
     tracker = _StorageTracker(
         round_to=device_kind(target).allocator_block, calibration=calibration, batch_size=batch_size
     )
@@ -914,7 +916,14 @@ def tracing_for(
         return target, tracker, contextlib.nullcontext()
     tracker.cuda = CudaLibraries(cudnn_benchmark)
     tracker.events = tracker.cuda.start()
-    return torch.device("cpu"), tracker, cuda_autocast_rules()
+    return torch.device("cpu"), tracker, _cuda_rules()
+
+
+@contextlib.contextmanager
+def _cuda_rules() -> Iterator[None]:
+    """CUDA autocast's op lists, and the path TRL's fused LM head takes on a card."""
+    with cuda_autocast_rules(), trl_kernels_as_on_a_card():
+        yield
 
 
 # One function on purpose (over 80 lines): the traced step's tensors are locals whose lifetimes
