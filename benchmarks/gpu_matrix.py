@@ -192,7 +192,8 @@ def _hf_spec(row: dict[str, Any], device: str, real: bool) -> StepSpec:
     """A language model from its config as ``bigbatch plan --hf`` plans it
     (:mod:`bigbatch.memory.lm`): ``model`` (a :data:`HF_CONFIGS` key), ``lora`` (rank, 0 for a
     full fine-tune), ``quant`` (4 or 8 bits), ``prep`` (``qlora_prep``: peft, or trl),
-    ``ckpt``, ``packing``; ``size`` is the sequence
+    ``loss`` (model, or trl: SFTTrainer's fused LM head), ``ckpt``, ``packing``; ``size`` is the
+    sequence
     length. ``real``: bitsandbytes' own layers, for the step recorded on a GPU."""
     from transformers import AutoConfig
 
@@ -204,7 +205,7 @@ def _hf_spec(row: dict[str, Any], device: str, real: bool) -> StepSpec:
     setup = LMSetup(
         seq_len=row["size"], lora_r=row.get("lora", 0), gradient_checkpointing=row.get("ckpt", False),
         packing=row.get("packing", False), quant=row.get("quant", 0), world_size=ranks,
-        fsdp=ranks > 1, qlora_prep=row.get("prep", "peft"),
+        fsdp=ranks > 1, qlora_prep=row.get("prep", "peft"), loss=row.get("loss", "model"),
     )  # fmt: skip
     spec_at = lm_spec_at(
         config, setup, device=device, precision=row["precision"], optimizer=row["optimizer"],
@@ -268,6 +269,7 @@ def row_name(row: dict[str, Any]) -> str:
         arch = row["model"] + (f"-lora{row['lora']}" if row.get("lora") else "-full")
         arch += f"-q{row['quant']}bit" if row.get("quant") else ""
         arch += f"-{row['prep']}" if row.get("prep", "peft") != "peft" else ""
+        arch += "-trlhead" if row.get("loss", "model") == "trl" else ""
         arch += "-packed" if row.get("packing") else ""
         arch += "-ckpt" if row.get("ckpt") else ""
         arch += f"-fsdp{row['ranks']}" if row.get("ranks", 1) > 1 else ""
@@ -371,6 +373,11 @@ def matrix(dry_run: bool = False) -> list[dict[str, Any]]:
          "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True,
          "packing": True, "size": 512, "batch": 8, "precision": "bf16", "optimizer": "adamw"},
+        # The LoRA step at 2048 tokens two rows up, as TRL's SFTTrainer runs it: its fused LM
+        # head (Triton on the card, tiles of the logits), which the CPU's trace stands in for
+        # (the card's image needs TRL, with accelerate and datasets, for this row).
+        {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "ckpt": True,
+         "loss": "trl", "size": 2048, "batch": 4, "precision": "bf16", "optimizer": "adamw"},
         {"kind": "hf", "arch": "hf", "model": "llama3.2-1b", "lora": 16, "quant": 4, "ckpt": True,
          "size": 2048, "batch": 2, "precision": "bf16", "optimizer": "adamw"},
         # The same, readied as TRL's SFTTrainer readies it from peft_config= (bf16 adapters).
