@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -437,6 +438,50 @@ def test_an_evaluation_keeping_every_passs_logits_past_the_plan_is_refused(tmp_p
     roomy = SimpleNamespace(**{**vars(plan), "eval_peak_bytes": 2**30 - 80 * 2**20})
     check_evaluation_held(make(args), roomy)
     check_evaluation_held(make(trained(tmp_path, 2, 6)), plan)  # eval_strategy "no"
+
+
+def test_sft_trainers_evaluation_with_compute_metrics_makes_the_logits_too(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """TRL's SFTTrainer trains and evaluates through its fused LM head, but with compute_metrics
+    it makes each pass's whole logits in a forward pass more, and keeps them as Trainer does:
+    refused as Trainer's, and under a plan of its fused head (--loss trl), whose evaluation
+    batch holds no logits at all, whatever keeps them off the card; without compute_metrics,
+    let be."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    if not hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head")
+    plan = SimpleNamespace(setup=LMSetup(seq_len=SEQ), vocab=152_064, usable_bytes=2**30,
+                           eval_peak_bytes=2**30 - 2**20, peak_bytes=2**30)  # fmt: skip
+    fused = SimpleNamespace(**{**vars(plan), "setup": LMSetup(seq_len=SEQ, loss="trl")})
+    data = datasets.Dataset.from_list([{"input_ids": i["input_ids"].tolist()} for i in sequences()])
+    shapes: list[tuple[int, ...]] = []
+
+    def metrics(p, compute_result=True):  # type: ignore[no-untyped-def]
+        predictions = p.predictions if isinstance(p.predictions, tuple) else (p.predictions,)
+        shapes.extend(x.shape for x in predictions)
+        return {}
+
+    def sft(compute_metrics=metrics, **extra):  # type: ignore[no-untyped-def]
+        config = trl.SFTConfig(
+            output_dir=str(tmp_path), eval_strategy="steps", eval_steps=1, use_cpu=True,
+            bf16=False, max_length=None, report_to=[], disable_tqdm=True,
+            dataloader_num_workers=0, **extra,
+        )  # fmt: skip
+        return trl.SFTTrainer(model=tiny_lora(), args=config, train_dataset=data,
+                              eval_dataset=data, processing_class=tokenizer(),
+                              compute_metrics=compute_metrics)  # fmt: skip
+
+    with warnings.catch_warnings():  # TRL's deprecation of the logits it makes for metrics
+        warnings.simplefilter("ignore", FutureWarning)
+        sft().evaluate()
+    assert shapes == [(N, SEQ - 1, VOCAB)]  # the whole logits, each sequence's
+    with pytest.raises(ValueError, match=r"^Trainer keeps every evaluation pass's logits"):
+        check_evaluation_held(sft(), plan)
+    with pytest.raises(ValueError, match=r"^the plan traces SFTTrainer's evaluation through its "
+                       r"fused LM head, .*: drop compute_metrics \(SFTTrainer logs its "
+                       r"mean_token_accuracy itself\), or plan with --loss model$"):  # fmt: skip
+        check_evaluation_held(sft(eval_accumulation_steps=1), fused)
+    check_evaluation_held(sft(compute_metrics=None), fused)
 
 
 def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(

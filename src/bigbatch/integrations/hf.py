@@ -1216,7 +1216,9 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     logits onto the ones before (both copies alive at each concatenation), unless
     ``eval_accumulation_steps`` moves them to the CPU, ``preprocess_logits_for_metrics``
     reduces them, ``batch_eval_metrics`` computes the metrics a pass at a time, or
-    ``prediction_loss_only`` keeps none. Sequences of the plan's length, every rank's
+    ``prediction_loss_only`` keeps none (SFTTrainer too, which makes them in a forward pass
+    more: refused outright under a plan of its fused LM head, ``--loss trl``, whose evaluation
+    batch holds no logits). Sequences of the plan's length, every rank's
     (gathered onto each): ``sequences x tokens x vocabulary``, in the logits' dtype. Checked
     by :func:`train_with_backoff` before training starts (halving the evaluation batch, as it
     does on running out of memory evaluating, would not shrink them).
@@ -1243,9 +1245,19 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     strategy = getattr(args, "eval_strategy", "no")
     if str(getattr(strategy, "value", strategy)) == "no":
         return
-    if getattr(trainer, "compute_metrics", None) is None or any(
-        getattr(args, name, None) for name in _EVALUATION_OFF_THE_CARD
+    if getattr(trainer, "compute_metrics", None) is None or getattr(
+        args, "prediction_loss_only", False
     ):
+        return
+    if getattr(plan.setup, "loss", "model") == "trl":
+        raise ValueError(
+            "the plan traces SFTTrainer's evaluation through its fused LM head, and with "
+            "compute_metrics SFTTrainer makes each pass's whole logits too, in a forward pass "
+            "more (TRL deprecates it), which the plan's evaluation batch would not hold: drop "
+            "compute_metrics (SFTTrainer logs its mean_token_accuracy itself), or plan with "
+            "--loss model"
+        )
+    if any(getattr(args, name, None) for name in _EVALUATION_OFF_THE_CARD):
         return
     if getattr(trainer, "preprocess_logits_for_metrics", None) is not None:
         return  # what it keeps of the logits is the user's to size
@@ -1273,7 +1285,7 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
 
 
 # Trainer's arguments under which evaluation keeps no logits on the card past a pass.
-_EVALUATION_OFF_THE_CARD = ("eval_accumulation_steps", "batch_eval_metrics", "prediction_loss_only")
+_EVALUATION_OFF_THE_CARD = ("eval_accumulation_steps", "batch_eval_metrics")
 
 
 def _evaluation_halved(args: Any, log: Callable[[str], None]) -> Any:
