@@ -957,11 +957,15 @@ def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> No
     assert with_plan(allowed, two_ranks).gradient_accumulation_steps == 1
 
 
-def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # type: ignore[no-untyped-def]
+    tmp_path, monkeypatch
+) -> None:
     """A plan with --loss trl traced SFTTrainer's fused LM head, never the whole logits: given
-    Trainer's arguments (whose loss is the model's own, over the whole logits), or SFTConfig's
-    label smoothing (SFTTrainer then takes the whole logits), with_plan refuses it in one line;
-    SFTConfig as it comes takes it."""
+    Trainer's arguments (whose loss is the model's own, over the whole logits), SFTConfig's
+    label smoothing (SFTTrainer then takes the whole logits), or a TRL without that head,
+    with_plan refuses it in one line; SFTConfig as it comes takes it."""
+    import bigbatch.memory.lm as lm_module
+
     trl = pytest.importorskip("trl")
     plan = plan_of(8, 4)
     plan.setup = LMSetup(SEQ, loss="trl")
@@ -977,6 +981,11 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(tmp_
     with pytest.raises(ValueError, match=r"smooth the labels \(label_smoothing_factor=0.1\), .*"
                                          r": plan with --loss model$"):  # fmt: skip
         with_plan(trl.SFTConfig(**sft, label_smoothing_factor=0.1), plan)
+    # Where the TRL that trains has no fused head (older than the planning machine's).
+    monkeypatch.setattr(lm_module, "_fused_lm_head", lambda: None)
+    with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and TRL .* "
+                                         r"over the whole logits: plan with --loss model"):  # fmt: skip
+        with_plan(trl.SFTConfig(**sft), plan)
 
 
 def test_with_plan_turns_checkpointing_on_as_the_plan_traced_it() -> None:

@@ -490,8 +490,9 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
 
 def _check_loss(plan: Any, args: Any) -> None:
     """Refuse a plan of TRL's fused LM head (``--loss trl``) for a run whose loss makes the
-    whole logits instead, which its micro-batch would not hold: Trainer's arguments, or
-    SFTConfig's label smoothing (SFTTrainer then takes the whole logits for it)."""
+    whole logits instead, which its micro-batch would not hold: Trainer's arguments, a TRL
+    without that head, or SFTConfig's label smoothing (SFTTrainer then takes the whole logits
+    for it)."""
     if getattr(plan.setup, "loss", "model") != "trl":
         return
     mro = [c.__name__ for c in type(args).__mro__ if c.__module__.split(".")[0] == "trl"]
@@ -502,6 +503,9 @@ def _check_loss(plan: Any, args: Any) -> None:
             f"{type(args).__name__}, whose loss is the model's own over the whole logits, "
             f"which its micro-batch would not hold: {fix}, or train with TRL's SFTTrainer"
         )
+    from bigbatch.memory.lm import _check_loss as check_this_trl
+
+    check_this_trl(plan.setup)  # the TRL that trains has the head the plan traced
     if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
         raise ValueError(
             "the plan traces TRL's fused LM head and these arguments smooth the labels "
