@@ -1,16 +1,18 @@
 """TRL's fused LM head as a CUDA card runs it, in a trace that runs on the CPU.
 
-TRL's ``SFTTrainer`` computes its loss through a fused LM head (``trl.trainer.utils.
-add_fused_lm_head``): the token log-probabilities come from ``[4096 x 32768]`` tiles of the
-logits, one at a time, never the whole ``[tokens x vocabulary]`` logits. On a card, a Triton
-kernel folds each tile into per-token statistics in place (and, in the backward, turns it into
-the logits' gradient in place); elsewhere TRL runs the same fold as torch ops, whose temporaries
-are each as large as the tile. A CUDA step is traced on CPU-placed fake tensors, where TRL would
-take its torch path: :func:`trl_kernels_as_on_a_card` has it take the card's, its two Triton
-kernels stood in for by what they allocate (nothing: they write into the tile and the per-token
-statistics TRL made). Every position is scored, as TRL does off Triton (on a card it scores only
-positions with a label, which a boolean mask selects: a shape fake tensors cannot know), so the
-trace is over by the ignored positions' rows of each tile.
+TRL's ``SFTTrainer`` computes its loss through a fused LM head (``add_fused_lm_head`` in
+``trl.trainer.utils``): the token log-probabilities come from ``[4096 x 32768]`` tiles of the
+logits, one at a time, never the whole ``[tokens x vocabulary]`` logits. On a card, a Triton kernel
+folds each tile into per-token statistics in place (and, in the backward, turns it into the logits'
+gradient in place); elsewhere TRL runs the same fold as torch ops, whose temporaries are each as
+large as the tile. A CUDA step is traced on CPU-placed fake tensors, where TRL would take its torch
+path: :func:`trl_kernels_as_on_a_card` has it take the card's, its two Triton kernels stood in for
+by what they allocate (nothing: they write into the tile and the per-token statistics TRL made), and
+its float32 accumulation of the gradients' products through cuBLAS (``addmm`` with ``out_dtype``, on
+a card only: elsewhere it copies both factors to float32 first) by nothing either. Every position is
+scored, as TRL does off Triton (on a card it scores only positions with a label, which a boolean
+mask selects: a shape fake tensors cannot know), so the trace is over by the ignored positions' rows
+of each tile.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 __all__ = ["trl_kernels_as_on_a_card"]
 
@@ -43,6 +47,17 @@ class _Cdiv:
         return -(-a // b)
 
 
+def _on_a_card(addmm_fp32: Callable[..., None]) -> Callable[..., None]:
+    """TRL's ``_addmm_fp32`` as on a card: 16-bit factors go to cuBLAS, which accumulates their
+    product into the float32 sum in place (nothing made); others as TRL runs them."""
+
+    def accumulate(acc: Any, a: Any, b: Any) -> None:
+        if a.dtype not in (torch.float16, torch.bfloat16):
+            addmm_fp32(acc, a, b)
+
+    return accumulate
+
+
 @contextlib.contextmanager
 def trl_kernels_as_on_a_card() -> Iterator[None]:
     """While entered, TRL's chunked log-probabilities (if TRL's fused head is imported) take the
@@ -57,7 +72,7 @@ def trl_kernels_as_on_a_card() -> Iterator[None]:
     if kernels is None or head is None or not hasattr(kernels, "_forward_kernel"):
         yield
         return
-    names = ("_use_triton", "_forward_kernel", "_backward_kernel", "triton")
+    names = ("_use_triton", "_forward_kernel", "_backward_kernel", "triton", "_addmm_fp32")
     with _lock:
         saved = {name: getattr(kernels, name, None) for name in names}
         head_saved = getattr(head, "_use_triton", None)
@@ -66,6 +81,8 @@ def trl_kernels_as_on_a_card() -> Iterator[None]:
             kernels._forward_kernel = kernels._backward_kernel = _InPlace()
             if saved["triton"] is None:
                 kernels.triton = _Cdiv()
+            if getattr(kernels, "_MM_OUT_DTYPE", False) and saved["_addmm_fp32"] is not None:
+                kernels._addmm_fp32 = _on_a_card(saved["_addmm_fp32"])
             if head_saved is not None:
                 head._use_triton = lambda device: False  # every position scored (see above)
             yield
