@@ -424,13 +424,17 @@ def _described(plan: Any) -> str:
     return ", ".join(x for x in (getattr(plan, "source", ""), plan.setup.describe()) if x)
 
 
+def _trl_classes(args: Any) -> list[str]:
+    """The names of TRL's classes among ``args``' own and its bases' (``["SFTConfig"]``)."""
+    return [c.__name__ for c in type(args).__mro__ if c.__module__.split(".")[0] == "trl"]
+
+
 def _check_trainer_kind(args: Any) -> None:
     """Refuse the arguments of TRL's trainers whose step is not the one a plan traces (a
     causal LM's loss over each sequence, Trainer's or SFTTrainer's): a preference pair's two
     sequences (DPO, ORPO, KTO, CPO), a reference model's forward, a reward model's head,
     generations (GRPO, RLOO, PPO) hold more than the plan has."""
-    mro = type(args).__mro__
-    from_trl = [c.__name__ for c in mro if c.__module__.split(".")[0] == "trl"]
+    from_trl = _trl_classes(args)
     if from_trl and "SFTConfig" not in from_trl:
         name = type(args).__name__
         raise ValueError(
@@ -495,9 +499,8 @@ def _check_loss(plan: Any, args: Any) -> None:
     for it)."""
     if getattr(plan.setup, "loss", "model") != "trl":
         return
-    mro = [c.__name__ for c in type(args).__mro__ if c.__module__.split(".")[0] == "trl"]
     fix = "plan with --loss model"
-    if "SFTConfig" not in mro:
+    if "SFTConfig" not in _trl_classes(args):
         raise ValueError(
             f"the plan traces TRL's fused LM head (SFTTrainer's loss) and these are "
             f"{type(args).__name__}, whose loss is the model's own over the whole logits, "
@@ -1271,8 +1274,9 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     if not sized:
         return
     tokens, vocab = plan.setup.seq_len, int(plan.vocab)
-    weights = str(getattr(plan, "weights_dtype", "") or "float32")
-    width = 4 if _plan_precision(plan) == "fp32" and weights == "float32" else 2
+    # The logits' dtype: autocast's, else the weights' (float32 where the plan names none).
+    float32 = _planned_dtype(plan) in (torch.float32, "auto")
+    width = 4 if _plan_precision(plan) == "fp32" and float32 else 2
     held = max(sized) * tokens * vocab * width
     beside = plan.eval_peak_bytes if plan.eval_peak_bytes is not None else plan.peak_bytes
     room = int(plan.usable_bytes - beside)
