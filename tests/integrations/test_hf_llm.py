@@ -38,7 +38,9 @@ from bigbatch.memory.lm import (  # noqa: E402
     lora_config,
     plan_lm,
 )
+from bigbatch.memory.measure import profiled_peak  # noqa: E402
 from bigbatch.memory.meta import build_on_meta  # noqa: E402
+from bigbatch.memory.step import make_inputs, run_step_loss  # noqa: E402
 
 VOCAB, SEQ, N, LR = 48, 10, 12, 0.5
 
@@ -962,8 +964,8 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
 ) -> None:
     """A plan with --loss trl traced SFTTrainer's fused LM head, never the whole logits: given
     Trainer's arguments (whose loss is the model's own, over the whole logits), SFTConfig's
-    label smoothing (SFTTrainer then takes the whole logits), or a TRL without that head,
-    with_plan refuses it in one line; SFTConfig as it comes takes it."""
+    label smoothing where the plan has none (SFTTrainer then takes the whole logits), or a TRL
+    without that head, with_plan refuses it in one line; SFTConfig as it comes takes it."""
     import bigbatch.memory.lm as lm_module
 
     trl = pytest.importorskip("trl")
@@ -978,14 +980,121 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
     sft = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "max_length": SEQ,
            "report_to": []}  # fmt: skip
     assert with_plan(trl.SFTConfig(**sft), plan).per_device_train_batch_size == 4
-    with pytest.raises(ValueError, match=r"smooth the labels \(label_smoothing_factor=0.1\), .*"
-                                         r": plan with --loss model$"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"^these arguments smooth the labels \(label_smoothing_"
+                                         r"factor=0.1\) and the plan does not: .*: plan with "
+                                         r"--label-smoothing 0.1$"):  # fmt: skip
         with_plan(trl.SFTConfig(**sft, label_smoothing_factor=0.1), plan)
     # Where the TRL that trains has no fused head (older than the planning machine's).
     monkeypatch.setattr(lm_module, "_fused_lm_head", lambda: None)
     with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and TRL .* "
                                          r"over the whole logits: plan with --loss model"):  # fmt: skip
         with_plan(trl.SFTConfig(**sft), plan)
+
+
+def big_batch_smoothed(model, data):  # type: ignore[no-untyped-def]
+    """One SGD step on all sequences at once through transformers' LabelSmoother (0.1): the
+    smoothed loss's mean over every predicted token."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    batch = collate(data)
+    labels = batch.pop("labels")
+    LabelSmoother(epsilon=0.1)(model(**batch), labels, shift_labels=True).backward()
+    opt.step()
+    return model
+
+
+def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Trainer's LabelSmoother divides by the window's token count (transformers >= 5.15):
+    under a plan with --label-smoothing the accumulated update is the big batch's; each
+    micro-batch's mean divided by the accumulation (the smoother of older transformers), the
+    negative control, is not. Arguments that smooth under a plan that did not, or the other
+    way round, are refused in one line."""
+    init, data = tiny_lora(), sequences()
+    want = big_batch_smoothed(copy.deepcopy(init), data)
+    plan = plan_of(N, 5)
+    with pytest.raises(ValueError, match=r"^these arguments smooth the labels .*: plan with "
+                                         r"--label-smoothing 0.1$"):  # fmt: skip
+        with_plan(trained(tmp_path, 12, 1, label_smoothing_factor=0.1), plan)
+    plan.setup = LMSetup(SEQ, label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"^the plan traces label smoothing \(0.1\) and these "
+                                         r"arguments do not smooth: set label_smoothing_factor="
+                                         r"0.1 .*, or plan without --label-smoothing$"):  # fmt: skip
+        with_plan(trained(tmp_path, 12, 1), plan)
+    args = with_plan(trained(tmp_path, 12, 1, label_smoothing_factor=0.1), plan)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+
+    def run(per_micro_batch_mean: bool = False):  # type: ignore[no-untyped-def]
+        model = copy.deepcopy(init)
+        trainer = trainer_for(model, data)(args)
+        if per_micro_batch_mean:
+            smoother = trainer.label_smoother
+
+            def mean(outputs, labels, shift_labels=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+                return smoother(outputs, labels, shift_labels=shift_labels)
+
+            trainer.label_smoother, trainer.model_accepts_loss_kwargs = mean, False
+        trainer.train()
+        return model
+
+    assert update_err(run(), want, init) < 1e-12
+    assert update_err(run(per_micro_batch_mean=True), want, init) > 0.02
+
+
+@pytest.mark.slow
+def test_a_label_smoothing_plan_allocates_what_trainer_and_sft_trainer_do(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With label_smoothing_factor Trainer takes the logits without the model's loss, handed
+    back in float32 by accelerate, and smooths them outside autocast; SFTTrainer does the same,
+    then runs its fused head without gradients for its metrics. A plan's step (--label-smoothing,
+    with --loss trl for SFTTrainer) allocates what theirs does, to 1 % (on a CPU, under
+    accelerate's bf16 autocast); a plan without smoothing is short by more than 10 %."""
+    config = transformers.LlamaConfig(
+        vocab_size=8000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+
+    def spec(**setup: Any) -> Any:
+        return lm_spec_at(config, LMSetup(seq_len=128, **setup), device="cpu", precision="bf16")(2)
+
+    plain = spec()
+    spec_of = {"model": spec(label_smoothing=0.1)}
+    if hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
+        spec_of["trl"] = spec(loss="trl", label_smoothing=0.1)
+    batch = make_inputs(spec_of["model"], "cpu")
+
+    def peak(step) -> int:  # type: ignore[no-untyped-def]
+        step()  # allocations made once (the first call's) are left out
+        return profiled_peak(step)
+
+    def planned(spec) -> int:  # type: ignore[no-untyped-def]
+        model = spec.model()
+        return peak(lambda: run_step_loss(spec, model, batch, "cpu").backward())
+
+    def theirs(trainer) -> int:  # type: ignore[no-untyped-def]
+        model = trainer.accelerator.prepare(trainer.model)
+        tokens = (batch["labels"][..., 1:] != -100).sum()
+        return peak(lambda: trainer.compute_loss(model, dict(batch), num_items_in_batch=tokens)
+                    .backward())  # fmt: skip
+
+    settings = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": True, "report_to": [],
+                "label_smoothing_factor": 0.1}  # fmt: skip
+    torch.manual_seed(0)
+    trainer = transformers.Trainer(
+        model=plain.model(), args=transformers.TrainingArguments(**settings)
+    )
+    measured = {"model": theirs(trainer)}
+    if "trl" in spec_of:
+        trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
+        data = datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}])
+        with warnings.catch_warnings():  # TRL's deprecation of label smoothing
+            warnings.simplefilter("ignore", FutureWarning)
+            sft = trl.SFTTrainer(model=plain.model(), args=trl.SFTConfig(**settings, max_length=None),
+                                 train_dataset=data, processing_class=tokenizer())  # fmt: skip
+            measured["trl"] = theirs(sft)
+    for loss, real in measured.items():
+        predicted = planned(spec_of[loss])
+        assert abs(predicted - real) <= 0.01 * real, (loss, predicted, real)
+    assert planned(plain) < 0.9 * measured["model"]
 
 
 def test_with_plan_turns_checkpointing_on_as_the_plan_traced_it() -> None:

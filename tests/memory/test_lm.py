@@ -582,6 +582,29 @@ def test_a_qlora_plan_names_the_model_to_load_where_bitsandbytes_is_missing(
     )
 
 
+def test_a_plan_with_label_smoothing_says_so_and_names_the_factor(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--label-smoothing: Trainer's LabelSmoother is planned (the fine-tune's line says so) and
+    the arguments it holds for name the factor; a factor Trainer does not take, or the flag
+    without --hf, is refused in one line."""
+    folder = write_config(tmp_path / "m", tiny().to_dict())
+    args = ["plan", "--hf", str(folder), "--seq-len", "16", "--batch", "2", "--budget", "1GB"]
+    assert main([*args, "--label-smoothing", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "16 tokens, padded, label smoothing 0.1" in out
+    assert "label_smoothing_factor=0.1" in out.splitlines()[-2]
+    assert main([*args, "--label-smoothing", "1"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "--label-smoothing must be at least 0 and below 1 (Trainer's label_smoothing_factor, "
+            "0.1 say), got 1.0"
+        )
+    )
+    assert main(["plan", "--arch", "resnet18", "--batch", "8", "--label-smoothing", "0.1"]) == 2
+    assert "--label-smoothing: for a language model's plan" in capsys.readouterr().err
+
+
 def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention() -> None:
     """A T4 (compute capability 7.5) emulates bf16, several times slower than fp16 in the same
     memory: the plan says how to train in fp16 (a full fine-tune keeps float32 weights, which

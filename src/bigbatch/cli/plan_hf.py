@@ -26,6 +26,7 @@ LM_DEFAULTS: dict[str, Any] = {
     "quant_storage": "auto",
     "qlora_prep": "peft",
     "loss": "model",
+    "label_smoothing": 0.0,
     "gradient_checkpointing": False,
     "attn": "auto",
     "packing": False,
@@ -128,6 +129,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what makes the loss: model (default: the model's own, over the whole logits, as "
         "Trainer runs it) or trl (TRL's SFTTrainer: its fused LM head, log-probabilities from "
         "tiles of the logits, never the whole of them)",
+    )
+    g.add_argument(
+        "--label-smoothing",
+        type=float,
+        metavar="EPS",
+        help="Trainer's label_smoothing_factor (0.1, say; default 0): its LabelSmoother over "
+        "the whole logits, in float32 under mixed precision (with --loss trl, SFTTrainer's "
+        "smoothing: those logits, then its fused head without gradients for its metrics)",
     )
     g.add_argument(
         "--gradient-checkpointing",
@@ -345,6 +354,7 @@ def _setup(args: argparse.Namespace, seq_len: int, world_size: int) -> Any:
         quant_storage=args.quant_storage,
         qlora_prep=args.qlora_prep,
         loss=args.loss,
+        label_smoothing=args.label_smoothing,
         gradient_checkpointing=args.gradient_checkpointing,
         attn=args.attn,
         packing=args.packing,

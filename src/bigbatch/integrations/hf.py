@@ -187,7 +187,8 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     Trainer's default where the plan holds for it, as an ``adamw`` plan does for the fused
     AdamW of transformers 5; None for one Trainer has no name for) and, where it counts on
     checkpointing (without FSDP2, whose checkpointing is accelerate's ``fsdp_config``'s),
-    ``activation_checkpointing=True`` (``gradient_checkpointing`` before transformers 5).
+    ``activation_checkpointing=True`` (``gradient_checkpointing`` before transformers 5), and
+    the ``label_smoothing_factor`` it traced, where it did (``--label-smoothing``).
 
     >>> import transformers
     >>> from bigbatch.memory.lm import LMSetup, plan_lm
@@ -212,6 +213,8 @@ def trainer_arguments(plan: Any) -> dict[str, Any]:
     }
     if plan.setup.sharded:
         said["fsdp"] = True  # FSDP2: transformers 5's default version
+    if getattr(plan.setup, "label_smoothing", 0.0):
+        said["label_smoothing_factor"] = plan.setup.label_smoothing
     return said | _checkpointing_argument(plan)
 
 
@@ -287,9 +290,11 @@ def with_plan(args: Any, plan: Any) -> Any:
     shards, FSDP where it planned DDP, weights kept gathered after each forward) or that place
     memory where it did not (DeepSpeed, CPU offload, checkpointing only every n-th layer), TRL's
     arguments that let sequences run past the plan's length (``max_length`` over ``--seq-len``:
-    the plan's micro-batch would not hold them), and arguments that compute in another precision
-    or train with another optimizer than the plan traced (:func:`trainer_arguments` names the
-    plan's): the plan would not hold for them.
+    the plan's micro-batch would not hold them), arguments that smooth the labels where the plan
+    did not (``label_smoothing_factor``: Trainer then takes the whole logits in float32) or the
+    other way round, and arguments that compute in another precision or train with another
+    optimizer than the plan traced (:func:`trainer_arguments` names the plan's): the plan would
+    not hold for them.
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -448,7 +453,8 @@ def _check_trainer_kind(args: Any) -> None:
 
 def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     """Refuse ``args`` that change the global batch or its count (:func:`_check_counts`),
-    shard otherwise, compute in another precision, or train with another optimizer, than the
+    make another loss (:func:`_check_loss`), shard otherwise, compute in another precision,
+    or train with another optimizer, than the
     plan traced, or (with ``eval_batch``) evaluate more sequences a pass than it planned (but
     the sharding, a plan without its prediction, as tests build one, is let be)."""
     _check_trainer_kind(args)
@@ -493,28 +499,46 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
 
 
 def _check_loss(plan: Any, args: Any) -> None:
-    """Refuse a plan of TRL's fused LM head (``--loss trl``) for a run whose loss makes the
-    whole logits instead, which its micro-batch would not hold: Trainer's arguments, a TRL
-    without that head, or SFTConfig's label smoothing (SFTTrainer then takes the whole logits
-    for it)."""
+    """Refuse ``args`` whose loss makes other tensors than the plan's: label smoothing where
+    the plan traced none (Trainer's LabelSmoother takes the whole logits in float32) or none
+    where it traced some, and a plan of TRL's fused LM head (``--loss trl``) for a run whose
+    loss makes the whole logits instead, which its micro-batch would not hold: Trainer's
+    arguments, or a TRL without that head."""
+    planned = getattr(plan.setup, "label_smoothing", 0.0)
+    factor = _smoothing(args)
+    if factor and not planned:
+        raise ValueError(
+            f"these arguments smooth the labels (label_smoothing_factor={factor}) and the plan "
+            "does not: Trainer's LabelSmoother takes the whole logits in float32, which its "
+            f"micro-batch would not hold: plan with --label-smoothing {factor:g}"
+        )
+    if planned and not factor:
+        raise ValueError(
+            f"the plan traces label smoothing ({planned:g}) and these arguments do not smooth: "
+            f"set label_smoothing_factor={planned:g} (trainer_arguments(plan) names it), or "
+            "plan without --label-smoothing"
+        )
     if getattr(plan.setup, "loss", "model") != "trl":
         return
-    fix = "plan with --loss model"
     if "SFTConfig" not in _trl_classes(args):
         raise ValueError(
             f"the plan traces TRL's fused LM head (SFTTrainer's loss) and these are "
             f"{type(args).__name__}, whose loss is the model's own over the whole logits, "
-            f"which its micro-batch would not hold: {fix}, or train with TRL's SFTTrainer"
+            "which its micro-batch would not hold: plan with --loss model, or train with TRL's "
+            "SFTTrainer"
         )
     from bigbatch.memory.lm import _check_loss as check_this_trl
 
     check_this_trl(plan.setup)  # the TRL that trains has the head the plan traced
-    if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
-        raise ValueError(
-            "the plan traces TRL's fused LM head and these arguments smooth the labels "
-            f"(label_smoothing_factor={args.label_smoothing_factor}), for which SFTTrainer "
-            f"takes the whole logits, which its micro-batch would not hold: {fix}"
-        )
+
+
+def _smoothing(args: Any) -> float:
+    """The label smoothing ``args`` train with: ``label_smoothing_factor``, which TRL's
+    SFTTrainer applies only to its default loss (``loss_type="nll"``)."""
+    factor = float(getattr(args, "label_smoothing_factor", 0) or 0)
+    if "SFTConfig" in _trl_classes(args) and getattr(args, "loss_type", "nll") != "nll":
+        return 0.0
+    return factor
 
 
 def _check_counts(args: Any) -> None:

@@ -154,6 +154,9 @@ class LMSetup:
     # What makes the loss (LOSSES): the model's own, over the whole logits (Trainer's), or
     # TRL's SFTTrainer's fused LM head, its log-probabilities from tiles of the logits.
     loss: str = "model"
+    # Trainer's label_smoothing_factor: over 0, its LabelSmoother takes the whole logits (and
+    # SFTTrainer, under loss="trl", then runs its fused head without gradients for the metrics).
+    label_smoothing: float = 0.0
 
     @property
     def sharded(self) -> bool:
@@ -172,6 +175,8 @@ class LMSetup:
         'LoRA r=16 (all-linear), 2048 tokens, padded, fp16 weights, FSDP2 over 4 ranks'
         >>> LMSetup(seq_len=2048, lora_r=16, world_size=4, fsdp=True).describe(table=True)
         'LoRA r=16 (all-linear), padded, FSDP2'
+        >>> LMSetup(seq_len=512, label_smoothing=0.1).describe()
+        'full fine-tune, 512 tokens, padded, label smoothing 0.1'
         """
         kind = "full fine-tune"
         if self.lora_r:
@@ -190,6 +195,8 @@ class LMSetup:
             parts.append("prepared as TRL's SFTTrainer does")
         if self.loss == "trl":
             parts.append("TRL's fused LM head")
+        if self.label_smoothing:
+            parts.append(f"label smoothing {self.label_smoothing:g}")
         if self.dtype != "auto":  # from_pretrained(..., dtype=) loads them so
             parts.append(f"{self.dtype} weights")
         if table and self.fsdp:
@@ -453,9 +460,15 @@ def check_setup(
 
 
 def _check_loss(setup: LMSetup) -> None:
-    """``--loss`` one of :data:`LOSSES`; ``trl`` where this TRL has its fused LM head."""
+    """``--loss`` one of :data:`LOSSES`; ``trl`` where this TRL has its fused LM head;
+    ``--label-smoothing`` a factor Trainer takes."""
     if setup.loss not in LOSSES:
         raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {setup.loss!r}")
+    if not 0 <= setup.label_smoothing < 1:
+        raise ValueError(
+            f"--label-smoothing must be at least 0 and below 1 (Trainer's "
+            f"label_smoothing_factor, 0.1 say), got {setup.label_smoothing}"
+        )
     if setup.loss == "trl" and _fused_lm_head() is None:
         try:
             import trl
@@ -718,6 +731,44 @@ def _fused_head_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.
     return loss
 
 
+def _smoothed_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The step as Trainer runs it with ``label_smoothing_factor``: the model's logits without
+    its loss, then transformers' LabelSmoother over them (its factor leaves the memory be)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    labels = batch["labels"]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    where = logits.device.type
+    if torch.is_autocast_enabled(where):
+        # accelerate, which Trainer runs a mixed-precision forward through, hands its 16-bit
+        # outputs back in float32 (convert_outputs_to_fp32), and the smoother runs outside its
+        # autocast: a float32 copy of the logits, and every tensor it makes of them float32.
+        logits = logits.float()
+    with torch.autocast(where, enabled=False):
+        tokens = (labels[..., 1:] != LabelSmoother.ignore_index).sum()
+        loss: torch.Tensor = LabelSmoother(epsilon=0.1)(
+            (logits,), labels, shift_labels=True, num_items_in_batch=tokens
+        )
+    return loss
+
+
+def _sft_smoothed_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The step as TRL's SFTTrainer runs it with ``label_smoothing_factor``: Trainer's smoothed
+    loss over the whole logits, then, with that loss's graph held, its fused head's forward
+    without gradients, whose outputs feed its metrics."""
+    loss = _smoothed_step(model, batch)
+    with torch.no_grad():
+        model(**batch, use_cache=False, fused_lm_head=True)
+    return loss
+
+
+def _step_of(setup: LMSetup) -> Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]:
+    """The step that makes ``setup``'s loss, as the trainer it names runs it."""
+    if setup.label_smoothing:
+        return _sft_smoothed_step if setup.loss == "trl" else _smoothed_step
+    return _fused_head_step if setup.loss == "trl" else _lm_step
+
+
 def _sharded(
     unsharded: Callable[[], nn.Module], device: str, precision: str
 ) -> Callable[[], nn.Module]:
@@ -814,7 +865,7 @@ def lm_spec_at(
             input_dtype=torch.long,
             vocab=vocab,
             name=f"{config.model_type} {setup.describe()}",
-            step=_fused_head_step if setup.loss == "trl" else _lm_step,
+            step=_step_of(setup),
             batch=batch,
             layers=stack,
         )
