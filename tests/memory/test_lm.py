@@ -1178,5 +1178,7 @@ def test_a_fused_lm_head_plan_needs_a_trl_that_has_one(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and .*: plan "
                                          r"with --loss model, or pip install -U trl$"):  # fmt: skip
         plan_lm(tiny(), LMSetup(seq_len=16, loss="trl"), 2, "8GB", device="cpu")
+    with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and "):
+        lm_spec_at(tiny(), LMSetup(seq_len=16, loss="trl"), device="cpu")  # the step alone
     with pytest.raises(ValueError, match=r"^--loss must be one of model, trl, got 'sft'$"):
         plan_lm(tiny(), LMSetup(seq_len=16, loss="sft"), 2, "8GB", device="cpu")

@@ -825,6 +825,7 @@ def lm_spec_at(
     >>> spec.batch_size, spec.input_shape, spec.name  # predict_peak(spec) predicts it
     (4, (32,), 'llama full fine-tune, 32 tokens, padded')
     """
+    _check_loss(setup)  # a step through a fused head this TRL lacks would fail mid-trace
     vocab = int(_text_config(config).vocab_size)
     length = setup.seq_len
     setup = _storage_named(setup, precision)
