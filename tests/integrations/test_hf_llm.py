@@ -425,7 +425,7 @@ def test_an_evaluation_keeping_every_passs_logits_past_the_plan_is_refused(tmp_p
 
     args = trained(tmp_path, 2, 6, eval_strategy="steps", eval_steps=1)
     why = (r"^Trainer keeps every evaluation pass's logits on the card until evaluation ends "
-           r"\(compute_metrics\): 12 sequences x 10 tokens x 152,064 vocabulary = 34.8 MiB, twice "
+           r"\(compute_metrics\): 12 sequences x 10 tokens x 152,064 vocabulary = 69.6 MiB, twice "
            r"that as it concatenates them, past the 1.0 MiB the plan leaves beside evaluating: "
            r"set eval_accumulation_steps=1 \(each pass's logits to the CPU\), or reduce them in "
            r"preprocess_logits_for_metrics \(logits.argmax\(-1\)\)$")  # fmt: skip
@@ -437,9 +437,45 @@ def test_an_evaluation_keeping_every_passs_logits_past_the_plan_is_refused(tmp_p
     trainer = make(args)
     trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
     check_evaluation_held(trainer, plan)
-    roomy = SimpleNamespace(**{**vars(plan), "eval_peak_bytes": 2**30 - 80 * 2**20})
+    roomy = SimpleNamespace(**{**vars(plan), "eval_peak_bytes": 2**30 - 150 * 2**20})
     check_evaluation_held(make(args), roomy)
     check_evaluation_held(make(trained(tmp_path, 2, 6)), plan)  # eval_strategy "no"
+
+
+def test_logits_trainer_keeps_under_mixed_precision_are_float32(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """accelerate hands a mixed-precision forward's 16-bit outputs back in float32, so Trainer
+    keeps bf16 weights' logits in float32 under bf16=True (in bf16 without it): the logits
+    check_evaluation_held counts are twice as wide under a bf16 plan as under an fp32 plan of
+    bf16 weights."""
+    seen = []
+
+    def record(logits, labels):  # type: ignore[no-untyped-def]
+        seen.append(logits.dtype)
+        return logits
+
+    for bf16 in (True, False):
+        args = trained(tmp_path, 2, 1, bf16=bf16, per_device_eval_batch_size=4)
+        trainer = transformers.Trainer(
+            model=transformers.LlamaForCausalLM(tiny_config()).bfloat16(), args=args,
+            eval_dataset=sequences()[:4], data_collator=collate,
+            compute_metrics=lambda p: {}, preprocess_logits_for_metrics=record,
+        )  # fmt: skip
+        trainer.evaluate()
+    assert seen == [torch.float32, torch.bfloat16]
+    plan = SimpleNamespace(setup=LMSetup(seq_len=SEQ), vocab=152_064, usable_bytes=2**30,
+                           eval_peak_bytes=2**30 - 2**20, peak_bytes=2**30,
+                           weights_dtype="bfloat16")  # fmt: skip
+    trainer = transformers.Trainer(
+        model=tiny_lora(), args=trained(tmp_path, 2, 6, eval_strategy="steps"),
+        eval_dataset=sequences(), compute_metrics=lambda p: {},
+    )  # fmt: skip
+    held = {}
+    for precision in ("bf16", "fp32"):
+        plan.plan = SimpleNamespace(prediction=SimpleNamespace(precision=precision))
+        with pytest.raises(ValueError, match=r"vocabulary = ") as said:
+            check_evaluation_held(trainer, plan)
+        held[precision] = str(said.value).split(" = ")[1].split(",")[0]
+    assert held == {"bf16": "69.6 MiB", "fp32": "34.8 MiB"}
 
 
 def test_sft_trainers_evaluation_with_compute_metrics_makes_the_logits_too(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1250,7 +1250,8 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     ``prediction_loss_only`` keeps none (SFTTrainer too, which makes them in a forward pass
     more: refused outright under a plan of its fused LM head, ``--loss trl``, whose evaluation
     batch holds no logits). Sequences of the plan's length, every rank's
-    (gathered onto each): ``sequences x tokens x vocabulary``, in the logits' dtype. Checked
+    (gathered onto each): ``sequences x tokens x vocabulary``, in float32 under mixed precision
+    (accelerate returns a bf16 or fp16 forward's outputs so), else in the weights' dtype. Checked
     by :func:`train_with_backoff` before training starts (halving the evaluation batch, as it
     does on running out of memory evaluating, would not shrink them).
 
@@ -1298,9 +1299,10 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     if not sized:
         return
     tokens, vocab = plan.setup.seq_len, int(plan.vocab)
-    # The logits' dtype: autocast's, else the weights' (float32 where the plan names none).
-    float32 = _planned_dtype(plan) in (torch.float32, "auto")
-    width = 4 if _plan_precision(plan) == "fp32" and float32 else 2
+    # The logits as Trainer keeps them: float32 under mixed precision (accelerate hands an
+    # autocast forward's 16-bit outputs back in float32), else in the weights' dtype.
+    sixteen_bit = _planned_dtype(plan) in (torch.float16, torch.bfloat16)
+    width = 2 if _plan_precision(plan) == "fp32" and sixteen_bit else 4
     held = max(sized) * tokens * vocab * width
     beside = plan.eval_peak_bytes if plan.eval_peak_bytes is not None else plan.peak_bytes
     room = int(plan.usable_bytes - beside)
