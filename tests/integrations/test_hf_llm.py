@@ -1083,7 +1083,8 @@ def test_a_label_smoothing_plan_allocates_what_trainer_and_sft_trainer_do(tmp_pa
     back in float32 by accelerate, and smooths them outside autocast; SFTTrainer does the same,
     then runs its fused head without gradients for its metrics. A plan's step (--label-smoothing,
     with --loss trl for SFTTrainer) allocates what theirs does, to 1 % (on a CPU, under
-    accelerate's bf16 autocast); a plan without smoothing is short by more than 10 %."""
+    accelerate's bf16 autocast), as the plan of the model's own loss does for Trainer without
+    smoothing; that plan is short of a smoothing Trainer's by more than 10 %."""
     config = transformers.LlamaConfig(
         vocab_size=8000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -1093,7 +1094,7 @@ def test_a_label_smoothing_plan_allocates_what_trainer_and_sft_trainer_do(tmp_pa
         return lm_spec_at(config, LMSetup(seq_len=128, **setup), device="cpu", precision="bf16")(2)
 
     plain = spec()
-    spec_of = {"model": spec(label_smoothing=0.1)}
+    spec_of = {"plain": plain, "model": spec(label_smoothing=0.1)}
     if hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
         spec_of["trl"] = spec(loss="trl", label_smoothing=0.1)
     batch = make_inputs(spec_of["model"], "cpu")
@@ -1119,6 +1120,11 @@ def test_a_label_smoothing_plan_allocates_what_trainer_and_sft_trainer_do(tmp_pa
         model=plain.model(), args=transformers.TrainingArguments(**settings)
     )
     measured = {"model": theirs(trainer)}
+    unsmoothed = {**settings, "label_smoothing_factor": 0.0}  # the model's own loss
+    trainer = transformers.Trainer(
+        model=plain.model(), args=transformers.TrainingArguments(**unsmoothed)
+    )
+    measured["plain"] = theirs(trainer)
     if "trl" in spec_of:
         trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
         data = datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}])
@@ -1127,10 +1133,10 @@ def test_a_label_smoothing_plan_allocates_what_trainer_and_sft_trainer_do(tmp_pa
             sft = trl.SFTTrainer(model=plain.model(), args=trl.SFTConfig(**settings, max_length=None),
                                  train_dataset=data, processing_class=tokenizer())  # fmt: skip
             measured["trl"] = theirs(sft)
+    predicted = {loss: planned(spec_of[loss]) for loss in measured}
     for loss, real in measured.items():
-        predicted = planned(spec_of[loss])
-        assert abs(predicted - real) <= 0.01 * real, (loss, predicted, real)
-    assert planned(plain) < 0.9 * measured["model"]
+        assert abs(predicted[loss] - real) <= 0.01 * real, (loss, predicted[loss], real)
+    assert predicted["plain"] < 0.9 * measured["model"]  # the plan without smoothing, for it
 
 
 def test_with_plan_turns_checkpointing_on_as_the_plan_traced_it() -> None:
