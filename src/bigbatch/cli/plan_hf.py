@@ -380,8 +380,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         said = trainer_arguments(first).items()  # None: not planned (evaluation=False)
         fields = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         said_by = (
-            "with_plan sets the sizes and checkpointing, refuses another precision, optimizer or "
-            "sharding"
+            "with_plan sets the sizes and checkpointing, refuses another precision, optimizer, loss "
+            "or sharding"
         )
         runs = "TRL's SFTTrainer" if first.setup.loss == "trl" else "Trainer or TRL"
         print(f"{runs} ({said_by}): {fields}")
