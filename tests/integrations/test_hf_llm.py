@@ -1001,7 +1001,8 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
     """A plan with --loss trl traced SFTTrainer's fused LM head, never the whole logits: given
     Trainer's arguments (whose loss is the model's own, over the whole logits), SFTConfig's
     label smoothing where the plan has none (SFTTrainer then takes the whole logits), or a TRL
-    without that head, with_plan refuses it in one line; SFTConfig as it comes takes it."""
+    without that head, with_plan refuses it in one line; SFTConfig as it comes takes it, and
+    its smoothing where the plan traced it."""
     import bigbatch.memory.lm as lm_module
 
     trl = pytest.importorskip("trl")
@@ -1020,6 +1021,11 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
                                          r"factor=0.1\) and the plan does not: .*: plan with "
                                          r"--label-smoothing 0.1$"):  # fmt: skip
         with_plan(trl.SFTConfig(**sft, label_smoothing_factor=0.1), plan)
+    # SFTTrainer smooths only its default loss (loss_type="nll"); planned with it, taken.
+    with_plan(trl.SFTConfig(**sft, label_smoothing_factor=0.1, loss_type="dft"), plan)
+    smoothed = SimpleNamespace(**{**vars(plan), "setup": LMSetup(SEQ, loss="trl",
+                                                                 label_smoothing=0.1)})  # fmt: skip
+    with_plan(trl.SFTConfig(**sft, label_smoothing_factor=0.1), smoothed)
     # Where the TRL that trains has no fused head (older than the planning machine's).
     monkeypatch.setattr(lm_module, "_fused_lm_head", lambda: None)
     with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and TRL .* "
