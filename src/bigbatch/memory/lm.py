@@ -126,7 +126,10 @@ class LMSetup:
     ``loss`` is what makes the loss: ``model``, the model's own, over the whole
     ``[tokens x vocabulary]`` logits (Trainer's); ``trl``, TRL's ``SFTTrainer`` (its fused LM
     head, in TRL versions that have ``add_fused_lm_head``): log-probabilities from tiles of
-    the logits, never the whole of them.
+    the logits, never the whole of them. ``label_smoothing`` is Trainer's
+    ``label_smoothing_factor``: over 0, its ``LabelSmoother`` over the whole logits (in float32
+    under mixed precision, as accelerate hands them back), and with ``loss="trl"`` SFTTrainer's
+    fused head after it, without gradients.
 
     >>> LMSetup(seq_len=2048, lora_r=16, quant=4, gradient_checkpointing=True).describe()
     'QLoRA 4-bit r=16 (all-linear), 2048 tokens, padded, gradient checkpointing'
