@@ -410,7 +410,8 @@ def test_an_evaluation_keeping_every_passs_logits_past_the_plan_is_refused(tmp_p
     evaluation ends (a Qwen2.5's 152,064-token vocabulary here): past the room the plan leaves
     beside evaluating, train_with_backoff refuses it in one line before training (halving the
     evaluation batch would not shrink them). Each setting that keeps them off the card, a
-    plan with room for them, and no evaluation at all are let be."""
+    plan with room for them, and no evaluation at all are let be; eval_accumulation_steps over
+    1 is counted as the passes' logits it keeps."""
     room = 2**20
     plan = SimpleNamespace(setup=LMSetup(seq_len=SEQ), vocab=152_064, global_batch=N,
                            plan=SimpleNamespace(max_micro_batch=4), usable_bytes=2**30,
@@ -440,6 +441,18 @@ def test_an_evaluation_keeping_every_passs_logits_past_the_plan_is_refused(tmp_p
     roomy = SimpleNamespace(**{**vars(plan), "eval_peak_bytes": 2**30 - 150 * 2**20})
     check_evaluation_held(make(args), roomy)
     check_evaluation_held(make(trained(tmp_path, 2, 6)), plan)  # eval_strategy "no"
+    # eval_accumulation_steps over 1 keeps that many passes' logits on the card: counted so.
+    some = SimpleNamespace(**{**vars(plan), "eval_peak_bytes": 2**30 - 100 * 2**20})
+    passes = dataclasses.replace(args, per_device_eval_batch_size=2, eval_accumulation_steps=3)
+    with pytest.raises(ValueError, match=r"^Trainer keeps 3 evaluation passes' logits on the "
+                                         r"card at a time \(compute_metrics, eval_accumulation_"
+                                         r"steps=3\): 6 sequences x 10 tokens x 152,064 "
+                                         r"vocabulary = 34.8 MiB, twice that"):  # fmt: skip
+        check_evaluation_held(make(passes), plan)
+    check_evaluation_held(make(passes), some)  # 69.6 MiB of 100
+    with pytest.raises(ValueError, match=r"^Trainer keeps every evaluation pass's logits .* = "
+                                         r"69.6 MiB, twice that"):  # fmt: skip
+        check_evaluation_held(make(args), some)  # all 12 sequences: 139.2 MiB of 100
 
 
 def test_logits_trainer_keeps_under_mixed_precision_are_float32(tmp_path) -> None:  # type: ignore[no-untyped-def]

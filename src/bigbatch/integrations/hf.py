@@ -1241,19 +1241,19 @@ def train_with_backoff(
 
 
 def check_evaluation_held(trainer: Any, plan: Any) -> None:
-    """Refuse a ``Trainer`` that would keep every evaluation pass's logits on the card until
-    its evaluation ends, past the room ``plan`` leaves beside evaluating (its usable memory
-    less its evaluation peak): with ``compute_metrics``, Trainer concatenates each pass's
-    logits onto the ones before (both copies alive at each concatenation), unless
-    ``eval_accumulation_steps`` moves them to the CPU, ``preprocess_logits_for_metrics``
-    reduces them, ``batch_eval_metrics`` computes the metrics a pass at a time, or
-    ``prediction_loss_only`` keeps none (SFTTrainer too, which makes them in a forward pass
-    more: refused outright under a plan of its fused LM head, ``--loss trl``, whose evaluation
-    batch holds no logits). Sequences of the plan's length, every rank's
-    (gathered onto each): ``sequences x tokens x vocabulary``, in float32 under mixed precision
-    (accelerate returns a bf16 or fp16 forward's outputs so), else in the weights' dtype. Checked
-    by :func:`train_with_backoff` before training starts (halving the evaluation batch, as it
-    does on running out of memory evaluating, would not shrink them).
+    """Refuse a ``Trainer`` that would keep every evaluation pass's logits on the card until its
+    evaluation ends, past the room ``plan`` leaves beside evaluating (its usable memory less its
+    evaluation peak): with ``compute_metrics``, Trainer concatenates each pass's logits onto the
+    ones before (both copies alive at each concatenation), unless ``eval_accumulation_steps=1``
+    moves each pass's to the CPU (a larger one keeps that many passes' on the card, which are
+    counted), ``preprocess_logits_for_metrics`` reduces them, ``batch_eval_metrics`` computes
+    the metrics a pass at a time, or ``prediction_loss_only`` keeps none (SFTTrainer too, which
+    makes them in a forward pass more: refused outright under a plan of its fused LM head,
+    ``--loss trl``, whose evaluation batch holds no logits). Sequences of the plan's length,
+    every rank's (gathered onto each): ``sequences x tokens x vocabulary``, in float32 under
+    mixed precision (accelerate returns a bf16 or fp16 forward's outputs so), else in the
+    weights' dtype. Checked by :func:`train_with_backoff` before training starts (halving the
+    evaluation batch, as it does on running out of memory evaluating, would not shrink them).
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -1289,8 +1289,9 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
             "compute_metrics (SFTTrainer logs its mean_token_accuracy itself), or plan with "
             "--loss model"
         )
-    if any(getattr(args, name, None) for name in _EVALUATION_OFF_THE_CARD):
-        return
+    steps = int(getattr(args, "eval_accumulation_steps", None) or 0)
+    if getattr(args, "batch_eval_metrics", False) or steps == 1:
+        return  # a pass's logits at a time, which the plan's evaluation peak holds
     if getattr(trainer, "preprocess_logits_for_metrics", None) is not None:
         return  # what it keeps of the logits is the user's to size
     datasets = getattr(trainer, "eval_dataset", None)
@@ -1298,19 +1299,19 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     sized = [len(d) for d in datasets if d is not None and hasattr(d, "__len__")]
     if not sized:
         return
+    sequences, kept = _logits_kept(args, max(sized), steps)
     tokens, vocab = plan.setup.seq_len, int(plan.vocab)
     # The logits as Trainer keeps them: float32 under mixed precision (accelerate hands an
     # autocast forward's 16-bit outputs back in float32), else in the weights' dtype.
     sixteen_bit = _planned_dtype(plan) in (torch.float16, torch.bfloat16)
     width = 2 if _plan_precision(plan) == "fp32" and sixteen_bit else 4
-    held = max(sized) * tokens * vocab * width
+    held = sequences * tokens * vocab * width
     beside = plan.eval_peak_bytes if plan.eval_peak_bytes is not None else plan.peak_bytes
     room = int(plan.usable_bytes - beside)
     if 2 * held <= room:
         return
     raise ValueError(
-        "Trainer keeps every evaluation pass's logits on the card until evaluation ends "
-        f"(compute_metrics): {max(sized)} sequences x {tokens} tokens x {vocab:,} vocabulary "
+        f"Trainer keeps {kept}: {sequences} sequences x {tokens} tokens x {vocab:,} vocabulary "
         f"= {format_bytes(held)}, twice that as it concatenates them, past the "
         f"{format_bytes(max(room, 0))} the plan leaves beside evaluating: set "
         "eval_accumulation_steps=1 (each pass's logits to the CPU), or reduce them in "
@@ -1318,8 +1319,19 @@ def check_evaluation_held(trainer: Any, plan: Any) -> None:
     )
 
 
-# Trainer's arguments under which evaluation keeps no logits on the card past a pass.
-_EVALUATION_OFF_THE_CARD = ("eval_accumulation_steps", "batch_eval_metrics")
+def _logits_kept(args: Any, sequences: int, steps: int) -> tuple[int, str]:
+    """How many of the evaluation's ``sequences`` Trainer keeps the logits of on the card at
+    once, and what keeps them: all of them, or ``eval_accumulation_steps`` passes' (``steps``),
+    each pass's gathered from every rank, where those are fewer."""
+    at_a_time = steps * _eval_batch(args) * _ranks(args)
+    if steps and at_a_time < sequences:
+        return at_a_time, (
+            f"{steps} evaluation passes' logits on the card at a time (compute_metrics, "
+            f"eval_accumulation_steps={steps})"
+        )
+    return sequences, (
+        "every evaluation pass's logits on the card until evaluation ends (compute_metrics)"
+    )
 
 
 def _evaluation_halved(args: Any, log: Callable[[str], None]) -> Any:
