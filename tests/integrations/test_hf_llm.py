@@ -1059,7 +1059,7 @@ def big_batch_smoothed(model, data):  # type: ignore[no-untyped-def]
     return model
 
 
-def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Trainer's LabelSmoother divides by the window's token count (transformers >= 5.15):
     under a plan with --label-smoothing the accumulated update is the big batch's; each
     micro-batch's mean divided by the accumulation (the smoother of older transformers), the
@@ -1094,6 +1094,25 @@ def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path) -> No
 
     assert update_err(run(), want, init) < 1e-12
     assert update_err(run(per_micro_batch_mean=True), want, init) > 0.02
+    # transformers before 5.15: the smoother divides each micro-batch by its own token count,
+    # which no setting makes exact: refused; the step is still planned.
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    import bigbatch.memory.lm as lm_module
+
+    current = LabelSmoother.__call__
+
+    def older(self, model_output, labels, shift_labels=False):  # type: ignore[no-untyped-def]
+        return current(self, model_output, labels, shift_labels=shift_labels)
+
+    monkeypatch.setattr(LabelSmoother, "__call__", older)
+    with pytest.raises(ValueError, match=r"^these arguments smooth the labels \(label_smoothing_"
+                                         r"factor=0.1\), and the LabelSmoother of transformers "
+                                         r".* divides each micro-batch by its own token count, .*"
+                                         r": pip install 'transformers>=5.15', or set "
+                                         r"label_smoothing_factor=0$"):  # fmt: skip
+        with_plan(trained(tmp_path, 12, 1, label_smoothing_factor=0.1), plan)
+    lm_module._smoothed_step(copy.deepcopy(init), collate(data[:2])).backward()
 
 
 @pytest.mark.slow

@@ -454,9 +454,9 @@ def _check_trainer_kind(args: Any) -> None:
 def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     """Refuse ``args`` that change the global batch or its count (:func:`_check_counts`),
     make another loss (:func:`_check_loss`), shard otherwise, compute in another precision,
-    or train with another optimizer, than the
-    plan traced, or (with ``eval_batch``) evaluate more sequences a pass than it planned (but
-    the sharding, a plan without its prediction, as tests build one, is let be)."""
+    or train with another optimizer, than the plan traced, or (with ``eval_batch``) evaluate
+    more sequences a pass than it planned (but the sharding, a plan without its prediction, as
+    tests build one, is let be)."""
     _check_trainer_kind(args)
     _check_counts(args)
     _check_loss(plan, args)
@@ -499,13 +499,27 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
 
 
 def _check_loss(plan: Any, args: Any) -> None:
-    """Refuse ``args`` whose loss makes other tensors than the plan's: label smoothing where
-    the plan traced none (Trainer's LabelSmoother takes the whole logits in float32) or none
-    where it traced some, and a plan of TRL's fused LM head (``--loss trl``) for a run whose
-    loss makes the whole logits instead, which its micro-batch would not hold: Trainer's
-    arguments, or a TRL without that head."""
+    """Refuse ``args`` whose loss is not the big batch's under accumulation (label smoothing in
+    a transformers whose LabelSmoother divides each micro-batch by its own token count) or
+    makes other tensors than the plan's: label smoothing where the plan traced none (Trainer's
+    LabelSmoother takes the whole logits in float32) or none where it traced some, and a plan
+    of TRL's fused LM head (``--loss trl``) for a run whose loss makes the whole logits
+    instead, which its micro-batch would not hold: Trainer's arguments, or a TRL without that
+    head."""
+    from bigbatch.memory.lm import _check_loss as check_this_trl
+    from bigbatch.memory.lm import _smoother_counts_tokens
+
     planned = getattr(plan.setup, "label_smoothing", 0.0)
     factor = _smoothing(args)
+    if factor and not _smoother_counts_tokens():
+        import transformers
+
+        raise ValueError(
+            f"these arguments smooth the labels (label_smoothing_factor={factor}), and the "
+            f"LabelSmoother of transformers {transformers.__version__} divides each "
+            "micro-batch by its own token count, so the accumulated update is not the big "
+            "batch's: pip install 'transformers>=5.15', or set label_smoothing_factor=0"
+        )
     if factor and not planned:
         raise ValueError(
             f"these arguments smooth the labels (label_smoothing_factor={factor}) and the plan "
@@ -527,8 +541,6 @@ def _check_loss(plan: Any, args: Any) -> None:
             "which its micro-batch would not hold: plan with --loss model, or train with TRL's "
             "SFTTrainer"
         )
-    from bigbatch.memory.lm import _check_loss as check_this_trl
-
     check_this_trl(plan.setup)  # the TRL that trains has the head the plan traced
 
 

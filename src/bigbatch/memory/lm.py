@@ -747,12 +747,27 @@ def _smoothed_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
         # outputs back in float32 (convert_outputs_to_fp32), and the smoother runs outside its
         # autocast: a float32 copy of the logits, and every tensor it makes of them float32.
         logits = logits.float()
+    counted = {}
+    if _smoother_counts_tokens():
+        counted["num_items_in_batch"] = (labels[..., 1:] != LabelSmoother.ignore_index).sum()
     with torch.autocast(where, enabled=False):
-        tokens = (labels[..., 1:] != LabelSmoother.ignore_index).sum()
         loss: torch.Tensor = LabelSmoother(epsilon=0.1)(
-            (logits,), labels, shift_labels=True, num_items_in_batch=tokens
+            (logits,), labels, shift_labels=True, **counted
         )
     return loss
+
+
+def _smoother_counts_tokens() -> bool:
+    """Whether Trainer's LabelSmoother divides by the window's token count Trainer hands it
+    (``num_items_in_batch``, transformers 5.15 and later), as an exact accumulation needs;
+    before, it divides each micro-batch by its own.
+
+    >>> _smoother_counts_tokens()  # transformers 5.23 here
+    True
+    """
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    return "num_items_in_batch" in inspect.signature(LabelSmoother.__call__).parameters
 
 
 def _sft_smoothed_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
