@@ -582,16 +582,25 @@ def test_a_qlora_plan_names_the_model_to_load_where_bitsandbytes_is_missing(
     )
 
 
-def test_a_plan_with_label_smoothing_says_so_and_names_the_factor(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """--label-smoothing: Trainer's LabelSmoother is planned (the fine-tune's line says so) and
-    the arguments it holds for name the factor; a factor Trainer does not take, or the flag
-    without --hf, is refused in one line."""
-    folder = write_config(tmp_path / "m", tiny().to_dict())
-    args = ["plan", "--hf", str(folder), "--seq-len", "16", "--batch", "2", "--budget", "1GB"]
+@pytest.mark.slow
+def test_a_plan_says_what_its_loss_makes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Where the logits are a tenth of the peak or more, a plan of the model's own loss points
+    SFTTrainer's users to --loss trl, whose plan holds no logits (its parts say none);
+    --label-smoothing is planned (the fine-tune's line says so) and the arguments it holds for
+    name the factor. A factor Trainer does not take, or the flag without --hf, is refused in
+    one line."""
+    folder = write_config(tmp_path / "m", {**tiny().to_dict(), "vocab_size": 32_000})
+    args = ["plan", "--hf", str(folder), "--seq-len", "128", "--batch", "4", "--budget", "4GB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[3].startswith("For TRL's SFTTrainer, plan with --loss trl: its fused LM head ")
+    assert main([*args, "--loss", "trl"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "logits" not in out[1] and not out[3].startswith("For TRL's")
     assert main([*args, "--label-smoothing", "0.1"]) == 0
-    out = capsys.readouterr().out
-    assert "16 tokens, padded, label smoothing 0.1" in out
-    assert "label_smoothing_factor=0.1" in out.splitlines()[-2]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("128 tokens, padded, label smoothing 0.1")
+    assert out[2].endswith(", label_smoothing_factor=0.1") and not out[3].startswith("For TRL")
     assert main([*args, "--label-smoothing", "1"]) == 2
     assert (
         capsys.readouterr()

@@ -1124,7 +1124,8 @@ class LMPlan:
     def parts(self) -> dict[str, int]:
         """The peak's parts: the base and adapter weights, gradients, optimizer state,
         activations, temporaries (of which ``logits``: the micro-batch's logits and the
-        float32 copy the loss makes), the allocator's cache; per rank."""
+        float32 copy the loss makes; none through TRL's fused LM head, which never makes them
+        whole), the allocator's cache; per rank."""
         p = self.plan.prediction
         parts = p.parts()
         weights = parts.pop("parameters")
@@ -1132,6 +1133,8 @@ class LMPlan:
         adapters = min(weights, self.sizes.trainable // ranks) if self.setup.lora_r else 0
         tokens = self.micro_batch * self.setup.seq_len
         logits = tokens * self.vocab * (2 + 4 if p.precision != "fp32" else 4)
+        if self.setup.loss == "trl" and not self.setup.label_smoothing:
+            logits = 0
         return {
             "weights": weights - adapters,
             "adapters": adapters,
