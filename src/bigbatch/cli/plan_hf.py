@@ -392,7 +392,7 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
             print(
                 f"For TRL's SFTTrainer, plan with --loss trl: its fused LM head (TRL versions "
                 f"with add_fused_lm_head) makes none of the {format_bytes(logits)} of logits "
-                "this plan holds, and takes a larger micro-batch"
+                "this plan holds, and may take a larger micro-batch"
             )
         model = _model_fields(first)
         attn = model.pop("attn_implementation")
