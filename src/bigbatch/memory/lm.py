@@ -76,6 +76,7 @@ from bigbatch.memory.step import StepSpec
 
 __all__ = [
     "ATTENTIONS",
+    "LOSSES",
     "QLORA_PREPS",
     "QUANT_STORAGES",
     "LMPlan",
