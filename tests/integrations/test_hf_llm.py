@@ -99,15 +99,23 @@ def big_batch(model, data):  # type: ignore[no-untyped-def]
     return model
 
 
-def big_batch_adamw(model, data, steps: int):  # type: ignore[no-untyped-def]
+def big_batch_adamw(model, data, steps: int, smoothing: float = 0.0):  # type: ignore[no-untyped-def]
     """``steps`` AdamW steps (decoupled weight decay 0.1, Trainer's betas and eps) on all the
-    sequences at once: Trainer's run over ``steps`` epochs of one window each."""
+    sequences at once: Trainer's run over ``steps`` epochs of one window each; with
+    ``smoothing``, the loss is transformers' LabelSmoother's mean over every predicted token."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=LR / 50, weight_decay=0.1,
         betas=(0.9, 0.999), eps=1e-8,
     )  # fmt: skip
     for _ in range(steps):
-        model(**collate(data)).loss.backward()
+        batch = collate(data)
+        if smoothing:
+            labels = batch.pop("labels")
+            LabelSmoother(smoothing)(model(**batch), labels, shift_labels=True).backward()
+        else:
+            model(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model
@@ -1046,27 +1054,17 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
         with_plan(trl.SFTConfig(**sft), plan)
 
 
-def big_batch_smoothed(model, data):  # type: ignore[no-untyped-def]
-    """One SGD step on all sequences at once through transformers' LabelSmoother (0.1): the
-    smoothed loss's mean over every predicted token."""
-    from transformers.trainer_pt_utils import LabelSmoother
-
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    batch = collate(data)
-    labels = batch.pop("labels")
-    LabelSmoother(epsilon=0.1)(model(**batch), labels, shift_labels=True).backward()
-    opt.step()
-    return model
-
-
 def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Trainer's LabelSmoother divides by the window's token count (transformers >= 5.15):
-    under a plan with --label-smoothing the accumulated update is the big batch's; each
-    micro-batch's mean divided by the accumulation (the smoother of older transformers), the
-    negative control, is not. Arguments that smooth under a plan that did not, or the other
-    way round, are refused in one line."""
+    under a plan with --label-smoothing the accumulated updates are the big batch's (AdamW
+    with weight decay over three steps, every adapter tensor compared, the frozen base left
+    without gradients and as it was); each micro-batch's mean divided by the accumulation (the
+    smoother of older transformers), the negative control, is not. Arguments that smooth under
+    a plan that did not, or the other way round, are refused in one line."""
     init, data = tiny_lora(), sequences()
-    want = big_batch_smoothed(copy.deepcopy(init), data)
+    want = big_batch_adamw(copy.deepcopy(init), data, steps=3, smoothing=0.1)
+    adamw = {"optim": "adamw_torch", "weight_decay": 0.1, "learning_rate": LR / 50,
+             "num_train_epochs": 3, "label_smoothing_factor": 0.1}  # fmt: skip
     plan = plan_of(N, 5)
     with pytest.raises(ValueError, match=r"^these arguments smooth the labels .*: plan with "
                                          r"--label-smoothing 0.1$"):  # fmt: skip
@@ -1076,7 +1074,7 @@ def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path, monke
                                          r"arguments do not smooth: set label_smoothing_factor="
                                          r"0.1 .*, or plan without --label-smoothing$"):  # fmt: skip
         with_plan(trained(tmp_path, 12, 1), plan)
-    args = with_plan(trained(tmp_path, 12, 1, label_smoothing_factor=0.1), plan)
+    args = with_plan(trained(tmp_path, 12, 1, **adamw), plan)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
 
     def run(per_micro_batch_mean: bool = False):  # type: ignore[no-untyped-def]
@@ -1092,7 +1090,11 @@ def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path, monke
         trainer.train()
         return model
 
-    assert update_err(run(), want, init) < 1e-12
+    got = run()
+    assert update_err(got, want, init) < 1e-12
+    for g, i in zip(got.parameters(), init.parameters(), strict=True):
+        if not i.requires_grad:
+            assert g.grad is None and torch.equal(g, i)
     assert update_err(run(per_micro_batch_mean=True), want, init) > 0.02
     # transformers before 5.15: the smoother divides each micro-batch by its own token count,
     # which no setting makes exact: refused; the step is still planned.
