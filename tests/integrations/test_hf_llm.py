@@ -23,6 +23,7 @@ from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     check_evaluation_held,
     check_plan_matches,
+    check_trainer,
     model_arguments,
     quantization_arguments,
     train_with_backoff,
@@ -541,6 +542,90 @@ def test_sft_trainers_evaluation_with_compute_metrics_makes_the_logits_too(tmp_p
                        r"mean_token_accuracy itself\), or plan with --loss model$"):  # fmt: skip
         check_evaluation_held(sft(eval_accumulation_steps=1), fused)
     check_evaluation_held(sft(compute_metrics=None), fused)
+
+
+@pytest.mark.slow
+def test_sft_trainers_compute_loss_func_takes_the_whole_logits_refused_under_a_fused_plan(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    """SFTTrainer given compute_loss_func hands it the model's whole logits (measured: one
+    micro-batch's [sequences, tokens, vocabulary]), which a plan of its fused LM head (--loss
+    trl) never holds: check_trainer, and train_with_backoff before a step, refuse it in one
+    line; without the function, or under a plan of the model's own loss, let be."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    if not hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head")
+    fused = SimpleNamespace(setup=LMSetup(seq_len=SEQ, loss="trl"), peak_bytes=2**30)
+    whole = SimpleNamespace(**{**vars(fused), "setup": LMSetup(seq_len=SEQ)})
+    data = datasets.Dataset.from_list([{"input_ids": i["input_ids"].tolist()} for i in sequences()])
+    shapes: list[tuple[int, ...]] = []
+
+    def loss(outputs, labels, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+        shapes.append(tuple(outputs.logits.shape))
+        return outputs.logits.sum() * 0
+
+    def sft(compute_loss_func=loss, callbacks=()):  # type: ignore[no-untyped-def]
+        config = trl.SFTConfig(
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
+            bf16=False, max_length=None, report_to=[], disable_tqdm=True, save_strategy="no",
+            dataloader_num_workers=0,
+        )  # fmt: skip
+        with warnings.catch_warnings():  # TRL's deprecation of compute_loss_func
+            warnings.simplefilter("ignore", FutureWarning)
+            return trl.SFTTrainer(model=tiny_lora(), args=config, train_dataset=data,
+                                  processing_class=tokenizer(), callbacks=list(callbacks),
+                                  compute_loss_func=compute_loss_func)  # fmt: skip
+
+    sft().train()
+    assert len(shapes) == 1 and shapes[0][0] == 4 and shapes[0][2] == VOCAB  # the whole logits
+    said = (r"^the plan traces SFTTrainer's fused LM head, and with compute_loss_func SFTTrainer "
+            r"hands that function the model's whole logits .*: drop compute_loss_func .*, or plan "
+            r"with --loss model$")  # fmt: skip
+    with pytest.raises(ValueError, match=said):
+        check_trainer(sft(), fused)
+    budget = MemoryBudget(2**40, plan=fused)
+    with pytest.raises(ValueError, match=said):
+        train_with_backoff(lambda args: sft(callbacks=[budget]), sft().args)
+    assert len(shapes) == 1  # refused before a step
+    check_trainer(sft(compute_loss_func=None), fused)
+    check_trainer(sft(), whole)
+
+
+def test_a_plan_of_the_models_loss_for_sft_trainer_says_what_its_fused_head_frees(
+    monkeypatch, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """A plan of the model's own loss holds for SFTTrainer, whose fused LM head makes none of
+    its logits: where they are a tenth of the peak or more, MemoryBudget says so as training
+    begins, with the fix (--loss trl); not for Trainer's arguments, SFTTrainer's smoothed loss
+    (the whole logits), logits under a tenth, or a TRL without that head."""
+    import logging
+
+    import bigbatch.memory.lm as lm_module
+
+    trl = pytest.importorskip("trl")
+    if not hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
+        pytest.skip("this TRL has no fused LM head")
+    sft = {"output_dir": "unused", "use_cpu": True, "bf16": False, "report_to": []}
+
+    def said(args, frees: int = 3 * 2**30) -> list[str]:  # type: ignore[no-untyped-def]
+        plan = SimpleNamespace(setup=LMSetup(SEQ), peak_bytes=2**34,
+                               logits_a_fused_head_frees=lambda: frees)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bigbatch"):
+            MemoryBudget(2**40, plan=plan).on_train_begin(args, None, None)
+        return [r.getMessage() for r in caplog.records]
+
+    assert said(trl.SFTConfig(**sft)) == [
+        "the plan holds 3.00 GiB of logits that SFTTrainer's fused LM head never makes: it "
+        'fits, with that much unused; plan with --loss trl (loss="trl" in Python) to give the '
+        "micro-batch that room"
+    ]
+    assert said(SimpleNamespace(device=torch.device("cpu"), bf16=False)) == []  # Trainer's
+    assert said(trl.SFTConfig(**sft, label_smoothing_factor=0.1)) == []
+    assert said(trl.SFTConfig(**sft), frees=0) == []
+    monkeypatch.setattr(lm_module, "_fused_lm_head", lambda: None)
+    assert said(trl.SFTConfig(**sft)) == []
 
 
 def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(

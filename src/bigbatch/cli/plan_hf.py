@@ -385,10 +385,8 @@ def _print(args: argparse.Namespace, rows: list[Any]) -> None:
         )
         runs = "TRL's SFTTrainer" if first.setup.loss == "trl" else "Trainer or TRL"
         print(f"{runs} ({said_by}): {fields}")
-        logits = first.parts()["logits"]
-        unsmoothed = first.setup.loss == "model" and not first.setup.label_smoothing
-        # The model's loss holds for SFTTrainer too, with room it would leave unused.
-        if unsmoothed and logits >= 0.1 * first.peak_bytes:
+        logits = first.logits_a_fused_head_frees()
+        if logits:
             print(
                 f"For TRL's SFTTrainer, plan with --loss trl: its fused LM head (TRL versions "
                 f"with add_fused_lm_head) makes none of the {format_bytes(logits)} of logits "

@@ -45,6 +45,7 @@ __all__ = [
     "MemoryBudget",
     "check_evaluation_held",
     "check_plan_matches",
+    "check_trainer",
     "model_arguments",
     "quantization_arguments",
     "refit_sizes",
@@ -817,6 +818,8 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
                 "--precision fp16) trains at the card's speed",
                 describe_device(device),
             )
+        if self.plan is not None:
+            _note_logits_unmade(self.plan, args)
         capped = cap_cuda_allocator(args.device, self.cap_bytes)
         self._before = None if capped is None else capped[1]
         reset_peak_memory(args.device)
@@ -1171,6 +1174,58 @@ def refit_sizes(
     return trainer_batch_sizes(share, largest)
 
 
+def _note_logits_unmade(plan: Any, args: Any) -> None:
+    """Say, as training begins, where ``SFTTrainer``'s fused LM head will make none of the
+    logits a plan of the model's own loss holds for it (a tenth of its peak or more: room the
+    micro-batch could have), as ``bigbatch plan`` says when it plans."""
+    from bigbatch.memory.budget import format_bytes
+    from bigbatch.memory.lm import _fused_lm_head
+
+    frees = getattr(plan, "logits_a_fused_head_frees", None)
+    if "SFTConfig" not in _trl_classes(args) or frees is None or _smoothing(args):
+        return  # Trainer's loss, or SFTTrainer's smoothed one, makes the whole logits
+    logits = frees()
+    if logits and _fused_lm_head() is not None:
+        logging.getLogger("bigbatch").warning(
+            "the plan holds %s of logits that SFTTrainer's fused LM head never makes: it fits, "
+            'with that much unused; plan with --loss trl (loss="trl" in Python) to give the '
+            "micro-batch that room",
+            format_bytes(logits),
+        )
+
+
+def check_trainer(trainer: Any, plan: Any) -> None:
+    """Refuse, in one line with the fix, a built ``trainer`` that would hold more than ``plan``
+    traced in what its arguments do not show: ``SFTTrainer`` given ``compute_loss_func`` under
+    a plan of its fused LM head (``--loss trl``: the function takes the model's whole logits,
+    which the plan's micro-batch would not hold), and an evaluation keeping every pass's logits
+    (:func:`check_evaluation_held`). :func:`train_with_backoff` checks each trainer it builds;
+    call it before ``trainer.train()`` of your own.
+
+    >>> from types import SimpleNamespace
+    >>> from bigbatch.memory.lm import LMSetup
+    >>> plan = SimpleNamespace(setup=LMSetup(seq_len=2048, loss="trl"))
+    >>> trainer = SimpleNamespace(args=SimpleNamespace(), compute_loss_func=len)  # SFTTrainer's
+    >>> check_trainer(trainer, plan)
+    Traceback (most recent call last):
+    ...
+    ValueError: the plan traces SFTTrainer's fused LM head, and with compute_loss_func ...
+    >>> trainer.compute_loss_func = None
+    >>> check_trainer(trainer, plan)
+    """
+    if plan is None:
+        return
+    fused = getattr(plan.setup, "loss", "model") == "trl"
+    if fused and getattr(trainer, "compute_loss_func", None) is not None:
+        raise ValueError(
+            "the plan traces SFTTrainer's fused LM head, and with compute_loss_func SFTTrainer "
+            "hands that function the model's whole logits (TRL deprecates it), which the plan's "
+            "micro-batch would not hold: drop compute_loss_func (SFTTrainer's own loss is exact "
+            "over token counts), or plan with --loss model"
+        )
+    check_evaluation_held(trainer, plan)
+
+
 def _budgets(trainer: Any) -> list[MemoryBudget]:
     handler = getattr(trainer, "callback_handler", None)
     return [c for c in getattr(handler, "callbacks", []) if isinstance(c, MemoryBudget)]
@@ -1223,7 +1278,7 @@ def train_with_backoff(
             trainer = make_trainer(args)
             for budget in _budgets(trainer):
                 budget.checked = budget.checked or shrunk  # no growing back after an OOM
-                check_evaluation_held(trainer, budget.plan)
+                check_trainer(trainer, budget.plan)
             folder = args.output_dir
             checkpoint = get_last_checkpoint(folder) if os.path.isdir(folder) else None
             result = trainer.train(resume_from_checkpoint=checkpoint)

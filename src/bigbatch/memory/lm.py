@@ -1144,6 +1144,16 @@ class LMPlan:
             "per_rank": self.per_rank_extra_bytes,
         }
 
+    def logits_a_fused_head_frees(self) -> int:
+        """The bytes of logits this plan of the model's own loss holds (unsmoothed) that TRL's
+        ``SFTTrainer``, through its fused LM head, never makes, where they are a tenth of the
+        peak or more, else 0: what a plan with ``--loss trl`` would give the micro-batch. Such
+        a plan holds for ``SFTTrainer`` too, with that much unused."""
+        if self.setup.loss != "model" or self.setup.label_smoothing:
+            return 0
+        logits = self.parts()["logits"]
+        return logits if logits >= 0.1 * self.peak_bytes else 0
+
     def save(self, path: str | Path) -> Path:
         """Write the plan to ``path`` as JSON (whole or not at all, readable by all), for
         :meth:`load` where the model trains: plan once, on any machine, and let the training
