@@ -628,6 +628,32 @@ def test_a_plan_of_the_models_loss_for_sft_trainer_says_what_its_fused_head_free
     assert said(trl.SFTConfig(**sft)) == []
 
 
+def test_kernels_the_plan_did_not_trace_are_said_when_training_begins(caplog) -> None:  # type: ignore[no-untyped-def]
+    """torch_compile (Inductor's kernels) and use_liger_kernel (Liger's) run other kernels than
+    the plan traced: MemoryBudget under a plan says so as training begins, naming what holds
+    them (the first steps' measurement); eager transformers layers, or no plan, say nothing."""
+    import logging
+
+    plan = SimpleNamespace(setup=LMSetup(SEQ), peak_bytes=2**30)
+    for flags, budget, said in [
+        ({"torch_compile": True}, MemoryBudget(2**40, plan=plan), "torch_compile=True"),
+        ({"torch_compile": True, "use_liger_kernel": True}, MemoryBudget(2**40, plan=plan),
+         "torch_compile=True and use_liger_kernel=True"),
+        ({}, MemoryBudget(2**40, plan=plan), None),
+        ({"use_liger_kernel": True}, MemoryBudget(2**40), None),
+    ]:  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bigbatch"):
+            args = SimpleNamespace(device=torch.device("cpu"), bf16=False, **flags)
+            budget.on_train_begin(args, None, None)
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == ([] if said is None else [
+            f"{said} runs other kernels than the plan traced (transformers' own layers, eager), "
+            "whose memory it does not model: MemoryBudget's measurement of the first steps "
+            "refits the micro-batch to what they hold (on a GPU)"
+        ])  # fmt: skip
+
+
 def test_a_rank_out_of_memory_evaluating_hands_the_halved_evaluation_batch_over(
     tmp_path,
     monkeypatch,  # type: ignore[no-untyped-def]

@@ -820,6 +820,7 @@ class MemoryBudget(_trainer_callback_base()):  # type: ignore[misc]
             )
         if self.plan is not None:
             _note_logits_unmade(self.plan, args)
+            _note_kernels_unplanned(args)
         capped = cap_cuda_allocator(args.device, self.cap_bytes)
         self._before = None if capped is None else capped[1]
         reset_peak_memory(args.device)
@@ -1191,6 +1192,25 @@ def _note_logits_unmade(plan: Any, args: Any) -> None:
             'with that much unused; plan with --loss trl (loss="trl" in Python) to give the '
             "micro-batch that room",
             format_bytes(logits),
+        )
+
+
+def _note_kernels_unplanned(args: Any) -> None:
+    """Say, as training begins, where ``args`` run other kernels than the plan traced
+    (transformers' own layers, run eagerly): Inductor's under ``torch_compile``, Liger's under
+    ``use_liger_kernel`` (Trainer's takes the loss too, without the whole logits). Neither is
+    modelled, in either direction; the first steps' measurement is what holds them."""
+    ran = [
+        f"{flag}=True"
+        for flag in ("torch_compile", "use_liger_kernel")
+        if getattr(args, flag, False)
+    ]
+    if ran:
+        logging.getLogger("bigbatch").warning(
+            "%s runs other kernels than the plan traced (transformers' own layers, eager), "
+            "whose memory it does not model: MemoryBudget's measurement of the first steps "
+            "refits the micro-batch to what they hold (on a GPU)",
+            " and ".join(ran),
         )
 
 
