@@ -617,9 +617,9 @@ def test_a_plan_of_the_models_loss_for_sft_trainer_says_what_its_fused_head_free
         return [r.getMessage() for r in caplog.records]
 
     assert said(trl.SFTConfig(**sft)) == [
-        "the plan holds 3.00 GiB of logits that SFTTrainer's fused LM head never makes: it "
-        'fits, with that much unused; plan with --loss trl (loss="trl" in Python) to give the '
-        "micro-batch that room"
+        "the plan holds 3.00 GiB of logits that SFTTrainer's own loss, through its fused LM "
+        'head, never makes: it fits, with that much unused; plan with --loss trl (loss="trl" in '
+        "Python) to give the micro-batch that room"
     ]
     assert said(SimpleNamespace(device=torch.device("cpu"), bf16=False)) == []  # Trainer's
     assert said(trl.SFTConfig(**sft, label_smoothing_factor=0.1)) == []

@@ -1188,9 +1188,9 @@ def _note_logits_unmade(plan: Any, args: Any) -> None:
     logits = frees()
     if logits and _fused_lm_head() is not None:
         logging.getLogger("bigbatch").warning(
-            "the plan holds %s of logits that SFTTrainer's fused LM head never makes: it fits, "
-            'with that much unused; plan with --loss trl (loss="trl" in Python) to give the '
-            "micro-batch that room",
+            "the plan holds %s of logits that SFTTrainer's own loss, through its fused LM "
+            "head, never makes: it fits, with that much unused; plan with --loss trl "
+            '(loss="trl" in Python) to give the micro-batch that room',
             format_bytes(logits),
         )
 
