@@ -908,7 +908,7 @@ def test_a_plan_of_trls_preparation_is_the_model_sft_trainer_builds(tmp_path) ->
     data = datasets.Dataset.from_list([{"input_ids": i["input_ids"].tolist()} for i in sequences()])
     args = with_plan(
         trl.SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], bf16=True,
-                      max_length=None, save_strategy="no"),
+                      max_length=SEQ, save_strategy="no"),
         plan,
     )  # fmt: skip
 
@@ -1083,8 +1083,10 @@ def test_arguments_with_another_precision_or_optimizer_than_the_plans_are_refuse
 
 def test_with_plan_refuses_arguments_for_another_run() -> None:
     """Another number of ranks than the plan's, and TRL's max_length past its sequence length
-    (SFTConfig's default 1024 for a plan of 10 tokens) are refused; max_length at or under it,
-    or None (the user's data decides), are not."""
+    (SFTConfig's default 1024 for a plan of 10 tokens), or None (SFTTrainer then truncates
+    nothing, and a sequence past the plan fits no micro-batch), are refused; max_length at or
+    under it is not, nor arguments without one (Trainer's: the user's data decides)."""
+    trl = pytest.importorskip("trl")
     args = SimpleNamespace(
         world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=1
     )
@@ -1098,6 +1100,12 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
                 with_plan(args, plan_of(8, 4))
         else:
             assert with_plan(args, plan_of(8, 4)).per_device_train_batch_size == 4
+    sft = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[])
+    with pytest.raises(ValueError, match=r"^these arguments set max_length=None, under which "
+                       r"SFTTrainer truncates no sequence, .*: set max_length=10 \(a no-op for "
+                       r"data within it\), or plan with --seq-len of the longest$"):  # fmt: skip
+        with_plan(dataclasses.replace(sft, max_length=None), plan_of(8, 4))
+    assert with_plan(dataclasses.replace(sft, max_length=SEQ), plan_of(8, 4)).max_length == SEQ
 
 
 def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> None:

@@ -279,23 +279,23 @@ def _trainers_default_optim() -> str | None:
 
 def with_plan(args: Any, plan: Any) -> Any:
     """``args`` (``TrainingArguments``, TRL's ``SFTConfig``) with the micro-batch and the
-    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch, and
-    its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8 sequences runs
-    out of memory beside an 8B model at 2048 tokens, by its logits alone; where the plan has
-    none, at most the micro-batch), and Trainer's activation checkpointing on where the plan
-    counts on it (:func:`trainer_arguments` names the flag). Refuses the arguments of TRL's
-    trainers whose step is not a plan's (DPO's preference pairs, GRPO's generations), arguments
-    that change the global batch on running out of memory (``auto_find_batch_size``) or count
-    each rank's tokens apart (``average_tokens_across_devices=False``), arguments for another
-    number of ranks than the plan's or that shard otherwise (DDP where it planned FSDP2's
-    shards, FSDP where it planned DDP, weights kept gathered after each forward) or that place
-    memory where it did not (DeepSpeed, CPU offload, checkpointing only every n-th layer), TRL's
-    arguments that let sequences run past the plan's length (``max_length`` over ``--seq-len``:
-    the plan's micro-batch would not hold them), arguments that smooth the labels where the plan
-    did not (``label_smoothing_factor``: Trainer then takes the whole logits in float32) or the
-    other way round, and arguments that compute in another precision or train with another
-    optimizer than the plan traced (:func:`trainer_arguments` names the plan's): the plan would
-    not hold for them.
+    accumulation of ``plan`` (an :class:`~bigbatch.memory.lm.LMPlan`), for its global batch,
+    and its evaluation batch (``per_device_eval_batch_size``: Trainer's default of 8 sequences
+    runs out of memory beside an 8B model at 2048 tokens, by its logits alone; where the plan
+    has none, at most the micro-batch), and Trainer's activation checkpointing on where the
+    plan counts on it (:func:`trainer_arguments` names the flag). Refuses the arguments of
+    TRL's trainers whose step is not a plan's (DPO's preference pairs, GRPO's generations),
+    arguments that change the global batch on running out of memory (``auto_find_batch_size``)
+    or count each rank's tokens apart (``average_tokens_across_devices=False``), arguments for
+    another number of ranks than the plan's or that shard otherwise (DDP where it planned
+    FSDP2's shards, FSDP where it planned DDP, weights kept gathered after each forward) or
+    that place memory where it did not (DeepSpeed, CPU offload, checkpointing only every n-th
+    layer), TRL's arguments that let sequences run past the plan's length (``max_length`` over
+    ``--seq-len``, or ``None``: the plan's micro-batch would not hold them), arguments that
+    smooth the labels where the plan did not (``label_smoothing_factor``: Trainer then takes
+    the whole logits in float32) or the other way round, and arguments that compute in another
+    precision or train with another optimizer than the plan traced (:func:`trainer_arguments`
+    names the plan's): the plan would not hold for them.
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -315,6 +315,13 @@ def with_plan(args: Any, plan: Any) -> Any:
             f"{ranks}: plan with --world-size {ranks}"
         )
     limit, planned = getattr(args, "max_length", None), plan.setup.seq_len  # TRL truncates there
+    if limit is None and "SFTConfig" in _trl_classes(args):
+        raise ValueError(
+            f"these arguments set max_length=None, under which SFTTrainer truncates no sequence, "
+            f"and one past the plan's {planned} tokens would not fit its micro-batch (nor would "
+            f"halving it help): set max_length={planned} (a no-op for data within it), or plan "
+            "with --seq-len of the longest"
+        )
     if isinstance(limit, int) and limit > planned:
         raise ValueError(
             f"these arguments let sequences run to max_length={limit} tokens, past the plan's "
