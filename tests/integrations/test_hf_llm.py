@@ -1085,7 +1085,8 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
     """Another number of ranks than the plan's, and TRL's max_length past its sequence length
     (SFTConfig's default 1024 for a plan of 10 tokens), or None (SFTTrainer then truncates
     nothing, and a sequence past the plan fits no micro-batch), are refused; max_length at or
-    under it is not, nor arguments without one (Trainer's: the user's data decides)."""
+    under it is not, nor None under padding_free without packing (TRL wants it there: its
+    inputs come truncated), nor arguments without one (Trainer's: the user's data decides)."""
     trl = pytest.importorskip("trl")
     args = SimpleNamespace(
         world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=1
@@ -1106,6 +1107,9 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
                        r"data within it\), or plan with --seq-len of the longest$"):  # fmt: skip
         with_plan(dataclasses.replace(sft, max_length=None), plan_of(8, 4))
     assert with_plan(dataclasses.replace(sft, max_length=SEQ), plan_of(8, 4)).max_length == SEQ
+    # padding_free without packing, where TRL wants None (its inputs come truncated).
+    free = dataclasses.replace(sft, max_length=None, padding_free=True)
+    assert with_plan(free, plan_of(8, 4)).max_length is None
 
 
 def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> None:
@@ -1346,7 +1350,7 @@ def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore
         output_dir=str(tmp_path), per_device_train_batch_size=N, num_train_epochs=1,
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no",
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_length=None, bf16=False,
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_length=SEQ, bf16=False,
     )  # fmt: skip
 
     def run(args, per_micro_batch_mean: bool = False):  # type: ignore[no-untyped-def]
@@ -1366,7 +1370,7 @@ def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore
     assert update_err(run(planned, per_micro_batch_mean=True), want, init) > 0.02
     # Packed: each micro-batch's sequences in one row (position_ids restart, the first label of
     # each sequence ignored), against the same padded big batch.
-    packed = dataclasses.replace(planned, padding_free=True)
+    packed = dataclasses.replace(planned, padding_free=True, max_length=None)  # as TRL wants
     assert update_err(run(packed), want, init) < 10 * round_off
     assert update_err(run(packed, per_micro_batch_mean=True), want, init) > 0.02
 

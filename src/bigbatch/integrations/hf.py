@@ -315,7 +315,10 @@ def with_plan(args: Any, plan: Any) -> Any:
             f"{ranks}: plan with --world-size {ranks}"
         )
     limit, planned = getattr(args, "max_length", None), plan.setup.seq_len  # TRL truncates there
-    if limit is None and "SFTConfig" in _trl_classes(args):
+    # TRL wants max_length=None where padding_free runs without packing (it cannot truncate
+    # there: the inputs come truncated), so that None says nothing of the lengths.
+    unpacked = getattr(args, "padding_free", False) and not getattr(args, "packing", False)
+    if limit is None and "SFTConfig" in _trl_classes(args) and not unpacked:
         raise ValueError(
             f"these arguments set max_length=None, under which SFTTrainer truncates no sequence, "
             f"and one past the plan's {planned} tokens would not fit its micro-batch (nor would "
