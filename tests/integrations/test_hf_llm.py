@@ -579,7 +579,7 @@ def test_sft_trainers_compute_loss_func_takes_the_whole_logits_refused_under_a_f
 
     sft().train()
     assert len(shapes) == 1 and shapes[0][0] == 4 and shapes[0][2] == VOCAB  # the whole logits
-    said = (r"^the plan traces SFTTrainer's fused LM head, and with compute_loss_func SFTTrainer "
+    said = (r"^the plan traces SFTTrainer's fused LM head, and a trainer given compute_loss_func "
             r"hands that function the model's whole logits .*: drop compute_loss_func .*, or plan "
             r"with --loss model$")  # fmt: skip
     with pytest.raises(ValueError, match=said):

@@ -1226,8 +1226,8 @@ def _note_kernels_unplanned(args: Any) -> None:
 
 def check_trainer(trainer: Any, plan: Any) -> None:
     """Refuse, in one line with the fix, a built ``trainer`` that would hold more than ``plan``
-    traced in what its arguments do not show: ``SFTTrainer`` given ``compute_loss_func`` under
-    a plan of its fused LM head (``--loss trl``: the function takes the model's whole logits,
+    traced in what its arguments do not show: ``compute_loss_func`` under a plan of
+    ``SFTTrainer``'s fused LM head (``--loss trl``: the function takes the model's whole logits,
     which the plan's micro-batch would not hold), and an evaluation keeping every pass's logits
     (:func:`check_evaluation_held`). :func:`train_with_backoff` checks each trainer it builds;
     call it before ``trainer.train()`` of your own.
@@ -1239,7 +1239,7 @@ def check_trainer(trainer: Any, plan: Any) -> None:
     >>> check_trainer(trainer, plan)
     Traceback (most recent call last):
     ...
-    ValueError: the plan traces SFTTrainer's fused LM head, and with compute_loss_func ...
+    ValueError: the plan traces SFTTrainer's fused LM head, and a trainer given ...
     >>> trainer.compute_loss_func = None
     >>> check_trainer(trainer, plan)
     """
@@ -1248,10 +1248,10 @@ def check_trainer(trainer: Any, plan: Any) -> None:
     fused = getattr(plan.setup, "loss", "model") == "trl"
     if fused and getattr(trainer, "compute_loss_func", None) is not None:
         raise ValueError(
-            "the plan traces SFTTrainer's fused LM head, and with compute_loss_func SFTTrainer "
-            "hands that function the model's whole logits (TRL deprecates it), which the plan's "
-            "micro-batch would not hold: drop compute_loss_func (SFTTrainer's own loss is exact "
-            "over token counts), or plan with --loss model"
+            "the plan traces SFTTrainer's fused LM head, and a trainer given compute_loss_func "
+            "hands that function the model's whole logits (SFTTrainer too, which deprecates "
+            "it), which the plan's micro-batch would not hold: drop compute_loss_func "
+            "(SFTTrainer's own loss is exact over token counts), or plan with --loss model"
         )
     check_evaluation_held(trainer, plan)
 
