@@ -586,7 +586,7 @@ def test_sft_trainers_compute_loss_func_takes_the_whole_logits_refused_under_a_f
         check_trainer(sft(), fused)
     budget = MemoryBudget(2**40, plan=fused)
     with pytest.raises(ValueError, match=said):
-        train_with_backoff(lambda args: sft(callbacks=[budget]), sft().args)
+        train_with_backoff(lambda args: sft(callbacks=[budget]), sft(None).args)
     assert len(shapes) == 1  # refused before a step
     check_trainer(sft(compute_loss_func=None), fused)
     check_trainer(sft(), whole)
@@ -1087,7 +1087,6 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
     nothing, and a sequence past the plan fits no micro-batch), are refused; max_length at or
     under it is not, nor None under padding_free without packing (TRL wants it there: its
     inputs come truncated), nor arguments without one (Trainer's: the user's data decides)."""
-    trl = pytest.importorskip("trl")
     args = SimpleNamespace(
         world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=1
     )
@@ -1101,6 +1100,7 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
                 with_plan(args, plan_of(8, 4))
         else:
             assert with_plan(args, plan_of(8, 4)).per_device_train_batch_size == 4
+    trl = pytest.importorskip("trl")
     sft = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[])
     with pytest.raises(ValueError, match=r"^these arguments set max_length=None, under which "
                        r"SFTTrainer truncates no sequence, .*: set max_length=10 \(a no-op for "
