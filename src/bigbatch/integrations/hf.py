@@ -317,8 +317,8 @@ def with_plan(args: Any, plan: Any) -> Any:
     limit, planned = getattr(args, "max_length", None), plan.setup.seq_len  # TRL truncates there
     # TRL wants max_length=None where padding_free runs without packing (it cannot truncate
     # there: the inputs come truncated), so that None says nothing of the lengths.
-    unpacked = getattr(args, "padding_free", False) and not getattr(args, "packing", False)
-    if limit is None and "SFTConfig" in _trl_classes(args) and not unpacked:
+    free_alone = getattr(args, "padding_free", False) and not getattr(args, "packing", False)
+    if limit is None and "SFTConfig" in _trl_classes(args) and not free_alone:
         raise ValueError(
             f"these arguments set max_length=None, under which SFTTrainer truncates no sequence, "
             f"and one past the plan's {planned} tokens would not fit its micro-batch (nor would "
