@@ -29,6 +29,7 @@ from bigbatch.integrations.hf import (  # noqa: E402
     train_with_backoff,
     trainer_arguments,
     trainer_batch_sizes,
+    verify_trainer,
     with_plan,
 )
 from bigbatch.memory.lm import (  # noqa: E402
@@ -1373,6 +1374,32 @@ def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore
     packed = dataclasses.replace(planned, padding_free=True, max_length=None)  # as TRL wants
     assert update_err(run(packed), want, init) < 10 * round_off
     assert update_err(run(packed, per_micro_batch_mean=True), want, init) > 0.02
+
+
+@pytest.mark.slow
+def test_verify_trainer_on_sft_trainer_with_peft_padded_and_packed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SFTTrainer (its own loss and collator) over a float64 LoRA model, padded and packed: its
+    fused LM head sums its tiles' products in float32 (packed, the window is 4e-8 from the big
+    batch), so the window of 4 + 4 + 2 sequences is judged at float32's round-off and passes;
+    each micro-batch's mean (the model given no count) fails the same check."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_list([{"input_ids": i["input_ids"].tolist()} for i in sequences()])
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+        report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_length=SEQ,
+        bf16=False,
+    )  # fmt: skip
+    for args in (config, dataclasses.replace(config, padding_free=True, max_length=None)):
+        trainer = trl.SFTTrainer(
+            model=tiny_lora(), args=args, train_dataset=data, processing_class=tokenizer()
+        )
+        result = verify_trainer(trainer)
+        assert result.passed and result.case == "SFTTrainer", result
+        assert result.dtype == "float32" and len(result.micro_batch_counts) == 3
+        trainer.model_accepts_loss_kwargs = False
+        mean = verify_trainer(trainer)
+        assert not mean.passed and mean.max_rel > 100 * mean.tolerance
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.integrations import require
+from bigbatch.integrations.hf_verify import verify_trainer
 
 require("transformers", "hf")
 
@@ -55,6 +56,7 @@ __all__ = [
     "train_with_backoff",
     "trainer_arguments",
     "trainer_batch_sizes",
+    "verify_trainer",
     "with_plan",
 ]
 

@@ -34,8 +34,9 @@ __all__ = [
     "window_gradients",
 ]
 
-# bigbatch / naive (loss / N); for coupled losses: cached (gradient caching) / plain.
-Method = Literal["bigbatch", "naive", "cached", "plain"]
+# bigbatch / naive (loss / N); for coupled losses: cached (gradient caching) / plain; a Hugging
+# Face Trainer's own step (bigbatch.integrations.hf.verify_trainer).
+Method = Literal["bigbatch", "naive", "cached", "plain", "trainer"]
 CountBy = Literal["samples", "tokens"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

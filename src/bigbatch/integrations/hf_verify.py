@@ -1,0 +1,340 @@
+"""Prove that a built Hugging Face ``Trainer`` accumulates exactly, on its own model, data,
+collator and loss: one window of its training rows through its own ``training_step``, as
+micro-batches and as one big batch, the gradients compared and a difference explained.
+
+``Trainer`` normalises the loss in one of three ways (the model's own over the window's count
+``num_items_in_batch``, a ``compute_loss_func``'s, or ``loss / gradient_accumulation_steps``), a
+subclass may override ``compute_loss`` and a collator decides what is counted: which of them a
+run takes is easier to measure than to read, and this measures it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import islice
+from typing import Any
+
+import torch
+
+from bigbatch.device import rng_state, set_rng_state
+from bigbatch.inexact import InexactLayer, describe_inexact_layers, find_inexact_layers
+from bigbatch.integrations import require
+from bigbatch.verify import (
+    ROUNDOFF_CAPS,
+    ROUNDOFF_FACTOR,
+    TOLERANCES,
+    CaseResult,
+    compare_gradients,
+)
+
+require("transformers", "hf")
+
+__all__ = ["verify_trainer"]
+
+Gradients = dict[str, torch.Tensor]
+
+
+def verify_trainer(trainer: Any, micro_batches: Sequence[int] | None = None) -> CaseResult:
+    """Measure whether ``trainer`` (a built ``transformers.Trainer``, TRL's ``SFTTrainer`` or a
+    subclass of either) accumulates exactly: the first rows of its training set, collated by its
+    own collator, go through its own ``training_step`` as micro-batches of ``micro_batches``
+    rows (by default its ``per_device_train_batch_size`` for each of its
+    ``gradient_accumulation_steps``, at least two, the last one half full, as an epoch's last
+    window can be), then once as one big batch; the gradients are compared per top-level module.
+
+    The tolerance is ``1e-12`` relative in float64 and grows, at any precision (``bf16``/``fp16``
+    autocast included), with the big batch's own round-off, measured as the same big batch with
+    its rows in reverse order (no float64 copy of the model is made). A difference is explained: dropout or BatchNorm (measured again with
+    those layers in eval mode), ``loss / gradient_accumulation_steps``, a ``compute_loss`` of
+    your own that returns a mean, or a count that misses the labels' shift. The trainer's
+    gradients, modes and random state are as they were afterwards; it runs in one process.
+
+    >>> import torch, transformers
+    >>> class Mean(torch.nn.Module):  # a model of one's own, its loss a mean over its batch
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc = torch.nn.Linear(3, 1).double()
+    ...     def forward(self, x, labels):
+    ...         return {"loss": ((self.fc(x).squeeze(-1) - labels) ** 2).mean()}
+    >>> _ = torch.manual_seed(0)
+    >>> rows = [{"x": torch.randn(3).double(), "labels": torch.randn(()).double()}
+    ...         for _ in range(8)]
+    >>> args = transformers.TrainingArguments("/tmp/verify", per_device_train_batch_size=4,
+    ...     gradient_accumulation_steps=2, use_cpu=True, report_to=[])
+    >>> result = verify_trainer(transformers.Trainer(Mean(), args, train_dataset=rows))
+    >>> result.micro_batch_counts, result.passed  # 4 rows, then 2: loss / 2 is not their mean
+    ([4, 2], False)
+    """
+    sizes = _window_sizes(trainer.args, micro_batches)
+    loader = trainer.get_train_dataloader()  # its columns removed and collator wrapped as train's
+    rows = _first_rows(loader.dataset, sum(sizes))
+    collate, starts = loader.collate_fn, [sum(sizes[:i]) for i in range(len(sizes))]
+    window = [collate(rows[at : at + n]) for at, n in zip(starts, sizes, strict=True)]
+    # The model's own loss on the whole batch, uncounted, is its mean: the big batch Trainer's
+    # count must reach (GPT-2's, counted unshifted, does not). Any other loss takes the count.
+    counted = not _models_own_loss(trainer)
+    with _kept(trainer):
+        got = _window_gradients(trainer, window)
+        ref = _window_gradients(trainer, [collate(rows)], counted=counted)
+        dtype = _precision(trainer)
+        again = _window_gradients(trainer, [collate(rows[::-1])], counted=counted)
+        _, roundoff, _ = compare_gradients(again, ref)
+        tolerance = _tolerance(dtype, roundoff)
+        max_abs, max_rel, groups = compare_gradients(got, ref)
+        passed = max_rel <= tolerance
+        explanation = "" if passed else _explain(trainer, window, rows, tolerance)
+    return CaseResult(
+        case=type(trainer).__name__,
+        method="trainer",
+        dtype=str(dtype).replace("torch.", ""),
+        micro_batch_counts=[
+            _count(trainer, batch, n) for batch, n in zip(window, sizes, strict=True)
+        ],
+        max_abs=max_abs,
+        max_rel=max_rel,
+        tolerance=tolerance,
+        passed=passed,
+        groups=groups,
+        explanation=explanation,
+        roundoff=roundoff,
+    )
+
+
+def _window_sizes(args: Any, micro_batches: Sequence[int] | None) -> list[int]:
+    """The rows of each micro-batch of the window to verify, refused in one line when unusable.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3,
+    ...                        world_size=1)
+    >>> _window_sizes(args, None)
+    [4, 4, 2]
+    """
+    if getattr(args, "world_size", 1) > 1:
+        raise ValueError(
+            f"verify_trainer runs in one process, and this one is one of {args.world_size}: "
+            "run the script with python rather than torchrun (the check is of the loss, the "
+            "counts and the collator, which each rank shares with one process)"
+        )
+    if micro_batches is None:
+        rows, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        # A window's last micro-batch half full is what an epoch's last window can hold, and
+        # where loss / N parts from the big batch even when every sample counts the same.
+        return [rows] * (max(steps, 2) - 1) + [max(1, math.ceil(rows / 2))]
+    sizes = [int(n) for n in micro_batches]
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise ValueError(
+            f"micro_batches={list(micro_batches)} is no window to accumulate: give two or more "
+            "micro-batch sizes of at least one row each, e.g. micro_batches=[4, 4, 2]"
+        )
+    return sizes
+
+
+def _first_rows(dataset: Any, n: int) -> list[Any]:
+    """The first ``n`` rows of a training set, indexable or iterable."""
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        rows = [dataset[i] for i in range(min(n, len(dataset)))]
+    else:
+        rows = list(islice(iter(dataset), n))
+    if len(rows) < n:
+        raise ValueError(
+            f"the trainer's training set holds {len(rows)} rows and the window to verify takes "
+            f"{n}: pass smaller micro_batches, e.g. micro_batches=[{max(1, len(rows) // 2)}, "
+            f"{max(1, len(rows) - len(rows) // 2)}]"
+        )
+    return rows
+
+
+@contextmanager
+def _kept(trainer: Any) -> Iterator[None]:
+    """Give back the model's gradients, train/eval modes and every random generator, and the
+    trainer's accumulation count, as they were: verifying must not move a run."""
+    model = trainer.model
+    grads = {p: p.grad for p in model.parameters()}
+    modes = {m: m.training for m in model.modules()}
+    rng = rng_state()
+    had = "current_gradient_accumulation_steps" in vars(trainer)
+    steps = getattr(trainer, "current_gradient_accumulation_steps", None)
+    try:
+        yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+        for m, training in modes.items():
+            m.training = training
+        set_rng_state(rng)
+        if had:
+            trainer.current_gradient_accumulation_steps = steps
+        else:
+            vars(trainer).pop("current_gradient_accumulation_steps", None)
+
+
+def _window_gradients(trainer: Any, window: list[Any], *, counted: bool = True) -> Gradients:
+    """The gradient ``trainer`` sums over ``window`` (collated micro-batches) as its training
+    loop does: counted by its ``get_batch_samples`` (unless not ``counted``), each through its
+    ``training_step``."""
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same draws for every run, where the model draws any
+    batches, count = trainer.get_batch_samples(iter(window), len(window), trainer.args.device)
+    count = count if counted else None
+    trainer.current_gradient_accumulation_steps = len(batches)
+    for inputs in batches:
+        trainer.training_step(model, inputs, count)
+    # Kept off the accelerator: the comparison must not need a card's room for three gradients.
+    out = {
+        name: p.grad.detach().to("cpu", copy=True)
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _models_own_loss(trainer: Any) -> bool:
+    """Whether ``trainer`` trains with the model's own loss: no ``compute_loss_func``, and no
+    ``compute_loss`` but transformers' or TRL's."""
+    return trainer.compute_loss_func is None and _overrides(trainer, "compute_loss") is None
+
+
+def _precision(trainer: Any) -> torch.dtype:
+    """The precision the gradients are computed in: autocast's, else the trainable weights',
+    and at most float32 under ``SFTTrainer``'s fused LM head, which sums its tiles' products in
+    float32 whatever the weights."""
+    from bigbatch.memory.lm import _fused_lm_head  # lazily: the planner is not needed before
+
+    if getattr(trainer.args, "bf16", False):
+        return torch.bfloat16
+    if getattr(trainer.args, "fp16", False):
+        return torch.float16
+    trained = [p.dtype for p in trainer.model.parameters() if p.requires_grad]
+    dtype = trained[0] if trained else torch.float64
+    sft = any(
+        cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl")
+        for cls in type(trainer).__mro__
+    )
+    return torch.float32 if sft and _fused_lm_head() is not None else dtype
+
+
+def _tolerance(dtype: torch.dtype, roundoff: float) -> float:
+    """The relative difference that is round-off at ``dtype``, given the big batch's distance
+    from itself in reverse order: that distance grows the tolerance past the precision's floor
+    even for float64 weights, where a part of the step computes in a lower precision.
+
+    >>> _tolerance(torch.float64, 1e-17), _tolerance(torch.float64, 1e-7)
+    (1e-12, 4e-07)
+    """
+    floor = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    cap = ROUNDOFF_CAPS.get(dtype, ROUNDOFF_CAPS[torch.float32])
+    return min(max(floor, ROUNDOFF_FACTOR * roundoff), cap)
+
+
+def _count(trainer: Any, batch: Any, rows: int) -> int:
+    """What ``trainer`` counts in one micro-batch (tokens, labels), or its rows where it
+    counts nothing."""
+    _, count = trainer.get_batch_samples(iter([batch]), 1, trainer.args.device)
+    return rows if count is None else int(count)
+
+
+def _explain(trainer: Any, window: list[Any], rows: list[Any], tolerance: float) -> str:
+    """Why the window's gradient is not the big batch's, from what the trainer does: layers
+    that differ per micro-batch first (measured again without them), then how it normalised."""
+    trainer.model.train()  # as training_step leaves it: the layers active in training
+    layers = find_inexact_layers(trainer.model)
+    if layers:
+        got, ref = _quiet_gradients(trainer, layers, window, rows)
+        _, rel, _ = compare_gradients(got, ref)
+        verdict = "so they explain the difference" if rel <= tolerance else "a difference remains"
+        return (
+            f"{describe_inexact_layers(layers)} With those layers in eval mode the relative "
+            f"difference is {rel:.1e}, {verdict}."
+        )
+    return _explain_normalisation(trainer, window)
+
+
+def _quiet_gradients(
+    trainer: Any, layers: list[InexactLayer], window: list[Any], rows: list[Any]
+) -> tuple[Gradients, Gradients]:
+    """The window's and the big batch's gradients with ``layers`` in eval mode, which
+    ``training_step``'s ``model.train()`` would undo: a pre-forward hook puts each back."""
+    names = {layer.name for layer in layers}
+
+    def quiet(module: torch.nn.Module, _: Any) -> None:
+        module.train(False)  # returning the module would replace the layer's inputs
+
+    handles = [
+        module.register_forward_pre_hook(quiet)
+        for name, module in trainer.model.named_modules()
+        if name in names
+    ]
+    try:
+        collate, counted = trainer.get_train_dataloader().collate_fn, not _models_own_loss(trainer)
+        got = _window_gradients(trainer, window)
+        return got, _window_gradients(trainer, [collate(rows)], counted=counted)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _overrides(trainer: Any, method: str) -> str | None:
+    """The class of ``trainer``'s own (neither transformers' nor TRL's) ``method``, if any."""
+    for cls in type(trainer).__mro__:
+        if method in vars(cls):
+            own = cls.__module__.split(".")[0] not in ("transformers", "trl")
+            return cls.__name__ if own else None
+    return None
+
+
+def _explain_normalisation(trainer: Any, window: list[Any]) -> str:
+    """How ``trainer`` normalised the window's loss, and the fix that makes it the big batch's."""
+    _, count = trainer.get_batch_samples(iter(window), len(window), trainer.args.device)
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and count is not None) or (
+            trainer.compute_loss_func is not None
+        )
+    own = _overrides(trainer, "compute_loss")
+    if not scaled:
+        return (
+            "Trainer divided each micro-batch's loss by the number of micro-batches (loss / N: "
+            "the model's forward takes no num_items_in_batch and no compute_loss_func was "
+            "given), which weights every micro-batch equally; the big batch weights each by "
+            "its count. Give Trainer the loss: compute_loss_func=bigbatch.integrations.hf."
+            "token_loss() (a sum over the window's count)."
+        )
+    if own:
+        return (
+            f"{own}.compute_loss is your own: Trainer passed it num_items_in_batch={int(count)} "
+            "(the window's count) and does not divide what it returns, so it must return the "
+            "sum of its terms divided by num_items_in_batch, not their mean."
+        )
+    if trainer.compute_loss_func is not None:
+        return (
+            f"compute_loss_func is given num_items_in_batch={int(count)} (the window's count) "
+            "and Trainer does not divide what it returns: it must return the sum of its terms "
+            "divided by num_items_in_batch, as bigbatch.integrations.hf.token_loss() does."
+        )
+    if _counts_unshifted(trainer, window[0]):
+        return (
+            "Trainer counted labels, not the labels[..., 1:] a causal LM predicts (the model "
+            "declares no causal-LM loss_type): one token per sequence too many. Wrap the "
+            "collator: data_collator=bigbatch.integrations.hf.shift_labels_collator(collator)."
+        )
+    return (
+        f"the model's loss is given num_items_in_batch={count!s} and is not the sum of its "
+        "terms divided by it (a forward that takes **kwargs and returns its own mean, or a "
+        "loss that couples the samples of a batch): give Trainer compute_loss_func="
+        "bigbatch.integrations.hf.token_loss()."
+    )
+
+
+def _counts_unshifted(trainer: Any, batch: Any) -> bool:
+    """Whether ``trainer`` counted a causal LM's labels whole where its loss predicts
+    ``labels[..., 1:]``: a model that generates, without a causal-LM ``loss_type``."""
+    generates = getattr(trainer.model, "can_generate", lambda: False)()
+    return (
+        bool(generates)
+        and not getattr(trainer, "_loss_shifts_labels", True)
+        and "shift_labels" not in batch
+    )
