@@ -1376,6 +1376,22 @@ def test_sft_trainer_set_from_a_plan_is_exact(tmp_path) -> None:  # type: ignore
     assert update_err(run(packed, per_micro_batch_mean=True), want, init) > 0.02
 
 
+def test_verify_trainer_names_a_configs_dropout_drawn_outside_dropout_modules(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Llama's attention dropout is drawn in its attention function, no module to find: the
+    big batch under another seed shows the step draws, and the explanation names the config's
+    setting."""
+    config = tiny_config()
+    config.attention_dropout = 0.1
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double()
+    trainer = trainer_for(model, sequences())(trained(tmp_path, micro=4, steps=3))
+    result = verify_trainer(trainer)
+    assert not result.passed
+    assert result.explanation.startswith("The big batch differs from itself by ")
+    assert "draws random numbers outside dropout modules" in result.explanation
+    assert "the config sets attention_dropout=0.1)" in result.explanation
+
+
 @pytest.mark.slow
 def test_verify_trainer_on_sft_trainer_with_peft_padded_and_packed(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """SFTTrainer (its own loss and collator) over a float64 LoRA model, padded and packed: its

@@ -170,13 +170,15 @@ def _kept(trainer: Any) -> Iterator[None]:
             vars(trainer).pop("current_gradient_accumulation_steps", None)
 
 
-def _window_gradients(trainer: Any, window: list[Any], *, counted: bool = True) -> Gradients:
+def _window_gradients(
+    trainer: Any, window: list[Any], counted: bool = True, *, seed: int = 0
+) -> Gradients:
     """The gradient ``trainer`` sums over ``window`` (collated micro-batches) as its training
     loop does: counted by its ``get_batch_samples`` (unless not ``counted``), each through its
-    ``training_step``."""
+    ``training_step``, the random generators seeded with ``seed``."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # the same draws for every run, where the model draws any
+    torch.manual_seed(seed)  # the same draws for every run, where the model draws any
     batches, count = trainer.get_batch_samples(iter(window), len(window), trainer.args.device)
     count = count if counted else None
     trainer.current_gradient_accumulation_steps = len(batches)
@@ -238,26 +240,58 @@ def _count(trainer: Any, batch: Any, rows: int) -> int:
 
 
 def _explain(trainer: Any, window: list[Any], rows: list[Any], tolerance: float) -> str:
-    """Why the window's gradient is not the big batch's, from what the trainer does: layers
-    that differ per micro-batch first (measured again without them), then how it normalised."""
+    """Why the window's gradient is not the big batch's, measured: dropout or BatchNorm modules
+    (the window again with them in eval mode), random draws elsewhere (the big batch against
+    itself under another seed), else how the trainer normalised the loss."""
     trainer.model.train()  # as training_step leaves it: the layers active in training
     layers = find_inexact_layers(trainer.model)
-    if layers:
-        got, ref = _quiet_gradients(trainer, layers, window, rows)
-        _, rel, _ = compare_gradients(got, ref)
-        verdict = "so they explain the difference" if rel <= tolerance else "a difference remains"
-        return (
-            f"{describe_inexact_layers(layers)} With those layers in eval mode the relative "
-            f"difference is {rel:.1e}, {verdict}."
+    big, counted = [trainer.get_train_dataloader().collate_fn(rows)], not _models_own_loss(trainer)
+    said = ""
+    with _quiet(trainer, layers):
+        ref = _window_gradients(trainer, big, counted=counted)
+        if layers:
+            _, rel, _ = compare_gradients(_window_gradients(trainer, window), ref)
+            said = (
+                f"{describe_inexact_layers(layers)} With those layers in eval mode the relative "
+                f"difference is {rel:.1e}, "
+            )
+            if rel <= tolerance:
+                return said + "so they explain the difference."
+            said += "so something else differs too. "
+        _, drawn, _ = compare_gradients(_window_gradients(trainer, big, counted, seed=1), ref)
+    if drawn > tolerance:
+        settings = _config_dropout(trainer.model)
+        return said + (
+            f"The big batch differs from itself by {drawn:.1e} under another seed: the step "
+            "draws random numbers outside dropout modules (dropout inside attention"
+            + (f"; the config sets {settings}" if settings else "")
+            + "): set them to 0 to verify the rest."
         )
-    return _explain_normalisation(trainer, window)
+    return said + _explain_normalisation(trainer, window)
 
 
-def _quiet_gradients(
-    trainer: Any, layers: list[InexactLayer], window: list[Any], rows: list[Any]
-) -> tuple[Gradients, Gradients]:
-    """The window's and the big batch's gradients with ``layers`` in eval mode, which
-    ``training_step``'s ``model.train()`` would undo: a pre-forward hook puts each back."""
+def _config_dropout(model: Any) -> str:
+    """The dropout probabilities over 0 in ``model``'s config (``attention_dropout=0.1``), which
+    may draw masks outside any dropout module; "" where there are none.
+
+    >>> from types import SimpleNamespace
+    >>> config = SimpleNamespace(to_dict=lambda: {"attention_dropout": 0.1, "hidden_size": 8})
+    >>> _config_dropout(SimpleNamespace(config=config))
+    'attention_dropout=0.1'
+    """
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    settings = to_dict() if callable(to_dict) else {}
+    return ", ".join(
+        f"{key}={value:g}"
+        for key, value in settings.items()
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0
+    )
+
+
+@contextmanager
+def _quiet(trainer: Any, layers: list[InexactLayer]) -> Iterator[None]:
+    """``layers`` in eval mode while running, which ``training_step``'s ``model.train()`` would
+    undo: a pre-forward hook puts each back (:func:`_kept` restores the modes after)."""
     names = {layer.name for layer in layers}
 
     def quiet(module: torch.nn.Module, _: Any) -> None:
@@ -269,9 +303,7 @@ def _quiet_gradients(
         if name in names
     ]
     try:
-        collate, counted = trainer.get_train_dataloader().collate_fn, not _models_own_loss(trainer)
-        got = _window_gradients(trainer, window)
-        return got, _window_gradients(trainer, [collate(rows)], counted=counted)
+        yield
     finally:
         for handle in handles:
             handle.remove()
