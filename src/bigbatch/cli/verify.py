@@ -33,10 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", help="module:factory returning your nn.Module (default: built-in cases)"
     )
+    p.add_argument(
+        "--trainer",
+        help="module:factory returning your built Hugging Face Trainer (or TRL's SFTTrainer): "
+        "one window of its training set through its own training_step (the hf extra)",
+    )
     p.add_argument("--data", help="module:factory returning (inputs, targets) for one whole window")
     p.add_argument(
         "--micro",
-        help="micro-batch sizes splitting the window, e.g. 16,16,4 (default: 4 near-equal parts)",
+        help="micro-batch sizes splitting the window, e.g. 16,16,4 (default: 4 near-equal parts; "
+        "with --trainer, its batch size for each accumulation step, the last half full)",
     )
     p.add_argument(
         "--loss",
@@ -83,9 +89,7 @@ def _dtypes(text: str) -> list[torch.dtype]:
     return out
 
 
-def _sizes(text: str, n: int) -> list[int]:
-    if not text:
-        return even_sizes(n, 4)
+def _parsed_sizes(text: str) -> list[int]:
     try:
         sizes = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as exc:
@@ -94,6 +98,13 @@ def _sizes(text: str, n: int) -> list[int]:
         ) from exc
     if not sizes or any(s < 1 for s in sizes):
         raise UserError(f"--micro sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def _sizes(text: str, n: int) -> list[int]:
+    if not text:
+        return even_sizes(n, 4)
+    sizes = _parsed_sizes(text)
     if sum(sizes) != n:
         raise UserError(f"--micro sizes add up to {sum(sizes)} but --data returned {n} samples")
     return sizes
@@ -138,6 +149,25 @@ def _user_results(
         raise UserError(f"running your model failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _trainer_results(args: argparse.Namespace) -> list[CaseResult]:
+    # Imported when the command runs: transformers is the hf extra's, and slow to import.
+    from bigbatch.integrations.hf import verify_trainer
+
+    trainer = call_factory(args.trainer, "--trainer")
+    if not all(hasattr(trainer, name) for name in ("training_step", "get_train_dataloader")):
+        raise UserError(
+            f"--trainer: {args.trainer}() returned {type(trainer).__name__}, not a "
+            "transformers Trainer: return the Trainer (or SFTTrainer) you would call .train() on"
+        )
+    sizes = _parsed_sizes(args.micro) if args.micro else None
+    try:
+        return [verify_trainer(trainer, sizes)]
+    except ValueError as exc:  # verify_trainer's refusals: one line, with the fix
+        raise UserError(str(exc)) from exc
+    except (TypeError, RuntimeError) as exc:
+        raise UserError(f"running your trainer failed: {type(exc).__name__}: {exc}") from exc
+
+
 def _print_table(results: list[CaseResult]) -> None:
     # Columns as wide as their longest entry (a case's name, "float64/fsdp_every"), counts cut.
     counts = [",".join(str(c) for c in r.micro_batch_counts)[:24] for r in results]
@@ -168,6 +198,8 @@ def _print_table(results: list[CaseResult]) -> None:
 
 # Options that only describe a user model: typed without --model they would be ignored.
 _MODEL_ONLY = dict.fromkeys(("micro", "data", "eval", "tokens", "loss"))
+# What a trainer brings itself (its data, loss, precision and seed): typed with --trainer, refused.
+_NOT_TRAINER = dict.fromkeys(("data", "eval", "tokens", "loss", "dtype", "naive", "seed"))
 # The options with defaults, filled in once the typed ones are checked (--distributed's cases
 # have their own dtype and data, and compare bigbatch with the naive loss / N always).
 _DEFAULTS = {"micro": "", "loss": "cross_entropy", "dtype": "float64,float32", "seed": 0}
@@ -181,7 +213,17 @@ def run(args: argparse.Namespace) -> int:
             "--distributed runs bigbatch's own distributed cases, not --model: verify your "
             "model without --distributed, or the distributed cases without --model"
         )
-    if not args.model and (given := flags_typed(args, _MODEL_ONLY)):
+    if args.trainer and (args.model or distributed):
+        raise UserError(
+            f"--trainer verifies your Trainer, {'--model' if args.model else '--distributed'} "
+            "something else: run them as two commands"
+        )
+    if args.trainer and (given := flags_typed(args, _NOT_TRAINER)):
+        raise UserError(
+            f"{', '.join(given)}: --trainer brings its own data, loss, precision and seed (its "
+            f"arguments'): drop {'them' if len(given) > 1 else 'it'} (--micro sets the window)"
+        )
+    if not (args.model or args.trainer) and (given := flags_typed(args, _MODEL_ONLY)):
         raise UserError(
             f"{', '.join(given)} describe(s) your model's window: add --model module:factory "
             "(the built-in cases have their own sizes)"
@@ -201,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
             results = verify_distributed(args.distributed)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
+    elif args.trainer:
+        results = _trainer_results(args)
     elif args.model:
         methods: list[Method] = ["bigbatch", "naive"] if args.naive else ["bigbatch"]
         results = _user_results(args, methods, dtypes)
@@ -215,5 +259,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
         _print_table(results)
-    ours: list[Any] = [r for r in results if r.method in ("bigbatch", "cached")]
+    ours: list[Any] = [r for r in results if r.method in ("bigbatch", "cached", "trainer")]
     return 0 if all(r.passed for r in ours) else 1
