@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro",
         help="micro-batch sizes splitting the window, e.g. 16,16,4 (default: 4 near-equal parts; "
-        "with --trainer, its batch size for each accumulation step, the last half full)",
+        "with --trainer, one of its micro-batches' rows split into all but one, then one)",
     )
     p.add_argument(
         "--loss",

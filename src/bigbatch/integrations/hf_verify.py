@@ -10,7 +10,6 @@ run takes is easier to measure than to read, and this measures it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import islice
@@ -40,9 +39,11 @@ def verify_trainer(trainer: Any, micro_batches: Sequence[int] | None = None) -> 
     """Measure whether ``trainer`` (a built ``transformers.Trainer``, TRL's ``SFTTrainer`` or a
     subclass of either) accumulates exactly: the first rows of its training set, collated by its
     own collator, go through its own ``training_step`` as micro-batches of ``micro_batches``
-    rows (by default its ``per_device_train_batch_size`` for each of its
-    ``gradient_accumulation_steps``, at least two, the last one half full, as an epoch's last
-    window can be), then once as one big batch; the gradients are compared per top-level module.
+    rows, then once as one big batch; the gradients are compared per top-level module. By
+    default the window is one of its micro-batches' rows (``per_device_train_batch_size``; two
+    where that is one), split unevenly (all but one row, then one), so the big batch fits where
+    training does and ``loss / N`` parts from it even where every row counts the same; on a
+    CPU, or with room, pass a longer window (``micro_batches=[4, 4, 2]``).
 
     The tolerance is ``1e-12`` relative in float64 and grows, at any precision (``bf16``/``fp16``
     autocast included), with the big batch's own round-off, measured as the same big batch with
@@ -64,8 +65,8 @@ def verify_trainer(trainer: Any, micro_batches: Sequence[int] | None = None) -> 
     >>> args = transformers.TrainingArguments("/tmp/verify", per_device_train_batch_size=4,
     ...     gradient_accumulation_steps=2, use_cpu=True, report_to=[])
     >>> result = verify_trainer(transformers.Trainer(Mean(), args, train_dataset=rows))
-    >>> result.micro_batch_counts, result.passed  # 4 rows, then 2: loss / 2 is not their mean
-    ([4, 2], False)
+    >>> result.micro_batch_counts, result.passed  # 3 rows, then 1: loss / 2 is not their mean
+    ([3, 1], False)
     """
     sizes = _window_sizes(trainer.args, micro_batches)
     loader = trainer.get_train_dataloader()  # its columns removed and collator wrapped as train's
@@ -108,8 +109,8 @@ def _window_sizes(args: Any, micro_batches: Sequence[int] | None) -> list[int]:
     >>> from types import SimpleNamespace
     >>> args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3,
     ...                        world_size=1)
-    >>> _window_sizes(args, None)
-    [4, 4, 2]
+    >>> _window_sizes(args, None), _window_sizes(args, [4, 4, 2])
+    ([3, 1], [4, 4, 2])
     """
     if getattr(args, "world_size", 1) > 1:
         raise ValueError(
@@ -118,10 +119,10 @@ def _window_sizes(args: Any, micro_batches: Sequence[int] | None) -> list[int]:
             "counts and the collator, which each rank shares with one process)"
         )
     if micro_batches is None:
-        rows, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        # A window's last micro-batch half full is what an epoch's last window can hold, and
-        # where loss / N parts from the big batch even when every sample counts the same.
-        return [rows] * (max(steps, 2) - 1) + [max(1, math.ceil(rows / 2))]
+        # The rows of one micro-batch in all: its big batch fits where training does (the
+        # rows of the whole accumulation at once are what a card without room cannot hold).
+        rows = args.per_device_train_batch_size
+        return [rows - 1, 1] if rows > 1 else [1, 1]
     sizes = [int(n) for n in micro_batches]
     if len(sizes) < 2 or min(sizes) < 1:
         raise ValueError(
