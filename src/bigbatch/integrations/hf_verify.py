@@ -47,10 +47,14 @@ def verify_trainer(trainer: Any, micro_batches: Sequence[int] | None = None) -> 
 
     The tolerance is ``1e-12`` relative in float64 and grows, at any precision (``bf16``/``fp16``
     autocast included), with the big batch's own round-off, measured as the same big batch with
-    its rows in reverse order (no float64 copy of the model is made). A difference is explained: dropout or BatchNorm (measured again with
-    those layers in eval mode), ``loss / gradient_accumulation_steps``, a ``compute_loss`` of
-    your own that returns a mean, or a count that misses the labels' shift. The trainer's
-    gradients, modes and random state are as they were afterwards; it runs in one process.
+    its rows in reverse order (no float64 copy of the model is made); under ``SFTTrainer``'s
+    fused LM head, which sums in float32, it is float32's. A difference is explained, measured:
+    dropout or BatchNorm modules (the window again with them in eval mode), random draws
+    elsewhere (the big batch under another seed: dropout inside attention), else how Trainer
+    normalised (``loss / gradient_accumulation_steps``, a ``compute_loss`` of your own that
+    returns a mean, a count that misses the labels' shift). The trainer's gradients, modes and
+    random state are as they were afterwards; the gradients compared are copied to the CPU. It
+    runs in one process.
 
     >>> import torch, transformers
     >>> class Mean(torch.nn.Module):  # a model of one's own, its loss a mean over its batch
