@@ -151,7 +151,10 @@ def _user_results(
 
 def _trainer_results(args: argparse.Namespace) -> list[CaseResult]:
     # Imported when the command runs: transformers is the hf extra's, and slow to import.
-    from bigbatch.integrations.hf import verify_trainer
+    try:
+        from bigbatch.integrations.hf import verify_trainer
+    except ImportError as exc:  # the line names the extra to install
+        raise UserError(f"--trainer: {exc}") from exc
 
     trainer = call_factory(args.trainer, "--trainer")
     if not all(hasattr(trainer, name) for name in ("training_step", "get_train_dataloader")):

@@ -221,7 +221,8 @@ def _precision(trainer: Any) -> torch.dtype:
         cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl")
         for cls in type(trainer).__mro__
     )
-    return torch.float32 if sft and _fused_lm_head() is not None else dtype
+    fused = sft and _fused_lm_head() is not None
+    return torch.float32 if fused and dtype == torch.float64 else dtype
 
 
 def _tolerance(dtype: torch.dtype, roundoff: float) -> float:
