@@ -360,7 +360,7 @@ def _explain_normalisation(trainer: Any, window: list[Any]) -> str:
             "collator: data_collator=bigbatch.integrations.hf.shift_labels_collator(collator)."
         )
     return (
-        f"the model's loss is given num_items_in_batch={count!s} and is not the sum of its "
+        f"The model's loss is given num_items_in_batch={count!s} and is not the sum of its "
         "terms divided by it (a forward that takes **kwargs and returns its own mean, or a "
         "loss that couples the samples of a batch): give Trainer compute_loss_func="
         "bigbatch.integrations.hf.token_loss()."
