@@ -222,3 +222,16 @@ def window_gradients(
     else:
         run_window(acc, window, step, OOMBackoff(micro_batch), split=split)
     return grads
+
+
+def right_padded(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collator for token rows: right-pads to the batch's longest sequence (pad id 0, label
+    -100, attention mask 0)."""
+    longest = max(len(i["input_ids"]) for i in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    labels = torch.full((len(items), longest), -100)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

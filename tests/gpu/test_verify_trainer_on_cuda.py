@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from bigbatch.integrations.hf import verify_trainer  # noqa: E402
+from helpers import right_padded  # noqa: E402
 
 
 def _rows() -> list[dict[str, torch.Tensor]]:
@@ -26,17 +27,6 @@ def _rows() -> list[dict[str, torch.Tensor]]:
         ids = torch.randint(1, 64, (int(torch.randint(4, 33, (), generator=g)),), generator=g)
         rows.append({"input_ids": ids, "labels": ids.clone()})
     return rows
-
-
-def _collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    longest = max(len(i["input_ids"]) for i in items)
-    ids = torch.zeros(len(items), longest, dtype=torch.long)
-    labels = torch.full((len(items), longest), -100)
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
-    for row, item in enumerate(items):
-        n = len(item["input_ids"])
-        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def _trainer(tmp_path, bf16: bool):  # type: ignore[no-untyped-def]
@@ -52,7 +42,7 @@ def _trainer(tmp_path, bf16: bool):  # type: ignore[no-untyped-def]
         bf16=bf16, report_to=[], disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
     return transformers.Trainer(
-        model=model, args=args, train_dataset=_rows(), data_collator=_collate
+        model=model, args=args, train_dataset=_rows(), data_collator=right_padded
     )
 
 

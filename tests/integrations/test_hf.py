@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from reference import rel_err
 from torch import nn
 
+from helpers import right_padded as collate
+
 transformers = pytest.importorskip("transformers")
 from bigbatch.integrations.hf import (  # noqa: E402
     shift_labels_collator,
@@ -30,18 +32,6 @@ def sequences() -> list[dict[str, torch.Tensor]]:
         ids = torch.randint(1, VOCAB, (n,), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
-
-
-def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the batch's longest sequence: pad id 0, label -100, attention mask 0."""
-    longest = max(len(i["input_ids"]) for i in items)
-    ids = torch.zeros(len(items), longest, dtype=torch.long)
-    labels = torch.full((len(items), longest), -100)
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
-    for row, item in enumerate(items):
-        n = len(item["input_ids"])
-        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 class TinyLM(nn.Module):
