@@ -80,16 +80,17 @@ def verify_trainer(trainer: Any, micro_batches: Sequence[int] | None = None) -> 
     # The model's own loss on the whole batch, uncounted, is its mean: the big batch Trainer's
     # count must reach (GPT-2's, counted unshifted, does not). Any other loss takes the count.
     counted = not _models_own_loss(trainer)
+    big = [collate(rows)]
     with _kept(trainer):
         got = _window_gradients(trainer, window)
-        ref = _window_gradients(trainer, [collate(rows)], counted=counted)
+        ref = _window_gradients(trainer, big, counted=counted)
         dtype = _precision(trainer)
         again = _window_gradients(trainer, [collate(rows[::-1])], counted=counted)
         _, roundoff, _ = compare_gradients(again, ref)
         tolerance = _tolerance(dtype, roundoff)
         max_abs, max_rel, groups = compare_gradients(got, ref)
         passed = max_rel <= tolerance
-        explanation = "" if passed else _explain(trainer, window, rows, tolerance)
+        explanation = "" if passed else _explain(trainer, window, big, ref, counted, tolerance)
     return CaseResult(
         case=type(trainer).__name__,
         method="trainer",
@@ -245,17 +246,23 @@ def _count(trainer: Any, batch: Any, rows: int) -> int:
     return rows if count is None else int(count)
 
 
-def _explain(trainer: Any, window: list[Any], rows: list[Any], tolerance: float) -> str:
-    """Why the window's gradient is not the big batch's, measured: dropout or BatchNorm modules
-    (the window again with them in eval mode), random draws elsewhere (the big batch against
-    itself under another seed), else how the trainer normalised the loss."""
+def _explain(
+    trainer: Any,
+    window: list[Any],
+    big: list[Any],
+    ref: Gradients,
+    counted: bool,
+    tolerance: float,
+) -> str:
+    """Why the window's gradient is not the big batch's (``ref``, from ``big``), measured:
+    dropout or BatchNorm modules (both again with them in eval mode), random draws elsewhere
+    (the big batch against itself under another seed), else how the trainer normalised."""
     trainer.model.train()  # as training_step leaves it: the layers active in training
     layers = find_inexact_layers(trainer.model)
-    big, counted = [trainer.get_train_dataloader().collate_fn(rows)], not _models_own_loss(trainer)
     said = ""
     with _quiet(trainer, layers):
-        ref = _window_gradients(trainer, big, counted=counted)
-        if layers:
+        if layers:  # the big batch again, its layers quiet: ref holds their draws
+            ref = _window_gradients(trainer, big, counted=counted)
             _, rel, _ = compare_gradients(_window_gradients(trainer, window), ref)
             said = (
                 f"{describe_inexact_layers(layers)} With those layers in eval mode the relative "
