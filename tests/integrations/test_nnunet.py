@@ -61,7 +61,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_trainers_update_is_nnunets_own_batch_update(root: Path) -> None:
-    """In float64, with and without batch_dice, with deep supervision: micro-batches of 1 and
+    """In float64, with and without batch_dice, with deep supervision (nnU-Net's planned
+    network at a quarter of its width, for time): micro-batches of 1 and
     an uneven 2 + 1 give nnU-Net's own gradient to 1e-12, and its own optimizer's steps;
     ``loss / N`` does not. nnU-Net's Dice
     sums in float32 whatever its inputs: as shipped, the split is judged against the round-off

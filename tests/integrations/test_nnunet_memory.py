@@ -223,3 +223,36 @@ def test_the_planners_step_for_regions_is_their_trainers() -> None:
     x, labels = make_inputs(classes, "cpu")
     assert labels[0].shape == (1, 1, 8, 8, 8) and int(labels[0].max()) == 3
     assert torch.isfinite(run_step_loss(classes, classes.model(), (x, labels), "cpu"))
+
+
+@pytest.mark.parametrize(
+    ("curve", "most_asked"),
+    [
+        (lambda b: 5000 + 900 * b - 4000 * min(b, 8) // 8, 8),  # per sample less past a few
+        (lambda b: int(10_000 + 3000 * b - 2000 * b**0.5), 8),  # and less, and less
+        (lambda b: 2**21 * -(-(3000 + 170 * b) // 2**6), 8),  # the allocator's rounding: steps
+        (lambda b: 1000 + 300 * b + 5 * b * b, 14),  # rising faster at large batches
+        (lambda b: 100, 13),  # flat: doubled up to the most, 4096
+    ],
+)
+@pytest.mark.parametrize("usable", [1200, 1700, 20_000, 800_000, 2**22, 2**31])
+def test_the_planners_batch_is_the_largest_predicted_to_fit_in_few_predictions(
+    curve: Any, most_asked: int, usable: int
+) -> None:
+    """nnUNetPlannerBigBatch's batch, found by extrapolating the batches that fit: the one a
+    prediction of every batch from 1 to 4096 gives, with both it and the next one predicted,
+    in a handful of predictions (nnU-Net asks for a batch for each patch it considers; its
+    planning of this suite's dataset took 31 by doubling, 19 now)."""
+    asked: list[int] = []
+
+    def peak(batch: int) -> int:
+        asked.append(batch)
+        return int(curve(batch))
+
+    fits = [b for b in range(1, 4097) if curve(b) <= usable]
+    expected = max(fits, default=0)
+    assert fits == list(range(1, expected + 1))  # the curves rise: the answer is a boundary
+    got = nnunet.largest_fitting_batch(peak, usable)
+    assert got == expected
+    assert got in (0, 4096) or {got, got + 1} <= set(asked)
+    assert len(set(asked)) <= most_asked, sorted(set(asked))

@@ -49,7 +49,13 @@ from bigbatch.distributed import maxima_over_ranks
 from bigbatch.integrations import require
 from bigbatch.integrations.nnunet_step import plan_step_spec
 from bigbatch.memory.budget import format_bytes
-from bigbatch.memory.plan import Plan, plan_under_budget, refit_to_measured, resolve_budget
+from bigbatch.memory.plan import (
+    Plan,
+    largest_fitting,
+    plan_under_budget,
+    refit_to_measured,
+    resolve_budget,
+)
 from bigbatch.memory.step import Precision, StepSpec
 
 require("nnunetv2", "nnunet")
@@ -963,28 +969,37 @@ def plan_dataset(dataset: str | int, budget: str, *, device: str = "cuda") -> li
 
 
 def largest_fitting_batch(peak_at: Callable[[int], int], usable: int, most: int = 4096) -> int:
-    """The largest batch whose predicted peak (``peak_at(batch)``) is within ``usable``, found
-    by predicting candidates (doubling, then the planner's own search between the last batch
-    that fit and the first that did not), never by extrapolating from
-    small batches: per-sample memory at batch 1 to 2 is not that at large batches (0.57x for a
-    2d plan, whose batch extrapolated from them was predicted 66 % over). 0 where one sample
-    does not fit; 1 where two do not (nnU-Net then shrinks the patch, without a search).
+    """The largest batch whose predicted peak (``peak_at(batch)``) is within ``usable``: each
+    candidate is where the line through the last two batches that fit reaches ``usable`` (at
+    most eight times the last; twice where that line does not rise), predicted, until one does
+    not fit; then the
+    planner's own search between the last that fit and it. Extrapolation only proposes: the
+    answer is always a predicted batch, and so is the next one up that does not fit
+    (per-sample memory at batch 1 to 2 is not that at large batches: 0.57x for a 2d plan,
+    whose batch extrapolated from them was predicted 66 % over). A handful of predictions
+    where doubling took a dozen: nnU-Net asks for one per patch it considers. 0 where one
+    sample does not fit; 1 where two do not (nnU-Net then shrinks the patch, without a search).
 
     >>> largest_fitting_batch(lambda b: 1000 + 300 * b + 5 * b * b, 20_000)  # 19,620 at 38
     38
     """
-    from bigbatch.memory.plan import largest_fitting
-
-    peak = functools.cache(peak_at)  # the search asks the sizes the doubling did again
+    peak = functools.cache(peak_at)  # the search asks for the sizes seen here again
     if peak(1) > usable:
         return 0
     if peak(2) > usable:
         return 1
-    low, high = 2, 4  # low fits; high is the next candidate
-    while high <= most and peak(high) <= usable:
-        low, high = high, high * 2
-    # low fits; high does not, or is past the most (not predicted: bisected towards)
-    return largest_fitting(peak, low, min(high, most + 1), usable, cap=most)
+    before, low = 1, 2  # the last two batches that fit
+    while True:
+        rise = peak(low) - peak(before)
+        line = low + max(1, (usable - peak(low)) * (low - before) // rise) if rise > 0 else 2 * low
+        high = min(line, 8 * low)  # a line from small batches may reach far past a rising curve
+        if high >= most:
+            if peak(most) <= usable:
+                return most
+            high = most
+        if peak(high) > usable:
+            return largest_fitting(peak, low, high, usable)
+        before, low = low, high
 
 
 class nnUNetPlannerBigBatch(ExperimentPlanner):
