@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -591,6 +592,34 @@ def test_sft_trainers_compute_loss_func_takes_the_whole_logits_refused_under_a_f
     assert len(shapes) == 1  # refused before a step
     check_trainer(sft(compute_loss_func=None), fused)
     check_trainer(sft(), whole)
+
+
+def test_a_subclass_computing_its_own_loss_under_a_fused_plan_is_named(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A Trainer subclass's own compute_loss under a plan of TRL's fused LM head: whether it
+    calls the model with fused_lm_head=True (else the model makes its whole logits, which the
+    plan does not hold) only running it shows, so check_trainer names the class and the fix;
+    without an override, or under a plan of the model's own loss, it says nothing."""
+
+    class OwnLoss:  # a subclass of SFTTrainer, as check_trainer sees one
+        args = SimpleNamespace()
+        compute_loss_func = None
+
+        def compute_loss(self, model, inputs, **kwargs):  # type: ignore[no-untyped-def]
+            return model(**inputs).logits.sum()
+
+    fused = SimpleNamespace(setup=LMSetup(seq_len=SEQ, loss="trl"), peak_bytes=2**30)
+    whole = SimpleNamespace(**{**vars(fused), "setup": LMSetup(seq_len=SEQ)})
+    with caplog.at_level(logging.WARNING, logger="bigbatch"):
+        check_trainer(OwnLoss(), whole)
+        check_trainer(SimpleNamespace(args=SimpleNamespace(), compute_loss_func=None), fused)
+        assert caplog.messages == []
+        check_trainer(OwnLoss(), fused)
+    assert caplog.messages == [
+        "the plan traces SFTTrainer's fused LM head, and OwnLoss overrides compute_loss: a model "
+        "called there without fused_lm_head=True makes its whole logits, which the plan's "
+        "micro-batch would not hold; compute the loss with super().compute_loss(...), or plan "
+        "with --loss model"
+    ]
 
 
 def test_a_plan_of_the_models_loss_for_sft_trainer_says_what_its_fused_head_frees(

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.integrations import require
-from bigbatch.integrations.hf_verify import verify_trainer
+from bigbatch.integrations.hf_verify import _overrides, verify_trainer
 
 require("transformers", "hf")
 
@@ -1231,8 +1231,10 @@ def check_trainer(trainer: Any, plan: Any) -> None:
     traced in what its arguments do not show: ``compute_loss_func`` under a plan of
     ``SFTTrainer``'s fused LM head (``--loss trl``: the function takes the model's whole logits,
     which the plan's micro-batch would not hold), and an evaluation keeping every pass's logits
-    (:func:`check_evaluation_held`). :func:`train_with_backoff` checks each trainer it builds;
-    call it before ``trainer.train()`` of your own.
+    (:func:`check_evaluation_held`). Under such a plan, a subclass's own ``compute_loss`` is
+    named in a warning: a model called there without ``fused_lm_head=True`` makes its whole
+    logits. :func:`train_with_backoff` checks each trainer it builds; call it before
+    ``trainer.train()`` of your own.
 
     >>> from types import SimpleNamespace
     >>> from bigbatch.memory.lm import LMSetup
@@ -1254,6 +1256,15 @@ def check_trainer(trainer: Any, plan: Any) -> None:
             "hands that function the model's whole logits (SFTTrainer too, which deprecates "
             "it), which the plan's micro-batch would not hold: drop compute_loss_func "
             "(SFTTrainer's own loss is exact over token counts), or plan with --loss model"
+        )
+    own = _overrides(trainer, "compute_loss")
+    if fused and own is not None:  # whether it calls the head fused only running it shows
+        logging.getLogger("bigbatch").warning(
+            "the plan traces SFTTrainer's fused LM head, and %s overrides compute_loss: a "
+            "model called there without fused_lm_head=True makes its whole logits, which the "
+            "plan's micro-batch would not hold; compute the loss with "
+            "super().compute_loss(...), or plan with --loss model",
+            own,
         )
     check_evaluation_held(trainer, plan)
 
