@@ -972,13 +972,13 @@ def largest_fitting_batch(peak_at: Callable[[int], int], usable: int, most: int 
     """The largest batch whose predicted peak (``peak_at(batch)``) is within ``usable``: each
     candidate is where the line through the last two batches that fit reaches ``usable`` (at
     most eight times the last; twice where that line does not rise), predicted, until one does
-    not fit; then the
-    planner's own search between the last that fit and it. Extrapolation only proposes: the
-    answer is always a predicted batch, and so is the next one up that does not fit
-    (per-sample memory at batch 1 to 2 is not that at large batches: 0.57x for a 2d plan,
-    whose batch extrapolated from them was predicted 66 % over). A handful of predictions
-    where doubling took a dozen: nnU-Net asks for one per patch it considers. 0 where one
-    sample does not fit; 1 where two do not (nnU-Net then shrinks the patch, without a search).
+    not fit; then the planner's own search between the last that fit and it. Extrapolation
+    only proposes: the answer is always a predicted batch, and so is the next one up that does
+    not fit (per-sample memory at batch 1 to 2 is not that at large batches: 0.57x for a 2d
+    plan, whose batch extrapolated from them was predicted 66 % over). A handful of
+    predictions where doubling took a dozen: nnU-Net asks for one per patch it considers. 0
+    where one sample does not fit; 1 where two do not (nnU-Net then shrinks the patch, without
+    a search).
 
     >>> largest_fitting_batch(lambda b: 1000 + 300 * b + 5 * b * b, 20_000)  # 19,620 at 38
     38
