@@ -51,6 +51,7 @@ from bigbatch.integrations.nnunet_step import plan_step_spec
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.plan import (
     Plan,
+    _interpolate,
     largest_fitting,
     plan_under_budget,
     refit_to_measured,
@@ -990,9 +991,10 @@ def largest_fitting_batch(peak_at: Callable[[int], int], usable: int, most: int 
         return 1
     before, low = 1, 2  # the last two batches that fit
     while True:
-        rise = peak(low) - peak(before)
-        line = low + max(1, (usable - peak(low)) * (low - before) // rise) if rise > 0 else 2 * low
-        high = min(line, 8 * low)  # a line from small batches may reach far past a rising curve
+        rises = peak(low) > peak(before)
+        line = _interpolate(before, peak(before), low, peak(low), usable) if rises else 2 * low
+        # A line from small batches may reach far past a rising curve: eight times at most.
+        high = min(max(line, low + 1), 8 * low)
         if high >= most:
             if peak(most) <= usable:
                 return most
