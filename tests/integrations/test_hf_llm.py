@@ -594,11 +594,12 @@ def test_sft_trainers_compute_loss_func_takes_the_whole_logits_refused_under_a_f
     check_trainer(sft(), whole)
 
 
-def test_a_subclass_computing_its_own_loss_under_a_fused_plan_is_named(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_subclass_computing_its_own_loss_under_a_fused_plan_is_named(caplog, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A Trainer subclass's own compute_loss under a plan of TRL's fused LM head: whether it
     calls the model with fused_lm_head=True (else the model makes its whole logits, which the
     plan does not hold) only running it shows, so check_trainer names the class and the fix;
-    without an override, or under a plan of the model's own loss, it says nothing."""
+    without an override, or under a plan of the model's own loss, it says nothing.
+    train_with_backoff says it once, not again at each smaller micro-batch."""
 
     class OwnLoss:  # a subclass of SFTTrainer, as check_trainer sees one
         args = SimpleNamespace()
@@ -619,6 +620,27 @@ def test_a_subclass_computing_its_own_loss_under_a_fused_plan_is_named(caplog) -
         "called there without fused_lm_head=True makes its whole logits, which the plan's "
         "micro-batch would not hold; compute the loss with super().compute_loss(...), or plan "
         "with --loss model"
+    ]
+    budget = MemoryBudget(2**40, plan=fused)
+
+    class Backed(OwnLoss):  # out of memory over 2 sequences a micro-batch
+        callback_handler = SimpleNamespace(callbacks=[budget])
+
+        def __init__(self, args):  # type: ignore[no-untyped-def]
+            self.args = args
+
+        def train(self, resume_from_checkpoint=None):  # type: ignore[no-untyped-def]
+            if self.args.per_device_train_batch_size > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return self.args.per_device_train_batch_size
+
+    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                           output_dir=str(tmp_path / "run"))  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bigbatch"):
+        assert train_with_backoff(Backed, args, log=lambda line: None) == 2  # three tries
+    assert [m.split(":")[0] for m in caplog.messages] == [
+        "the plan traces SFTTrainer's fused LM head, and OwnLoss overrides compute_loss"
     ]
 
 

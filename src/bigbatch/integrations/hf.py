@@ -1247,6 +1247,12 @@ def check_trainer(trainer: Any, plan: Any) -> None:
     >>> trainer.compute_loss_func = None
     >>> check_trainer(trainer, plan)
     """
+    _check_trainer(trainer, plan, warn=True)
+
+
+def _check_trainer(trainer: Any, plan: Any, *, warn: bool) -> None:
+    # train_with_backoff checks each trainer it builds, and says its warning once, not again
+    # at each smaller micro-batch.
     if plan is None:
         return
     fused = getattr(plan.setup, "loss", "model") == "trl"
@@ -1258,7 +1264,8 @@ def check_trainer(trainer: Any, plan: Any) -> None:
             "(SFTTrainer's own loss is exact over token counts), or plan with --loss model"
         )
     own = _overrides(trainer, "compute_loss")
-    if fused and own is not None:  # whether it calls the head fused only running it shows
+    # Whether it calls the head fused only running it shows: a warning, not an error.
+    if warn and fused and own is not None:
         logging.getLogger("bigbatch").warning(
             "the plan traces SFTTrainer's fused LM head, and %s overrides compute_loss: a "
             "model called there without fused_lm_head=True makes its whole logits, which the "
@@ -1315,13 +1322,15 @@ def train_with_backoff(
     from bigbatch.device import free_memory
 
     args, shrunk = _resumed_sizes(args, log)
+    tries = 0
     while True:
         failed, refit, trainer = None, None, None
+        tries += 1
         try:
             trainer = make_trainer(args)
             for budget in _budgets(trainer):
                 budget.checked = budget.checked or shrunk  # no growing back after an OOM
-                check_trainer(trainer, budget.plan)
+                _check_trainer(trainer, budget.plan, warn=tries == 1)
             folder = args.output_dir
             checkpoint = get_last_checkpoint(folder) if os.path.isdir(folder) else None
             result = trainer.train(resume_from_checkpoint=checkpoint)
