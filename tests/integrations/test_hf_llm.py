@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_hf import collate  # noqa: E402  (right-padded: pad id 0, label -100, mask 0)
 
-from bigbatch.integrations import hf  # noqa: E402
+from bigbatch.integrations import hf_plan  # noqa: E402
 from bigbatch.integrations.hf import (  # noqa: E402
     MemoryBudget,
     check_evaluation_held,
@@ -1045,7 +1045,7 @@ def test_arguments_that_shard_otherwise_than_the_plan_are_refused(
         with_plan(version_1, plan(fsdp=True))
     # transformers 4 ran version 1 where fsdp_config names none (5 runs FSDP2).
     unnamed = SimpleNamespace(**base, fsdp="full_shard", fsdp_config={})
-    monkeypatch.setattr(hf, "_transformers_major", lambda: 4)
+    monkeypatch.setattr(hf_plan, "_transformers_major", lambda: 4)
     with pytest.raises(ValueError, match=r"run FSDP version 1: set fsdp_config"):
         with_plan(unnamed, plan(fsdp=True))
     named = SimpleNamespace(**base, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
