@@ -72,7 +72,7 @@ def _llama(layers: int, hidden: int, vocab: int, *, frozen: bool = True, ckpt: b
     def build() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from bigbatch.memory.lm import enable_checkpointing
+        from bigbatch.memory.lm_model import enable_checkpointing
 
         config = LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,

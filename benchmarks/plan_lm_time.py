@@ -39,7 +39,7 @@ TRACED = (
 )
 # The command with every trace made at the model's own depth (no layer stack).
 FULL_DEPTH = (
-    "import sys; import bigbatch.memory.lm as lm; lm._layer_stack = lambda *args: None; "
+    "import sys; import bigbatch.memory.lm_model as lm; lm._layer_stack = lambda *args: None; "
     "from bigbatch.cli.main import console; sys.argv[0] = 'bigbatch'; console()"
 )
 CASES = [

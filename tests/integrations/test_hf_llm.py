@@ -36,11 +36,11 @@ from bigbatch.integrations.hf import (  # noqa: E402
 from bigbatch.memory.lm import (  # noqa: E402
     LMPlan,
     LMSetup,
-    enable_checkpointing,
     lm_spec_at,
     lora_config,
     plan_lm,
 )
+from bigbatch.memory.lm_model import enable_checkpointing  # noqa: E402
 from bigbatch.memory.measure import profiled_peak  # noqa: E402
 from bigbatch.memory.meta import build_on_meta  # noqa: E402
 from bigbatch.memory.step import make_inputs, run_step_loss  # noqa: E402
@@ -653,7 +653,7 @@ def test_a_plan_of_the_models_loss_for_sft_trainer_says_what_its_fused_head_free
     (the whole logits), logits under a tenth, or a TRL without that head."""
     import logging
 
-    import bigbatch.memory.lm as lm_module
+    import bigbatch.memory.lm_setup as lm_module
 
     trl = pytest.importorskip("trl")
     if not hasattr(pytest.importorskip("trl.trainer.utils"), "add_fused_lm_head"):
@@ -1199,7 +1199,7 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
     label smoothing where the plan has none (SFTTrainer then takes the whole logits), or a TRL
     without that head, with_plan refuses it in one line; SFTConfig as it comes takes it, and
     its smoothing where the plan traced it."""
-    import bigbatch.memory.lm as lm_module
+    import bigbatch.memory.lm_setup as lm_module
 
     trl = pytest.importorskip("trl")
     plan = plan_of(8, 4)
@@ -1275,7 +1275,7 @@ def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path, monke
     # which no setting makes exact: refused; the step is still planned.
     from transformers.trainer_pt_utils import LabelSmoother
 
-    import bigbatch.memory.lm as lm_module
+    import bigbatch.memory.lm_model as lm_module
 
     current = LabelSmoother.__call__
 

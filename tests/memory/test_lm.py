@@ -444,13 +444,13 @@ def test_sdpa_masks_are_those_of_the_real_step(
     or a padding mask of all ones; the planner's batches say what their values are
     (fake_branches.known_values). Without that (the control), the packed rows' mask is missed
     and the unpadded row gets a mask the real step skips: over 10 % either way here."""
-    from bigbatch.memory import lm
+    from bigbatch.memory import lm_model
 
     spec = lm_spec_at(tiny(), setup, device="cpu", precision="fp32")(micro_batch)
     measured = measure_step_peak(spec)
     predicted = predict_peak(spec).peak_bytes
     assert abs(predicted - measured) / measured <= 0.01, (predicted, measured)
-    monkeypatch.setattr(lm, "known_values", lambda tensor, values: tensor)
+    monkeypatch.setattr(lm_model, "known_values", lambda tensor, values: tensor)
     unknown = predict_peak(lm_spec_at(tiny(), setup, device="cpu", precision="fp32")(micro_batch))
     assert abs(unknown.peak_bytes - measured) / measured > 0.1, (unknown.peak_bytes, measured)
 
@@ -870,7 +870,6 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
     QLoRA base's packed 4-bit weights out of the sharding, whole on each rank. A rank's plan
     holds both. The control: the same step sharded in the weights' own dtype (torch's
     fully_shard alone) plans a full fine-tune's rank under a third below what it holds."""
-    import bigbatch.memory.lm as lm_module
     from bigbatch.memory import fsdp
     from bigbatch.memory.budget import format_bytes
 
@@ -883,7 +882,7 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
         assert {p.dtype for p in model.parameters()} == {torch.float32}  # the masters
         held, planned = measure_step_peak(spec), predict_peak(spec).peak_bytes
     assert abs(planned - held) / held <= 0.01, (planned, held)
-    monkeypatch.setattr("bigbatch.memory.lm.trainer_sharding", lambda: False)
+    monkeypatch.setattr("bigbatch.memory.lm_model.trainer_sharding", lambda: False)
     with fake_ranks(2):
         own_dtype = predict_peak(spec).peak_bytes
     assert own_dtype / held < 0.75, (own_dtype, held)
@@ -930,7 +929,7 @@ def test_fsdp2_ranks_are_planned_as_trainers_accelerate_prepares_them(monkeypatc
     with pytest.raises(ValueError, match=r"would cast the packed .* --quant-storage fp16$"):
         plan_lm(config, replace(sharded, quant_storage="bf16"), 8, "1GB", precision="fp16")
     # A torch whose fully_shard cannot leave uint8 ones out (before 2.7): refused with the fix.
-    monkeypatch.setattr(lm_module, "_fsdp_leaves_out_params", lambda: False)
+    monkeypatch.setattr("bigbatch.memory.lm_setup._fsdp_leaves_out_params", lambda: False)
     with pytest.raises(ValueError, match=r"--qlora with --fsdp needs torch 2\.7 .*bf16\)$"):
         plan_lm(config, qlora, 8, "1GB", device="cpu", precision="bf16", overhead=0)
     again = plan_lm(config, sharded, 8, "1GB", device="cpu", precision="bf16", overhead=0)
@@ -1181,9 +1180,7 @@ def test_trls_fused_lm_head_is_traced_as_sft_trainer_runs_it() -> None:
 def test_a_fused_lm_head_plan_needs_a_trl_that_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """--loss trl where TRL has no fused LM head (or is missing), and a loss of another name:
     refused in one line with the fix."""
-    import bigbatch.memory.lm as lm_module
-
-    monkeypatch.setattr(lm_module, "_fused_lm_head", lambda: None)
+    monkeypatch.setattr("bigbatch.memory.lm_setup._fused_lm_head", lambda: None)
     with pytest.raises(ValueError, match=r"^--loss trl plans TRL's fused LM head, and .*: plan "
                                          r"with --loss model, or pip install -U trl$"):  # fmt: skip
         plan_lm(tiny(), LMSetup(seq_len=16, loss="trl"), 2, "8GB", device="cpu")

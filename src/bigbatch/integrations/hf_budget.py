@@ -249,7 +249,7 @@ def _note_logits_unmade(plan: Any, args: Any) -> None:
     logits a plan of the model's own loss holds for it (a tenth of its peak or more: room the
     micro-batch could have), as ``bigbatch plan`` says when it plans."""
     from bigbatch.memory.budget import format_bytes
-    from bigbatch.memory.lm import _fused_lm_head
+    from bigbatch.memory.lm_setup import _fused_lm_head
 
     frees = getattr(plan, "logits_a_fused_head_frees", None)
     if "SFTConfig" not in _trl_classes(args) or frees is None or _smoothing(args):

@@ -403,8 +403,8 @@ def _check_loss(plan: Any, args: Any) -> None:
     of TRL's fused LM head (``--loss trl``) for a run whose loss makes the whole logits
     instead, which its micro-batch would not hold: Trainer's arguments, or a TRL without that
     head."""
-    from bigbatch.memory.lm import _check_loss as check_this_trl
-    from bigbatch.memory.lm import _smoother_counts_tokens
+    from bigbatch.memory.lm_model import _smoother_counts_tokens
+    from bigbatch.memory.lm_setup import _check_loss as check_this_trl
 
     planned = getattr(plan.setup, "label_smoothing", 0.0)
     factor = _smoothing(args)

@@ -210,7 +210,7 @@ def _precision(trainer: Any) -> torch.dtype:
     """The precision the gradients are computed in: autocast's, else the trainable weights',
     and at most float32 under ``SFTTrainer``'s fused LM head, which sums its tiles' products in
     float32 whatever the weights."""
-    from bigbatch.memory.lm import _fused_lm_head  # lazily: the planner is not needed before
+    from bigbatch.memory.lm_setup import _fused_lm_head  # lazily: the planner is not needed before
 
     if getattr(trainer.args, "bf16", False):
         return torch.bfloat16
