@@ -535,7 +535,7 @@ def test_a_gradient_from_two_uses_is_summed_into_the_first_as_autograd_does() ->
     real backward does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bigbatch.memory.predict import _StorageTracker
+    from bigbatch.memory.tracker import _StorageTracker
 
     addresses: list[int] = []
     _two_uses(addresses).backward()
