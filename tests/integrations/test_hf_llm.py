@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import logging
+import re
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -134,11 +135,11 @@ def update_err(got, want, init) -> float:  # type: ignore[no-untyped-def]
     return num / max(float((w - i).detach().abs().max()) for _, w, i in trio)
 
 
-def plan_of(global_batch: int, max_micro: int):  # type: ignore[no-untyped-def]
+def plan_of(global_batch: int, max_micro: int, packing: bool = False):  # type: ignore[no-untyped-def]
     """A plan as bigbatch.memory.lm.plan_lm returns it, as far as with_plan reads it."""
     return SimpleNamespace(
         global_batch=global_batch,
-        setup=LMSetup(seq_len=SEQ),
+        setup=LMSetup(seq_len=SEQ, packing=packing),
         plan=SimpleNamespace(max_micro_batch=max_micro),
     )
 
@@ -1159,9 +1160,50 @@ def test_with_plan_refuses_arguments_for_another_run() -> None:
                        r"data within it\), or plan with --seq-len of the longest$"):  # fmt: skip
         with_plan(dataclasses.replace(sft, max_length=None), plan_of(8, 4))
     assert with_plan(dataclasses.replace(sft, max_length=SEQ), plan_of(8, 4)).max_length == SEQ
-    # padding_free without packing, where TRL wants None (its inputs come truncated).
+    # padding_free without packing, where TRL wants None (its inputs come truncated), under a
+    # plan of one row a micro-batch (--packing).
     free = dataclasses.replace(sft, max_length=None, padding_free=True)
-    assert with_plan(free, plan_of(8, 4)).max_length is None
+    assert with_plan(free, plan_of(8, 4, packing=True)).max_length is None
+
+
+def test_sequences_in_one_row_under_a_plan_that_pads_them_are_refused() -> None:
+    """TRL's padding_free, and its packing's bfd strategies that imply it, put a micro-batch's
+    sequences in one row, whose attention mask spans the row (1.76x a padded micro-batch's
+    peak at 8 sequences of 256 tokens, tests/memory/test_lm.py): refused under a plan that pads them, in the
+    arguments and in a trainer's collator; a plan of one row holds for padded sequences, and
+    TRL's wrapped packing (rows of max_length) is padded rows' shape."""
+    trl = pytest.importorskip("trl")
+    from bigbatch.integrations.hf import check_trainer
+
+    sft = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[], max_length=SEQ)
+    padded, one_row = plan_of(8, 4), plan_of(8, 4, packing=True)
+    for changes, said in (
+        ({"padding_free": True}, "padding_free=True"),
+        ({"packing": True}, "packing=True (its bfd strategy is padding-free)"),
+    ):
+        args = dataclasses.replace(sft, **changes)
+        with pytest.raises(ValueError, match=re.escape(
+            f"the plan (full fine-tune, 10 tokens, padded) pads each micro-batch's sequences and these arguments "
+            f"put them in one row ({said}), whose attention mask spans the whole row: plan with "
+            "--packing, or set packing=False and padding_free=False"
+        )):  # fmt: skip
+            with_plan(args, padded)
+        assert with_plan(args, one_row).per_device_train_batch_size == 4
+    wrapped = dataclasses.replace(sft, packing=True, packing_strategy="wrapped")
+    assert with_plan(wrapped, padded).per_device_train_batch_size == 4
+    assert with_plan(sft, one_row).per_device_train_batch_size == 4  # bounded from above
+    # A trainer's collator: transformers' flattening one, TRL's padding-free one.
+    for collator in (
+        transformers.DataCollatorWithFlattening(),
+        trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True),
+    ):
+        trainer = SimpleNamespace(args=sft, data_collator=collator, compute_loss_func=None)
+        with pytest.raises(ValueError, match=f"this trainer's collator \\({type(collator).__name__}"
+                           r"\) puts them in one row, .*: plan with --packing, or pad them$"):  # fmt: skip
+            check_trainer(trainer, padded)
+        check_trainer(trainer, one_row)
+    padding = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0)
+    check_trainer(SimpleNamespace(args=sft, data_collator=padding, compute_loss_func=None), padded)
 
 
 def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> None:

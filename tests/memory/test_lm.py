@@ -455,6 +455,19 @@ def test_sdpa_masks_are_those_of_the_real_step(
     assert abs(unknown.peak_bytes - measured) / measured > 0.1, (unknown.peak_bytes, measured)
 
 
+@pytest.mark.slow
+def test_a_plan_that_pads_does_not_hold_the_same_sequences_in_one_row() -> None:
+    """Why a padded plan refuses packed runs (bigbatch.integrations.hf_plan._check_packing):
+    SDPA's mask over one row of 8 sequences spans the row, 8 times a padded micro-batch's
+    masks: the step's peak 1.76x the padded one's at 256 tokens here (more for longer
+    sequences: the masks grow with their square)."""
+    padded, one_row = (
+        predict_peak(lm_spec_at(tiny(), LMSetup(seq_len=256, packing=p), precision="fp32")(8))
+        for p in (False, True)
+    )
+    assert one_row.peak_bytes > 1.5 * padded.peak_bytes, (one_row.peak_bytes, padded.peak_bytes)
+
+
 def test_building_the_adapters_warns_about_nothing_the_user_can_change() -> None:
     """peft reads transformers' renamed checkpointing property when it wraps the planner's
     stand-in model: a FutureWarning a Python user of plan_lm could do nothing about."""

@@ -19,6 +19,7 @@ import torch
 
 from bigbatch.integrations import require
 from bigbatch.integrations.hf_plan import (
+    _described,
     _eval_batch,
     _plan_precision,
     _planned_dtype,
@@ -287,8 +288,10 @@ def check_trainer(trainer: Any, plan: Any) -> None:
     """Refuse, in one line with the fix, a built ``trainer`` that would hold more than ``plan``
     traced in what its arguments do not show: ``compute_loss_func`` under a plan of
     ``SFTTrainer``'s fused LM head (``--loss trl``: the function takes the model's whole logits,
-    which the plan's micro-batch would not hold), and an evaluation keeping every pass's logits
-    (:func:`check_evaluation_held`). Under such a plan, a subclass's own ``compute_loss`` is
+    which the plan's micro-batch would not hold), a collator that puts a micro-batch's
+    sequences in one row under a plan that pads them (transformers'
+    ``DataCollatorWithFlattening``, TRL's with ``padding_free``: the attention mask spans the
+    row), and an evaluation keeping every pass's logits (:func:`check_evaluation_held`). Under such a plan, a subclass's own ``compute_loss`` is
     named in a warning: a model called there without ``fused_lm_head=True`` makes its whole
     logits. :func:`train_with_backoff` checks each trainer it builds; call it before
     ``trainer.train()`` of your own.
@@ -330,7 +333,28 @@ def _check_trainer(trainer: Any, plan: Any, *, warn: bool) -> None:
             "super().compute_loss(...), or plan with --loss model",
             own,
         )
+    _check_collator(trainer, plan)
     check_evaluation_held(trainer, plan)
+
+
+def _check_collator(trainer: Any, plan: Any) -> None:
+    """Refuse, under a plan that pads sequences, a trainer whose collator puts a micro-batch's
+    sequences in one row (transformers' ``DataCollatorWithFlattening``, TRL's collator with
+    ``padding_free``), whose attention mask spans the whole row; a collator of the user's own
+    is not judged."""
+    if getattr(plan.setup, "packing", False):
+        return
+    import transformers
+
+    collator = getattr(trainer, "data_collator", None)
+    flattens = isinstance(collator, transformers.DataCollatorWithFlattening)
+    if not flattens and getattr(collator, "padding_free", False) is not True:
+        return
+    raise ValueError(
+        f"the plan ({_described(plan)}) pads each micro-batch's sequences and this trainer's "
+        f"collator ({type(collator).__name__}) puts them in one row, whose attention mask spans "
+        "the whole row: plan with --packing, or pad them"
+    )
 
 
 def _budgets(trainer: Any) -> list[MemoryBudget]:

@@ -359,6 +359,7 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
     _check_loss(plan, args)
     _check_sharding(plan, args)
     _check_placement(plan, args)
+    _check_packing(plan, args)
     traced = _prediction(plan)
     if traced is None:
         return
@@ -393,6 +394,47 @@ def _check_arguments(plan: Any, args: Any, *, eval_batch: bool = True) -> None:
         )
     if eval_batch:
         _check_eval_batch(plan, args, described)
+
+
+# TRL's packing strategies that put a micro-batch's sequences in one row (padding_free); its
+# "wrapped" one cuts rows of max_length, padded rows' shape.
+_ONE_ROW_PACKINGS = ("bfd", "bfd_split", "bfd-requeue")
+
+
+def _one_row_packing(args: Any) -> str | None:
+    """Why ``args`` (TRL's ``SFTConfig``) put each micro-batch's sequences in one row with
+    ``position_ids`` that restart at each (the plan's ``--packing``), or ``None`` where they
+    pad them: ``padding_free=True``, or ``packing=True`` with the ``bfd`` strategies that
+    imply it.
+
+    >>> from types import SimpleNamespace
+    >>> _one_row_packing(SimpleNamespace(packing=True, packing_strategy="bfd"))
+    'packing=True (its bfd strategy is padding-free)'
+    >>> _one_row_packing(SimpleNamespace(packing=True, packing_strategy="wrapped")) is None
+    True
+    """
+    if getattr(args, "padding_free", False):
+        return "padding_free=True"
+    strategy = getattr(args, "packing_strategy", "bfd")
+    if getattr(args, "packing", False) and strategy in _ONE_ROW_PACKINGS:
+        return f"packing=True (its {strategy} strategy is padding-free)"
+    return None
+
+
+def _check_packing(plan: Any, args: Any) -> None:
+    """Refuse ``args`` that put a micro-batch's sequences in one row under a plan that pads
+    them: SDPA's and eager attention's mask then spans the whole row (for 8 sequences, 8 times
+    a padded micro-batch's mask: 1.76x its peak with SDPA for a small Llama at 256 tokens,
+    more for longer ones). A plan of one row, for padded sequences, bounds them from above and
+    is let be."""
+    one_row = _one_row_packing(args)
+    if one_row is None or getattr(plan.setup, "packing", False):
+        return
+    raise ValueError(
+        f"the plan ({_described(plan)}) pads each micro-batch's sequences and these arguments "
+        f"put them in one row ({one_row}), whose attention mask spans the whole row: plan "
+        "with --packing, or set packing=False and padding_free=False"
+    )
 
 
 def _check_loss(plan: Any, args: Any) -> None:
