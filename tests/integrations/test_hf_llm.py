@@ -135,11 +135,11 @@ def update_err(got, want, init) -> float:  # type: ignore[no-untyped-def]
     return num / max(float((w - i).detach().abs().max()) for _, w, i in trio)
 
 
-def plan_of(global_batch: int, max_micro: int, packing: bool = False):  # type: ignore[no-untyped-def]
+def plan_of(global_batch: int, max_micro: int, **setup):  # type: ignore[no-untyped-def]
     """A plan as bigbatch.memory.lm.plan_lm returns it, as far as with_plan reads it."""
     return SimpleNamespace(
         global_batch=global_batch,
-        setup=LMSetup(seq_len=SEQ, packing=packing),
+        setup=LMSetup(seq_len=SEQ, **setup),
         plan=SimpleNamespace(max_micro_batch=max_micro),
     )
 
@@ -1171,12 +1171,14 @@ def test_sequences_in_one_row_under_a_plan_that_pads_them_are_refused() -> None:
     sequences in one row, whose attention mask spans the row (1.76x a padded micro-batch's
     peak at 8 sequences of 256 tokens, tests/memory/test_lm.py): refused under a plan that pads them, in the
     arguments and in a trainer's collator; a plan of one row holds for padded sequences, and
-    TRL's wrapped packing (rows of max_length) is padded rows' shape."""
+    TRL's wrapped packing (rows of max_length) is padded rows' shape; flash_attention_2 takes
+    no mask either way."""
     trl = pytest.importorskip("trl")
     from bigbatch.integrations.hf import check_trainer
 
     sft = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[], max_length=SEQ)
     padded, one_row = plan_of(8, 4), plan_of(8, 4, packing=True)
+    flash = plan_of(8, 4, attn="flash_attention_2")
     for changes, said in (
         ({"padding_free": True}, "padding_free=True"),
         ({"packing": True}, "packing=True (its bfd strategy is padding-free)"),
@@ -1189,6 +1191,7 @@ def test_sequences_in_one_row_under_a_plan_that_pads_them_are_refused() -> None:
         )):  # fmt: skip
             with_plan(args, padded)
         assert with_plan(args, one_row).per_device_train_batch_size == 4
+        assert with_plan(args, flash).per_device_train_batch_size == 4
     wrapped = dataclasses.replace(sft, packing=True, packing_strategy="wrapped")
     assert with_plan(wrapped, padded).per_device_train_batch_size == 4
     assert with_plan(sft, one_row).per_device_train_batch_size == 4  # bounded from above
@@ -1202,6 +1205,7 @@ def test_sequences_in_one_row_under_a_plan_that_pads_them_are_refused() -> None:
                            r"\) puts them in one row, .*: plan with --packing, or pad them$"):  # fmt: skip
             check_trainer(trainer, padded)
         check_trainer(trainer, one_row)
+        check_trainer(trainer, flash)
     padding = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0)
     check_trainer(SimpleNamespace(args=sft, data_collator=padding, compute_loss_func=None), padded)
 

@@ -421,14 +421,24 @@ def _one_row_packing(args: Any) -> str | None:
     return None
 
 
+def _pads_under_a_row_mask(plan: Any) -> bool:
+    """Whether ``plan`` pads its sequences with an attention whose mask would span a packed
+    row (SDPA's, eager's): one-row micro-batches then hold more than it traced. A plan of one
+    row bounds padded ones from above, and flash_attention_2 takes no mask either way (its
+    plan, traced as SDPA's padded step, bounds a packed run too)."""
+    setup = plan.setup
+    return (
+        not getattr(setup, "packing", False) and getattr(setup, "attn", "") != "flash_attention_2"
+    )
+
+
 def _check_packing(plan: Any, args: Any) -> None:
     """Refuse ``args`` that put a micro-batch's sequences in one row under a plan that pads
-    them: SDPA's and eager attention's mask then spans the whole row (for 8 sequences, 8 times
-    a padded micro-batch's mask: 1.76x its peak with SDPA for a small Llama at 256 tokens,
-    more for longer ones). A plan of one row, for padded sequences, bounds them from above and
-    is let be."""
+    them (:func:`_pads_under_a_row_mask`): SDPA's and eager attention's mask then spans the
+    whole row (for 8 sequences, 8 times a padded micro-batch's mask: 1.76x its peak with SDPA
+    for a small Llama at 256 tokens, more for longer ones)."""
     one_row = _one_row_packing(args)
-    if one_row is None or getattr(plan.setup, "packing", False):
+    if one_row is None or not _pads_under_a_row_mask(plan):
         return
     raise ValueError(
         f"the plan ({_described(plan)}) pads each micro-batch's sequences and these arguments "
