@@ -460,12 +460,18 @@ def test_a_plan_that_pads_does_not_hold_the_same_sequences_in_one_row() -> None:
     """Why a padded plan refuses packed runs (bigbatch.integrations.hf_plan._check_packing):
     SDPA's mask over one row of 8 sequences spans the row, 8 times a padded micro-batch's
     masks: the step's peak 1.76x the padded one's at 256 tokens here (more for longer
-    sequences: the masks grow with their square)."""
-    padded, one_row = (
-        predict_peak(lm_spec_at(tiny(), LMSetup(seq_len=256, packing=p), precision="fp32")(8))
-        for p in (False, True)
-    )
-    assert one_row.peak_bytes > 1.5 * padded.peak_bytes, (one_row.peak_bytes, padded.peak_bytes)
+    sequences: the masks grow with their square). flash_attention_2 reads the sequences'
+    bounds from the positions and takes no mask: its one row holds no more than the padded
+    micro-batch (without the control's mask, which the SDPA plan keeps)."""
+
+    def peak(packing: bool, attn: str) -> int:
+        setup = LMSetup(seq_len=256, packing=packing, attn=attn)
+        return predict_peak(lm_spec_at(tiny(), setup, precision="fp32")(8)).peak_bytes
+
+    padded, one_row = peak(False, "sdpa"), peak(True, "sdpa")
+    assert one_row > 1.5 * padded, (one_row, padded)
+    flash_padded, flash_row = peak(False, "flash_attention_2"), peak(True, "flash_attention_2")
+    assert flash_row <= flash_padded < one_row, (flash_row, flash_padded, one_row)
 
 
 def test_building_the_adapters_warns_about_nothing_the_user_can_change() -> None:

@@ -314,8 +314,9 @@ def lm_spec_at(
 
     Padded micro-batches are ``[b, seq_len]``, the longest sequence's length (the micro-batch
     that decides the peak), with one pad token (a micro-batch of several sequences has some:
-    transformers then builds the attention mask, and SDPA takes it); packed ones one row of ``b * seq_len``
-    tokens whose ``position_ids`` restart at each sequence.
+    transformers then builds the attention mask, and SDPA takes it); packed ones one row of
+    ``b * seq_len`` tokens whose ``position_ids`` restart at each sequence (SDPA and eager
+    attention then take a mask over the row; flash_attention_2 none).
 
     >>> import transformers
     >>> cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -340,7 +341,14 @@ def lm_spec_at(
             def restarts(device: Any = None) -> torch.Tensor:
                 return torch.arange(length, device=device).repeat(b).unsqueeze(0)
 
-            positions = known_values(restarts(where), restarts)
+            def one_sequence(device: Any = None) -> torch.Tensor:
+                return torch.arange(b * length, device=device).unsqueeze(0)
+
+            # flash_attention_2 reads the sequences' bounds from these positions and takes no
+            # mask; the trace runs SDPA in its place, whose branches are told of one sequence
+            # so that transformers builds no mask over the row either.
+            flash = setup.attn == "flash_attention_2"
+            positions = known_values(restarts(where), one_sequence if flash else restarts)
             return {"input_ids": ids, "labels": ids, "position_ids": positions}
         ids = torch.randint(0, vocab, (b, length), device=where)
 
