@@ -336,20 +336,7 @@ def lm_spec_at(
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
         # The values transformers' masks branch on are kept for the trace (known_values).
         if setup.packing:
-            ids = torch.randint(0, vocab, (1, b * length), device=where)
-
-            def restarts(device: Any = None) -> torch.Tensor:
-                return torch.arange(length, device=device).repeat(b).unsqueeze(0)
-
-            def one_sequence(device: Any = None) -> torch.Tensor:
-                return torch.arange(b * length, device=device).unsqueeze(0)
-
-            # flash_attention_2 reads the sequences' bounds from these positions and takes no
-            # mask; the trace runs SDPA in its place, whose branches are told of one sequence
-            # so that transformers builds no mask over the row either.
-            flash = setup.attn == "flash_attention_2"
-            positions = known_values(restarts(where), one_sequence if flash else restarts)
-            return {"input_ids": ids, "labels": ids, "position_ids": positions}
+            return _packed_row(b, length, vocab, where, flash=setup.attn == "flash_attention_2")
         ids = torch.randint(0, vocab, (b, length), device=where)
 
         def padding(device: Any = None) -> torch.Tensor:
@@ -380,6 +367,25 @@ def lm_spec_at(
 
     stack = None if sharded else _layer_stack(config, setup, real_bitsandbytes)
     return spec_at
+
+
+def _packed_row(
+    b: int, length: int, vocab: int, where: Any, *, flash: bool
+) -> dict[str, torch.Tensor]:
+    """``b`` sequences of ``length`` tokens in one row, whose ``position_ids`` restart at each.
+    flash_attention_2 reads the sequences' bounds from them and takes no mask; the trace runs
+    SDPA in its place, whose branches are told of one sequence (``known_values``) so that
+    transformers builds no mask over the row either."""
+    ids = torch.randint(0, vocab, (1, b * length), device=where)
+
+    def restarts(device: Any = None) -> torch.Tensor:
+        return torch.arange(length, device=device).repeat(b).unsqueeze(0)
+
+    def one_sequence(device: Any = None) -> torch.Tensor:
+        return torch.arange(b * length, device=device).unsqueeze(0)
+
+    positions = known_values(restarts(where), one_sequence if flash else restarts)
+    return {"input_ids": ids, "labels": ids, "position_ids": positions}
 
 
 def _layer_stack(config: Any, setup: LMSetup, real_bitsandbytes: bool) -> LayerStack | None:
