@@ -462,7 +462,7 @@ def test_a_plan_that_pads_does_not_hold_the_same_sequences_in_one_row() -> None:
     masks: the step's peak 1.76x the padded one's at 256 tokens here (more for longer
     sequences: the masks grow with their square). flash_attention_2 reads the sequences'
     bounds from the positions and takes no mask: its one row holds no more than the padded
-    micro-batch (without the control's mask, which the SDPA plan keeps)."""
+    micro-batch, and is traced as one sequence of the row's length is."""
 
     def peak(packing: bool, attn: str) -> int:
         setup = LMSetup(seq_len=256, packing=packing, attn=attn)
@@ -472,6 +472,11 @@ def test_a_plan_that_pads_does_not_hold_the_same_sequences_in_one_row() -> None:
     assert one_row > 1.5 * padded, (one_row, padded)
     flash_padded, flash_row = peak(False, "flash_attention_2"), peak(True, "flash_attention_2")
     assert flash_row <= flash_padded < one_row, (flash_row, flash_padded, one_row)
+    # FA2's row is traced as one sequence of the row's length is (SDPA's causal kernel, no mask).
+    two = LMSetup(seq_len=128, packing=True, attn="flash_attention_2")
+    row = predict_peak(lm_spec_at(tiny(), two, precision="fp32")(2)).peak_bytes
+    one = predict_peak(lm_spec_at(tiny(), LMSetup(seq_len=256), precision="fp32")(1)).peak_bytes
+    assert abs(row - one) <= 0.01 * one, (row, one)
 
 
 def test_building_the_adapters_warns_about_nothing_the_user_can_change() -> None:
