@@ -21,7 +21,6 @@ from bigbatch.integrations import require
 from bigbatch.integrations.hf_plan import (
     _described,
     _eval_batch,
-    _pads_under_a_row_mask,
     _plan_precision,
     _planned_dtype,
     _prediction,
@@ -291,8 +290,8 @@ def check_trainer(trainer: Any, plan: Any) -> None:
     ``SFTTrainer``'s fused LM head (``--loss trl``: the function takes the model's whole logits,
     which the plan's micro-batch would not hold), a collator that puts a micro-batch's
     sequences in one row under a plan that pads them (transformers'
-    ``DataCollatorWithFlattening``, TRL's with ``padding_free``: the attention mask spans the
-    row), and an evaluation keeping every pass's logits (:func:`check_evaluation_held`). Under
+    ``DataCollatorWithFlattening``, TRL's with ``padding_free``: another step than the plan
+    traced), and an evaluation keeping every pass's logits (:func:`check_evaluation_held`). Under
     a ``--loss trl`` plan, a subclass's own ``compute_loss`` is named in a warning: a model
     called there without ``fused_lm_head=True`` makes its whole logits.
     :func:`train_with_backoff` checks each trainer it builds; call it before
@@ -340,11 +339,11 @@ def _check_trainer(trainer: Any, plan: Any, *, warn: bool) -> None:
 
 
 def _check_collator(trainer: Any, plan: Any) -> None:
-    """Refuse, under a plan that pads sequences (:func:`_pads_under_a_row_mask`), a trainer
-    whose collator puts a micro-batch's sequences in one row (transformers'
-    ``DataCollatorWithFlattening``, TRL's collator with ``padding_free``), whose attention mask
-    spans the whole row; a collator of the user's own is not judged."""
-    if not _pads_under_a_row_mask(plan):
+    """Refuse, under a plan that pads sequences, a trainer whose collator puts a micro-batch's
+    sequences in one row (transformers' ``DataCollatorWithFlattening``, TRL's collator with
+    ``padding_free``): another step than the plan traced, as :func:`with_plan` refuses such
+    arguments. A collator of the user's own is not judged."""
+    if getattr(plan.setup, "packing", False):
         return
     import transformers
 
@@ -354,8 +353,8 @@ def _check_collator(trainer: Any, plan: Any) -> None:
         return
     raise ValueError(
         f"the plan ({_described(plan)}) pads each micro-batch's sequences and this trainer's "
-        f"collator ({type(collator).__name__}) puts them in one row, whose attention mask spans "
-        "the whole row: plan with --packing, or pad them"
+        f"collator ({type(collator).__name__}) puts them in one row, another step than the plan "
+        "traced: plan with --packing, or pad them"
     )
 
 
