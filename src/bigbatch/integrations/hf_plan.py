@@ -427,8 +427,8 @@ def _check_packing(plan: Any, args: Any) -> None:
     whole row (for 8 sequences, 8 times a padded micro-batch's mask: 1.76x its peak with SDPA
     for a small Llama at 256 tokens, more for longer ones); flash_attention_2's row, one
     sequence of the row's length to the allocator, reserved more than its padded plan (5.46
-    GiB against 4.76 for 2 x 4096 tokens on a 4-layer Llama of 512). A plan of one row bounds padded
-    sequences from above and is let be."""
+    GiB against 4.76 for 2 x 4096 tokens on a 4-layer Llama of 512). A plan of one row bounds
+    padded sequences from above and is let be."""
     one_row = _one_row_packing(args)
     if one_row is None or getattr(plan.setup, "packing", False):
         return
