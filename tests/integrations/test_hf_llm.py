@@ -28,6 +28,7 @@ from bigbatch.integrations.hf import (  # noqa: E402
     check_trainer,
     model_arguments,
     quantization_arguments,
+    shift_labels_collator,
     train_with_backoff,
     trainer_arguments,
     trainer_batch_sizes,
@@ -1175,8 +1176,6 @@ def test_sequences_in_one_row_under_a_plan_that_pads_them_are_refused() -> None:
     Under flash_attention_2 too (no mask, but its row, one long sequence to the allocator,
     reserved 5.46 GiB where its padded plan had 4.76, 2 x 4096 tokens on a small Llama)."""
     trl = pytest.importorskip("trl")
-    from bigbatch.integrations.hf import check_trainer
-
     sft = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[], max_length=SEQ)
     padded, one_row = plan_of(8, 4), plan_of(8, 4, packing=True)
     flash = plan_of(8, 4, attn="flash_attention_2")
@@ -1198,20 +1197,26 @@ def test_sequences_in_one_row_under_a_plan_that_pads_them_are_refused() -> None:
     wrapped = dataclasses.replace(sft, packing=True, packing_strategy="wrapped")
     assert with_plan(wrapped, padded).per_device_train_batch_size == 4
     assert with_plan(sft, one_row).per_device_train_batch_size == 4  # bounded from above
-    # A trainer's collator: transformers' flattening one, TRL's padding-free one.
-    for collator in (
-        transformers.DataCollatorWithFlattening(),
-        trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True),
-    ):
+    # A trainer's collator: transformers' flattening one, TRL's padding-free one, and the
+    # first under shift_labels_collator (judged by what it wraps).
+    flattening = transformers.DataCollatorWithFlattening()
+    for collator, name in (
+        (flattening, "DataCollatorWithFlattening"),
+        (trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True),
+         "DataCollatorForLanguageModeling"),
+        (shift_labels_collator(flattening), "DataCollatorWithFlattening"),
+    ):  # fmt: skip
         trainer = SimpleNamespace(args=sft, data_collator=collator, compute_loss_func=None)
-        with pytest.raises(ValueError, match=f"this trainer's collator \\({type(collator).__name__}"
+        with pytest.raises(ValueError, match=f"this trainer's collator \\({name}"
                            r"\) puts them in one row, .*: plan with --packing, or pad them$"):  # fmt: skip
             check_trainer(trainer, padded)
         check_trainer(trainer, one_row)
         with pytest.raises(ValueError, match="another step than the plan traced"):
             check_trainer(trainer, flash)
     padding = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0)
-    check_trainer(SimpleNamespace(args=sft, data_collator=padding, compute_loss_func=None), padded)
+    for collator in (padding, shift_labels_collator(padding)):
+        check_trainer(SimpleNamespace(args=sft, data_collator=collator, compute_loss_func=None),
+                      padded)  # fmt: skip
 
 
 def test_arguments_that_change_the_global_batch_or_its_count_are_refused() -> None:

@@ -342,12 +342,18 @@ def _check_collator(trainer: Any, plan: Any) -> None:
     """Refuse, under a plan that pads sequences, a trainer whose collator puts a micro-batch's
     sequences in one row (transformers' ``DataCollatorWithFlattening``, TRL's collator with
     ``padding_free``): another step than the plan traced, as :func:`with_plan` refuses such
-    arguments. A collator of the user's own is not judged."""
+    arguments. A wrapped collator (``shift_labels_collator``'s, or any that sets
+    ``__wrapped__``) is judged by the one underneath; a collator of the user's own is not
+    judged."""
     if getattr(plan.setup, "packing", False):
         return
+    import inspect
+
     import transformers
 
     collator = getattr(trainer, "data_collator", None)
+    if callable(collator):
+        collator = inspect.unwrap(collator)
     flattens = isinstance(collator, transformers.DataCollatorWithFlattening)
     if not flattens and getattr(collator, "padding_free", False) is not True:
         return
