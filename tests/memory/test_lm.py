@@ -416,8 +416,9 @@ def test_quantized_storage_is_bitsandbytes_own() -> None:
         LMSetup(seq_len=64, lora_r=8, quant=8),
         LMSetup(seq_len=64),
         LMSetup(seq_len=32, lora_r=8, packing=True, attn="eager"),
+        LMSetup(seq_len=64, lora_r=8, attn="flash_attention_2"),
     ],
-    ids=["lora-ckpt", "qlora", "qlora-trl", "int8", "full", "packed"],
+    ids=["lora-ckpt", "qlora", "qlora-trl", "int8", "full", "packed", "flash-padded"],
 )
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
 def test_cpu_peak_predicted_as_measured(setup: LMSetup, optimizer: str) -> None:
@@ -477,6 +478,70 @@ def test_a_plan_that_pads_does_not_hold_the_same_sequences_in_one_row() -> None:
     row = predict_peak(lm_spec_at(tiny(), two, precision="fp32")(2)).peak_bytes
     one = predict_peak(lm_spec_at(tiny(), LMSetup(seq_len=256), precision="fp32")(1)).peak_bytes
     assert abs(row - one) <= 0.01 * one, (row, one)
+
+
+@pytest.mark.slow
+def test_flash_attention_2_is_traced_with_the_copies_transformers_makes_around_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """flash_attention_2 needs flash-attn and a GPU: the trace runs transformers' wrapper
+    around SDPA's flash kernel (lm_attention.py). Against transformers' own wrapper
+    (_flash_attention_forward, flash-attn's functions stood in by the same kernel) on a padded
+    micro-batch: the same loss, the same bytes saved for the backward, the same peak. SDPA's
+    padded step, as a flash_attention_2 plan was traced before, saves a mask a layer and the
+    key-value heads repeated instead of the gathered copies: 8 % more here."""
+    from bigbatch.memory.lm_attention import _kernel
+    from bigbatch.memory.lm_model import lm_factory
+    from bigbatch.memory.measure import profiled_peak
+
+    fau = importlib.import_module("transformers.modeling_flash_attention_utils")
+    loading = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_pad_fn", "_unpad_fn",
+               "_process_flash_kwargs_fn", "_lazy_define_process_function")  # fmt: skip
+    if not all(hasattr(fau, name) for name in loading):
+        pytest.skip(f"transformers {transformers.__version__} loads flash-attn otherwise")
+
+    def varlen(q, k, v, *, softmax_scale=None, cu_seqlens_q=None, **unused):  # type: ignore[no-untyped-def]
+        return _kernel(q[None], k[None], v[None], softmax_scale)[0]
+
+    def dense(q, k, v, *, softmax_scale=None, **unused):  # type: ignore[no-untyped-def]
+        return _kernel(q, k, v, softmax_scale)
+
+    for name, value in [("_loaded_implementation", "flash_attention_2"), ("_flash_fn", dense),
+                        ("_flash_varlen_fn", varlen), ("_pad_fn", fau._pad_input),
+                        ("_unpad_fn", fau._unpad_input),
+                        ("_process_flash_kwargs_fn", fau._lazy_define_process_function(varlen))]:  # fmt: skip
+        monkeypatch.setattr(fau, name, value)
+    torch.manual_seed(0)
+    ours = lm_factory(tiny(), LMSetup(seq_len=64, attn="flash_attention_2"))()  # the plan's
+    models = {"ours": ours}
+    for attn in ("flash_attention_2", "sdpa"):
+        # Built as SDPA (flash-attn is not installed), run as flash_attention_2.
+        models[attn] = transformers.AutoModelForCausalLM.from_config(
+            tiny(), attn_implementation="sdpa"
+        )
+        models[attn].load_state_dict(ours.state_dict())
+        models[attn].config._attn_implementation = attn
+    ids = torch.randint(0, 512, (3, 64))
+    mask = torch.ones_like(ids)
+    mask[1, 50:], mask[2, 20:] = 0, 0
+
+    def run(model: torch.nn.Module) -> tuple[float, int, int]:
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        def step() -> torch.Tensor:
+            return model(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step().item()
+        return loss, sum(storages.values()), profiled_peak(lambda: step().backward())
+
+    ours_run, theirs, sdpa = (run(models[m]) for m in ("ours", "flash_attention_2", "sdpa"))
+    assert ours_run == theirs, (ours_run, theirs)
+    assert sdpa[1] > 1.05 * theirs[1] and sdpa[2] > 1.05 * theirs[2], (sdpa, theirs)
 
 
 def test_building_the_adapters_warns_about_nothing_the_user_can_change() -> None:

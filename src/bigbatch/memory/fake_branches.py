@@ -109,6 +109,11 @@ def real_branches() -> Iterator[None]:
                 unpadded = values is not None and values.ndim == 2 and bool(values.all())
             if unpadded and not early_exit:
                 mask = None  # no padding: the real run's masks skip it
+            elif values is not None and _is_fake(mask) and mask.ndim == 2:
+                # The padding mask as the builders take it (booleans): flash_attention_2's
+                # wrapper gathers its real tokens, as many as the values say.
+                with _outside_the_trace():
+                    _KNOWN.get()[mask] = values.bool()
             return (early_exit, mask, *rest)
 
         # Module attributes, looked up at each call by transformers' own mask builders.

@@ -714,7 +714,10 @@ def _dtype_notes(config: Any, setup: LMSetup) -> list[str]:
     ]
 
 
-_FLASH_NOTE = "flash_attention_2 traced as SDPA's flash kernel (the same memory)"
+_FLASH_NOTE = (
+    "flash_attention_2 traced as transformers' wrapper (its copies of padded inputs) around "
+    "SDPA's flash kernel (flash-attn's memory)"
+)
 # NCCL's communicators take device memory of their own, outside PyTorch's allocator: by the
 # node's topology, hundreds of MiB a rank and more (NVIDIA/nccl#864, #964), which no trace on
 # a CPU can see.

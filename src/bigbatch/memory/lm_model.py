@@ -26,6 +26,7 @@ from bigbatch.memory.fsdp import (
     shard_decoder_layers,
     trainer_sharding,
 )
+from bigbatch.memory.lm_attention import traced_flash_attention
 from bigbatch.memory.lm_setup import (
     LMSetup,
     _check_loss,
@@ -131,9 +132,11 @@ def lm_factory(
         from transformers import AutoModelForCausalLM
 
         dtype = weights_dtype(config, setup)
-        # flash_attention_2 needs its package and a GPU; its memory is SDPA's flash kernel's
-        # (the output and a float32 log-sum-exp a head and token), which the trace runs.
-        attn = {"flash_attention_2": "sdpa", "auto": None}.get(setup.attn, setup.attn)
+        # flash_attention_2 needs its package and a GPU: the trace runs transformers' wrapper
+        # around SDPA's flash kernel, whose memory is flash-attn's (lm_attention.py).
+        attn = {"auto": None}.get(setup.attn, setup.attn)
+        if attn == "flash_attention_2":
+            attn = traced_flash_attention()
         try:
             # A copy: transformers sets the config's dtype and the step its use_cache, and the
             # caller's config (one they may load a model with next) keeps its own.
@@ -336,7 +339,7 @@ def lm_spec_at(
     def batch(b: int, where: Any) -> dict[str, torch.Tensor]:
         # The values transformers' masks branch on are kept for the trace (known_values).
         if setup.packing:
-            return _packed_row(b, length, vocab, where, flash=setup.attn == "flash_attention_2")
+            return _packed_row(b, length, vocab, where)
         ids = torch.randint(0, vocab, (b, length), device=where)
 
         def padding(device: Any = None) -> torch.Tensor:
@@ -369,22 +372,16 @@ def lm_spec_at(
     return spec_at
 
 
-def _packed_row(
-    b: int, length: int, vocab: int, where: Any, *, flash: bool
-) -> dict[str, torch.Tensor]:
-    """``b`` sequences of ``length`` tokens in one row, whose ``position_ids`` restart at each.
-    flash_attention_2 reads the sequences' bounds from them and takes no mask; the trace runs
-    SDPA in its place, whose branches are told of one sequence (``known_values``) so that
-    transformers builds no mask over the row either."""
+def _packed_row(b: int, length: int, vocab: int, where: Any) -> dict[str, torch.Tensor]:
+    """``b`` sequences of ``length`` tokens in one row, whose ``position_ids`` restart at each
+    (SDPA and eager attention then take a block-diagonal mask; flash_attention_2 reads the
+    sequences' bounds from them and takes none: lm_attention.py)."""
     ids = torch.randint(0, vocab, (1, b * length), device=where)
 
     def restarts(device: Any = None) -> torch.Tensor:
         return torch.arange(length, device=device).repeat(b).unsqueeze(0)
 
-    def one_sequence(device: Any = None) -> torch.Tensor:
-        return torch.arange(b * length, device=device).unsqueeze(0)
-
-    positions = known_values(restarts(where), one_sequence if flash else restarts)
+    positions = known_values(restarts(where), restarts)
     return {"input_ids": ids, "labels": ids, "position_ids": positions}
 
 

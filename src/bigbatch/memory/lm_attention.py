@@ -1,0 +1,108 @@
+"""``flash_attention_2`` as a step is traced: transformers' wrapper around flash-attn (its
+``_flash_attention_forward``), whose tensors are the memory that differs from SDPA's, around
+SDPA's flash kernel, which stands in for flash-attn's (flash-attn needs its package and a GPU;
+both kernels save q, k, v, the output and a float32 log-sum-exp a head and token, and take
+grouped-query heads as they are).
+
+Padding is where the two differ. Under SDPA, transformers builds a ``(batch, 1, len, len)`` mask,
+which SDPA turns into the queries' dtype in each layer (saved for the backward: ``len**2`` a
+sequence and layer), and repeats the key and value heads of grouped-query attention for it
+(the repeated copies saved). Under flash_attention_2 it hands the kernel no mask: it gathers
+the real tokens of q, k and v into copies (which the kernel saves), and scatters the output
+back into a zeroed padded tensor (which the output projection, or LoRA's adapter on it, saves
+beside the kernel's output). Traced as SDPA, a padded flash_attention_2 plan counted SDPA's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.memory.fake_branches import _is_fake, _outside_the_trace, _values_of
+
+__all__ = ["traced_flash_attention"]
+
+# Without "flash" in it: transformers would look for a flash-attn package of that name.
+_NAME = "bigbatch_traced_fa2"
+
+
+def traced_flash_attention() -> str:
+    """The ``attn_implementation`` a traced model runs flash_attention_2 as: transformers'
+    wrapper's gathers and scatters around SDPA's flash kernel, registered (once) with
+    transformers' ``AttentionInterface`` and, for its padding mask, ``AttentionMaskInterface``.
+
+    >>> traced_flash_attention()
+    'bigbatch_traced_fa2'
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_NAME, _flash_attention)
+    AttentionMaskInterface.register(_NAME, _padding_mask)
+    return _NAME
+
+
+def _padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    # flash_attention_mask hands the kernel the 2D padding mask, None without padding; the test
+    # for padding reads values a fake tensor lacks, and the trace's mask builders
+    # (fake_branches.real_branches) have dropped a mask of all ones already, as the run does.
+    if attention_mask is not None and not _is_fake(attention_mask) and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _flash_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    # transformers' flash_attention_forward and _flash_attention_forward, in their order.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [batch, len, heads, dim]
+    if q.dtype == torch.float32:  # flash-attn takes 16-bit inputs: copies in the autocast's
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+    if attention_mask is None:  # no padding, or one packed row: no copies
+        return _kernel(q, k, v, scaling), None
+    batch, length = q.shape[:2]
+    indices = _real_tokens(attention_mask)
+    q, k, v = (t.reshape(-1, *t.shape[2:])[indices] for t in (q, k, v))  # _upad_input
+    out = _kernel(q[None], k[None], v[None], scaling)[0]
+    padded = out.new_zeros(batch * length, *out.shape[1:])  # _pad_input
+    padded[indices] = out
+    return padded.view(batch, length, *out.shape[1:]), None
+
+
+def _kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    # [batch, len, heads, dim] in and out; the sequences' bounds (cu_seqlens) decide no tensor's
+    # size, and flash-attn draws dropout inside the kernel (none here: SDPA's CPU kernel would
+    # fall back to one that holds the attention matrix).
+    out = nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        scale=scaling,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _real_tokens(mask: torch.Tensor) -> torch.Tensor:
+    # The flat indices of the real tokens (_get_unpad_data's). On fake tensors, their count
+    # from the values the step's batch described; unknown, every token (the most there are).
+    if not _is_fake(mask):
+        return torch.nonzero(mask.flatten()).flatten()
+    values = _values_of(mask)
+    with _outside_the_trace():
+        count = mask.numel() if values is None else int(values.count_nonzero())
+    return mask.new_zeros(count, dtype=torch.long)
