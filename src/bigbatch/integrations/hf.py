@@ -42,8 +42,8 @@ from bigbatch.integrations.hf_budget import (
     step_need_bytes,
     train_with_backoff,
 )
+from bigbatch.integrations.hf_model_check import check_plan_matches
 from bigbatch.integrations.hf_plan import (
-    check_plan_matches,
     model_arguments,
     quantization_arguments,
     trainer_arguments,

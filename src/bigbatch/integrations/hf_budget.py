@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bigbatch.integrations import require
+from bigbatch.integrations.hf_model_check import check_plan_matches
 from bigbatch.integrations.hf_plan import (
     _described,
     _eval_batch,
@@ -27,7 +28,6 @@ from bigbatch.integrations.hf_plan import (
     _ranks,
     _smoothing,
     _trl_classes,
-    check_plan_matches,
     trainer_batch_sizes,
     with_sizes,
 )
