@@ -30,15 +30,18 @@ _NAME = "bigbatch_traced_fa2"
 
 def traced_flash_attention() -> str:
     """The ``attn_implementation`` a traced model runs flash_attention_2 as: transformers'
-    wrapper's gathers and scatters around SDPA's flash kernel, registered (once) with
-    transformers' ``AttentionInterface`` and, for its padding mask, ``AttentionMaskInterface``.
+    wrapper's gathers and scatters around SDPA's flash kernel, registered with transformers'
+    ``AttentionInterface`` and, for its padding mask, ``AttentionMaskInterface``. A
+    transformers without them (an older one) has no masks for one: ``"sdpa"``, as before.
 
     >>> traced_flash_attention()
     'bigbatch_traced_fa2'
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return "sdpa"
     AttentionInterface.register(_NAME, _flash_attention)
     AttentionMaskInterface.register(_NAME, _padding_mask)
     return _NAME
