@@ -32,7 +32,7 @@ def traced_flash_attention() -> str:
     """The ``attn_implementation`` a traced model runs flash_attention_2 as: transformers'
     wrapper's gathers and scatters around SDPA's flash kernel, registered with transformers'
     ``AttentionInterface`` and, for its padding mask, ``AttentionMaskInterface``. A
-    transformers without them (an older one) gets ``"sdpa"``: the kernel without the copies.
+    transformers without them (an older one) gets ``"sdpa"`` (its masks, not the copies).
 
     >>> traced_flash_attention()
     'bigbatch_traced_fa2'
