@@ -94,12 +94,13 @@ class DeviceKind:
     # temporaries, where the multi-tensor one launches several per group of weights (what
     # Trainer runs by default from torch 2.8). Elsewhere torch's own default.
     fused_adamw: bool
+    flash_attention: bool  # flash-attn's kernels (transformers' flash_attention_2) run on it
 
 
 DEVICE_KINDS = {
-    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False, False, False),
-    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True, True, True),
-    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False, False, False),
+    "cpu": DeviceKind("cpu", False, 1, True, "gloo", False, False, False, False, False, False),
+    "cuda": DeviceKind("cuda", True, 512, True, "nccl", True, True, True, True, True, True),
+    "mps": DeviceKind("mps", False, 1, False, "gloo", False, False, False, False, False, False),
 }
 
 

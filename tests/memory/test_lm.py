@@ -706,7 +706,7 @@ def test_a_plan_says_what_its_loss_makes(tmp_path: Path, capsys) -> None:  # typ
 def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention() -> None:
     """A T4 (compute capability 7.5) emulates bf16, several times slower than fp16 in the same
     memory: the plan says how to train in fp16 (a full fine-tune keeps float32 weights, which
-    GradScaler needs); flash_attention_2 does not run there at all."""
+    GradScaler needs); flash_attention_2 does not run there at all, nor on a CPU."""
 
     def emulated(setup: LMSetup, card: str = "t4", precision: str = "bf16") -> list[str]:
         plan = plan_lm(tiny(), setup, 2, card, precision=precision)
@@ -724,6 +724,11 @@ def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attenti
         ValueError, match=r"Ampere or newer .* the T4 is 7.5: plan with --attn sdpa"
     ):
         plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "t4")
+    # Nor on a CPU (or MPS): flash-attn's kernels are CUDA's.
+    with pytest.raises(ValueError, match=r"^flash_attention_2 runs on CUDA GPUs alone .* this "
+                       r"plan is for cpu: plan with --attn sdpa, or for the GPU with --device "
+                       r"cuda$"):  # fmt: skip
+        plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "1GB", device="cpu")
 
 
 @pytest.mark.slow

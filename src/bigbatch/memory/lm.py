@@ -416,6 +416,11 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
+    if setup.attn == "flash_attention_2" and not device_kind(device).flash_attention:
+        raise ValueError(
+            f"flash_attention_2 runs on CUDA GPUs alone (flash-attn's kernels), and this plan is "
+            f"for {device}: plan with --attn sdpa, or for the GPU with --device cuda"
+        )
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: traced apart, else composed, as DDP always is).
