@@ -729,6 +729,12 @@ def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attenti
                        r"plan is for cpu: plan with --attn sdpa, or for the GPU with --device "
                        r"cuda$"):  # fmt: skip
         plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "1GB", device="cpu")
+    # Nor in float32 (float32 weights without autocast: flash-attn takes 16-bit inputs).
+    flash = LMSetup(seq_len=16, attn="flash_attention_2")
+    with pytest.raises(ValueError, match=r"^flash_attention_2 computes in float16 or bfloat16 "
+                       r"alone, .*: plan with --precision bf16 \(Trainer's bf16=True\), or "
+                       r"--dtype bf16, or --attn sdpa$"):  # fmt: skip
+        plan_lm(tiny(), flash, 2, "a100", precision="fp32")
 
 
 @pytest.mark.slow

@@ -416,11 +416,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
-    if setup.attn == "flash_attention_2" and not device_kind(device).flash_attention:
-        raise ValueError(
-            f"flash_attention_2 runs on CUDA GPUs alone (flash-attn's kernels), and this plan is "
-            f"for {device}: plan with --attn sdpa, or for the GPU with --device cuda"
-        )
+    _check_flash_attention(config, setup, device, precision)
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: traced apart, else composed, as DDP always is).
@@ -586,6 +582,24 @@ def _plan_evaluation(
         return p.planning_bytes + kept + (beyond(p) if beyond else 0)
 
     return plan_evaluation_batch(peak_at, largest, plan.usable_bytes, (spec_at(1).input_shape[0],))
+
+
+def _check_flash_attention(config: Any, setup: LMSetup, device: str, precision: str) -> None:
+    """Refuse flash_attention_2 where flash-attn cannot run: off CUDA, or on float32 inputs
+    (float32 weights without autocast; a quantized base computes in its config's dtype)."""
+    if setup.attn != "flash_attention_2":
+        return
+    if not device_kind(device).flash_attention:
+        raise ValueError(
+            f"flash_attention_2 runs on CUDA GPUs alone (flash-attn's kernels), and this plan is "
+            f"for {device}: plan with --attn sdpa, or for the GPU with --device cuda"
+        )
+    if precision == "fp32" and not setup.quant and weights_dtype(config, setup) == torch.float32:
+        raise ValueError(
+            "flash_attention_2 computes in float16 or bfloat16 alone, and this plan has float32 "
+            "weights without autocast: plan with --precision bf16 (Trainer's bf16=True), or "
+            "--dtype bf16, or --attn sdpa"
+        )
 
 
 def _card_for(budget: str | int, setup: LMSetup) -> Card | None:

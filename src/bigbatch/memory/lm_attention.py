@@ -10,7 +10,7 @@ sequence and layer), and repeats the key and value heads of grouped-query attent
 (the repeated copies saved). Under flash_attention_2 it hands the kernel no mask: it gathers
 the real tokens of q, k and v into copies (which the kernel saves), and scatters the output
 back into a zeroed padded tensor (which the output projection, or LoRA's adapter on it, saves
-beside the kernel's output). Traced as SDPA, a padded flash_attention_2 plan counted SDPA's.
+beside the kernel's output).
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def _flash_attention(
 ) -> tuple[torch.Tensor, None]:
     # transformers' flash_attention_forward and _flash_attention_forward, in their order.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [batch, len, heads, dim]
-    if q.dtype == torch.float32:  # flash-attn takes 16-bit inputs: copies in the autocast's
+    # flash-attn takes 16-bit inputs: float32 ones (norms peft keeps in float32) are copied in
+    # the autocast's dtype. Without autocast they would be cast to the weights' dtype, and
+    # float32 weights cannot run (plan_lm refuses such a plan).
+    if q.dtype == torch.float32:
         device = q.device.type
         if torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
