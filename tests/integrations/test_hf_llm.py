@@ -870,6 +870,26 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     with pytest.raises(ValueError, match="is for cuda and this run trains on cpu: plan with"):
         check_plan_matches(cuda_plan, tiny_lora().float(), torch.device("cpu"))
     check_plan_matches(loaded, tiny_lora().float(), "cpu")
+    # Another attention than the plan traced (SDPA, chosen as from_pretrained chooses): the
+    # model's, recorded in its config, forwarded by peft.
+    assert loaded.setup.attn == "sdpa"
+    flash = dataclasses.replace(loaded, setup=LMSetup(SEQ, lora_r=4, attn="flash_attention_2"))
+    eager = tiny_lora().float()
+    eager.base_model.model.set_attn_implementation("eager")
+    for refused, model, why in [
+        (flash, tiny_lora().float(),
+         r"traced flash_attention_2 attention and this model runs sdpa: load it with "
+         r"attn_implementation='flash_attention_2' \(from_pretrained\(\.\.\., "
+         r"\*\*model_arguments\(plan\)\) does\), or plan with --attn sdpa$"),
+        (loaded, eager,
+         r"traced sdpa attention and this model runs eager: .*, or plan with --attn eager$"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            check_plan_matches(refused, model, "cpu")
+    # flash_attention_2 from the hub's kernels, as transformers loads it without flash-attn.
+    kernel = tiny_lora().float()
+    kernel.config._attn_implementation = "kernels-community/flash-attn2"
+    check_plan_matches(flash, kernel, "cpu")
     # A T4's plan in fp16: a base loaded in bf16 weighs the same, and is refused by its dtype.
     fp16_plan = dataclasses.replace(loaded, setup=LMSetup(SEQ, lora_r=4, dtype="fp16"))
     with pytest.raises(ValueError, match=r"has fp16 weights and this model's are bfloat16: load "

@@ -36,9 +36,10 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     or that are in another dtype than a plan's own ``--dtype`` (bf16 where a T4's plan has
     fp16: the same bytes, emulated there), whose 4-bit layers compute in another dtype than
     the plan's (bitsandbytes' default float32: :func:`model_arguments` loads the plan's) or
-    are not double-quantized where the plan's are,
-    that runs without the gradient checkpointing the plan counted on (its activations
-    several times the plan's), or arguments with another precision or optimizer (as
+    are not double-quantized where the plan's are, that runs another attention than the plan
+    traced (SDPA where the plan has flash_attention_2: a mask a layer and the key-value heads
+    repeated; eager: the attention matrices), that runs without the gradient checkpointing the
+    plan counted on (its activations several times the plan's), or arguments with another precision or optimizer (as
     :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
     plan's. The plan would hold for none. :class:`MemoryBudget` checks this when training
     begins.
@@ -88,9 +89,32 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     _check_weights_dtype(plan, model, described)
     _check_quantized_layers(plan, model, described)
     _check_qlora_prep(plan, model, described)
+    _check_attention(plan, model, described)
     if args is not None:
         _check_arguments(plan, args)
     _check_checkpointing(plan, model, described)
+
+
+def _check_attention(plan: Any, model: Any, described: str) -> None:
+    """A model that runs another attention than the plan traced (transformers records it in the
+    config as ``_attn_implementation``; a peft model forwards it): each keeps other tensors.
+    The hub kernel transformers loads for flash_attention_2 where flash-attn is not installed
+    (``kernels-community/flash-attn2``) runs in the same wrapper: the plan's."""
+    from transformers import modeling_flash_attention_utils as flash
+
+    from bigbatch.memory.lm_setup import ATTENTIONS
+
+    planned = getattr(plan.setup, "attn", "auto")
+    runs = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    fallback = getattr(flash, "FLASH_ATTN_KERNEL_FALLBACK", {}).get(planned)
+    if planned == "auto" or not isinstance(runs, str) or runs in (planned, fallback):
+        return
+    other = f", or plan with --attn {runs}" if runs in ATTENTIONS else ""
+    raise ValueError(
+        f"the plan ({described}) traced {planned} attention and this model runs {runs}: load it "
+        f"with attn_implementation='{planned}' (from_pretrained(..., **model_arguments(plan)) "
+        f"does){other}"
+    )
 
 
 def _check_checkpointing(plan: Any, model: Any, described: str) -> None:
