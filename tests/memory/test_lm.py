@@ -500,16 +500,23 @@ def test_flash_attention_2_is_traced_with_the_copies_transformers_makes_around_i
     if not all(hasattr(fau, name) for name in loading):
         pytest.skip(f"transformers {transformers.__version__} loads flash-attn otherwise")
 
-    def varlen(q, k, v, *, softmax_scale=None, cu_seqlens_q=None, **unused):  # type: ignore[no-untyped-def]
+    Tensor = torch.Tensor
+
+    def varlen(
+        q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None, **_: object
+    ) -> Tensor:
         return _kernel(q[None], k[None], v[None], softmax_scale)[0]
 
-    def dense(q, k, v, *, softmax_scale=None, **unused):  # type: ignore[no-untyped-def]
+    def dense(
+        q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None, **_: object
+    ) -> Tensor:
         return _kernel(q, k, v, softmax_scale)
 
-    for name, value in [("_loaded_implementation", "flash_attention_2"), ("_flash_fn", dense),
-                        ("_flash_varlen_fn", varlen), ("_pad_fn", fau._pad_input),
-                        ("_unpad_fn", fau._unpad_input),
-                        ("_process_flash_kwargs_fn", fau._lazy_define_process_function(varlen))]:  # fmt: skip
+    stood_in = {"_loaded_implementation": "flash_attention_2", "_flash_fn": dense,
+                "_flash_varlen_fn": varlen, "_pad_fn": fau._pad_input,
+                "_unpad_fn": fau._unpad_input,
+                "_process_flash_kwargs_fn": fau._lazy_define_process_function(varlen)}  # fmt: skip
+    for name, value in stood_in.items():
         monkeypatch.setattr(fau, name, value)
     torch.manual_seed(0)
     ours = lm_factory(tiny(), LMSetup(seq_len=64, attn="flash_attention_2"))()  # the plan's

@@ -39,10 +39,10 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
     are not double-quantized where the plan's are, that runs another attention than the plan
     traced (SDPA where the plan has flash_attention_2: a mask a layer and the key-value heads
     repeated; eager: the attention matrices), that runs without the gradient checkpointing the
-    plan counted on (its activations several times the plan's), or arguments with another precision or optimizer (as
-    :func:`with_plan` refuses them) or, where Trainer evaluates, an evaluation batch over the
-    plan's. The plan would hold for none. :class:`MemoryBudget` checks this when training
-    begins.
+    plan counted on (its activations several times the plan's), or arguments with another
+    precision or optimizer (as :func:`with_plan` refuses them) or, where Trainer evaluates, an
+    evaluation batch over the plan's. The plan would hold for none. :class:`MemoryBudget`
+    checks this when training begins.
 
     >>> from types import SimpleNamespace
     >>> from torch import nn
