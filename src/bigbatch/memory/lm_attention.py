@@ -9,8 +9,8 @@ which SDPA turns into the queries' dtype in each layer (saved for the backward: 
 sequence and layer), and repeats the key and value heads of grouped-query attention for it
 (the repeated copies saved). Under flash_attention_2 it hands the kernel no mask: it gathers
 the real tokens of q, k and v into copies (which the kernel saves), and scatters the output
-back into a zeroed padded tensor (which the output projection, or LoRA's adapter on it, saves
-beside the kernel's output).
+back into a zeroed padded tensor (saved beside the kernel's output where the output
+projection's weight or LoRA's adapter on it trains).
 """
 
 from __future__ import annotations
