@@ -36,6 +36,7 @@ __all__ = [
     "bound_onednn_cache",
     "cap_cuda_allocator",
     "card_memory",
+    "compute_capability",
     "cudnn_benchmark_mode",
     "decodes_jpeg",
     "device_kind",
@@ -214,9 +215,20 @@ def emulates_bf16(device: torch.device) -> bool:
     >>> emulates_bf16(torch.device("cpu"))
     False
     """
-    if device.type != "cuda" or torch.version.hip:
-        return False
-    return torch.cuda.get_device_capability(device) < AMPERE
+    capability = compute_capability(device)
+    return capability is not None and capability < AMPERE
+
+
+def compute_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s CUDA compute capability (major, minor); None off CUDA, where no CUDA GPU is
+    visible, and on ROCm (whose numbers are AMD's architectures, not NVIDIA's).
+
+    >>> compute_capability(torch.device("cpu")) is None
+    True
+    """
+    if device.type != "cuda" or torch.version.hip or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def pins_memory(device: torch.device) -> bool:

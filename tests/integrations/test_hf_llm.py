@@ -899,6 +899,31 @@ def test_a_saved_plan_sets_trainer_and_another_fine_tunes_plan_is_refused(tmp_pa
     check_plan_matches(fp16_plan, tiny_lora().half(), "cpu")  # peft's float32 adapters aside
 
 
+def test_a_vision_language_models_text_attention_is_the_one_compared() -> None:
+    """A vision-language model's language model runs the attention its ``text_config`` records,
+    which ``set_attn_implementation`` sets apart from the model's (which still says sdpa): the
+    plan's text-only step runs that one, and it is compared."""
+    from bigbatch.integrations.hf_model_check import _check_attention
+
+    config = transformers.Gemma3Config(
+        text_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                     "vocab_size": 300},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )  # fmt: skip
+    model = transformers.Gemma3ForConditionalGeneration._from_config(
+        config, attn_implementation="sdpa"
+    )
+    plan = SimpleNamespace(setup=LMSetup(SEQ, attn="sdpa"))
+    _check_attention(plan, model, "a plan")
+    model.set_attn_implementation({"text_config": "eager"})
+    assert model.config._attn_implementation == "sdpa"  # the model's own says nothing
+    with pytest.raises(ValueError, match="traced sdpa attention and this model runs eager"):
+        _check_attention(plan, model, "a plan")
+
+
 @pytest.mark.slow
 def test_the_model_a_qlora_plan_describes_loads_from_its_arguments_and_no_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``from_pretrained(..., **model_arguments(plan))`` and ``lora_config(plan.setup)`` build

@@ -12,6 +12,7 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -551,6 +552,31 @@ def test_flash_attention_2_is_traced_with_the_copies_transformers_makes_around_i
     assert sdpa[1] > 1.05 * theirs[1] and sdpa[2] > 1.05 * theirs[2], (sdpa, theirs)
 
 
+def test_a_quantized_base_without_autocast_hands_flash_attention_its_configs_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without autocast (Trainer's bf16 off), peft's float32 norms make a QLoRA layer's
+    queries float32, and transformers' flash_attention_2 wrapper copies them in the quantized
+    model's config dtype, as its quantizer marks the model: the traced model is marked too, so
+    the copies are 16-bit, not the weights' (packed bytes) nor float32."""
+    import bigbatch.memory.lm_attention as lm_attention
+    from bigbatch.memory.lm_model import lm_factory
+
+    kernel, dtypes = lm_attention._kernel, []
+
+    def recording(q: torch.Tensor, *rest: Any) -> torch.Tensor:
+        dtypes.append(q.dtype)
+        return kernel(q, *rest)
+
+    monkeypatch.setattr(lm_attention, "_kernel", recording)
+    setup = LMSetup(seq_len=16, lora_r=4, quant=4, attn="flash_attention_2")
+    model = lm_factory(tiny(), setup)()
+    assert model.config._is_quantized and model.config.dtype == torch.bfloat16
+    ids = torch.randint(0, 512, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert dtypes == [torch.bfloat16] * 2, dtypes  # a layer each
+
+
 def test_building_the_adapters_warns_about_nothing_the_user_can_change() -> None:
     """peft reads transformers' renamed checkpointing property when it wraps the planner's
     stand-in model: a FutureWarning a Python user of plan_lm could do nothing about."""
@@ -710,7 +736,9 @@ def test_a_plan_says_what_its_loss_makes(tmp_path: Path, capsys) -> None:  # typ
     assert "--label-smoothing: for a language model's plan" in capsys.readouterr().err
 
 
-def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention() -> None:
+def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A T4 (compute capability 7.5) emulates bf16, several times slower than fp16 in the same
     memory: the plan says how to train in fp16 (a full fine-tune keeps float32 weights, which
     GradScaler needs); flash_attention_2 does not run there at all, nor on a CPU."""
@@ -731,6 +759,12 @@ def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attenti
         ValueError, match=r"Ampere or newer .* the T4 is 7.5: plan with --attn sdpa"
     ):
         plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "t4")
+    # Under "auto", this process's GPU: a T4, simulated (refused before its memory is read).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"Ampere or newer .* this GPU is 7.5: plan with --attn"):
+        plan_lm(tiny(), LMSetup(seq_len=16, attn="flash_attention_2"), 2, "auto")
+    monkeypatch.undo()
     # Nor on a CPU (or MPS): flash-attn's kernels are CUDA's.
     with pytest.raises(ValueError, match=r"^flash_attention_2 runs on CUDA GPUs alone .* this "
                        r"plan is for cpu: plan with --attn sdpa, or for the GPU with --device "

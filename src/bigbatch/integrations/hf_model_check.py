@@ -98,14 +98,17 @@ def check_plan_matches(plan: Any, model: Any, device: Any = None, args: Any = No
 def _check_attention(plan: Any, model: Any, described: str) -> None:
     """A model that runs another attention than the plan traced (transformers records it in the
     config as ``_attn_implementation``; a peft model forwards it): each keeps other tensors.
-    The hub kernel transformers loads for flash_attention_2 where flash-attn is not installed
+    A vision-language model's language model records its own (in ``text_config``, which
+    ``set_attn_implementation`` can set apart from the rest): the step's is that one. The hub
+    kernel transformers loads for flash_attention_2 where flash-attn is not installed
     (``kernels-community/flash-attn2``) runs in the same wrapper: the plan's."""
     from transformers import modeling_flash_attention_utils as flash
 
-    from bigbatch.memory.lm_setup import ATTENTIONS
+    from bigbatch.memory.lm_setup import ATTENTIONS, _text_config
 
     planned = getattr(plan.setup, "attn", "auto")
-    runs = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    config = getattr(model, "config", None)
+    runs = getattr(_text_config(config), "_attn_implementation", None)
     fallback = getattr(flash, "FLASH_ATTN_KERNEL_FALLBACK", {}).get(planned)
     if planned == "auto" or not isinstance(runs, str) or runs in (planned, fallback):
         return

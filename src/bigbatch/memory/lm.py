@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigbatch.device import AMPERE, device_kind
+from bigbatch.device import AMPERE, compute_capability, device_kind
 from bigbatch.io import atomic_write_text
 from bigbatch.memory.budget import format_bytes
 from bigbatch.memory.cards import Card, find_card
@@ -416,7 +416,7 @@ def plan_lm(
     8
     """
     check_setup(config, setup, global_batch, precision)
-    _check_flash_attention(config, setup, device, precision)
+    _check_flash_attention(config, setup, budget, device, precision)
     kwargs: dict[str, Any] = {"device": device, "precision": precision, "optimizer": optimizer}
     # FSDP2 is traced as one rank on a fake process group, where this process has none of its
     # own (under torchrun it has: traced apart, else composed, as DDP always is).
@@ -584,15 +584,31 @@ def _plan_evaluation(
     return plan_evaluation_batch(peak_at, largest, plan.usable_bytes, (spec_at(1).input_shape[0],))
 
 
-def _check_flash_attention(config: Any, setup: LMSetup, device: str, precision: str) -> None:
-    """Refuse flash_attention_2 where flash-attn cannot run: off CUDA, or on float32 inputs
-    (float32 weights without autocast; a quantized base computes in its config's dtype)."""
+def _check_flash_attention(
+    config: Any, setup: LMSetup, budget: str | int, device: str, precision: str
+) -> None:
+    """Refuse flash_attention_2 where flash-attn cannot run: off CUDA, on a card older than
+    Ampere, or on float32 inputs (float32 weights without autocast; a quantized base computes
+    in its config's dtype)."""
     if setup.attn != "flash_attention_2":
         return
     if not device_kind(device).flash_attention:
         raise ValueError(
             f"flash_attention_2 runs on CUDA GPUs alone (flash-attn's kernels), and this plan is "
             f"for {device}: plan with --attn sdpa, or for the GPU with --device cuda"
+        )
+    # The card the budget names, else under "auto" this process's GPU.
+    card = _card_for(budget)
+    capability: tuple[int, int] | None
+    if card is not None:
+        capability, name = card.compute_capability, f"the {card.short_name}"
+    else:
+        capability = compute_capability(torch.device(device)) if budget == "auto" else None
+        name = "this GPU"
+    if capability is not None and capability < AMPERE:
+        raise ValueError(
+            f"flash_attention_2 runs on Ampere or newer (compute capability {AMPERE[0]}.{AMPERE[1]}"
+            f"), and {name} is {capability[0]}.{capability[1]}: plan with --attn sdpa"
         )
     if precision == "fp32" and not setup.quant and weights_dtype(config, setup) == torch.float32:
         raise ValueError(
@@ -602,16 +618,9 @@ def _check_flash_attention(config: Any, setup: LMSetup, device: str, precision: 
         )
 
 
-def _card_for(budget: str | int, setup: LMSetup) -> Card | None:
-    """The card ``budget`` names, if any; refuses what cannot run on it."""
-    card = find_card(budget) if isinstance(budget, str) else None
-    if card is not None and card.compute_capability < AMPERE and setup.attn == "flash_attention_2":
-        major, minor = card.compute_capability
-        raise ValueError(
-            f"flash_attention_2 runs on Ampere or newer (compute capability {AMPERE[0]}.{AMPERE[1]}"
-            f"), and the {card.short_name} is {major}.{minor}: plan with --attn sdpa"
-        )
-    return card
+def _card_for(budget: str | int) -> Card | None:
+    """The card ``budget`` names, if any."""
+    return find_card(budget) if isinstance(budget, str) else None
 
 
 @contextlib.contextmanager
@@ -703,7 +712,7 @@ def _plan_notes(note: str, setup: LMSetup, device: str) -> list[str]:
 
 def _setup_notes(config: Any, setup: LMSetup, budget: str | int, precision: str) -> list[str]:
     """What the plan says of the card and the weights' dtype."""
-    card = _card_for(budget, setup)
+    card = _card_for(budget)
     return _bf16_notes(card, config, setup, precision) + _dtype_notes(config, setup)
 
 

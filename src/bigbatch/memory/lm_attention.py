@@ -20,7 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.memory.fake_branches import _is_fake, _outside_the_trace, _values_of
+from bigbatch.memory.fake_branches import (
+    _is_fake,
+    _outside_the_trace,
+    _values_of,
+    known_values,
+)
 
 __all__ = ["traced_flash_attention"]
 
@@ -47,13 +52,23 @@ def traced_flash_attention() -> str:
     return _NAME
 
 
-def _padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
-    # flash_attention_mask hands the kernel the 2D padding mask, None without padding; the test
-    # for padding reads values a fake tensor lacks, and the trace's mask builders
-    # (fake_branches.real_branches) have dropped a mask of all ones already, as the run does.
-    if attention_mask is not None and not _is_fake(attention_mask) and bool(attention_mask.all()):
+def _padding_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    # transformers' own flash_attention_mask: the 2D padding mask (sliced to the keys' length),
+    # None without padding. Its test for padding reads values, which a fake mask has only as
+    # its batch described them: it is run on those (unknown ones taken as padding, the most
+    # tokens there are), and the fake mask is sliced as they were.
+    from transformers.masking_utils import flash_attention_mask
+
+    if attention_mask is None or not _is_fake(attention_mask):
+        return flash_attention_mask(attention_mask=attention_mask, **kwargs)
+    values = _values_of(attention_mask)
+    with _outside_the_trace():
+        stand_in = torch.zeros(attention_mask.shape, dtype=torch.bool)
+        kept = flash_attention_mask(attention_mask=stand_in if values is None else values, **kwargs)
+    if kept is None:
         return None
-    return attention_mask
+    sliced = attention_mask[:, attention_mask.shape[1] - kept.shape[1] :]
+    return sliced if values is None else known_values(sliced, lambda: kept)
 
 
 def _flash_attention(
@@ -67,14 +82,11 @@ def _flash_attention(
 ) -> tuple[torch.Tensor, None]:
     # transformers' flash_attention_forward and _flash_attention_forward, in their order.
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [batch, len, heads, dim]
-    # flash-attn takes 16-bit inputs: float32 ones (norms peft keeps in float32) are copied in
-    # the autocast's dtype. Without autocast they would be cast to the weights' dtype, and
-    # float32 weights cannot run (plan_lm refuses such a plan).
+    # flash-attn takes 16-bit inputs: float32 ones (after norms peft keeps in float32) are
+    # copied in transformers' choice of dtype (float32 weights cannot run: plan_lm refuses).
     if q.dtype == torch.float32:
-        device = q.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            q, k, v = (t.to(dtype) for t in (q, k, v))
+        dtype = _target_dtype(query, module)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if attention_mask is None:  # no padding, or one packed row: no copies
         return _kernel(q, k, v, scaling), None
     batch, length = q.shape[:2]
@@ -84,6 +96,19 @@ def _flash_attention(
     padded = out.new_zeros(batch * length, *out.shape[1:])  # _pad_input
     padded[indices] = out
     return padded.view(batch, length, *out.shape[1:]), None
+
+
+def _target_dtype(query: torch.Tensor, module: nn.Module) -> torch.dtype:
+    # transformers' get_target_dtype: the autocast's dtype, else a quantized model's config's
+    # (lm_model marks it quantized, as transformers' quantizer does), else the weights'.
+    try:
+        from transformers.integrations.flash_attention import get_target_dtype
+    except ImportError:  # an older transformers: the autocast's, else as they are
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return query.dtype
+    return get_target_dtype(query, module)
 
 
 def _kernel(

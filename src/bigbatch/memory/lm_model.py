@@ -167,6 +167,7 @@ def lm_factory(
                 skip=skip,
                 real=real_bitsandbytes,
             )
+            _mark_quantized(model)
             if setup.qlora_prep == "peft":
                 _upcast_as_peft_prepares(model)
         if setup.lora_r:
@@ -187,6 +188,17 @@ def lm_factory(
         return model
 
     return build
+
+
+def _mark_quantized(model: nn.Module) -> None:
+    """What transformers' quantizer marks on a model it has loaded quantized: model code reads
+    it where a real run picks a dtype (flash_attention_2's wrapper casts float32 inputs to the
+    config's dtype, falcon's and jamba's layers theirs)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.config._is_quantized = True
 
 
 def _upcast_as_peft_prepares(model: nn.Module) -> None:
