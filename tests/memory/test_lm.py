@@ -569,7 +569,7 @@ def test_a_quantized_base_without_autocast_hands_flash_attention_its_configs_dty
         return kernel(q, *rest)
 
     monkeypatch.setattr(lm_attention, "_kernel", recording)
-    setup = LMSetup(seq_len=16, lora_r=4, quant=4, attn="flash_attention_2")
+    setup = LMSetup(seq_len=16, lora_r=4, quant=4, attn="flash_attention_2", dtype="bf16")
     model = lm_factory(tiny(), setup)()
     assert model.config._is_quantized and model.config.dtype == torch.bfloat16
     ids = torch.randint(0, 512, (2, 16))
@@ -776,6 +776,9 @@ def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attenti
                        r"alone, .*: plan with --precision bf16 \(Trainer's bf16=True\), or "
                        r"--dtype bf16, or --attn sdpa$"):  # fmt: skip
         plan_lm(tiny(), flash, 2, "a100", precision="fp32")
+    # A quantized base's float32 inputs go in its config's dtype: float32 here.
+    with pytest.raises(ValueError, match=r"^flash_attention_2 computes in float16 or bfloat16"):
+        plan_lm(tiny(), replace(flash, lora_r=4, quant=4), 2, "a100", precision="fp32")
 
 
 @pytest.mark.slow

@@ -588,8 +588,8 @@ def _check_flash_attention(
     config: Any, setup: LMSetup, budget: str | int, device: str, precision: str
 ) -> None:
     """Refuse flash_attention_2 where flash-attn cannot run: off CUDA, on a card older than
-    Ampere, or on float32 inputs (float32 weights without autocast; a quantized base computes
-    in its config's dtype)."""
+    Ampere, or on float32 inputs (float32 weights without autocast; transformers' wrapper
+    casts a quantized base's float32 inputs to its config's dtype, these weights')."""
     if setup.attn != "flash_attention_2":
         return
     if not device_kind(device).flash_attention:
@@ -610,7 +610,7 @@ def _check_flash_attention(
             f"flash_attention_2 runs on Ampere or newer (compute capability {AMPERE[0]}.{AMPERE[1]}"
             f"), and {name} is {capability[0]}.{capability[1]}: plan with --attn sdpa"
         )
-    if precision == "fp32" and not setup.quant and weights_dtype(config, setup) == torch.float32:
+    if precision == "fp32" and weights_dtype(config, setup) == torch.float32:
         raise ValueError(
             "flash_attention_2 computes in float16 or bfloat16 alone, and this plan has float32 "
             "weights without autocast: plan with --precision bf16 (Trainer's bf16=True), or "
