@@ -313,6 +313,7 @@ def test_auto_precision_is_fp16_where_the_card_only_emulates_bf16(
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
