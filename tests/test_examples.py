@@ -1,4 +1,6 @@
-"""Every example and benchmark runs as a user would run it (small sizes where it has flags)."""
+"""Every example and benchmark runs as a user would run it (small sizes where it has flags).
+The GPU evidence's dry run (tests/test_gpu_evidence.py) runs the ones it is made of as a user
+runs them: checkpoint_stall.py, train_throughput.py and the rest, each checked there."""
 
 from __future__ import annotations
 
@@ -83,30 +85,6 @@ def test_memory_accuracy_benchmark_json() -> None:
     assert len(result["rows"]) == 4
     assert result["worst_abs_err_pct"] <= 5 < result["uncalibrated_worst_abs_err_pct"]
     assert result["max_predict_seconds"] > 0
-
-
-@pytest.mark.slow
-def test_train_throughput_benchmark_json() -> None:
-    out = _run(
-        "benchmarks/train_throughput.py", "--per-class", "16", "--epochs", "1", "--rounds", "1",
-        "--json",
-    )  # fmt: skip
-    result = json.loads(out[out.index("{") :])
-    assert result["ratio_vs_hand_loop"] > 0 and result["whole_run_ratio"] > 0
-    assert result["hand_loop_checkpoints"]  # the same work in both whole runs
-    # The fixed costs apart, and each loop against the step alone (the loader-less limit).
-    assert set(result["first_step_seconds"]) == {"hand", "bigbatch"}
-    assert all(v > 0 for v in result["first_step_seconds"].values())
-    assert result["loaderless_images_per_s"] > 0
-    assert all(v > 0 for v in result["fraction_of_loaderless"].values())
-
-
-@pytest.mark.slow
-def test_checkpoint_stall_benchmark_json() -> None:
-    out = _run("benchmarks/checkpoint_stall.py", "--arch", "resnet10t", "--rounds", "1", "--json")
-    result = json.loads(out[out.index("{") :])
-    assert set(result["stall_seconds"]) == {"inline", "background"}
-    assert result["stall_ratio"] > 0 and result["written_seconds"] > 0
 
 
 @pytest.mark.slow
