@@ -49,13 +49,13 @@ def test_single_arch_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_plans_a_timm_model_as_it_trains(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--gradient-checkpointing`` with ``--arch``: the model's library's switch (timm's), as
     ``bigbatch train grad_checkpointing=true`` trains it; MONAI's U-Net through torch's
-    checkpoint_wrapper; a network with neither is refused, and a training run's plan takes
-    train's key."""
+    checkpoint_wrapper."""
     args = ["plan", "--arch", "test_vit", "--size", "64", "--batch", "64", "--budget", "t4",
             "--json"]  # fmt: skip
     peaks = []
@@ -70,6 +70,12 @@ def test_gradient_checkpointing_plans_a_timm_model_as_it_trains(
         assert main([*unet, *extra]) == 0
         peaks.append(json.loads(capsys.readouterr().out)["predicted_peak_bytes"])
     assert peaks[1] < peaks[0]
+
+
+def test_gradient_checkpointing_is_refused_where_nothing_switches_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A network with neither switch is refused, and a training run's plan takes train's key."""
     plain = ["plan", "--model", "torch.nn:Identity", "--input-shape", "4", "--batch", "2"]
     assert main([*plain, "--budget", "t4", "--gradient-checkpointing"]) == 2
     assert "--gradient-checkpointing: Identity has no activation checkpointing" in (
@@ -387,6 +393,7 @@ def test_plan_calibrates_with_the_threads_training_takes(
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_the_executable_writes_tensorboard_events_without_tensorflow(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Where TensorFlow is installed (Kaggle's images), torch's TensorBoard writer, which
     MONAI's transforms import, would import it: 3.6 s, 545 MB and its log lines. The

@@ -309,6 +309,7 @@ def test_an_h100_and_an_h200_reserve_alike(name: str) -> None:
     assert h100["max_reserved_bytes"] == h200["max_reserved_bytes"]
 
 
+@pytest.mark.slow
 def test_cudnn_forward_workspaces_are_the_transposed_operands() -> None:
     """resnet18 at b8 in float16: every forward convolution's workspace in the trace (an alloc
     freed right away) is the rule's size, to the byte, in order; the RGB stem has none."""

@@ -184,6 +184,7 @@ def test_an_uneven_last_micro_batch_is_said() -> None:
     assert (_split(plan), _split(uneven)) == ("8 x 1", "7 x 3, last 6")
 
 
+@pytest.mark.slow
 def test_trainers_fused_adamw_is_planned_by_name(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """``--optimizer adamw_fused``: torch's fused AdamW, Trainer's default from torch 2.8, is
     planned as itself (no update temporaries: a lower peak than the multi-tensor AdamW's for
@@ -736,12 +737,11 @@ def test_a_plan_says_what_its_loss_makes(tmp_path: Path, capsys) -> None:  # typ
     assert "--label-smoothing: for a language model's plan" in capsys.readouterr().err
 
 
-def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attention(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.slow
+def test_a_card_without_bfloat16_units_gets_the_fp16_recipe() -> None:
     """A T4 (compute capability 7.5) emulates bf16, several times slower than fp16 in the same
     memory: the plan says how to train in fp16 (a full fine-tune keeps float32 weights, which
-    GradScaler needs); flash_attention_2 does not run there at all, nor on a CPU."""
+    GradScaler needs)."""
 
     def emulated(setup: LMSetup, card: str = "t4", precision: str = "bf16") -> list[str]:
         plan = plan_lm(tiny(), setup, 2, card, precision=precision)
@@ -755,6 +755,11 @@ def test_a_card_without_bfloat16_units_gets_the_fp16_recipe_and_no_flash_attenti
     assert emulated(LMSetup(seq_len=16, lora_r=4, dtype="fp16"), precision="fp16") == []
     assert emulated(LMSetup(seq_len=16, dtype="bf16"), precision="fp16") != []  # the weights
     assert emulated(LMSetup(seq_len=16, lora_r=4), card="l4") == []
+
+
+def test_flash_attention_2_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash_attention_2 runs on Ampere or newer alone (not a T4's 7.5), on CUDA alone (not a
+    CPU), in 16-bit alone: each refused before anything is traced."""
     with pytest.raises(
         ValueError, match=r"Ampere or newer .* the T4 is 7.5: plan with --attn sdpa"
     ):
@@ -825,6 +830,7 @@ def test_a_plan_for_a_card_without_bfloat16_units_takes_fp16_unless_told(
         plan_lm(tiny(), LMSetup(seq_len=16, dtype="fp16"), 2, "t4", precision="fp16")
 
 
+@pytest.mark.slow
 def test_a_config_naming_no_dtype_is_planned_in_float32_and_the_plan_says_so() -> None:
     """transformers' default configs and hand-written ones often name no dtype: the weights are
     planned in float32, as from_pretrained loads them, twice a 16-bit checkpoint's bytes; the
@@ -1231,6 +1237,7 @@ def test_a_mixture_of_experts_router_is_left_unquantized_as_transformers_leaves_
     assert len(routers) == 2 and not set(routers) & expected and len(expected) > 2
 
 
+@pytest.mark.slow
 def test_a_base_readied_as_trl_does_is_lighter_by_the_float32_copies() -> None:
     """``qlora_prep="trl"``: the base's other weights as loaded (bf16 here), the adapters in
     bfloat16, where peft's preparation holds both in float32 (the residual stream too, from

@@ -552,6 +552,7 @@ def test_a_gradient_from_two_uses_is_summed_into_the_first_as_autograd_does() ->
         assert tracker._next_uid == 5
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_is_predicted_as_measured() -> None:
     """timm's activation checkpointing (``bigbatch train grad_checkpointing=true``): each
     block's activations recomputed in backward, traced as it runs; the step holds under half
@@ -571,6 +572,7 @@ def test_activation_checkpointing_is_predicted_as_measured() -> None:
     assert peaks[True] < 0.5 * peaks[False]
 
 
+@pytest.mark.slow
 def test_wrapped_blocks_are_predicted_as_measured() -> None:
     """A network without a library switch (MONAI's ViT, UNETR's encoder) checkpointed through
     torch's checkpoint_wrapper around its transformer blocks: their recomputation traced as it

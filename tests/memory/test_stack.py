@@ -99,6 +99,7 @@ def spec_of(stack: LayerStack, wide_at: int | None = None) -> StepSpec:
                     layers=stack)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_any_stack_of_blocks_and_only_one_whose_blocks_are_alike() -> None:
     """A model of one's own: twelve residual blocks, extrapolated from five, are the full trace.
     One block four times as wide (the ninth) is not alike: traced in full, where extrapolated
@@ -117,6 +118,7 @@ def test_any_stack_of_blocks_and_only_one_whose_blocks_are_alike() -> None:
     assert predict_peak(replace(spec, layers=told)).peak_bytes < whole.peak_bytes
 
 
+@pytest.mark.slow
 def test_a_shallow_trace_that_does_not_make_the_deeper_ones_events_is_not_used() -> None:
     """The 6-layer model's trace is the check: where the 5-layer one, extrapolated, does not
     make its events (here its fourth block is wider), every size of that kind is traced in full;

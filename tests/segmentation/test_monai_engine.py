@@ -131,6 +131,7 @@ def test_every_network_builds_in_2d_and_its_size_multiple_holds() -> None:
         build_network("unet", 1, 2, dims=2, size=16, norm="layer")
 
 
+@pytest.mark.slow
 def test_the_planner_traces_swinunetr_whose_constructor_reads_a_value_back() -> None:
     """SwinUNETR's constructor reads its stochastic depth rates back (``.item()``), which the
     meta device cannot: it is built on the CPU and kept as shapes, then traced as any other

@@ -127,6 +127,7 @@ def test_every_tracker_gets_the_history_and_the_plan(image_folder: Path, tiny_mo
     assert json.loads(config["plan.micro_batch"]) == 4
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_tracker_runs(
     image_folder: Path, tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
