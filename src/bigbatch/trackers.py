@@ -132,6 +132,10 @@ class TensorBoardTracker:
     name = "tensorboard"
 
     def __init__(self, folder: Path, run_id: str = "") -> None:
+        # torch's compiler first, and triton's library with it: the writer imports TensorFlow
+        # where it is installed, and triton's library loaded after TensorFlow 2.21's crashed the
+        # process (a segmentation fault at the first optimizer's construction, triton 3.8).
+        import torch._dynamo  # noqa: F401
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_id = run_id or "tensorboard"

@@ -309,6 +309,7 @@ def test_a_reserved_peak_climbed_by_changing_lengths_is_not_read_as_need(
     assert logged["bigbatch/step_need_bytes"] == {1130: 1412, None: 2100, 500: 625}[allocated]
 
 
+@pytest.mark.slow
 def test_backoff_when_building_the_trainer_runs_out_of_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An OOM before any Trainer exists (moving the model to the card) backs off too."""
     said: list[str] = []
@@ -504,6 +505,7 @@ def test_logits_trainer_keeps_under_mixed_precision_are_float32(tmp_path) -> Non
     assert held == {"bf16": "69.6 MiB", "fp32": "34.8 MiB"}
 
 
+@pytest.mark.slow
 def test_sft_trainers_evaluation_with_compute_metrics_makes_the_logits_too(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """TRL's SFTTrainer trains and evaluates through its fused LM head, but with compute_metrics
     it makes each pass's whole logits in a forward pass more, and keeps them as Trainer does:
@@ -1329,6 +1331,7 @@ def test_a_plan_of_trls_fused_lm_head_holds_for_sft_trainers_own_loss_alone(  # 
         with_plan(trl.SFTConfig(**sft), plan)
 
 
+@pytest.mark.slow
 def test_trainers_label_smoothing_set_from_a_plan_of_it_is_exact(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Trainer's LabelSmoother divides by the window's token count (transformers >= 5.15):
     under a plan with --label-smoothing the accumulated updates are the big batch's (AdamW

@@ -169,6 +169,7 @@ def test_a_saved_plan_is_refused_when_it_is_not_one_or_is_newer(tmp_path: Path) 
         LMPlan.load(tmp_path / "none.json")
 
 
+@pytest.mark.slow
 def test_an_uneven_last_micro_batch_is_said() -> None:
     """20 sequences at micro-batch 7 are 7, 7 and 6: the summary and a table's row say so, not
     7 x 3 alone."""

@@ -100,6 +100,7 @@ def test_a_norm_these_decoders_cannot_take_is_refused(arch: str) -> None:
         smp_factory(arch, "resnet18", in_channels=3, num_classes=2, norm="batch")
 
 
+@pytest.mark.slow
 def test_grad_checkpointing_is_switched_by_the_library_or_refused(tmp_path: Path) -> None:
     """``grad_checkpointing=true``: the timm encoder under an smp decoder and SwinUNETR's Swin
     blocks are switched by their libraries' own flags, the decoders' blocks and MONAI's

@@ -113,6 +113,7 @@ def test_no_validation_set_picks_best_by_train_loss(
     assert "nan" not in (tmp_path / "run" / "history.csv").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_folder_in_use_is_refused_at_once(
     image_folder: Path, tiny_model: str, tmp_path: Path
 ) -> None:

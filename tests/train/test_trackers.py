@@ -245,3 +245,34 @@ def test_the_peaks_go_at_the_last_step(tmp_path: Path) -> None:
         {"memory/predicted_peak_bytes": 100.0, "memory/measured_peak_bytes": 120.0},
         7,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (importlib.util.find_spec("tensorflow") and importlib.util.find_spec("triton")),
+    reason="the crash needs TensorFlow and triton both installed",
+)
+def test_a_tensorboard_tracker_opened_before_the_optimizer_does_not_crash_the_process(
+    tmp_path: Path,
+) -> None:
+    """Where TensorFlow is installed (Kaggle's images, this venv), the TensorBoard writer
+    imports it; triton's library loaded after TensorFlow 2.21's (at the first optimizer's
+    construction, through torch's compiler) ended the process with a segmentation fault. The
+    tracker loads the compiler first: a script in the order a user writes it runs to its end."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from bigbatch.trackers import TensorBoardTracker\n"
+        "tracker = TensorBoardTracker(Path(sys.argv[1]))\n"
+        "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
+        "tracker.log_metrics({'loss': 0.5}, step=1)\n"
+        "tracker.close()\n"
+        "print('ran to its end')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "ran to its end" in done.stdout, done.stderr[-2000:]
