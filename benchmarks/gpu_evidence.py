@@ -725,14 +725,17 @@ def orchestrate(args: argparse.Namespace) -> int:
     # a forkserver that imported them once now (Recorder), and it has 100 s for its 38 rows.
     # First, the imports every part makes, untimed by them: on a fresh machine (files not yet
     # in the page cache) MONAI's import alone took 22 s, and every part ran out of its box. A
-    # dry run's files are in the page cache (the tests imported them): torch's and bigbatch's
-    # import the part's path, where MONAI's took 25 s beside the tests (TensorFlow's with it).
-    modules = ["torch", "bigbatch"]
-    if not args.dry_run:
-        modules[1:1] = ["torchvision", "timm", "monai", "segmentation_models_pytorch"]
+    # dry run's files are in the page cache already (the tests imported them): it imports torch
+    # and bigbatch to run the part's code, where MONAI's import took 25 s beside the tests
+    # (TensorFlow's with it, through TensorBoard's writer).
+    modules = (
+        ("torch", "bigbatch")
+        if args.dry_run
+        else ("torch", "torchvision", "timm", "monai", "segmentation_models_pytorch", "bigbatch")
+    )
     imports = (
         "import importlib, importlib.util\n"
-        f"for m in {tuple(modules)!r}:\n    importlib.util.find_spec(m) and importlib.import_module(m)"
+        f"for m in {modules!r}:\n    importlib.util.find_spec(m) and importlib.import_module(m)"
     )
     plan: list[tuple[str, list[str], float]] = [
         ("imports", [sys.executable, "-c", imports], 30),
