@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 
-# The tests not marked slow (under 2 s each; about four minutes in all here): while you work.
+# The tests not marked slow (under 2 s each; about three and a half minutes here): while you work.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
